@@ -1,0 +1,56 @@
+"""distckpt: distributed checkpointing of PyTorch training state.
+
+Fast, pickle-free, verifiable checkpoints of plain tensors, sharded DTensors,
+non-tensor values and Stateful objects, across any number of ranks, loadable
+at any other world size or sharding.
+"""
+
+from . import metadata, planner, storage
+from .backends import FileSystemReader, FileSystemWriter, MemoryReader, MemoryWriter
+from .errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    DTypeMismatchError,
+    FormatVersionError,
+    MissingKeyError,
+    RankFailuresError,
+    ShapeMismatchError,
+    StorageIOError,
+    UnsafeValueError,
+)
+from .loading import load, read_metadata
+from .optim import init_optimizer_state
+from .planning import DefaultLoadPlanner, DefaultSavePlanner, RankLocal
+from .saving import save
+from .stateful import Stateful
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "save",
+    "load",
+    "read_metadata",
+    "DefaultSavePlanner",
+    "DefaultLoadPlanner",
+    "FileSystemWriter",
+    "FileSystemReader",
+    "MemoryWriter",
+    "MemoryReader",
+    "Stateful",
+    "RankLocal",
+    "init_optimizer_state",
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "CorruptCheckpointError",
+    "DTypeMismatchError",
+    "FormatVersionError",
+    "MissingKeyError",
+    "RankFailuresError",
+    "ShapeMismatchError",
+    "StorageIOError",
+    "UnsafeValueError",
+    "metadata",
+    "planner",
+    "storage",
+]

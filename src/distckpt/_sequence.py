@@ -1,0 +1,37 @@
+"""Helpers shared by the save and load call sequences."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+from .stateful import Stateful
+
+
+def split_stateful(state_dict: dict) -> tuple[dict, dict[str, Any]]:
+    """Replace top-level Stateful values by their state dicts; return the new dict and the objects."""
+    objects = {k: v for k, v in state_dict.items() if not isinstance(v, torch.Tensor) and isinstance(v, Stateful)}
+    plain = {k: (v.state_dict() if k in objects else v) for k, v in state_dict.items()}
+    return plain, objects
+
+
+def call_set_up(method: Any, *args: Any, **kwargs: Any) -> None:
+    """Call a storage set-up method, passing only the keyword arguments it accepts."""
+    try:
+        params = inspect.signature(method).parameters
+    except (TypeError, ValueError):
+        params = {}
+    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        method(*args, **kwargs)
+    else:
+        method(*args, **{k: v for k, v in kwargs.items() if k in params})
+
+
+def tell_rank(planner: Any, rank: int) -> None:
+    """Let distckpt's planners (and their subclasses) know this rank, for RankLocal keys."""
+    from .planning import DefaultLoadPlanner, DefaultSavePlanner
+
+    if isinstance(planner, (DefaultSavePlanner, DefaultLoadPlanner)):
+        planner.rank = rank

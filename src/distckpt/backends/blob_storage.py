@@ -1,0 +1,227 @@
+"""StorageWriter and StorageReader over any :class:`BlobStore`.
+
+Each rank writes one data file (a safetensors file) holding all of its items,
+in parallel from several threads; the coordinator commits by writing the
+metadata document last. Reads validate every file they touch before any
+destination is modified, then read each stored chunk once, straight into the
+destination where its memory is contiguous.
+"""
+
+from __future__ import annotations
+
+import io
+import threading
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from typing import Any, Optional
+
+import torch
+from torch.futures import Future
+
+from .. import knobs
+from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from ..format import FORMAT_VERSION_STR, METADATA_FILE
+from ..format.checksum import crc32c
+from ..format.codec import encode_metadata, parse_metadata
+from ..format.datafile import Entry, build_header, entry_name, read_header
+from ..format.dtypes import itemsize, safetensors_code
+from ..format.records import FileInfo, FileStorageData, StorageInfo
+from ..metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
+from ..planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner, WriteItemType
+from ..planning.resharding import volume
+from ..storage import StorageReader, StorageWriter, WriteResult
+from .blobs import BlobReader, BlobStore
+from .tensor_bytes import host_bytes, writable_bytes
+
+FILE_RESULT_PREFIX = "__file__:"
+
+
+def _done(value: Any) -> Future:
+    fut: Future = Future()
+    fut.set_result(value)
+    return fut
+
+
+class BlobStorageWriter(StorageWriter):
+    """The protocol's StorageWriter over a blob store; subclasses provide ``_store()``."""
+
+    def __init__(self, sync_files: Optional[bool] = None, thread_count: Optional[int] = None):
+        self.sync_files = sync_files
+        self.thread_count = thread_count
+        self.rank = 0
+        self.is_coordinator = True
+
+    # subclasses
+    def _store(self) -> BlobStore:
+        raise NotImplementedError
+
+    def _checkpoint_id(self) -> str:
+        raise NotImplementedError
+
+    def _sync(self) -> bool:
+        return knobs.fsync_enabled() if self.sync_files is None else self.sync_files
+
+    def reset(self, checkpoint_id=None) -> None:
+        self.save_id = None
+
+    def storage_meta(self) -> Optional[StorageMeta]:
+        return StorageMeta(checkpoint_id=self._checkpoint_id())
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, rank: int = 0, world_size: int = 1, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        self.rank = rank
+        self.store = self._store()
+        if self.store.exists(METADATA_FILE):
+            raise CheckpointError(
+                f"checkpoint {self._checkpoint_id()!r} already exists and is committed; distckpt never overwrites a "
+                "committed checkpoint in place. Save to a new checkpoint_id, or delete the old one first.")
+        self.store.prepare()
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        save_id = self.save_id = uuid.uuid4().hex
+        return [replace(p, storage_data={"file": f"data-{i:05d}.safetensors", "save_id": save_id, "rank": i})
+                for i, p in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
+        sd = plan.storage_data
+        if not isinstance(sd, dict) or "file" not in sd:
+            raise CheckpointError("the save plan has no storage data from prepare_global_plan; was the plan built by this writer?")
+        self.save_id = sd["save_id"]
+        results = write_file(self.store, sd["file"], sd["save_id"], sd["rank"], plan, planner,
+                             threads=self.thread_count or knobs.io_threads(), sync=self._sync())
+        return _done(results)
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        fsd = FileStorageData(save_id=self.save_id)
+        for rank_results in results:
+            for r in rank_results:
+                if isinstance(r.storage_data, FileInfo):
+                    fsd.files[r.index.fqn[len(FILE_RESULT_PREFIX):]] = r.storage_data
+                elif isinstance(r.storage_data, StorageInfo):
+                    fsd.items[r.index] = r.storage_data
+        metadata.storage_data = fsd
+        metadata.version = FORMAT_VERSION_STR
+        if metadata.storage_meta is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.checkpoint_id = self._checkpoint_id()
+        metadata.storage_meta.save_id = fsd.save_id
+        self.store.put_atomic(METADATA_FILE, encode_metadata(metadata), self._sync())
+
+
+def write_file(store: BlobStore, name: str, save_id: str, rank: int, plan: SavePlan, planner: SavePlanner,
+               *, threads: int, sync: bool) -> list[WriteResult]:
+    """Write one rank's data file and return a WriteResult per item, plus one for the file."""
+    entries, payloads = [], []
+    for item in plan.items:
+        if item.type == WriteItemType.BYTE_IO:
+            raw = planner.resolve_data(item).getvalue()
+            entries.append(Entry(item.index.fqn, "U8", (len(raw),), len(raw)))
+            payloads.append(raw)
+        else:
+            td = item.tensor_data
+            nbytes = volume(td.chunk.sizes) * itemsize(td.properties.dtype)
+            code = safetensors_code(td.properties.dtype)
+            shape = tuple(td.chunk.sizes) if code != "U8" or td.properties.dtype == torch.uint8 else (nbytes,)
+            entries.append(Entry(entry_name(item.index.fqn, tuple(item.index.offset or ())), code, shape, nbytes))
+            payloads.append(None)
+    lead, offsets = build_header(entries, save_id, rank)
+    blob = store.create(name)
+    crcs = [0] * len(entries)
+    try:
+        blob.pwrite(memoryview(lead), 0)
+
+        def write_one(i: int) -> None:
+            item = plan.items[i]
+            if payloads[i] is not None:
+                data = memoryview(payloads[i])
+            else:
+                tensor = planner.resolve_data(item)
+                td = item.tensor_data
+                if not isinstance(tensor, torch.Tensor):
+                    raise CheckpointError(f"resolve_data for tensor item {item.index.fqn!r} returned {type(tensor).__name__}")
+                if tensor.dtype != td.properties.dtype:
+                    tensor = tensor.to(td.properties.dtype)
+                data = host_bytes(tensor)
+                if len(data) != entries[i].nbytes:
+                    raise CheckpointError(
+                        f"key {item.index.fqn!r}: resolve_data returned {len(data)} bytes, the plan expects {entries[i].nbytes}")
+            crcs[i] = crc32c(data)
+            blob.pwrite(data, offsets[i])
+
+        if threads <= 1 or len(entries) <= 1:
+            for i in range(len(entries)):
+                write_one(i)
+        else:
+            with ThreadPoolExecutor(threads, thread_name_prefix="distckpt-write") as pool:
+                for f in [pool.submit(write_one, i) for i in range(len(entries))]:
+                    f.result()
+    except BaseException:
+        blob.close(False)
+        raise
+    blob.close(sync)
+    size = len(lead) + sum(e.nbytes for e in entries)
+    results = [WriteResult(item.index, e.nbytes, StorageInfo(name, off, e.nbytes, c))
+               for item, e, off, c in zip(plan.items, entries, offsets, crcs)]
+    results.append(WriteResult(MetadataIndex(FILE_RESULT_PREFIX + name), size, FileInfo(size, rank)))
+    return results
+
+
+class BlobStorageReader(StorageReader):
+    """The protocol's StorageReader over a blob store; subclasses provide ``_store()``."""
+
+    def __init__(self, verify_checksums: bool = True, thread_count: Optional[int] = None):
+        self.verify_checksums = verify_checksums
+        self.thread_count = thread_count
+
+    def _store(self) -> BlobStore:
+        raise NotImplementedError
+
+    def _checkpoint_id(self) -> str:
+        raise NotImplementedError
+
+    def reset(self, checkpoint_id=None) -> None:
+        self.metadata = None
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        store = self._store()
+        where = f"checkpoint {self._checkpoint_id()!r}"
+        if not store.exists(METADATA_FILE):
+            raise CheckpointNotFoundError(
+                f"{where} has no {METADATA_FILE}: it does not exist, or its save never committed. Check the path, or load an earlier checkpoint.")
+        blob = store.open(METADATA_FILE)
+        try:
+            cap = knobs.max_metadata_bytes()
+            if blob.size > cap:
+                raise CorruptCheckpointError(f"{where}: {METADATA_FILE} is {blob.size} bytes, over the cap of {cap} (DISTCKPT_MAX_METADATA_BYTES)")
+            raw = blob.pread(blob.size, 0)
+        finally:
+            blob.close()
+        md = parse_metadata(raw, f"{where}, file {METADATA_FILE}")
+        if md.storage_meta is None:
+            md.storage_meta = StorageMeta()
+        md.storage_meta.checkpoint_id = self._checkpoint_id()
+        return md
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if not isinstance(metadata.storage_data, FileStorageData):
+            raise CorruptCheckpointError(f"checkpoint {self._checkpoint_id()!r}: metadata has no data-file table; it was not written by a distckpt storage layer")
+        self.metadata = metadata
+        self.is_coordinator = is_coordinator
+        self.store = self._store()
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
+        from .reading import read_items
+
+        read_items(self.store, self.metadata, plan, planner, self._checkpoint_id(),
+                   verify=self.verify_checksums, threads=self.thread_count or knobs.io_threads())
+        return _done(None)

@@ -1,0 +1,75 @@
+"""The small store interface every backend implements: named blobs with positional I/O.
+
+The checkpoint logic (data-file layout, checksums, commit) is written once,
+in :mod:`distckpt.backends.blob_storage`, over this interface. A backend only
+says how to create, read, commit and list blobs.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Iterable
+
+
+class BlobWriter(abc.ABC):
+    """A blob being written: positional writes from any thread, then ``close``."""
+
+    @abc.abstractmethod
+    def pwrite(self, data: memoryview, offset: int) -> None: ...
+
+    @abc.abstractmethod
+    def close(self, sync: bool) -> None:
+        """Finish the blob; with ``sync``, make its bytes durable before returning."""
+
+
+class BlobReader(abc.ABC):
+    """A blob being read: its size and positional reads from any thread."""
+
+    size: int
+
+    @abc.abstractmethod
+    def readinto(self, buf: memoryview, offset: int) -> int:
+        """Fill ``buf`` from ``offset``; return the bytes read (less only at end of blob)."""
+
+    def pread(self, n: int, offset: int) -> bytes:
+        buf = bytearray(n)
+        got = self.readinto(memoryview(buf), offset)
+        return bytes(buf[:got])
+
+    def close(self) -> None:
+        pass
+
+
+class BlobStore(abc.ABC):
+    """One checkpoint's directory (or prefix) of blobs.
+
+    ``supports_atomic_rename`` is a capability flag: stores that cannot make a
+    blob visible atomically rely on the metadata blob being written last.
+    """
+
+    supports_atomic_rename: bool = False
+
+    @abc.abstractmethod
+    def prepare(self) -> None:
+        """Create the checkpoint's location if needed (called on every rank)."""
+
+    @abc.abstractmethod
+    def create(self, name: str) -> BlobWriter: ...
+
+    @abc.abstractmethod
+    def open(self, name: str) -> BlobReader:
+        """Open a blob for reading; raise CheckpointNotFoundError if it does not exist."""
+
+    @abc.abstractmethod
+    def put_atomic(self, name: str, data: bytes, sync: bool) -> None:
+        """Write a small blob so that readers see either nothing or all of it."""
+
+    @abc.abstractmethod
+    def exists(self, name: str) -> bool: ...
+
+    @abc.abstractmethod
+    def list(self) -> Iterable[str]: ...
+
+    @abc.abstractmethod
+    def describe(self, name: str = "") -> str:
+        """A human-readable location, for error messages."""

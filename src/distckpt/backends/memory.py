@@ -1,0 +1,150 @@
+"""In-memory storage: checkpoints kept in this process, named ``memory://<name>``.
+
+Useful for tests, for fast hand-offs inside one process, and as the smallest
+example of a backend. Data lives until :func:`clear_memory_store` or exit.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Iterable, Union
+
+from ..errors import CheckpointNotFoundError
+from .blob_storage import BlobStorageReader, BlobStorageWriter
+from .blobs import BlobReader, BlobStore, BlobWriter
+
+__all__ = ["MemoryWriter", "MemoryReader", "MemoryStore", "clear_memory_store"]
+
+_LOCK = threading.Lock()
+_CHECKPOINTS: dict[str, dict[str, bytearray]] = {}
+SCHEME = "memory://"
+
+
+def clear_memory_store() -> None:
+    """Forget every in-memory checkpoint of this process."""
+    with _LOCK:
+        _CHECKPOINTS.clear()
+
+
+class _MemWriter(BlobWriter):
+    def __init__(self, blobs: dict, name: str):
+        self.buf = bytearray()
+        self.lock = threading.Lock()
+        blobs[name] = self.buf
+
+    def pwrite(self, data: memoryview, offset: int) -> None:
+        data = memoryview(data).cast("B")
+        with self.lock:
+            end = offset + len(data)
+            if len(self.buf) < end:
+                self.buf.extend(b"\0" * (end - len(self.buf)))
+            self.buf[offset:end] = data
+
+    def close(self, sync: bool) -> None:
+        pass
+
+
+class _MemReader(BlobReader):
+    def __init__(self, buf: bytearray):
+        self.buf = buf
+        self.size = len(buf)
+
+    def readinto(self, buf: memoryview, offset: int) -> int:
+        view = memoryview(buf).cast("B")
+        part = self.buf[offset: offset + len(view)]
+        view[: len(part)] = part
+        return len(part)
+
+
+class MemoryStore(BlobStore):
+    supports_atomic_rename = True
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def _blobs(self) -> dict[str, bytearray]:
+        with _LOCK:
+            return _CHECKPOINTS.setdefault(self.name, {})
+
+    def prepare(self) -> None:
+        self._blobs()
+
+    def create(self, name: str) -> BlobWriter:
+        return _MemWriter(self._blobs(), name)
+
+    def open(self, name: str) -> BlobReader:
+        blobs = _CHECKPOINTS.get(self.name, {})
+        if name not in blobs:
+            raise CheckpointNotFoundError(f"{self.describe(name)} does not exist")
+        return _MemReader(blobs[name])
+
+    def put_atomic(self, name: str, data: bytes, sync: bool) -> None:
+        self._blobs()[name] = bytearray(data)
+
+    def exists(self, name: str) -> bool:
+        return name in _CHECKPOINTS.get(self.name, {})
+
+    def list(self) -> Iterable[str]:
+        return sorted(_CHECKPOINTS.get(self.name, {}))
+
+    def describe(self, name: str = "") -> str:
+        return f"{SCHEME}{self.name}/{name}" if name else f"{SCHEME}{self.name}"
+
+
+def _name(checkpoint_id: Union[str, None]) -> Union[str, None]:
+    if checkpoint_id is None:
+        return None
+    text = str(checkpoint_id)
+    return text[len(SCHEME):] if text.startswith(SCHEME) else text
+
+
+class MemoryWriter(BlobStorageWriter):
+    """Writes a checkpoint into this process's memory under ``memory://<name>``."""
+
+    def __init__(self, name: Union[str, None] = None, thread_count: int | None = None):
+        super().__init__(sync_files=False, thread_count=thread_count)
+        self.name = _name(name)
+
+    def reset(self, checkpoint_id=None) -> None:
+        super().reset(checkpoint_id)
+        if checkpoint_id is not None:
+            self.name = _name(checkpoint_id)
+
+    def _store(self) -> BlobStore:
+        if self.name is None:
+            raise CheckpointNotFoundError("MemoryWriter has no name: pass checkpoint_id='memory://NAME'")
+        return MemoryStore(self.name)
+
+    def _checkpoint_id(self) -> str:
+        return f"{SCHEME}{self.name}"
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+        return str(checkpoint_id).startswith(SCHEME)
+
+
+class MemoryReader(BlobStorageReader):
+    """Reads a checkpoint written by :class:`MemoryWriter`."""
+
+    def __init__(self, name: Union[str, None] = None, verify_checksums: bool = True, thread_count: int | None = None):
+        super().__init__(verify_checksums=verify_checksums, thread_count=thread_count)
+        self.name = _name(name)
+
+    def reset(self, checkpoint_id=None) -> None:
+        super().reset(checkpoint_id)
+        if checkpoint_id is not None:
+            self.name = _name(checkpoint_id)
+
+    def _store(self) -> BlobStore:
+        if self.name is None:
+            raise CheckpointNotFoundError("MemoryReader has no name: pass checkpoint_id='memory://NAME'")
+        if self.name not in _CHECKPOINTS:
+            raise CheckpointNotFoundError(f"checkpoint '{SCHEME}{self.name}' does not exist in this process")
+        return MemoryStore(self.name)
+
+    def _checkpoint_id(self) -> str:
+        return f"{SCHEME}{self.name}"
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+        return str(checkpoint_id).startswith(SCHEME)

@@ -1,0 +1,222 @@
+"""The coordinator: collectives over torch.distributed, error aggregation, single-process mode.
+
+Every phase of a save or load runs a function on every rank and exchanges its
+outcome, success or failure, with the coordinator. A rank that raises still
+takes part in the exchange, so no rank is left waiting; then every rank
+raises one :class:`RankFailuresError` naming each failing rank. Payloads are
+bytes (JSON plans and results), never pickles.
+"""
+
+from __future__ import annotations
+
+import json
+import traceback
+from typing import Any, Callable, Optional, TypeVar
+
+import torch
+
+from .errors import CheckpointError, RankFailuresError
+
+try:
+    import torch.distributed as dist
+except ImportError:  # pragma: no cover
+    dist = None  # type: ignore[assignment]
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+_OK, _ERR, _ABORT = 0, 1, 2
+
+
+class Coordinator:
+    """Runs checkpoint phases across the ranks of ``process_group``.
+
+    ``coordinator_rank`` is a rank within the group. Without an initialised
+    process group, this is a group of one and no collective is called.
+    """
+
+    def __init__(self, process_group: Any = None, coordinator_rank: int = 0):
+        self.use_dist = dist is not None and dist.is_available() and dist.is_initialized()
+        self.group = process_group
+        if self.use_dist:
+            self.rank = dist.get_rank(process_group)
+            self.world_size = dist.get_world_size(process_group)
+            if not 0 <= coordinator_rank < self.world_size:
+                raise CheckpointError(f"coordinator_rank {coordinator_rank} is outside the group of {self.world_size} ranks")
+            self._dst = dist.get_global_rank(process_group, coordinator_rank) if process_group is not None else coordinator_rank
+            backend = str(dist.get_backend(process_group)).lower()
+            if "nccl" in backend and torch.cuda.is_available():
+                self.device = torch.device("cuda", torch.cuda.current_device())
+            else:
+                self.device = torch.device("cpu")
+        else:
+            self.rank, self.world_size, self._dst = 0, 1, 0
+            self.device = torch.device("cpu")
+        self.coordinator_rank = coordinator_rank
+        self.is_coordinator = self.rank == coordinator_rank
+
+    # ------------------------------------------------------------ phases
+
+    def reduce_scatter(self, phase: str, local_fn: Callable[[], T], global_fn: Callable[[list[T]], list[R]],
+                       enc_local: Callable[[T], bytes], dec_local: Callable[[bytes], T],
+                       enc_out: Callable[[R], bytes], dec_out: Callable[[bytes], R]) -> R:
+        """local_fn on every rank; global_fn on the coordinator over all results; each rank gets its own part."""
+        if not self.use_dist:
+            return self._single(phase, lambda: global_fn([local_fn()])[0])
+        local, local_exc = self._run(local_fn, enc_local)
+        gathered = self._gather(local)
+        outs: Optional[list[bytes]] = None
+        if self.is_coordinator:
+            values, failure = self._decode_all(gathered, dec_local)
+            if failure is None:
+                try:
+                    results = global_fn(values)
+                    if len(results) != self.world_size:
+                        raise CheckpointError(f"global planning returned {len(results)} plans for {self.world_size} ranks")
+                    outs = [bytes([_OK]) + enc_out(r) for r in results]
+                except Exception as exc:  # noqa: BLE001 - reported to every rank
+                    failure = _abort({self.rank: _describe(exc)})
+            if failure is not None:
+                outs = [failure] * self.world_size
+        mine = self._scatter(outs)
+        return self._unwrap(phase, mine, dec_out, local_exc)
+
+    def all_reduce(self, phase: str, local_fn: Callable[[], T], global_fn: Callable[[list[T]], R],
+                   enc_local: Callable[[T], bytes], dec_local: Callable[[bytes], T],
+                   enc_out: Callable[[R], bytes], dec_out: Callable[[bytes], R]) -> R:
+        """local_fn on every rank; global_fn on the coordinator; its one result goes to every rank."""
+        if not self.use_dist:
+            return self._single(phase, lambda: global_fn([local_fn()]))
+        local, local_exc = self._run(local_fn, enc_local)
+        gathered = self._gather(local)
+        out: Optional[bytes] = None
+        if self.is_coordinator:
+            values, failure = self._decode_all(gathered, dec_local)
+            if failure is None:
+                try:
+                    out = bytes([_OK]) + enc_out(global_fn(values))
+                except Exception as exc:  # noqa: BLE001
+                    failure = _abort({self.rank: _describe(exc)})
+            if failure is not None:
+                out = failure
+        return self._unwrap(phase, self._broadcast(out), dec_out, local_exc)
+
+    def all_gather(self, phase: str, local_fn: Callable[[], None]) -> None:
+        """local_fn on every rank; raise on every rank if any failed."""
+        self.all_reduce(phase, local_fn, lambda _: None, lambda _: b"", lambda _: None, lambda _: b"", lambda _: None)
+
+    # ------------------------------------------------------------ helpers
+
+    def _single(self, phase: str, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except CheckpointError:
+            raise
+        except Exception as exc:
+            raise RankFailuresError(phase, {0: _describe(exc)[0]}, cause_types={0: _describe(exc)[1]}) from exc
+
+    def _run(self, fn: Callable[[], T], enc: Callable[[T], bytes]) -> tuple[bytes, Optional[BaseException]]:
+        try:
+            return bytes([_OK]) + enc(fn()), None
+        except Exception as exc:  # noqa: BLE001 - every failure is reported to the group
+            text, kind = _describe(exc)
+            return bytes([_ERR]) + json.dumps({"err": text, "type": kind}).encode(), exc
+
+    def _decode_all(self, gathered: list[bytes], dec: Callable[[bytes], T]) -> tuple[list[T], Optional[bytes]]:
+        failures: dict[int, tuple[str, str]] = {}
+        values: list = []
+        for rank, raw in enumerate(gathered):
+            if raw[0] == _OK:
+                values.append(raw[1:])
+            else:
+                info = json.loads(raw[1:].decode())
+                failures[rank] = (info["err"], info["type"])
+        if failures:
+            return [], _abort(failures)
+        decoded = []
+        try:
+            decoded = [dec(v) for v in values]
+        except Exception as exc:  # noqa: BLE001
+            return [], _abort({self.rank: _describe(exc)})
+        return decoded, None
+
+    def _unwrap(self, phase: str, raw: bytes, dec: Callable[[bytes], R], local_exc: Optional[BaseException]) -> R:
+        if raw[0] == _OK:
+            return dec(raw[1:])
+        info = json.loads(raw[1:].decode())
+        failures = {int(r): v[0] for r, v in info.items()}
+        kinds = {int(r): v[1] for r, v in info.items()}
+        raise RankFailuresError(phase, failures, cause_types=kinds) from local_exc
+
+    # ------------------------------------------------------------ byte transport
+
+    def _collective(self, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except CheckpointError:
+            raise
+        except Exception as exc:
+            raise CheckpointError(
+                f"a collective of the checkpoint failed on rank {self.rank}: {exc}. "
+                "Another rank probably died or timed out; check its log.") from exc
+
+    def _to_tensor(self, payload: bytes, size: int) -> torch.Tensor:
+        t = torch.zeros(size, dtype=torch.uint8)
+        if payload:
+            t[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        return t.to(self.device)
+
+    def _sizes(self, n: int) -> list[int]:
+        mine = torch.tensor([n], dtype=torch.int64, device=self.device)
+        out = [torch.zeros_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(out, mine, group=self.group)
+        return [int(t.item()) for t in out]
+
+    def _gather(self, payload: bytes) -> Optional[list[bytes]]:
+        def run():
+            sizes = self._sizes(len(payload))
+            m = max(sizes)
+            t = self._to_tensor(payload, m)
+            bufs = [torch.empty(m, dtype=torch.uint8, device=self.device) for _ in range(self.world_size)] if self.is_coordinator else None
+            dist.gather(t, bufs, dst=self._dst, group=self.group)
+            if not self.is_coordinator:
+                return None
+            return [b[:s].cpu().numpy().tobytes() for b, s in zip(bufs, sizes)]
+        return self._collective(run)
+
+    def _scatter(self, payloads: Optional[list[bytes]]) -> bytes:
+        def run():
+            sizes = torch.tensor([len(p) for p in payloads] if self.is_coordinator else [0] * self.world_size,
+                                 dtype=torch.int64, device=self.device)
+            dist.broadcast(sizes, src=self._dst, group=self.group)
+            sizes_l = [int(x) for x in sizes.cpu().tolist()]
+            m = max(sizes_l)
+            out = torch.empty(m, dtype=torch.uint8, device=self.device)
+            lst = [self._to_tensor(p, m) for p in payloads] if self.is_coordinator else None
+            dist.scatter(out, lst, src=self._dst, group=self.group)
+            return out[: sizes_l[self.rank]].cpu().numpy().tobytes()
+        return self._collective(run)
+
+    def _broadcast(self, payload: Optional[bytes]) -> bytes:
+        def run():
+            n = torch.tensor([len(payload) if self.is_coordinator else 0], dtype=torch.int64, device=self.device)
+            dist.broadcast(n, src=self._dst, group=self.group)
+            size = int(n.item())
+            t = self._to_tensor(payload if self.is_coordinator else b"", size)
+            dist.broadcast(t, src=self._dst, group=self.group)
+            return t.cpu().numpy().tobytes()
+        return self._collective(run)
+
+
+def _describe(exc: BaseException) -> tuple[str, str]:
+    text = str(exc) or repr(exc)
+    if not isinstance(exc, CheckpointError):
+        tb = traceback.extract_tb(exc.__traceback__)
+        if tb:
+            last = tb[-1]
+            text = f"{text} (at {last.filename}:{last.lineno})"
+    return text, type(exc).__name__
+
+
+def _abort(failures: dict[int, tuple[str, str]]) -> bytes:
+    return bytes([_ABORT]) + json.dumps({str(r): list(v) for r, v in failures.items()}).encode()

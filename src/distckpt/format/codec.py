@@ -1,0 +1,323 @@
+"""JSON codecs of plans, write results and metadata.
+
+Plans travel between ranks as compact JSON (never pickle); metadata is stored
+as a JSON document with a trailing CRC-32C (see docs/format.md). Decoders
+validate every field and raise CorruptCheckpointError on anything malformed.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Optional
+
+import torch
+
+from .. import knobs
+from ..errors import CorruptCheckpointError, FormatVersionError
+from ..metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from ..planner import (
+    BytesIOWriteData,
+    LoadItemType,
+    LoadPlan,
+    ReadItem,
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from ..storage import WriteResult
+from . import FORMAT_NAME, FORMAT_VERSION, FORMAT_VERSION_STR
+from .checksum import crc32c, format_crc
+from .dtypes import dtype_from_name, dtype_name
+from .records import FileInfo, FileStorageData, StorageInfo
+from .values import from_data, to_data
+
+MAX_DIMS = 64
+_MAX_INT = (1 << 63) - 1
+
+# ---------------------------------------------------------------- small parts
+
+
+def _ints(value: Any, where: str, *, allow_none: bool = False) -> Optional[torch.Size]:
+    if value is None and allow_none:
+        return None
+    if not isinstance(value, list) or len(value) > MAX_DIMS or not all(type(x) is int and 0 <= x <= _MAX_INT for x in value):
+        raise CorruptCheckpointError(f"{where}: expected a list of at most {MAX_DIMS} non-negative integers, got {value!r:.200}")
+    return torch.Size(value)
+
+
+def _enc_index(index: MetadataIndex) -> list:
+    return [index.fqn, None if index.offset is None else list(index.offset), index.index]
+
+
+def _dec_index(data: Any, where: str) -> MetadataIndex:
+    if not isinstance(data, list) or len(data) != 3 or not isinstance(data[0], str):
+        raise CorruptCheckpointError(f"{where}: malformed item index {data!r:.200}")
+    hint = data[2]
+    if hint is not None and (type(hint) is not int or hint < 0):
+        raise CorruptCheckpointError(f"{where}: malformed chunk hint {hint!r}")
+    return MetadataIndex(data[0], _ints(data[1], where, allow_none=True), hint)
+
+
+_MEMORY_FORMATS = {"contiguous": torch.contiguous_format, "channels_last": torch.channels_last,
+                   "channels_last_3d": torch.channels_last_3d, "preserve": torch.preserve_format}
+_LAYOUTS = {"strided": torch.strided, "sparse_coo": torch.sparse_coo}
+
+
+def _enc_props(p: TensorProperties) -> list:
+    mf = next((k for k, v in _MEMORY_FORMATS.items() if v == p.memory_format), "contiguous")
+    layout = next((k for k, v in _LAYOUTS.items() if v == p.layout), "strided")
+    return [dtype_name(p.dtype), layout, bool(p.requires_grad), mf, bool(p.pin_memory)]
+
+
+def _dec_props(data: Any, where: str) -> TensorProperties:
+    if not isinstance(data, list) or len(data) != 5:
+        raise CorruptCheckpointError(f"{where}: malformed tensor properties {data!r:.200}")
+    dt, layout, rg, mf, pin = data
+    if layout not in _LAYOUTS or mf not in _MEMORY_FORMATS or type(rg) is not bool or type(pin) is not bool:
+        raise CorruptCheckpointError(f"{where}: malformed tensor properties {data!r:.200}")
+    return TensorProperties(dtype_from_name(dt, where), _LAYOUTS[layout], rg, _MEMORY_FORMATS[mf], pin)
+
+
+def _enc_chunk(c: ChunkStorageMetadata) -> list:
+    return [list(c.offsets), list(c.sizes)]
+
+
+def _dec_chunk(data: Any, where: str) -> ChunkStorageMetadata:
+    if not isinstance(data, list) or len(data) != 2:
+        raise CorruptCheckpointError(f"{where}: malformed chunk {data!r:.200}")
+    off, size = _ints(data[0], where), _ints(data[1], where)
+    if len(off) != len(size):
+        raise CorruptCheckpointError(f"{where}: chunk offsets and sizes differ in rank")
+    return ChunkStorageMetadata(off, size)
+
+
+def _opaque_to(value: Any, where: str, transport: bool) -> Any:
+    if isinstance(value, FileStorageData):
+        return {"$fs": _enc_file_storage(value)}
+    return to_data(value, allow_pickle=transport and knobs.allow_pickle_transport(), where=where)
+
+
+def _opaque_from(data: Any, where: str, transport: bool) -> Any:
+    if isinstance(data, dict) and len(data) == 1 and "$fs" in data:
+        return _dec_file_storage(data["$fs"], where)
+    return from_data(data, allow_pickle=transport and knobs.allow_pickle_transport(), where=where)
+
+
+# ---------------------------------------------------------------- plans
+
+
+def encode_save_plan(plan: SavePlan) -> dict:
+    items = []
+    for it in plan.items:
+        td = it.tensor_data
+        items.append([
+            _enc_index(it.index),
+            it.type.value,
+            None if it.bytes_io_data is None else it.bytes_io_data.nbytes,
+            None if td is None else [_enc_chunk(td.chunk), _enc_props(td.properties), list(td.size)],
+        ])
+    return {"items": items, "storage_data": _opaque_to(plan.storage_data, "plan storage_data", True),
+            "planner_data": _opaque_to(plan.planner_data, "plan planner_data", True), "usable": plan.usable}
+
+
+def decode_save_plan(data: dict) -> SavePlan:
+    items = []
+    for idx, typ, nbytes, td in data["items"]:
+        tensor_data = None if td is None else TensorWriteData(_dec_chunk(td[0], "plan"), _dec_props(td[1], "plan"), torch.Size(td[2]))
+        items.append(WriteItem(_dec_index(idx, "plan"), WriteItemType(typ),
+                               None if nbytes is None else BytesIOWriteData(nbytes), tensor_data))
+    return SavePlan(items, _opaque_from(data["storage_data"], "plan", True),
+                    _opaque_from(data["planner_data"], "plan", True), data["usable"])
+
+
+def encode_load_plan(plan: LoadPlan) -> dict:
+    items = [[it.type.value, _enc_index(it.dest_index), list(it.dest_offsets), _enc_index(it.storage_index),
+              list(it.storage_offsets), list(it.lengths)] for it in plan.items]
+    return {"items": items, "storage_data": _opaque_to(plan.storage_data, "plan storage_data", True),
+            "planner_data": _opaque_to(plan.planner_data, "plan planner_data", True)}
+
+
+def decode_load_plan(data: dict) -> LoadPlan:
+    items = [ReadItem(LoadItemType(t), _dec_index(d, "plan"), torch.Size(do), _dec_index(s, "plan"), torch.Size(so), torch.Size(ln))
+             for t, d, do, s, so, ln in data["items"]]
+    return LoadPlan(items, _opaque_from(data["storage_data"], "plan", True), _opaque_from(data["planner_data"], "plan", True))
+
+
+def encode_write_results(results: list[WriteResult]) -> list:
+    out = []
+    for r in results:
+        sd = r.storage_data
+        if isinstance(sd, StorageInfo):
+            sd = {"$si": [sd.file, sd.offset, sd.length, sd.crc32c]}
+        elif isinstance(sd, FileInfo):
+            sd = {"$fi": [sd.size, sd.rank]}
+        else:
+            sd = _opaque_to(sd, "write result", True)
+        out.append([_enc_index(r.index), r.size_in_bytes, sd])
+    return out
+
+
+def decode_write_results(data: list) -> list[WriteResult]:
+    out = []
+    for idx, size, sd in data:
+        if isinstance(sd, dict) and "$si" in sd and len(sd) == 1:
+            sd = StorageInfo(*sd["$si"])
+        elif isinstance(sd, dict) and "$fi" in sd and len(sd) == 1:
+            sd = FileInfo(*sd["$fi"])
+        else:
+            sd = _opaque_from(sd, "write result", True)
+        out.append(WriteResult(_dec_index(idx, "write result"), size, sd))
+    return out
+
+
+def dumps(data: Any) -> bytes:
+    return json.dumps(data, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode("utf-8")
+
+
+def loads(raw: bytes, where: str) -> Any:
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError) as exc:
+        raise CorruptCheckpointError(f"{where}: not valid JSON: {exc}") from None
+
+
+# ---------------------------------------------------------------- storage data
+
+
+def _enc_file_storage(fs: FileStorageData) -> dict:
+    return {
+        "save_id": fs.save_id,
+        "files": {name: [info.size, info.rank] for name, info in sorted(fs.files.items())},
+        "items": [[idx.fqn, None if idx.offset is None else list(idx.offset), si.file, si.offset, si.length, format_crc(si.crc32c)]
+                  for idx, si in fs.items.items()],
+    }
+
+
+def _dec_file_storage(data: Any, where: str) -> FileStorageData:
+    from .names import check_file_name
+
+    if not isinstance(data, dict) or set(data) != {"save_id", "files", "items"}:
+        raise CorruptCheckpointError(f"{where}: malformed storage data")
+    save_id, files_raw, items_raw = data["save_id"], data["files"], data["items"]
+    if not isinstance(save_id, str) or not isinstance(files_raw, dict) or not isinstance(items_raw, list):
+        raise CorruptCheckpointError(f"{where}: malformed storage data")
+    files = {}
+    for name, info in files_raw.items():
+        check_file_name(name, where)
+        if not (isinstance(info, list) and len(info) == 2 and all(type(x) is int and 0 <= x <= _MAX_INT for x in info)):
+            raise CorruptCheckpointError(f"{where}: malformed entry for data file {name!r}")
+        files[name] = FileInfo(info[0], info[1])
+    items = {}
+    for entry in items_raw:
+        if not (isinstance(entry, list) and len(entry) == 6 and isinstance(entry[0], str) and entry[2] in files):
+            raise CorruptCheckpointError(f"{where}: malformed storage item {entry!r:.200} (unknown file or bad shape)")
+        fqn, off, fname, begin, length, crc = entry
+        if not all(type(x) is int and 0 <= x <= _MAX_INT for x in (begin, length)) or begin + length > files[fname].size:
+            raise CorruptCheckpointError(f"{where}: storage item {fqn!r} lies outside data file {fname!r}")
+        try:
+            crc_value = int(crc, 16) if isinstance(crc, str) and len(crc) == 8 else None
+        except ValueError:
+            crc_value = None
+        if crc_value is None:
+            raise CorruptCheckpointError(f"{where}: storage item {fqn!r} has a malformed checksum {crc!r:.20}")
+        items[MetadataIndex(fqn, _ints(off, where, allow_none=True))] = StorageInfo(fname, begin, length, crc_value)
+    return FileStorageData(save_id, files, items)
+
+
+# ---------------------------------------------------------------- metadata document
+
+_TRAILER = re.compile(rb',"crc32c":"([0-9a-f]{8})"}\n\Z')
+
+
+def encode_metadata(md: Metadata) -> bytes:
+    """The metadata document: JSON whose last member is the CRC-32C of all bytes before it."""
+    sdm = {}
+    for fqn, entry in md.state_dict_metadata.items():
+        if isinstance(entry, TensorStorageMetadata):
+            sdm[fqn] = {"type": "tensor", "size": list(entry.size), "properties": _enc_props(entry.properties),
+                        "chunks": [_enc_chunk(c) for c in entry.chunks]}
+        else:
+            sdm[fqn] = {"type": "bytes"}
+    sm = md.storage_meta
+    body = {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION_STR,
+        "state_dict_metadata": sdm,
+        "storage_data": _opaque_to(md.storage_data, "metadata storage_data", False),
+        "planner_data": _opaque_to(md.planner_data, "metadata planner_data", False),
+        "storage_meta": None if sm is None else {
+            "checkpoint_id": None if sm.checkpoint_id is None else str(sm.checkpoint_id),
+            "save_id": sm.save_id, "load_id": sm.load_id, "modules": list(sm.modules)},
+    }
+    text = dumps(body)
+    assert text.endswith(b"}")
+    prefix = text[:-1]
+    return prefix + b',"crc32c":"' + format_crc(crc32c(prefix)).encode() + b'"}\n'
+
+
+def parse_metadata(raw: bytes, where: str) -> Metadata:
+    """Validate and decode a metadata document. Every failure is a typed CheckpointError."""
+    m = _TRAILER.search(raw)
+    if m is None:
+        raise CorruptCheckpointError(f"{where}: metadata does not end with its checksum; the file is truncated or not a distckpt metadata file")
+    prefix = raw[: m.start()]
+    want = int(m.group(1), 16)
+    got = crc32c(prefix)
+    if got != want:
+        raise CorruptCheckpointError(f"{where}: metadata checksum mismatch (stored {want:08x}, computed {got:08x}); the file is damaged, restore it from a copy")
+    body = loads(raw[:-1], where)
+    if not isinstance(body, dict) or body.get("format") != FORMAT_NAME:
+        raise CorruptCheckpointError(f"{where}: not a distckpt metadata document")
+    version = body.get("format_version")
+    if not isinstance(version, str) or not re.fullmatch(r"\d{1,4}\.\d{1,4}", version):
+        raise CorruptCheckpointError(f"{where}: malformed format_version {version!r:.40}")
+    major = int(version.split(".")[0])
+    if major != FORMAT_VERSION[0]:
+        raise FormatVersionError(
+            f"{where}: written in format version {version}; this distckpt reads format version {FORMAT_VERSION[0]}.x. "
+            "Use a distckpt release that supports that version."
+        )
+    sdm_raw = body.get("state_dict_metadata")
+    if not isinstance(sdm_raw, dict):
+        raise CorruptCheckpointError(f"{where}: state_dict_metadata is missing or not an object")
+    sdm: dict = {}
+    for fqn, entry in sdm_raw.items():
+        here = f"{where}: key {fqn!r}"
+        if not isinstance(entry, dict) or entry.get("type") not in ("tensor", "bytes"):
+            raise CorruptCheckpointError(f"{here}: malformed entry")
+        if entry["type"] == "bytes":
+            sdm[fqn] = BytesStorageMetadata()
+            continue
+        size = _ints(entry.get("size"), here)
+        props = _dec_props(entry.get("properties"), here)
+        chunks_raw = entry.get("chunks")
+        if not isinstance(chunks_raw, list):
+            raise CorruptCheckpointError(f"{here}: chunks must be a list")
+        chunks = [_dec_chunk(c, here) for c in chunks_raw]
+        for c in chunks:
+            if len(c.offsets) != len(size) or any(o + s > d for o, s, d in zip(c.offsets, c.sizes, size)):
+                raise CorruptCheckpointError(f"{here}: chunk {list(c.offsets)}+{list(c.sizes)} lies outside tensor of size {list(size)}")
+        sdm[fqn] = TensorStorageMetadata(props, size, chunks)
+    sm_raw = body.get("storage_meta")
+    sm = None
+    if sm_raw is not None:
+        if not isinstance(sm_raw, dict):
+            raise CorruptCheckpointError(f"{where}: malformed storage_meta")
+        sm = StorageMeta(sm_raw.get("checkpoint_id"), sm_raw.get("save_id"), sm_raw.get("load_id"), list(sm_raw.get("modules") or []))
+    return Metadata(
+        state_dict_metadata=sdm,
+        planner_data=_opaque_from(body.get("planner_data"), f"{where}: planner_data", False),
+        storage_data=_opaque_from(body.get("storage_data"), f"{where}: storage_data", False),
+        storage_meta=sm,
+        version=version,
+    )

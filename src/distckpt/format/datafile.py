@@ -1,0 +1,124 @@
+"""Data files: each is a valid safetensors file.
+
+Layout: 8-byte little-endian header length N, N bytes of JSON header (padded
+with spaces to a multiple of 8), then the items back to back. The header is
+written first, from the plan, so items can be written in parallel at known
+offsets. ``__metadata__`` binds the file to its save (``save_id``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from .. import knobs
+from ..errors import CorruptCheckpointError
+from . import FORMAT_NAME, FORMAT_VERSION_STR
+from .dtypes import ITEMSIZE, SAFETENSORS_CODES
+
+__all__ = ["Entry", "build_header", "read_header", "HeaderInfo"]
+
+_MAX_ENTRIES = 50_000_000
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One item of a data file: a tensor chunk or a value stored as bytes."""
+
+    name: str
+    code: str  # safetensors dtype code
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+def build_header(entries: list[Entry], save_id: str, rank: int) -> tuple[bytes, list[int]]:
+    """Return the file's leading bytes (length + header) and each entry's absolute offset."""
+    header: dict = {"__metadata__": {"format": FORMAT_NAME, "format_version": FORMAT_VERSION_STR, "save_id": save_id, "rank": str(rank)}}
+    pos = 0
+    rel = []
+    for e in entries:
+        header[e.name] = {"dtype": e.code, "shape": list(e.shape), "data_offsets": [pos, pos + e.nbytes]}
+        rel.append(pos)
+        pos += e.nbytes
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    lead = struct.pack("<Q", len(text)) + text
+    return lead, [len(lead) + r for r in rel]
+
+
+@dataclass(frozen=True)
+class HeaderInfo:
+    save_id: str
+    rank: int
+    data_start: int
+    entries: dict[str, tuple[str, tuple[int, ...], int, int]]  # name -> (code, shape, begin, end) absolute
+
+
+def read_header(pread: Callable[[int, int], bytes], file_size: int, where: str) -> HeaderInfo:
+    """Read and validate a data file's header. Every bound is checked before allocation.
+
+    ``pread(n, offset)`` returns up to ``n`` bytes of the file from ``offset``.
+    """
+    if file_size < 8:
+        raise CorruptCheckpointError(f"{where}: file is {file_size} bytes, too short for a header; it is truncated")
+    (n,) = struct.unpack("<Q", _pread_exact(pread, 8, 0, where))
+    cap = knobs.max_header_bytes()
+    if n > cap or 8 + n > file_size:
+        raise CorruptCheckpointError(f"{where}: header length {n} exceeds the file ({file_size} bytes) or the cap ({cap}); the file is truncated or damaged")
+    raw = _pread_exact(pread, n, 8, where)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError) as exc:
+        raise CorruptCheckpointError(f"{where}: header is not valid JSON: {exc}") from None
+    if not isinstance(header, dict) or len(header) > _MAX_ENTRIES:
+        raise CorruptCheckpointError(f"{where}: header is not a JSON object of entries")
+    meta = header.pop("__metadata__", None)
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME or not isinstance(meta.get("save_id"), str):
+        raise CorruptCheckpointError(f"{where}: header lacks the distckpt __metadata__ (format, save_id)")
+    try:
+        rank = int(meta.get("rank", "-1"))
+    except (TypeError, ValueError):
+        raise CorruptCheckpointError(f"{where}: header rank is not an integer") from None
+    data_start = 8 + n
+    data_len = file_size - data_start
+    entries = {}
+    spans = []
+    for name, e in header.items():
+        if not isinstance(e, dict) or e.get("dtype") not in SAFETENSORS_CODES:
+            raise CorruptCheckpointError(f"{where}: entry {name!r:.80} has a missing or disallowed dtype")
+        shape, offs = e.get("shape"), e.get("data_offsets")
+        if not (isinstance(shape, list) and len(shape) <= 64 and all(type(x) is int and x >= 0 for x in shape)):
+            raise CorruptCheckpointError(f"{where}: entry {name!r:.80} has a malformed shape")
+        if not (isinstance(offs, list) and len(offs) == 2 and all(type(x) is int for x in offs) and 0 <= offs[0] <= offs[1] <= data_len):
+            raise CorruptCheckpointError(f"{where}: entry {name!r:.80} has data offsets outside the file")
+        if math.prod(shape) * ITEMSIZE[e["dtype"]] != offs[1] - offs[0]:
+            raise CorruptCheckpointError(f"{where}: entry {name!r:.80}: shape {shape} x itemsize does not equal its byte length")
+        entries[name] = (e["dtype"], tuple(shape), data_start + offs[0], data_start + offs[1])
+        spans.append((offs[0], offs[1]))
+    spans.sort()
+    for (b0, e0), (b1, _) in zip(spans, spans[1:]):
+        if b1 < e0:
+            raise CorruptCheckpointError(f"{where}: entries overlap in the data section")
+    return HeaderInfo(meta["save_id"], rank, data_start, entries)
+
+
+def _pread_exact(pread: Callable[[int, int], bytes], n: int, offset: int, where: str) -> bytes:
+    chunks = []
+    got = 0
+    while got < n:
+        b = pread(min(n - got, 64 << 20), offset + got)
+        if not b:
+            raise CorruptCheckpointError(f"{where}: unexpected end of file at offset {offset + got}; the file is truncated")
+        chunks.append(b)
+        got += len(b)
+    return b"".join(chunks)
+
+
+def entry_name(fqn: str, offsets: Optional[tuple[int, ...]]) -> str:
+    """The name of an item inside a data file."""
+    if offsets is None:
+        return fqn
+    return f"{fqn}@{','.join(str(o) for o in offsets)}"

@@ -1,0 +1,36 @@
+"""What the filesystem-style storage layers record about where bytes live."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..metadata import MetadataIndex
+
+__all__ = ["StorageInfo", "FileInfo", "FileStorageData"]
+
+
+@dataclass(frozen=True)
+class StorageInfo:
+    """One stored item: ``length`` bytes at absolute ``offset`` of data file ``file``."""
+
+    file: str
+    offset: int
+    length: int
+    crc32c: int
+
+
+@dataclass(frozen=True)
+class FileInfo:
+    """A data file of a checkpoint: its exact size and the rank that wrote it."""
+
+    size: int
+    rank: int
+
+
+@dataclass
+class FileStorageData:
+    """``Metadata.storage_data`` of checkpoints written by distckpt's own storage layers."""
+
+    save_id: str
+    files: dict[str, FileInfo] = field(default_factory=dict)
+    items: dict[MetadataIndex, StorageInfo] = field(default_factory=dict)

@@ -1,0 +1,82 @@
+"""Every tunable of distckpt, in one place, each with an environment override.
+
+Read a knob through its function (``io_threads()``), so a test or a user can
+change the environment at any time. Defaults are chosen for a node with fast
+local disk; the docs of each function say why.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .errors import CheckpointError
+
+__all__ = [
+    "io_threads",
+    "write_batch_bytes",
+    "fsync_enabled",
+    "max_metadata_bytes",
+    "max_header_bytes",
+    "collective_timeout_s",
+    "allow_pickle_transport",
+]
+
+
+def _int(name: str, default: int, minimum: int = 0) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise CheckpointError(f"environment variable {name}={raw!r} is not an integer; unset it or give a number") from None
+    if value < minimum:
+        raise CheckpointError(f"environment variable {name}={value} must be at least {minimum}")
+    return value
+
+
+def _bool(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    return raw.strip().lower() not in ("0", "false", "no", "off")
+
+
+def io_threads() -> int:
+    """Threads per rank that write or read data files (DISTCKPT_IO_THREADS, default 4).
+
+    I/O releases the GIL, so a few threads keep the disk queue full while other
+    threads checksum and copy.
+    """
+    return _int("DISTCKPT_IO_THREADS", 4, minimum=1)
+
+
+def write_batch_bytes() -> int:
+    """Items smaller than this are coalesced into one write (DISTCKPT_WRITE_BATCH_BYTES, default 4 MiB)."""
+    return _int("DISTCKPT_WRITE_BATCH_BYTES", 4 << 20, minimum=0)
+
+
+def fsync_enabled() -> bool:
+    """Whether data files, metadata and directories are fsynced on save (DISTCKPT_FSYNC, default on)."""
+    return _bool("DISTCKPT_FSYNC", True)
+
+
+def max_metadata_bytes() -> int:
+    """Largest metadata document a reader accepts (DISTCKPT_MAX_METADATA_BYTES, default 1 GiB)."""
+    return _int("DISTCKPT_MAX_METADATA_BYTES", 1 << 30, minimum=1024)
+
+
+def max_header_bytes() -> int:
+    """Largest data-file header a reader accepts (DISTCKPT_MAX_HEADER_BYTES, default 256 MiB)."""
+    return _int("DISTCKPT_MAX_HEADER_BYTES", 256 << 20, minimum=1024)
+
+
+def collective_timeout_s() -> float:
+    """Seconds a rank waits on the others in one checkpoint phase (DISTCKPT_TIMEOUT_S, default 600)."""
+    return float(_int("DISTCKPT_TIMEOUT_S", 600, minimum=1))
+
+
+def allow_pickle_transport() -> bool:
+    """Let planner/storage data that is not plain data travel between ranks pickled
+    (DISTCKPT_ALLOW_PICKLE_TRANSPORT, default off). Only ranks of the same job see it."""
+    return _bool("DISTCKPT_ALLOW_PICKLE_TRANSPORT", False)

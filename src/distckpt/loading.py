@@ -1,0 +1,83 @@
+"""load() and read_metadata(): the protocol's load call sequence."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional, Union
+
+from . import backends
+from ._sequence import split_stateful, tell_rank
+from .distributed import Coordinator
+from .errors import CheckpointError
+from .format.codec import decode_load_plan, dumps, encode_load_plan, loads
+from .metadata import STATE_DICT_TYPE, Metadata
+from .planner import LoadPlan, LoadPlanner
+from .planning import DefaultLoadPlanner
+from .storage import StorageReader
+
+__all__ = ["load", "read_metadata"]
+
+
+def load(
+    state_dict: STATE_DICT_TYPE,
+    *,
+    checkpoint_id: Union[str, os.PathLike, None] = None,
+    storage_reader: Optional[StorageReader] = None,
+    planner: Optional[LoadPlanner] = None,
+    process_group: Any = None,
+    coordinator_rank: int = 0,
+) -> None:
+    """Load a checkpoint into ``state_dict`` in place, collectively over ``process_group``.
+
+    The state dict says what to load and where: each tensor (plain or DTensor,
+    any sharding) is filled from whatever chunks of the checkpoint overlap it,
+    so a checkpoint saved at any world size loads at any other. Non-tensor
+    values are replaced; Stateful objects get ``load_state_dict`` afterwards.
+    Checksums are verified as data is read.
+    """
+    coord = Coordinator(process_group, coordinator_rank)
+    if storage_reader is None:
+        if checkpoint_id is None:
+            raise CheckpointError("load needs checkpoint_id= (a directory path or memory://name) or storage_reader=")
+        storage_reader = backends.reader_for(checkpoint_id)
+    if checkpoint_id is not None:
+        storage_reader.reset(checkpoint_id)
+    planner = planner if planner is not None else DefaultLoadPlanner()
+    tell_rank(planner, coord.rank)
+    plain, objects = split_stateful(state_dict)
+    run_load(plain, storage_reader, planner, coord)
+    for key, value in plain.items():
+        if key in objects:
+            objects[key].load_state_dict(value)
+        else:  # top-level non-tensor values were replaced in the copy
+            state_dict[key] = value
+
+
+def run_load(state_dict: STATE_DICT_TYPE, reader: StorageReader, planner: LoadPlanner, coord: Coordinator) -> None:
+    """The load sequence: read metadata, plan locally, plan globally, read."""
+
+    def local_step() -> LoadPlan:
+        metadata = reader.read_metadata()
+        planner.set_up_planner(state_dict, metadata, coord.is_coordinator)
+        reader.set_up_storage_reader(metadata, coord.is_coordinator)
+        return reader.prepare_local_plan(planner.create_local_plan())
+
+    def global_step(all_plans: list[LoadPlan]) -> list[LoadPlan]:
+        return reader.prepare_global_plan(planner.create_global_plan(all_plans))
+
+    enc = lambda p: dumps(encode_load_plan(p))
+    dec = lambda b: decode_load_plan(loads(b, "load plan"))
+    central_plan = coord.reduce_scatter("load planning", local_step, global_step, enc, dec, enc, dec)
+
+    def read_step() -> None:
+        final_plan = planner.finish_plan(central_plan)
+        reader.read_data(final_plan, planner).wait()
+
+    coord.all_gather("load read", read_step)
+
+
+def read_metadata(checkpoint_id: Union[str, os.PathLike], storage_reader: Optional[StorageReader] = None) -> Metadata:
+    """The metadata of a checkpoint: every key, its shape, dtype and chunks. Reads nothing else."""
+    reader = storage_reader if storage_reader is not None else backends.reader_for(checkpoint_id)
+    reader.reset(checkpoint_id)
+    return reader.read_metadata()

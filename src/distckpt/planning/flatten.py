@@ -1,0 +1,106 @@
+"""Flattening nested state dicts into dotted keys, and setting values back.
+
+Dicts are always traversed. A list or tuple is traversed only if it holds a
+tensor somewhere inside; otherwise it is one value (so an optimizer's
+``param_groups[i]["params"]`` stays a list). ``RankLocal`` values get a
+per-rank key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import CheckpointError
+
+__all__ = ["flatten_state_dict", "set_element", "get_element", "RankLocal", "rank_local_key"]
+
+Path = tuple
+
+
+@dataclass
+class RankLocal:
+    """Marks a value that belongs to one rank only.
+
+    Plain tensors and values under the same key on several ranks are taken to
+    be replicas, and written once. Wrap a value in ``RankLocal`` to keep every
+    rank's copy: it is stored under ``"<key>@rank<r>"`` and each rank loads its
+    own back (the load needs the same rank to exist).
+    """
+
+    value: Any
+
+
+def rank_local_key(fqn: str, rank: int) -> str:
+    return f"{fqn}@rank{rank}"
+
+
+def _has_tensor(obj: Any) -> bool:
+    if isinstance(obj, torch.Tensor):
+        return True
+    if isinstance(obj, dict):
+        return any(_has_tensor(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(_has_tensor(v) for v in obj)
+    return False
+
+
+def flatten_state_dict(state_dict: dict, rank: int = 0) -> tuple[dict[str, Any], dict[str, Path]]:
+    """Return ``(flat, mappings)``: dotted key -> value, and dotted key -> path into ``state_dict``."""
+    flat: dict[str, Any] = {}
+    mappings: dict[str, Path] = {}
+
+    def visit(obj: Any, path: Path) -> None:
+        if isinstance(obj, RankLocal):
+            key = rank_local_key(".".join(str(p) for p in path), rank)
+            add(key, obj.value, path + ("$rank_local",))
+        elif isinstance(obj, dict) and obj and not isinstance(obj, torch.Tensor):
+            for k, v in obj.items():
+                if not isinstance(k, (str, int)):
+                    raise CheckpointError(f"state dict key {k!r} at {'.'.join(map(str, path)) or '<root>'} must be a str or int")
+                visit(v, path + (k,))
+        elif isinstance(obj, (list, tuple)) and _has_tensor(obj):
+            for i, v in enumerate(obj):
+                visit(v, path + (i,))
+        else:
+            add(".".join(str(p) for p in path), obj, path)
+
+    def add(key: str, value: Any, path: Path) -> None:
+        if key in flat:
+            raise CheckpointError(
+                f"two entries of the state dict flatten to the same key {key!r} ({mappings[key]} and {path}); rename one of them"
+            )
+        flat[key] = value
+        mappings[key] = path
+
+    for k, v in state_dict.items():
+        if not isinstance(k, str):
+            raise CheckpointError(f"top-level state dict key {k!r} must be a str")
+        visit(v, (k,))
+    return flat, mappings
+
+
+def get_element(root: Any, path: Path) -> Any:
+    obj = root
+    for p in path:
+        if p == "$rank_local":
+            obj = obj.value
+        else:
+            obj = obj[p]
+    return obj
+
+
+def set_element(root: Any, path: Path, value: Any) -> None:
+    """Put ``value`` at ``path`` inside ``root``, in place."""
+    parent = root
+    for p in path[:-1]:
+        parent = parent.value if p == "$rank_local" else parent[p]
+    last = path[-1]
+    if last == "$rank_local":
+        parent.value = value
+    elif isinstance(parent, tuple):
+        raise CheckpointError(f"cannot set {'.'.join(map(str, path))}: it is inside a tuple; use a list")
+    else:
+        parent[last] = value

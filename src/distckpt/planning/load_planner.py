@@ -1,0 +1,176 @@
+"""DefaultLoadPlanner: what a load reads, computed from chunk overlaps."""
+
+from __future__ import annotations
+
+import io
+from typing import Any, Optional
+
+import torch
+
+from ..errors import CheckpointError, DTypeMismatchError, MissingKeyError, ShapeMismatchError
+from ..format.values import decode_value
+from ..metadata import STATE_DICT_TYPE, BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
+from ..planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from .flatten import flatten_state_dict, set_element
+from .resharding import overlaps
+from .tensors import is_dtensor, local_view
+
+__all__ = ["DefaultLoadPlanner"]
+
+_MAX_LISTED = 10
+
+
+class DefaultLoadPlanner(LoadPlanner):
+    """The planner :func:`distckpt.load` uses unless told otherwise. Loads in place.
+
+    Args:
+        flatten_state_dict: match nested dicts and lists by dotted keys, as saved.
+        flatten_sharded_tensors: accepted for protocol compatibility (see DefaultSavePlanner).
+        allow_partial_load: skip keys of the caller's state dict that the
+            checkpoint lacks, instead of raising MissingKeyError.
+        allow_pickle: unpickle values that were saved pickled. Off by default;
+            only for checkpoints you trust.
+        allow_dtype_conversion: load a stored dtype into a destination of
+            another dtype, converting. Off by default: a mismatch raises.
+    """
+
+    def __init__(
+        self,
+        flatten_state_dict: bool = True,
+        flatten_sharded_tensors: bool = True,
+        allow_partial_load: bool = False,
+        allow_pickle: bool = False,
+        allow_dtype_conversion: bool = False,
+    ) -> None:
+        self.flatten_state_dict = flatten_state_dict
+        self.flatten_sharded_tensors = flatten_sharded_tensors
+        self.allow_partial_load = allow_partial_load
+        self.allow_pickle = allow_pickle
+        self.allow_dtype_conversion = allow_dtype_conversion
+        self.mappings: dict = {}
+        self.rank = 0  # set by distckpt.load before set_up_planner
+
+    def set_up_planner(
+        self,
+        state_dict: STATE_DICT_TYPE,
+        metadata: Optional[Metadata] = None,
+        is_coordinator: bool = False,
+    ) -> None:
+        self.original_state_dict = state_dict
+        if self.flatten_state_dict:
+            state_dict, self.mappings = flatten_state_dict(state_dict, self.rank)
+        self.state_dict = state_dict
+        self.metadata = metadata
+        self.is_coordinator = is_coordinator
+
+    def _checkpoint_name(self) -> str:
+        sm = self.metadata.storage_meta if self.metadata is not None else None
+        return f"checkpoint {str(sm.checkpoint_id)!r}" if sm is not None and sm.checkpoint_id is not None else "the checkpoint"
+
+    def create_local_plan(self) -> LoadPlan:
+        assert self.metadata is not None, "set_up_planner must be given the checkpoint metadata"
+        sdm = self.metadata.state_dict_metadata
+        items: list[ReadItem] = []
+        missing: list[str] = []
+        problems: list[CheckpointError] = []
+        for fqn, obj in self.state_dict.items():
+            md = sdm.get(fqn)
+            if md is None:
+                if not self.allow_partial_load:
+                    missing.append(fqn)
+                continue
+            if isinstance(obj, torch.Tensor):
+                if not isinstance(md, TensorStorageMetadata):
+                    problems.append(ShapeMismatchError(f"key {fqn!r} is a tensor in your state dict but a non-tensor value in {self._checkpoint_name()}"))
+                    continue
+                try:
+                    items.extend(self._tensor_reads(fqn, obj, md))
+                except (ShapeMismatchError, DTypeMismatchError) as exc:
+                    problems.append(exc)
+            else:
+                if not isinstance(md, BytesStorageMetadata):
+                    problems.append(ShapeMismatchError(
+                        f"key {fqn!r} is a non-tensor value in your state dict but a tensor in {self._checkpoint_name()}; "
+                        "put a tensor of the saved shape there to load it"))
+                    continue
+                idx = MetadataIndex(fqn)
+                items.append(ReadItem(LoadItemType.BYTE_IO, idx, torch.Size([0]), idx, torch.Size([0]), torch.Size([0])))
+        if missing:
+            raise MissingKeyError(self._missing_message(missing))
+        if problems:
+            first = problems[0]
+            more = "".join(f"\n  also: {p}" for p in problems[1:_MAX_LISTED])
+            raise type(first)(f"{first}{more}")
+        self.plan = LoadPlan(items)
+        return self.plan
+
+    def _missing_message(self, missing: list[str]) -> str:
+        sdm = self.metadata.state_dict_metadata
+        shown = ", ".join(repr(k) for k in missing[:_MAX_LISTED])
+        more = f" and {len(missing) - _MAX_LISTED} more" if len(missing) > _MAX_LISTED else ""
+        hint = ""
+        nested = [k for k in missing if any(s.startswith(k + ".") for s in sdm)]
+        if nested:
+            hint = (f" {nested[0]!r} is empty in your state dict but holds entries in the checkpoint: build the "
+                    "structure first (for an optimizer, call distckpt.init_optimizer_state(optimizer)).")
+        return (f"{len(missing)} key(s) of your state dict are not in {self._checkpoint_name()}: {shown}{more}.{hint} "
+                "Check the key names, or pass planner=DefaultLoadPlanner(allow_partial_load=True) to skip them.")
+
+    def _tensor_reads(self, fqn: str, tensor: torch.Tensor, md: TensorStorageMetadata) -> list[ReadItem]:
+        _, global_size, offsets, sizes = local_view(fqn, tensor)
+        if torch.Size(global_size) != md.size:
+            raise ShapeMismatchError(
+                f"key {fqn!r}: your tensor has shape {list(global_size)} but {self._checkpoint_name()} stores shape "
+                f"{list(md.size)}; build the model with the saved shapes, or leave this key out of the state dict")
+        if tensor.dtype != md.properties.dtype and not self.allow_dtype_conversion:
+            raise DTypeMismatchError(
+                f"key {fqn!r}: your tensor has dtype {tensor.dtype} but {self._checkpoint_name()} stores "
+                f"{md.properties.dtype}; pass planner=DefaultLoadPlanner(allow_dtype_conversion=True) to convert")
+        reads = []
+        chunks = [(c.offsets, c.sizes) for c in md.chunks]
+        for ov in overlaps(chunks, offsets, sizes):
+            chunk = md.chunks[ov.chunk_index]
+            reads.append(ReadItem(
+                LoadItemType.TENSOR,
+                MetadataIndex(fqn, offsets),
+                torch.Size(ov.dest_offsets),
+                MetadataIndex(fqn, chunk.offsets, ov.chunk_index),
+                torch.Size(ov.storage_offsets),
+                torch.Size(ov.lengths),
+            ))
+        return reads
+
+    def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
+        return global_plan
+
+    def finish_plan(self, central_plan: LoadPlan) -> LoadPlan:
+        return central_plan
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        obj = decode_value(value.getvalue(), allow_pickle=self.allow_pickle, where=f"{self._checkpoint_name()}, key {fqn!r}")
+        self.set_value(fqn, obj)
+
+    def set_value(self, fqn: str, obj: Any) -> None:
+        """Put a loaded non-tensor value into the caller's state dict."""
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        """The destination tensor behind ``index`` (the local shard, for a DTensor)."""
+        obj = self.state_dict[index.fqn]
+        return obj.to_local() if is_dtensor(obj) else obj
+
+    def transform_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> torch.Tensor:
+        """The region of ``tensor`` that ``read_item`` fills."""
+        for dim, (off, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+            tensor = tensor.narrow(dim, off, length)
+        return tensor
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        return self.transform_tensor(read_item, self.lookup_tensor(read_item.dest_index))
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        """Nothing to do: ``resolve_tensor`` returned a view of the destination."""

@@ -1,0 +1,174 @@
+"""DefaultSavePlanner: what a save writes, on every rank and globally."""
+
+from __future__ import annotations
+
+import io
+from dataclasses import replace
+from typing import Any, Optional, Union
+
+import torch
+
+from ..errors import CheckpointError
+from ..format.values import encode_value
+from ..metadata import (
+    STATE_DICT_TYPE,
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from ..planner import BytesIOWriteData, SavePlan, SavePlanner, TensorWriteData, WriteItem, WriteItemType
+from .dedup import dedup_and_balance
+from .flatten import flatten_state_dict
+from .resharding import volume
+from .tensors import is_dtensor, local_view
+
+__all__ = ["DefaultSavePlanner"]
+
+
+class DefaultSavePlanner(SavePlanner):
+    """The planner :func:`distckpt.save` uses unless told otherwise.
+
+    Args:
+        flatten_state_dict: turn nested dicts and lists into dotted keys
+            (``{"model": {"w": t}}`` is stored as ``"model.w"``).
+        flatten_sharded_tensors: accepted for compatibility with planners
+            written for the protocol. distckpt stores DTensors natively, one chunk
+            per distinct shard, so there is nothing further to flatten.
+        dedup_replicated_tensors: write each item held by several ranks once
+            (plain tensors and values under one key on every rank, and
+            replicated DTensor shards), balancing bytes across ranks.
+        allow_pickle: let values that are not plain data be stored pickled.
+            Off by default: such a value raises UnsafeValueError at planning.
+    """
+
+    def __init__(
+        self,
+        flatten_state_dict: bool = True,
+        flatten_sharded_tensors: bool = True,
+        dedup_replicated_tensors: Optional[bool] = None,
+        allow_pickle: bool = False,
+    ) -> None:
+        self.flatten_state_dict = flatten_state_dict
+        self.flatten_sharded_tensors = flatten_sharded_tensors
+        self.dedup_replicated_tensors = True if dedup_replicated_tensors is None else dedup_replicated_tensors
+        self.allow_pickle = allow_pickle
+        self.mappings: dict = {}
+        self.rank = 0  # set by distckpt.save before set_up_planner
+        self._encoded: dict[str, bytes] = {}
+
+    # ------------------------------------------------------------ every rank
+
+    def set_up_planner(
+        self,
+        state_dict: STATE_DICT_TYPE,
+        storage_meta: Optional[StorageMeta] = None,
+        is_coordinator: bool = False,
+    ) -> None:
+        if self.flatten_state_dict:
+            state_dict, self.mappings = flatten_state_dict(state_dict, self.rank)
+        self.state_dict = state_dict
+        self.storage_meta = storage_meta
+        self.is_coordinator = is_coordinator
+
+    def create_local_plan(self) -> SavePlan:
+        items = []
+        self._encoded = {}
+        for fqn, obj in self.state_dict.items():
+            if isinstance(obj, torch.Tensor):
+                items.append(self._tensor_item(fqn, obj))
+            else:
+                raw = encode_value(obj, allow_pickle=self.allow_pickle, where=f"state dict key {fqn!r}")
+                self._encoded[fqn] = raw
+                items.append(WriteItem(MetadataIndex(fqn), WriteItemType.BYTE_IO, BytesIOWriteData(len(raw))))
+        plan = SavePlan(items, planner_data=self.mappings if self.flatten_state_dict else None)
+        self.plan = plan
+        return plan
+
+    def _tensor_item(self, fqn: str, tensor: torch.Tensor) -> WriteItem:
+        if tensor.is_sparse or (not is_dtensor(tensor) and tensor.layout != torch.strided):
+            raise CheckpointError(f"state dict key {fqn!r}: only strided (dense) tensors can be saved; call .to_dense() first")
+        _, global_size, offsets, sizes = local_view(fqn, tensor)
+        props = TensorProperties(dtype=tensor.dtype, requires_grad=tensor.requires_grad)
+        data = TensorWriteData(ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)), props, torch.Size(global_size))
+        kind = WriteItemType.SHARD if is_dtensor(tensor) else WriteItemType.TENSOR
+        return WriteItem(MetadataIndex(fqn, offsets), kind, tensor_data=data)
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        self.plan = new_plan
+        return new_plan
+
+    def resolve_data(self, write_item: WriteItem) -> Union[torch.Tensor, io.BytesIO]:
+        fqn = write_item.index.fqn
+        if write_item.type == WriteItemType.BYTE_IO:
+            raw = self._encoded.get(fqn)
+            if raw is None:  # a subclass rewrote the plan; encode on demand
+                raw = encode_value(self.lookup_object(write_item.index), allow_pickle=self.allow_pickle, where=f"state dict key {fqn!r}")
+            return io.BytesIO(raw)
+        return self.transform_object(write_item, self.lookup_object(write_item.index))
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        """The state dict value behind ``index`` (the local shard, for a DTensor)."""
+        try:
+            obj = self.state_dict[index.fqn]
+        except KeyError:
+            raise CheckpointError(f"planner has no state dict entry {index.fqn!r}") from None
+        if isinstance(obj, torch.Tensor):
+            return obj.to_local() if is_dtensor(obj) else obj
+        return obj
+
+    def transform_object(self, write_item: WriteItem, obj: Any) -> Any:
+        """Hook for subclasses: change an object just before it is written."""
+        return obj.detach() if isinstance(obj, torch.Tensor) else obj
+
+    # ------------------------------------------------------------ coordinator
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        if self.dedup_replicated_tensors:
+            all_plans = dedup_and_balance(all_plans)
+        metadata = build_metadata(all_plans)
+        self.metadata = metadata
+        return all_plans, metadata
+
+
+def build_metadata(all_plans: list[SavePlan]) -> Metadata:
+    """Metadata describing every item of the final plans; validates coverage of each tensor."""
+    sdm: dict[str, Any] = {}
+    merged_mappings: dict = {}
+    seen: set = set()
+    for plan in all_plans:
+        if isinstance(plan.planner_data, dict):
+            merged_mappings.update(plan.planner_data)
+        for item in plan.items:
+            fqn = item.index.fqn
+            if item.type == WriteItemType.BYTE_IO:
+                if fqn in sdm and not isinstance(sdm[fqn], BytesStorageMetadata):
+                    raise CheckpointError(f"key {fqn!r} is a tensor on some ranks and a non-tensor value on others")
+                sdm[fqn] = BytesStorageMetadata()
+                continue
+            td = item.tensor_data
+            entry = sdm.get(fqn)
+            if entry is None:
+                entry = sdm[fqn] = TensorStorageMetadata(
+                    TensorProperties(td.properties.dtype, td.properties.layout, td.properties.requires_grad,
+                                     td.properties.memory_format, td.properties.pin_memory),
+                    torch.Size(td.size), [])
+            elif not isinstance(entry, TensorStorageMetadata) or entry.size != td.size or entry.properties.dtype != td.properties.dtype:
+                raise CheckpointError(
+                    f"key {fqn!r} is saved with inconsistent size or dtype across ranks; "
+                    "wrap rank-specific tensors in distckpt.RankLocal(...)")
+            if item.index not in seen:  # without dedup, replicas arrive more than once
+                seen.add(item.index)
+                entry.chunks.append(td.chunk)
+    for fqn, entry in sdm.items():
+        if isinstance(entry, TensorStorageMetadata):
+            total = sum(volume(c.sizes) for c in entry.chunks)
+            if total != volume(entry.size):
+                raise CheckpointError(
+                    f"key {fqn!r}: the saved chunks cover {total} of {volume(entry.size)} elements; "
+                    "shards are missing or overlap (is a rank's DTensor placement inconsistent?)")
+            entry.chunks.sort(key=lambda c: tuple(c.offsets))
+    return Metadata(state_dict_metadata=sdm, planner_data=merged_mappings or None)

@@ -1,0 +1,88 @@
+"""save(): the protocol's save call sequence over the coordinator."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional, Union
+
+from . import backends
+from ._sequence import call_set_up, split_stateful, tell_rank
+from .distributed import Coordinator
+from .errors import CheckpointError
+from .format.codec import decode_save_plan, decode_write_results, dumps, encode_metadata, encode_save_plan, encode_write_results, loads, parse_metadata
+from .metadata import STATE_DICT_TYPE, Metadata
+from .planner import SavePlan, SavePlanner
+from .planning import DefaultSavePlanner
+from .storage import StorageWriter
+
+__all__ = ["save"]
+
+
+def save(
+    state_dict: STATE_DICT_TYPE,
+    *,
+    checkpoint_id: Union[str, os.PathLike, None] = None,
+    storage_writer: Optional[StorageWriter] = None,
+    planner: Optional[SavePlanner] = None,
+    process_group: Any = None,
+    coordinator_rank: int = 0,
+) -> Metadata:
+    """Save ``state_dict`` as one checkpoint, collectively over the ranks of ``process_group``.
+
+    Every rank calls this with its own state dict: plain tensors (taken as
+    replicas across ranks), DTensors (each rank holds its shards), non-tensor
+    values, and Stateful objects (saved through ``state_dict()``). The storage
+    is chosen from ``checkpoint_id`` when ``storage_writer`` is not given: a
+    directory path, or ``memory://name``. Returns the checkpoint's metadata on
+    every rank. Any failure on any rank raises a CheckpointError on every rank,
+    and nothing is committed.
+    """
+    coord = Coordinator(process_group, coordinator_rank)
+    if storage_writer is None:
+        if checkpoint_id is None:
+            raise CheckpointError("save needs checkpoint_id= (a directory path or memory://name) or storage_writer=")
+        storage_writer = backends.writer_for(checkpoint_id)
+    if checkpoint_id is not None:
+        storage_writer.reset(checkpoint_id)
+    planner = planner if planner is not None else DefaultSavePlanner()
+    tell_rank(planner, coord.rank)
+    plain, _ = split_stateful(state_dict)
+    return run_save(plain, storage_writer, planner, coord)
+
+
+def run_save(state_dict: STATE_DICT_TYPE, writer: StorageWriter, planner: SavePlanner, coord: Coordinator) -> Metadata:
+    """The save sequence: plan locally, plan globally, write, commit."""
+    global_metadata: list[Metadata] = []
+
+    def local_step() -> SavePlan:
+        planner.set_up_planner(state_dict, writer.storage_meta(), coord.is_coordinator)
+        call_set_up(writer.set_up_storage_writer, coord.is_coordinator, rank=coord.rank, world_size=coord.world_size)
+        return writer.prepare_local_plan(planner.create_local_plan())
+
+    def global_step(all_plans: list[SavePlan]) -> list[SavePlan]:
+        all_plans, metadata = planner.create_global_plan(all_plans)
+        global_metadata.append(metadata)
+        return writer.prepare_global_plan(all_plans)
+
+    enc_plan = lambda p: dumps(encode_save_plan(p))
+    dec_plan = lambda b: decode_save_plan(loads(b, "save plan"))
+    central_plan = coord.reduce_scatter("save planning", local_step, global_step, enc_plan, dec_plan, enc_plan, dec_plan)
+
+    def write_step():
+        final_plan = planner.finish_plan(central_plan)
+        return writer.write_data(final_plan, planner).wait()
+
+    def finish_step(all_results) -> Metadata:
+        metadata = global_metadata[0]
+        writer.finish(metadata=metadata, results=all_results)
+        return metadata
+
+    return coord.all_reduce(
+        "save write",
+        write_step,
+        finish_step,
+        lambda r: dumps(encode_write_results(r)),
+        lambda b: decode_write_results(loads(b, "write results")),
+        encode_metadata,
+        lambda b: parse_metadata(b, "metadata from the coordinator"),
+    )
