@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Create .venv if needed and install distckpt with its test extras.
+# constraints.txt pins torch==2.13.0, so pip takes the CPU build on this machine.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+stamp=.venv/.distckpt-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ constraints.txt -nt "$stamp" ]; then
+  .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+  .venv/bin/python -m pip install -q -c constraints.txt -e ".[test,bench]"
+  touch "$stamp"
+fi

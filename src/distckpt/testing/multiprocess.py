@@ -1,0 +1,104 @@
+"""Run a function on N real processes joined by a torch.distributed (gloo) group.
+
+Used by distckpt's own multi-rank tests and usable by anyone who tests code
+built on distckpt. The function must be importable (defined at module level).
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import os
+import socket
+import traceback
+from datetime import timedelta
+from typing import Any, Callable, Optional
+
+__all__ = ["run_ranks", "RankError", "free_port"]
+
+
+class RankError(AssertionError):
+    """Some ranks failed (or hung); ``errors`` maps rank to its traceback text."""
+
+    def __init__(self, errors: dict[int, str]):
+        self.errors = errors
+        super().__init__("\n".join(f"--- rank {r} ---\n{t}" for r, t in sorted(errors.items())))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any, timeout_s: float, env: dict) -> None:
+    os.environ.update(env)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout_s))
+        result = fn(rank, world_size, *args)
+        # tensors cross as bytes: torch's shared-memory handles die with this process
+        buf = io.BytesIO()
+        torch.save(result, buf)
+        queue.put((rank, True, buf.getvalue()))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.0,
+              collective_timeout_s: float = 60.0, env: Optional[dict] = None) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes; return each rank's result.
+
+    Raises RankError if any rank raised, exited abnormally, or did not finish
+    within ``timeout_s`` (hung ranks are killed).
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, collective_timeout_s, dict(env or {})), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    import queue as queue_mod
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while len(results) + len(errors) < world_size:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        try:
+            rank, ok, value = queue.get(timeout=min(remaining, 1.0))
+        except queue_mod.Empty:
+            if all(not p.is_alive() for p in procs) and queue.empty():
+                break
+            continue
+        if ok:
+            import torch
+
+            results[rank] = torch.load(io.BytesIO(value), weights_only=True)
+        else:
+            errors[rank] = value
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    for r in range(world_size):
+        if r not in results and r not in errors:
+            errors[r] = f"no result: exit code {procs[r].exitcode} (hung past {timeout_s}s or died)"
+    if errors:
+        raise RankError(errors)
+    return [results[r] for r in range(world_size)]

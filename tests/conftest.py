@@ -1,0 +1,18 @@
+import os
+
+import pytest
+
+os.environ.setdefault("DISTCKPT_FSYNC", "0")  # tests check semantics, not durability; crash tests turn it back on
+
+
+def pytest_addoption(parser):
+    parser.addoption("--run-slow", action="store_true", default=False, help="run the larger sweeps marked slow")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--run-slow"):
+        return
+    skip = pytest.mark.skip(reason="larger sweep: pass --run-slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,72 @@
+"""Replicated items are written once; a failure on any rank fails every rank, with no commit."""
+
+import os
+
+import pytest
+
+import distckpt
+from distckpt.testing import run_ranks
+
+from . import workers
+
+
+def test_each_replicated_tensor_written_once_and_balanced(tmp_path):
+    path = str(tmp_path / "ck")
+    run_ranks(workers.save_replicated, 3, path)
+    md = distckpt.read_metadata(path)
+    items = md.storage_data.items
+    for i in range(8):
+        assert sum(1 for ix in items if ix.fqn == f"w{i}") == 1
+    assert sum(1 for ix in items if ix.fqn == "dt") == 1
+    assert sum(1 for ix in items if ix.fqn == "step") == 1
+    assert len(md.state_dict_metadata["dt"].chunks) == 1
+    # the bytes on disk hold each tensor once
+    stored = sum(si.length for si in items.values())
+    assert stored == sum(64 * (i + 1) * 4 for i in range(8)) + 12 * 4 + items[distckpt.metadata.MetadataIndex("step")].length
+    # balancing: every rank wrote a share
+    per_rank = {}
+    for si in items.values():
+        per_rank[si.file] = per_rank.get(si.file, 0) + si.length
+    assert len(per_rank) == 3
+    assert max(per_rank.values()) - min(per_rank.values()) <= 64 * 8 * 4
+    # and it loads back
+    sd = {f"w{i}": __import__("torch").zeros(64 * (i + 1)) for i in range(8)}
+    distckpt.load(sd, checkpoint_id=path, planner=distckpt.DefaultLoadPlanner(allow_partial_load=True))
+    assert all(float(sd[f"w{i}"][0]) == i for i in range(8))
+
+
+@pytest.mark.parametrize("phase", ["plan", "write"])
+@pytest.mark.parametrize("world_size,fail_rank", [(2, 1), (3, 0)])
+def test_failure_on_one_rank_fails_all_and_commits_nothing(tmp_path, phase, world_size, fail_rank):
+    path = str(tmp_path / "ck")
+    results = run_ranks(workers.failing_save, world_size, path, fail_rank, phase, timeout_s=120)
+    for rank, res in enumerate(results):
+        assert res is not None, f"rank {rank} did not raise"
+        assert res["type"] == "RankFailuresError"
+        assert res["failures"] == [fail_rank]
+        assert f"rank {fail_rank}" in res["text"]
+        assert ("planned failure" in res["text"]) if phase == "plan" else ("No space left" in res["text"])
+    assert not os.path.exists(os.path.join(path, "metadata.json"))
+    with pytest.raises(distckpt.CheckpointNotFoundError, match="never committed"):
+        distckpt.load({}, checkpoint_id=path)
+
+
+def test_read_failure_on_one_rank_fails_all(tmp_path):
+    import torch
+
+    path = str(tmp_path / "ck")
+    distckpt.save({"w": torch.ones(4, 4)}, checkpoint_id=path)
+    results = run_ranks(workers.failing_load, 2, path, 0)
+    for res in results:
+        assert res is not None and res["failures"] == [0] and "injected read failure" in res["text"]
+
+
+def test_missing_key_on_one_rank_names_key_and_rank(tmp_path):
+    import torch
+
+    path = str(tmp_path / "ck")
+    distckpt.save({"w": torch.ones(4, 4)}, checkpoint_id=path)
+    results = run_ranks(workers.missing_key_load, 2, path)
+    for res in results:
+        assert res["failures"] == [1]
+        assert "'nope'" in res["text"] and "allow_partial_load" in res["text"] and path in res["text"]

@@ -1,0 +1,31 @@
+import torch
+
+import distckpt
+from distckpt.testing import run_ranks
+
+from . import workers
+
+
+def test_ddp_load_balancing_planner_spreads_items_over_ranks(tmp_path):
+    path = str(tmp_path / "ck")
+    states = run_ranks(workers.ddp_balanced_save, 2, path)
+    md = distckpt.read_metadata(path)
+    files = {si.file for si in md.storage_data.items.values()}
+    assert len(files) == 2
+    sd = {"model." + k: torch.zeros_like(v) for k, v in states[0].items()}
+    distckpt.load(sd, checkpoint_id=path)
+    for k, v in states[0].items():
+        assert torch.equal(sd["model." + k], v)
+
+
+def test_rank_local_values_keep_each_ranks_copy(tmp_path):
+    results = run_ranks(workers.rank_local_roundtrip, 3, str(tmp_path / "ck"))
+    assert results == [[0, 0, 0], [1, 1, 1], [2, 2, 2]]
+    md = distckpt.read_metadata(tmp_path / "ck")
+    assert {k for k in md.state_dict_metadata if k.startswith("rng")} == {"rng@rank0", "rng@rank1", "rng@rank2"}
+
+
+def test_inconsistent_replicas_are_an_error_not_a_silent_pick(tmp_path):
+    results = run_ranks(workers.mismatched_replicas, 2, str(tmp_path / "ck"))
+    for text in results:
+        assert text is not None and "RankLocal" in text and "'w'" in text

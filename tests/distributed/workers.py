@@ -1,0 +1,134 @@
+"""Functions that run inside the ranks spawned by distckpt.testing.run_ranks."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+import distckpt
+from distckpt.planner import SavePlan
+
+from . import states
+
+
+def save_all_layouts(rank, world_size, path):
+    sd = states.build(world_size, states.SAVE, fill=True)
+    distckpt.save(sd, checkpoint_id=path)
+    return True
+
+
+def load_all_layouts(rank, world_size, paths):
+    failures = {}
+    for path in paths:
+        for variant, layouts in (("same", states.SAVE), ("reshard", states.RESHARD_LAYOUT)):
+            sd = states.build(world_size, layouts, fill=False)
+            distckpt.load(sd, checkpoint_id=path)
+            bad = states.check(sd)
+            if bad:
+                failures[f"{os.path.basename(path)}/{variant}"] = bad
+    return failures
+
+
+def save_replicated(rank, world_size, path):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    sd = {f"w{i}": torch.full((64 * (i + 1),), float(i)) for i in range(8)}
+    sd["dt"] = distribute_tensor(torch.arange(12.0).reshape(3, 4), mesh, [Replicate()])
+    sd["step"] = 5
+    distckpt.save(sd, checkpoint_id=path)
+    return True
+
+
+class _FailingSavePlanner(distckpt.DefaultSavePlanner):
+    def __init__(self, fail_rank, phase):
+        super().__init__()
+        self.fail_rank, self.phase = fail_rank, phase
+
+    def create_local_plan(self) -> SavePlan:
+        if self.phase == "plan" and self.rank == self.fail_rank:
+            raise ValueError(f"planned failure on rank {self.rank}")
+        return super().create_local_plan()
+
+    def resolve_data(self, write_item):
+        if self.phase == "write" and self.rank == self.fail_rank:
+            raise OSError(28, "No space left on device (injected)")
+        return super().resolve_data(write_item)
+
+
+class _FailingLoadPlanner(distckpt.DefaultLoadPlanner):
+    def __init__(self, fail_rank):
+        super().__init__()
+        self.fail_rank = fail_rank
+
+    def resolve_tensor(self, read_item):
+        if self.rank == self.fail_rank:
+            raise RuntimeError(f"injected read failure on rank {self.rank}")
+        return super().resolve_tensor(read_item)
+
+
+def failing_save(rank, world_size, path, fail_rank, phase):
+    sd = {"w": torch.ones(4, 4), f"own{rank}": torch.ones(3)}
+    try:
+        distckpt.save(sd, checkpoint_id=path, planner=_FailingSavePlanner(fail_rank, phase))
+    except distckpt.CheckpointError as exc:
+        return {"type": type(exc).__name__, "text": str(exc), "failures": sorted(getattr(exc, "failures", {}))}
+    return None
+
+
+def failing_load(rank, world_size, path, fail_rank):
+    sd = {"w": torch.zeros(4, 4)}
+    try:
+        distckpt.load(sd, checkpoint_id=path, planner=_FailingLoadPlanner(fail_rank))
+    except distckpt.CheckpointError as exc:
+        return {"type": type(exc).__name__, "text": str(exc), "failures": sorted(getattr(exc, "failures", {}))}
+    return None
+
+
+def missing_key_load(rank, world_size, path):
+    sd = {"w": torch.zeros(4, 4)}
+    if rank == 1:
+        sd["nope"] = torch.zeros(2)
+    try:
+        distckpt.load(sd, checkpoint_id=path)
+    except distckpt.CheckpointError as exc:
+        return {"type": type(exc).__name__, "text": str(exc), "failures": sorted(getattr(exc, "failures", {}))}
+    return None
+
+
+from itertools import zip_longest  # noqa: E402
+
+
+class DDPLoadBalancingPlanner(distckpt.DefaultSavePlanner):
+    def create_global_plan(self, all_plans):
+        from dataclasses import replace
+
+        iters = [iter(all_plans[0].items)] * len(all_plans)
+        items_per_rank = [[item for item in items if item is not None] for items in zip(*zip_longest(*iters), strict=True)]
+        all_plans = [replace(plan, items=items) for plan, items in zip(all_plans, items_per_rank, strict=True)]
+        return super().create_global_plan(all_plans)
+
+
+def ddp_balanced_save(rank, world_size, path):
+    torch.manual_seed(0)  # every rank holds the same replicated model
+    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)])
+    distckpt.save({"model": model}, checkpoint_id=path, planner=DDPLoadBalancingPlanner())
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def rank_local_roundtrip(rank, world_size, path):
+    distckpt.save({"rng": distckpt.RankLocal(torch.full((3,), rank)), "shared": torch.ones(2)}, checkpoint_id=path)
+    out = {"rng": distckpt.RankLocal(torch.zeros(3, dtype=torch.int64)), "shared": torch.zeros(2)}
+    distckpt.load(out, checkpoint_id=path)
+    return out["rng"].value.tolist()
+
+
+def mismatched_replicas(rank, world_size, path):
+    try:
+        distckpt.save({"w": torch.ones(2 + rank)}, checkpoint_id=path)
+    except distckpt.CheckpointError as exc:
+        return str(exc)
+    return None

@@ -1,0 +1,159 @@
+"""End-to-end save/load through the public API, in one process."""
+
+import io
+import os
+import uuid
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import distckpt
+from distckpt import DefaultLoadPlanner, DefaultSavePlanner
+
+
+def test_public_names_import():
+    for name in distckpt.__all__:
+        assert getattr(distckpt, name) is not None
+    from distckpt.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex,  # noqa: F401
+                                   STATE_DICT_TYPE, StorageMeta, TensorProperties, TensorStorageMetadata)
+    from distckpt.planner import (BytesIOWriteData, LoadItemType, LoadPlan, LoadPlanner, ReadItem, SavePlan,  # noqa: F401
+                                  SavePlanner, TensorWriteData, WriteItem, WriteItemType)
+    from distckpt.storage import StorageReader, StorageWriter, WriteResult  # noqa: F401
+    assert issubclass(distckpt.CheckpointError, Exception)
+    assert issubclass(distckpt.CheckpointNotFoundError, FileNotFoundError)
+
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int8,
+          torch.uint8, torch.bool, torch.complex64]
+
+
+def _random(shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=g) > 0.5
+    if dtype.is_floating_point or dtype.is_complex:
+        return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype) if not dtype.is_complex else torch.randn(shape, generator=g, dtype=dtype)
+    return torch.randint(-100, 100, shape, generator=g).to(dtype)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.integers(0, 6), max_size=3), st.sampled_from(DTYPES)), min_size=1, max_size=6),
+       st.booleans())
+def test_save_then_load_returns_the_same_bytes(specs, noncontiguous):
+    sd = {}
+    for i, (shape, dtype) in enumerate(specs):
+        t = _random(shape, dtype, i)
+        if noncontiguous and t.dim() >= 2:
+            t = t.transpose(0, 1)
+        sd[f"t{i}"] = t
+    cid = f"memory://{uuid.uuid4().hex}"
+    distckpt.save(sd, checkpoint_id=cid)
+    out = {k: torch.empty_like(v) for k, v in sd.items()}
+    distckpt.load(out, checkpoint_id=cid)
+    for k in sd:
+        a, b = sd[k].contiguous(), out[k].contiguous()
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert a.numel() == 0 or torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def test_nested_state_restores_into_callers_nesting(tmp_path):
+    sd = {"model": {"enc": {"w": torch.randn(3, 3)}}, "cfg": {"name": "x", "sizes": (1, 2)}, "hist": [torch.ones(2), 5]}
+    distckpt.save(sd, checkpoint_id=tmp_path / "ck")
+    out = {"model": {"enc": {"w": torch.zeros(3, 3)}}, "cfg": {"name": "", "sizes": ()}, "hist": [torch.zeros(2), 0]}
+    distckpt.load(out, checkpoint_id=tmp_path / "ck")
+    assert torch.equal(out["model"]["enc"]["w"], sd["model"]["enc"]["w"])
+    assert out["cfg"] == {"name": "x", "sizes": (1, 2)}
+    assert torch.equal(out["hist"][0], torch.ones(2)) and out["hist"][1] == 5
+
+
+def test_load_reads_straight_into_destination_memory(tmp_path):
+    w = torch.randn(256, 256)
+    distckpt.save({"w": w}, checkpoint_id=tmp_path / "ck")
+    dest = torch.zeros(256, 256)
+    ptr = dest.data_ptr()
+    distckpt.load({"w": dest}, checkpoint_id=tmp_path / "ck")
+    assert dest.data_ptr() == ptr and torch.equal(dest, w)
+
+
+def test_errors_name_checkpoint_key_and_fix(tmp_path):
+    path = tmp_path / "ck"
+    with pytest.raises(distckpt.CheckpointNotFoundError, match="does not exist"):
+        distckpt.load({"w": torch.zeros(2)}, checkpoint_id=path)
+    distckpt.save({"w": torch.ones(2, 3), "n": 1}, checkpoint_id=path)
+    with pytest.raises(distckpt.MissingKeyError, match=r"'v'.*ck.*allow_partial_load"):
+        distckpt.load({"v": torch.zeros(2)}, checkpoint_id=path)
+    with pytest.raises(distckpt.ShapeMismatchError, match=r"'w'.*\[3, 2\].*\[2, 3\]"):
+        distckpt.load({"w": torch.zeros(3, 2)}, checkpoint_id=path)
+    with pytest.raises(distckpt.DTypeMismatchError, match=r"'w'.*allow_dtype_conversion"):
+        distckpt.load({"w": torch.zeros(2, 3, dtype=torch.float64)}, checkpoint_id=path)
+    out = {"w": torch.zeros(2, 3, dtype=torch.float64), "extra": torch.zeros(1)}
+    distckpt.load(out, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True, allow_dtype_conversion=True))
+    assert torch.equal(out["w"], torch.ones(2, 3, dtype=torch.float64))
+    with pytest.raises(distckpt.CheckpointError, match="already exists"):
+        distckpt.save({"w": torch.ones(1)}, checkpoint_id=path)
+
+
+class Opaque:
+    def __init__(self, v):
+        self.v = v
+
+
+def test_unsafe_values_raise_at_save_unless_pickle_opted_in(tmp_path):
+    with pytest.raises(distckpt.UnsafeValueError, match=r"'obj'.*allow_pickle=True"):
+        distckpt.save({"obj": Opaque(1)}, checkpoint_id=tmp_path / "a")
+    assert not (tmp_path / "a" / "metadata.json").exists()
+    distckpt.save({"obj": Opaque(2)}, checkpoint_id=tmp_path / "b", planner=DefaultSavePlanner(allow_pickle=True))
+    out = {"obj": None}
+    with pytest.raises(distckpt.UnsafeValueError, match="allow_pickle=True"):
+        distckpt.load(out, checkpoint_id=tmp_path / "b")
+    distckpt.load(out, checkpoint_id=tmp_path / "b", planner=DefaultLoadPlanner(allow_pickle=True))
+    assert out["obj"].v == 2
+
+
+class Counter:
+    def __init__(self):
+        self.n = 0
+
+    def state_dict(self):
+        return {"n": self.n, "t": torch.tensor([float(self.n)])}
+
+    def load_state_dict(self, sd):
+        self.n = sd["n"]
+        self.t = sd["t"]
+
+
+def test_stateful_objects_round_trip(tmp_path):
+    c = Counter()
+    c.n = 41
+    distckpt.save({"counter": c}, checkpoint_id=tmp_path / "ck")
+    c2 = Counter()
+    distckpt.load({"counter": c2}, checkpoint_id=tmp_path / "ck")
+    assert c2.n == 41 and float(c2.t) == 41.0
+
+
+def test_read_metadata_describes_without_loading(tmp_path):
+    distckpt.save({"w": torch.ones(4, 5, dtype=torch.bfloat16), "s": "x"}, checkpoint_id=tmp_path / "ck")
+    md = distckpt.read_metadata(tmp_path / "ck")
+    assert md.state_dict_metadata["w"].size == torch.Size([4, 5])
+    assert md.state_dict_metadata["w"].properties.dtype == torch.bfloat16
+    assert md.version == "1.0"
+
+
+def test_rank_local_values_keep_every_copy(tmp_path):
+    distckpt.save({"rng": distckpt.RankLocal(torch.arange(3))}, checkpoint_id=tmp_path / "ck")
+    md = distckpt.read_metadata(tmp_path / "ck")
+    assert "rng@rank0" in md.state_dict_metadata
+    out = {"rng": distckpt.RankLocal(torch.zeros(3, dtype=torch.int64))}
+    distckpt.load(out, checkpoint_id=tmp_path / "ck")
+    assert torch.equal(out["rng"].value, torch.arange(3))
+
+
+def test_storage_chosen_from_checkpoint_id(tmp_path):
+    distckpt.save({"w": torch.ones(2)}, checkpoint_id="memory://picked")
+    out = {"w": torch.zeros(2)}
+    distckpt.load(out, checkpoint_id="memory://picked")
+    assert torch.equal(out["w"], torch.ones(2))
+    distckpt.save({"w": torch.ones(2)}, checkpoint_id=f"file://{tmp_path}/f")
+    assert os.path.exists(tmp_path / "f" / "metadata.json")
