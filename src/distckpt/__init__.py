@@ -24,6 +24,7 @@ from .optim import init_optimizer_state
 from .planning import DefaultLoadPlanner, DefaultSavePlanner, RankLocal
 from .saving import save
 from .stateful import Stateful
+from .verification import VerifyReport, verify
 
 __version__ = "0.1.0"
 
@@ -31,6 +32,8 @@ __all__ = [
     "save",
     "load",
     "read_metadata",
+    "verify",
+    "VerifyReport",
     "DefaultSavePlanner",
     "DefaultLoadPlanner",
     "FileSystemWriter",

@@ -128,6 +128,11 @@ def write_file(store: BlobStore, name: str, save_id: str, rank: int, plan: SaveP
             shape = tuple(td.chunk.sizes) if code != "U8" or td.properties.dtype == torch.uint8 else (nbytes,)
             entries.append(Entry(entry_name(item.index.fqn, tuple(item.index.offset or ())), code, shape, nbytes))
             payloads.append(None)
+    names = set()
+    for i, e in enumerate(entries):  # a key may itself look like "<key>@<offsets>": keep names unique
+        if e.name in names:
+            entries[i] = e = Entry(f"{e.name}#{i}", e.code, e.shape, e.nbytes)
+        names.add(e.name)
     lead, offsets = build_header(entries, save_id, rank)
     blob = store.create(name)
     crcs = [0] * len(entries)
@@ -166,7 +171,7 @@ def write_file(store: BlobStore, name: str, save_id: str, rank: int, plan: SaveP
     size = len(lead) + sum(e.nbytes for e in entries)
     results = [WriteResult(item.index, e.nbytes, StorageInfo(name, off, e.nbytes, c))
                for item, e, off, c in zip(plan.items, entries, offsets, crcs)]
-    results.append(WriteResult(MetadataIndex(FILE_RESULT_PREFIX + name), size, FileInfo(size, rank)))
+    results.append(WriteResult(MetadataIndex(FILE_RESULT_PREFIX + name), size, FileInfo(size, rank, crc32c(lead))))
     return results
 
 

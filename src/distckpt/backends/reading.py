@@ -40,6 +40,10 @@ def open_and_validate(store: BlobStore, fsd: FileStorageData, names, where: str)
                 raise CorruptCheckpointError(
                     f"{here}: belongs to save {header.save_id}, but this checkpoint is save {fsd.save_id}; "
                     "a file from another checkpoint was copied in. Restore the original file.")
+            if header.lead_crc32c != info.header_crc32c:
+                raise CorruptCheckpointError(
+                    f"{here}: header checksum mismatch (offset 0 to {header.data_start}): stored {info.header_crc32c:08x}, "
+                    f"computed {header.lead_crc32c:08x}. The file is damaged; restore it from a copy.")
     except BaseException:
         for b in blobs.values():
             b.close()
@@ -79,9 +83,7 @@ def read_items(store: BlobStore, md: Metadata, plan: LoadPlan, planner: LoadPlan
         assert isinstance(md_entry, TensorStorageMetadata)
         dtype = md_entry.properties.dtype
         shape = chunk_shapes[index]
-        expected = volume(shape) * itemsize(dtype)
-        if expected != info.length:
-            raise CorruptCheckpointError(f"{here}, chunk {list(index.offset or [])}: stored length {info.length} != {expected} bytes for shape {list(shape)} {dtype}")
+        here = f"{here}, chunk {list(index.offset or [])}"
         if len(items) == 1 and tuple(items[0].lengths) == tuple(shape):
             with lock:
                 dest = planner.resolve_tensor(items[0])

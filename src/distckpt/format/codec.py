@@ -8,13 +8,14 @@ validate every field and raise CorruptCheckpointError on anything malformed.
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any, Optional
 
 import torch
 
 from .. import knobs
-from ..errors import CorruptCheckpointError, FormatVersionError
+from ..errors import CheckpointError, CorruptCheckpointError, FormatVersionError
 from ..metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -37,11 +38,13 @@ from ..planner import (
 from ..storage import WriteResult
 from . import FORMAT_NAME, FORMAT_VERSION, FORMAT_VERSION_STR
 from .checksum import crc32c, format_crc
-from .dtypes import dtype_from_name, dtype_name
+from .dtypes import dtype_from_name, dtype_name, itemsize
 from .records import FileInfo, FileStorageData, StorageInfo
 from .values import from_data, to_data
 
 MAX_DIMS = 64
+MAX_KEYS = 10_000_000
+MAX_CHUNKS = 10_000_000
 _MAX_INT = (1 << 63) - 1
 
 # ---------------------------------------------------------------- small parts
@@ -83,7 +86,7 @@ def _dec_props(data: Any, where: str) -> TensorProperties:
     if not isinstance(data, list) or len(data) != 5:
         raise CorruptCheckpointError(f"{where}: malformed tensor properties {data!r:.200}")
     dt, layout, rg, mf, pin = data
-    if layout not in _LAYOUTS or mf not in _MEMORY_FORMATS or type(rg) is not bool or type(pin) is not bool:
+    if not isinstance(layout, str) or not isinstance(mf, str) or layout not in _LAYOUTS or mf not in _MEMORY_FORMATS or type(rg) is not bool or type(pin) is not bool:
         raise CorruptCheckpointError(f"{where}: malformed tensor properties {data!r:.200}")
     return TensorProperties(dtype_from_name(dt, where), _LAYOUTS[layout], rg, _MEMORY_FORMATS[mf], pin)
 
@@ -160,7 +163,7 @@ def encode_write_results(results: list[WriteResult]) -> list:
         if isinstance(sd, StorageInfo):
             sd = {"$si": [sd.file, sd.offset, sd.length, sd.crc32c]}
         elif isinstance(sd, FileInfo):
-            sd = {"$fi": [sd.size, sd.rank]}
+            sd = {"$fi": [sd.size, sd.rank, sd.header_crc32c]}
         else:
             sd = _opaque_to(sd, "write result", True)
         out.append([_enc_index(r.index), r.size_in_bytes, sd])
@@ -197,7 +200,7 @@ def loads(raw: bytes, where: str) -> Any:
 def _enc_file_storage(fs: FileStorageData) -> dict:
     return {
         "save_id": fs.save_id,
-        "files": {name: [info.size, info.rank] for name, info in sorted(fs.files.items())},
+        "files": {name: [info.size, info.rank, format_crc(info.header_crc32c)] for name, info in sorted(fs.files.items())},
         "items": [[idx.fqn, None if idx.offset is None else list(idx.offset), si.file, si.offset, si.length, format_crc(si.crc32c)]
                   for idx, si in fs.items.items()],
     }
@@ -214,24 +217,40 @@ def _dec_file_storage(data: Any, where: str) -> FileStorageData:
     files = {}
     for name, info in files_raw.items():
         check_file_name(name, where)
-        if not (isinstance(info, list) and len(info) == 2 and all(type(x) is int and 0 <= x <= _MAX_INT for x in info)):
+        if not (isinstance(info, list) and len(info) == 3 and all(type(x) is int and 0 <= x <= _MAX_INT for x in info[:2])):
             raise CorruptCheckpointError(f"{where}: malformed entry for data file {name!r}")
-        files[name] = FileInfo(info[0], info[1])
+        files[name] = FileInfo(info[0], info[1], _crc_field(info[2], f"{where}: data file {name!r}"))
     items = {}
     for entry in items_raw:
-        if not (isinstance(entry, list) and len(entry) == 6 and isinstance(entry[0], str) and entry[2] in files):
+        if not (isinstance(entry, list) and len(entry) == 6 and isinstance(entry[0], str) and isinstance(entry[2], str)
+                and entry[2] in files):
             raise CorruptCheckpointError(f"{where}: malformed storage item {entry!r:.200} (unknown file or bad shape)")
         fqn, off, fname, begin, length, crc = entry
         if not all(type(x) is int and 0 <= x <= _MAX_INT for x in (begin, length)) or begin + length > files[fname].size:
             raise CorruptCheckpointError(f"{where}: storage item {fqn!r} lies outside data file {fname!r}")
-        try:
-            crc_value = int(crc, 16) if isinstance(crc, str) and len(crc) == 8 else None
-        except ValueError:
-            crc_value = None
-        if crc_value is None:
-            raise CorruptCheckpointError(f"{where}: storage item {fqn!r} has a malformed checksum {crc!r:.20}")
-        items[MetadataIndex(fqn, _ints(off, where, allow_none=True))] = StorageInfo(fname, begin, length, crc_value)
+        index = MetadataIndex(fqn, _ints(off, where, allow_none=True))
+        if index in items:
+            raise CorruptCheckpointError(f"{where}: storage item {fqn!r} {entry[1]} is listed twice")
+        items[index] = StorageInfo(fname, begin, length, _crc_field(crc, f"{where}: storage item {fqn!r}"))
+    _check_no_overlap(items, files, where)
     return FileStorageData(save_id, files, items)
+
+
+def _crc_field(value: Any, where: str) -> int:
+    if isinstance(value, str) and re.fullmatch(r"[0-9a-f]{8}", value):
+        return int(value, 16)
+    raise CorruptCheckpointError(f"{where}: malformed checksum {value!r:.20}")
+
+
+def _check_no_overlap(items: dict, files: dict, where: str) -> None:
+    spans: dict[str, list] = {name: [] for name in files}
+    for index, si in items.items():
+        spans[si.file].append((si.offset, si.offset + si.length, index.fqn))
+    for name, lst in spans.items():
+        lst.sort()
+        for (b0, e0, k0), (b1, _, k1) in zip(lst, lst[1:]):
+            if b1 < e0:
+                raise CorruptCheckpointError(f"{where}: items {k0!r} and {k1!r} overlap in data file {name!r}")
 
 
 # ---------------------------------------------------------------- metadata document
@@ -267,6 +286,16 @@ def encode_metadata(md: Metadata) -> bytes:
 
 def parse_metadata(raw: bytes, where: str) -> Metadata:
     """Validate and decode a metadata document. Every failure is a typed CheckpointError."""
+    try:
+        return _parse_metadata(raw, where)
+    except CheckpointError:
+        raise
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError, RecursionError) as exc:
+        # the explicit checks above cover the format; this keeps the contract for shapes they did not foresee
+        raise CorruptCheckpointError(f"{where}: malformed metadata ({type(exc).__name__}: {exc})") from None
+
+
+def _parse_metadata(raw: bytes, where: str) -> Metadata:
     m = _TRAILER.search(raw)
     if m is None:
         raise CorruptCheckpointError(f"{where}: metadata does not end with its checksum; the file is truncated or not a distckpt metadata file")
@@ -290,7 +319,10 @@ def parse_metadata(raw: bytes, where: str) -> Metadata:
     sdm_raw = body.get("state_dict_metadata")
     if not isinstance(sdm_raw, dict):
         raise CorruptCheckpointError(f"{where}: state_dict_metadata is missing or not an object")
+    if len(sdm_raw) > MAX_KEYS:
+        raise CorruptCheckpointError(f"{where}: more than {MAX_KEYS} keys")
     sdm: dict = {}
+    total_chunks = 0
     for fqn, entry in sdm_raw.items():
         here = f"{where}: key {fqn!r}"
         if not isinstance(entry, dict) or entry.get("type") not in ("tensor", "bytes"):
@@ -303,6 +335,9 @@ def parse_metadata(raw: bytes, where: str) -> Metadata:
         chunks_raw = entry.get("chunks")
         if not isinstance(chunks_raw, list):
             raise CorruptCheckpointError(f"{here}: chunks must be a list")
+        total_chunks += len(chunks_raw)
+        if total_chunks > MAX_CHUNKS:
+            raise CorruptCheckpointError(f"{where}: more than {MAX_CHUNKS} chunks")
         chunks = [_dec_chunk(c, here) for c in chunks_raw]
         for c in chunks:
             if len(c.offsets) != len(size) or any(o + s > d for o, s, d in zip(c.offsets, c.sizes, size)):
@@ -314,10 +349,37 @@ def parse_metadata(raw: bytes, where: str) -> Metadata:
         if not isinstance(sm_raw, dict):
             raise CorruptCheckpointError(f"{where}: malformed storage_meta")
         sm = StorageMeta(sm_raw.get("checkpoint_id"), sm_raw.get("save_id"), sm_raw.get("load_id"), list(sm_raw.get("modules") or []))
-    return Metadata(
+    md = Metadata(
         state_dict_metadata=sdm,
         planner_data=_opaque_from(body.get("planner_data"), f"{where}: planner_data", False),
         storage_data=_opaque_from(body.get("storage_data"), f"{where}: storage_data", False),
         storage_meta=sm,
         version=version,
     )
+    if isinstance(md.storage_data, FileStorageData):
+        _cross_check(md, md.storage_data, where)
+    return md
+
+
+def _cross_check(md: Metadata, fsd: FileStorageData, where: str) -> None:
+    """Every stored chunk and value has exactly one storage item of the right length."""
+    expected = 0
+    for fqn, entry in md.state_dict_metadata.items():
+        if isinstance(entry, TensorStorageMetadata):
+            size = itemsize(entry.properties.dtype)
+            for c in entry.chunks:
+                si = fsd.items.get(MetadataIndex(fqn, c.offsets))
+                if si is None:
+                    raise CorruptCheckpointError(f"{where}: key {fqn!r} chunk {list(c.offsets)} has no storage item")
+                want = math.prod(c.sizes) * size
+                if si.length != want:
+                    raise CorruptCheckpointError(
+                        f"{where}: key {fqn!r} chunk {list(c.offsets)}: {si.length} bytes stored, shape {list(c.sizes)} "
+                        f"of {entry.properties.dtype} needs {want}")
+                expected += 1
+        else:
+            if MetadataIndex(fqn) not in fsd.items:
+                raise CorruptCheckpointError(f"{where}: value {fqn!r} has no storage item")
+            expected += 1
+    if expected != len(fsd.items):
+        raise CorruptCheckpointError(f"{where}: {len(fsd.items)} storage items for {expected} chunks and values")

@@ -17,6 +17,7 @@ from typing import Callable, Optional
 from .. import knobs
 from ..errors import CorruptCheckpointError
 from . import FORMAT_NAME, FORMAT_VERSION_STR
+from .checksum import crc32c
 from .dtypes import ITEMSIZE, SAFETENSORS_CODES
 
 __all__ = ["Entry", "build_header", "read_header", "HeaderInfo"]
@@ -55,6 +56,7 @@ class HeaderInfo:
     rank: int
     data_start: int
     entries: dict[str, tuple[str, tuple[int, ...], int, int]]  # name -> (code, shape, begin, end) absolute
+    lead_crc32c: int  # CRC-32C of the length prefix and header bytes
 
 
 def read_header(pread: Callable[[int, int], bytes], file_size: int, where: str) -> HeaderInfo:
@@ -64,11 +66,13 @@ def read_header(pread: Callable[[int, int], bytes], file_size: int, where: str) 
     """
     if file_size < 8:
         raise CorruptCheckpointError(f"{where}: file is {file_size} bytes, too short for a header; it is truncated")
-    (n,) = struct.unpack("<Q", _pread_exact(pread, 8, 0, where))
+    prefix = _pread_exact(pread, 8, 0, where)
+    (n,) = struct.unpack("<Q", prefix)
     cap = knobs.max_header_bytes()
     if n > cap or 8 + n > file_size:
         raise CorruptCheckpointError(f"{where}: header length {n} exceeds the file ({file_size} bytes) or the cap ({cap}); the file is truncated or damaged")
     raw = _pread_exact(pread, n, 8, where)
+    lead_crc = crc32c(raw, crc32c(prefix))
     try:
         header = json.loads(raw.decode("utf-8"))
     except (ValueError, RecursionError) as exc:
@@ -87,7 +91,7 @@ def read_header(pread: Callable[[int, int], bytes], file_size: int, where: str) 
     entries = {}
     spans = []
     for name, e in header.items():
-        if not isinstance(e, dict) or e.get("dtype") not in SAFETENSORS_CODES:
+        if not isinstance(e, dict) or not isinstance(e.get("dtype"), str) or e["dtype"] not in SAFETENSORS_CODES:
             raise CorruptCheckpointError(f"{where}: entry {name!r:.80} has a missing or disallowed dtype")
         shape, offs = e.get("shape"), e.get("data_offsets")
         if not (isinstance(shape, list) and len(shape) <= 64 and all(type(x) is int and x >= 0 for x in shape)):
@@ -102,7 +106,7 @@ def read_header(pread: Callable[[int, int], bytes], file_size: int, where: str) 
     for (b0, e0), (b1, _) in zip(spans, spans[1:]):
         if b1 < e0:
             raise CorruptCheckpointError(f"{where}: entries overlap in the data section")
-    return HeaderInfo(meta["save_id"], rank, data_start, entries)
+    return HeaderInfo(meta["save_id"], rank, data_start, entries, lead_crc)
 
 
 def _pread_exact(pread: Callable[[int, int], bytes], n: int, offset: int, where: str) -> bytes:

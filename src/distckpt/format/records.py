@@ -21,10 +21,12 @@ class StorageInfo:
 
 @dataclass(frozen=True)
 class FileInfo:
-    """A data file of a checkpoint: its exact size and the rank that wrote it."""
+    """A data file of a checkpoint: its exact size, the rank that wrote it, and the
+    CRC-32C of its leading bytes (length prefix and header)."""
 
     size: int
     rank: int
+    header_crc32c: int
 
 
 @dataclass

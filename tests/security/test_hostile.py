@@ -1,0 +1,228 @@
+"""Hostile input: only typed errors, no unpickling, no escaping the checkpoint, bounded allocation."""
+
+import json
+import os
+import pickle
+import struct
+import tracemalloc
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import distckpt
+from distckpt import CheckpointError, CorruptCheckpointError, FormatVersionError, UnsafeValueError
+from distckpt.format.codec import parse_metadata
+from distckpt.format.datafile import read_header
+
+from .helpers import blank_like, copy, make_checkpoint, read_body, write_body
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("good") / "ck")
+    return path, make_checkpoint(path)
+
+
+def _doc(body):
+    from distckpt.format.checksum import crc32c
+
+    prefix = json.dumps(body, separators=(",", ":")).encode()[:-1]
+    return prefix + b',"crc32c":"' + f"{crc32c(prefix):08x}".encode() + b'"}\n'
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=12),
+    lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4),
+    max_leaves=12,
+)
+
+
+def _paths(obj, prefix=()):
+    yield prefix
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _paths(v, prefix + (k,))
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            yield from _paths(v, prefix + (i,))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_metadata_parser_raises_only_typed_errors(good, data):
+    path, _ = good
+    body = read_body(path)
+    paths = list(_paths(body))[1:]
+    for _ in range(data.draw(st.integers(1, 3))):
+        target = data.draw(st.sampled_from(paths))
+        node = body
+        try:
+            for p in target[:-1]:
+                node = node[p]
+            node[target[-1]] = data.draw(json_values)
+        except (KeyError, IndexError, TypeError):
+            continue
+    raw = _doc(body)
+    tracemalloc.start()
+    try:
+        parse_metadata(raw, "fuzz")
+    except CheckpointError:
+        pass
+    finally:
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+    assert peak < 50 * len(raw) + (4 << 20)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=600))
+def test_metadata_parser_on_random_bytes(raw):
+    with pytest.raises(CheckpointError):
+        parse_metadata(raw, "fuzz")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=400), st.integers(0, 2**64 - 1), st.booleans())
+def test_header_parser_raises_only_typed_errors(payload, declared, honest):
+    n = len(payload) if honest else declared
+    blob = struct.pack("<Q", n) + payload
+    tracemalloc.start()
+    try:
+        read_header(lambda k, off: blob[off:off + k], len(blob), "fuzz")
+    except CheckpointError:
+        pass
+    finally:
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+    assert peak < 50 * len(blob) + (1 << 20)
+
+
+@settings(max_examples=200, deadline=None)
+@given(json_values, st.integers(0, 64))
+def test_header_parser_on_structured_json(header, pad):
+    text = json.dumps({"__metadata__": {"format": "distckpt", "save_id": "x"}, "t": header}).encode() + b" " * pad
+    blob = struct.pack("<Q", len(text)) + text + bytes(64)
+    try:
+        read_header(lambda k, off: blob[off:off + k], len(blob), "fuzz")
+    except CheckpointError:
+        pass
+
+
+def test_header_length_beyond_the_file_is_refused_before_allocation():
+    blob = struct.pack("<Q", 2**62) + b"{}"
+    with pytest.raises(CorruptCheckpointError, match="header length"):
+        read_header(lambda k, off: blob[off:off + k], len(blob), "x")
+
+
+@pytest.mark.parametrize("bad", ["../escape.safetensors", "/etc/passwd", "sub/dir.safetensors", "..", ".hidden", "a\\b"])
+def test_path_traversal_names_are_rejected(good, tmp_path, bad):
+    path, sd = good
+    ck = copy(path, str(tmp_path / "ck"))
+    body = read_body(ck)
+    old = next(iter(body["storage_data"]["$fs"]["files"]))
+    body["storage_data"]["$fs"]["files"][bad] = body["storage_data"]["$fs"]["files"].pop(old)
+    for item in body["storage_data"]["$fs"]["items"]:
+        item[2] = bad
+    write_body(ck, body)
+    with pytest.raises(CorruptCheckpointError, match="not a plain file name"):
+        distckpt.load(blank_like(sd), checkpoint_id=ck)
+
+
+def test_symlink_out_of_the_checkpoint_is_not_followed(good, tmp_path):
+    path, sd = good
+    ck = copy(path, str(tmp_path / "ck"))
+    name = [f for f in os.listdir(ck) if f.endswith(".safetensors")][0]
+    outside = tmp_path / "outside.bin"
+    os.replace(os.path.join(ck, name), outside)
+    os.symlink(outside, os.path.join(ck, name))
+    with pytest.raises(CheckpointError, match="symbolic link"):
+        distckpt.load(blank_like(sd), checkpoint_id=ck)
+
+
+def test_unknown_major_version_is_rejected_with_supported_version(good, tmp_path):
+    path, sd = good
+    ck = copy(path, str(tmp_path / "ck"))
+    body = read_body(ck)
+    body["format_version"] = "2.0"
+    write_body(ck, body)
+    with pytest.raises(FormatVersionError, match=r"2\.0.*reads format version 1\.x"):
+        distckpt.read_metadata(ck)
+
+
+class Boom:
+    def __reduce__(self):
+        return (os.system, ("echo pwned > /dev/null",))
+
+
+@pytest.fixture
+def no_unpickling(monkeypatch):
+    def fail(*a, **k):
+        raise AssertionError("an unpickler was used on the default load path")
+
+    class NoUnpickler:
+        def __init__(self, *a, **k):
+            fail()
+
+    monkeypatch.setattr(pickle, "loads", fail)
+    monkeypatch.setattr(pickle, "load", fail)
+    monkeypatch.setattr(pickle, "Unpickler", NoUnpickler)
+    monkeypatch.setattr(torch, "load", fail)
+    import _pickle
+
+    monkeypatch.setattr(_pickle, "loads", fail)
+    monkeypatch.setattr(_pickle, "load", fail)
+
+
+def test_pickled_value_is_never_unpickled_by_default(tmp_path, no_unpickling):
+    ck = str(tmp_path / "ck")
+    distckpt.save({"evil": Boom(), "w": torch.ones(2)}, checkpoint_id=ck, planner=distckpt.DefaultSavePlanner(allow_pickle=True))
+    out = {"evil": None, "w": torch.zeros(2)}
+    with pytest.raises(UnsafeValueError, match="'evil'.*allow_pickle=True"):
+        distckpt.load(out, checkpoint_id=ck)
+    assert out["evil"] is None
+    distckpt.verify(ck)  # verifying never decodes values
+
+
+def test_pickle_payload_in_metadata_is_never_unpickled(good, tmp_path, no_unpickling):
+    import base64
+
+    path, sd = good
+    ck = copy(path, str(tmp_path / "ck"))
+    body = read_body(ck)
+    body["planner_data"] = {"$t": "pickle", "v": base64.b64encode(b"cos\nsystem\n(S'echo pwned'\ntR.").decode()}
+    write_body(ck, body)
+    with pytest.raises(UnsafeValueError):
+        distckpt.load(blank_like(sd), checkpoint_id=ck)
+
+
+def test_raw_pickle_in_a_value_slot_is_corrupt_not_executed(tmp_path, no_unpickling):
+    ck = str(tmp_path / "ck")
+    distckpt.save({"v": "hello"}, checkpoint_id=ck)
+    md = distckpt.read_metadata(ck)
+    si = md.storage_data.items[distckpt.metadata.MetadataIndex("v")]
+    p = os.path.join(ck, si.file)
+    data = bytearray(open(p, "rb").read())
+    payload = b"\x80\x04cos\nsystem\n."[: si.length].ljust(si.length, b".")
+    data[si.offset:si.offset + si.length] = payload
+    open(p, "wb").write(bytes(data))
+    out = {"v": None}
+    with pytest.raises(CheckpointError):
+        distckpt.load(out, storage_reader=distckpt.FileSystemReader(ck, verify_checksums=False))
+
+
+def test_data_files_are_safetensors_files(tmp_path):
+    from safetensors import safe_open
+
+    ck = str(tmp_path / "ck")
+    sd = make_checkpoint(ck)
+    md = distckpt.read_metadata(ck)
+    files = {si.file for si in md.storage_data.items.values()}
+    for name in files:
+        with safe_open(os.path.join(ck, name), framework="pt") as f:
+            assert f.metadata()["format"] == "distckpt"
+            for key in ("w", "b", "ids", "mask"):
+                t = f.get_tensor(f"{key}@" + ",".join("0" * sd[key].dim()))
+                assert t.dtype == sd[key].dtype and torch.equal(t, sd[key])
+            assert bytes(f.get_tensor("step").tolist()).startswith(b"DCKV1\n")
