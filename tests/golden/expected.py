@@ -1,0 +1,29 @@
+"""What the golden checkpoints hold. Never change a value here once a version is released."""
+
+import torch
+
+
+def plain_state() -> dict:
+    return {
+        "f32": torch.arange(24, dtype=torch.float32).reshape(4, 6) / 7,
+        "bf16": (torch.arange(10, dtype=torch.float32) - 3.5).to(torch.bfloat16),
+        "f16": torch.linspace(-2, 2, 9).to(torch.float16),
+        "i64": torch.arange(-5, 5, dtype=torch.int64) * (2**40),
+        "u8": torch.arange(256, dtype=torch.uint8),
+        "mask": torch.tensor([[True, False, True], [False, False, True]]),
+        "c64": torch.complex(torch.arange(3.0), -torch.arange(3.0)),
+        "zerod": torch.tensor(2.5),
+        "empty": torch.empty(0, 4),
+        "nested": {"layer": {"w": torch.ones(2, 2) * 3}},
+        "values": {"step": 42, "name": "golden", "inf": float("inf"), "t": (1, "a"), "raw": b"\x00\xff", "none": None,
+                   "ints": {1: "one"}, "dt": torch.bfloat16},
+    }
+
+
+def sharded_full() -> dict:
+    """Tensors the 2-rank golden checkpoint holds, as full tensors."""
+    return {
+        "row": torch.arange(35, dtype=torch.float32).reshape(7, 5),
+        "col": torch.arange(30, dtype=torch.int64).reshape(3, 10),
+        "rep": torch.full((3, 3), 9.0),
+    }

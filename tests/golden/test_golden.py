@@ -1,0 +1,85 @@
+"""Checkpoints written by released format versions load forever after."""
+
+import json
+import os
+
+import pytest
+import torch
+
+import distckpt
+from distckpt.testing import run_ranks
+
+from .expected import plain_state, sharded_full
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+VERSIONS = sorted(d for d in os.listdir(HERE) if d.startswith("v") and os.path.isdir(os.path.join(HERE, d)))
+
+
+def _blank(obj):
+    if isinstance(obj, torch.Tensor):
+        return torch.zeros_like(obj)
+    if isinstance(obj, dict):
+        return {k: _blank(v) for k, v in obj.items()}
+    return None
+
+
+def _equal(a, b):
+    if isinstance(a, torch.Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and (a.numel() == 0 or torch.equal(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    return a == b
+
+
+def test_there_is_a_golden_checkpoint_of_the_current_version():
+    from distckpt.format import FORMAT_VERSION_STR
+
+    assert f"v{FORMAT_VERSION_STR}" in VERSIONS
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_plain_golden_loads_exactly(version):
+    path = os.path.join(HERE, version, "plain")
+    distckpt.verify(path)
+    want = plain_state()
+    out = _blank(want)
+    distckpt.load(out, checkpoint_id=path)
+    assert _equal(want, out)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_sharded_golden_loads_at_one_rank(version):
+    path = os.path.join(HERE, version, "sharded-2ranks")
+    distckpt.verify(path)
+    want = sharded_full()
+    out = {k: torch.zeros_like(v) for k, v in want.items()}
+    out["step"] = 0
+    distckpt.load(out, checkpoint_id=path)
+    assert out.pop("step") == 7 and _equal(want, out)
+
+
+def _load_sharded_at(rank, world_size, path):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    want = sharded_full()
+    out = {k: distribute_tensor(torch.zeros_like(v), mesh, [Shard(1)]) for k, v in want.items()}
+    distckpt.load(out, checkpoint_id=path, planner=distckpt.DefaultLoadPlanner(allow_partial_load=True))
+    return all(torch.equal(out[k].full_tensor(), want[k]) for k in want)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_sharded_golden_loads_at_three_ranks(version):
+    assert run_ranks(_load_sharded_at, 3, os.path.join(HERE, version, "sharded-2ranks")) == [True] * 3
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_golden_metadata_matches_the_json_schema(version, tmp_path):
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = json.load(open(os.path.join(HERE, "..", "..", "docs", "metadata.schema.json")))
+    fresh = str(tmp_path / "fresh")
+    distckpt.save(plain_state(), checkpoint_id=fresh)
+    for path in (os.path.join(HERE, version, "plain"), os.path.join(HERE, version, "sharded-2ranks"), fresh):
+        doc = json.load(open(os.path.join(path, "metadata.json")))
+        jsonschema.validate(doc, schema)
