@@ -15,6 +15,7 @@ from typing import Any, Callable, Optional, TypeVar
 
 import torch
 
+from . import faults, knobs
 from .errors import CheckpointError, RankFailuresError
 
 try:
@@ -35,7 +36,8 @@ class Coordinator:
     process group, this is a group of one and no collective is called.
     """
 
-    def __init__(self, process_group: Any = None, coordinator_rank: int = 0):
+    def __init__(self, process_group: Any = None, coordinator_rank: int = 0, timeout_s: Optional[float] = None):
+        self.timeout_s = timeout_s if timeout_s is not None else knobs.collective_timeout_s()
         self.use_dist = dist is not None and dist.is_available() and dist.is_initialized()
         self.group = process_group
         if self.use_dist:
@@ -54,6 +56,7 @@ class Coordinator:
             self.device = torch.device("cpu")
         self.coordinator_rank = coordinator_rank
         self.is_coordinator = self.rank == coordinator_rank
+        faults.set_rank(self.rank)
 
     # ------------------------------------------------------------ phases
 
@@ -152,6 +155,7 @@ class Coordinator:
 
     def _collective(self, fn: Callable[[], Any]) -> Any:
         try:
+            faults.point("collective")
             return fn()
         except CheckpointError:
             raise
@@ -159,6 +163,13 @@ class Coordinator:
             raise CheckpointError(
                 f"a collective of the checkpoint failed on rank {self.rank}: {exc}. "
                 "Another rank probably died or timed out; check its log.") from exc
+
+    def _wait(self, work: Any) -> None:
+        """Wait for a collective, at most the configured timeout (DISTCKPT_TIMEOUT_S or the constructor's)."""
+        from datetime import timedelta
+
+        if not work.wait(timeout=timedelta(seconds=self.timeout_s)):
+            raise CheckpointError(f"rank {self.rank}: a checkpoint collective did not finish within {self.timeout_s:.0f}s")
 
     def _to_tensor(self, payload: bytes, size: int) -> torch.Tensor:
         t = torch.zeros(size, dtype=torch.uint8)
@@ -169,7 +180,7 @@ class Coordinator:
     def _sizes(self, n: int) -> list[int]:
         mine = torch.tensor([n], dtype=torch.int64, device=self.device)
         out = [torch.zeros_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(out, mine, group=self.group)
+        self._wait(dist.all_gather(out, mine, group=self.group, async_op=True))
         return [int(t.item()) for t in out]
 
     def _gather(self, payload: bytes) -> Optional[list[bytes]]:
@@ -178,7 +189,7 @@ class Coordinator:
             m = max(sizes)
             t = self._to_tensor(payload, m)
             bufs = [torch.empty(m, dtype=torch.uint8, device=self.device) for _ in range(self.world_size)] if self.is_coordinator else None
-            dist.gather(t, bufs, dst=self._dst, group=self.group)
+            self._wait(dist.gather(t, bufs, dst=self._dst, group=self.group, async_op=True))
             if not self.is_coordinator:
                 return None
             return [b[:s].cpu().numpy().tobytes() for b, s in zip(bufs, sizes)]
@@ -188,22 +199,22 @@ class Coordinator:
         def run():
             sizes = torch.tensor([len(p) for p in payloads] if self.is_coordinator else [0] * self.world_size,
                                  dtype=torch.int64, device=self.device)
-            dist.broadcast(sizes, src=self._dst, group=self.group)
+            self._wait(dist.broadcast(sizes, src=self._dst, group=self.group, async_op=True))
             sizes_l = [int(x) for x in sizes.cpu().tolist()]
             m = max(sizes_l)
             out = torch.empty(m, dtype=torch.uint8, device=self.device)
             lst = [self._to_tensor(p, m) for p in payloads] if self.is_coordinator else None
-            dist.scatter(out, lst, src=self._dst, group=self.group)
+            self._wait(dist.scatter(out, lst, src=self._dst, group=self.group, async_op=True))
             return out[: sizes_l[self.rank]].cpu().numpy().tobytes()
         return self._collective(run)
 
     def _broadcast(self, payload: Optional[bytes]) -> bytes:
         def run():
             n = torch.tensor([len(payload) if self.is_coordinator else 0], dtype=torch.int64, device=self.device)
-            dist.broadcast(n, src=self._dst, group=self.group)
+            self._wait(dist.broadcast(n, src=self._dst, group=self.group, async_op=True))
             size = int(n.item())
             t = self._to_tensor(payload if self.is_coordinator else b"", size)
-            dist.broadcast(t, src=self._dst, group=self.group)
+            self._wait(dist.broadcast(t, src=self._dst, group=self.group, async_op=True))
             return t.cpu().numpy().tobytes()
         return self._collective(run)
 

@@ -77,12 +77,19 @@ def run_save(state_dict: STATE_DICT_TYPE, writer: StorageWriter, planner: SavePl
         writer.finish(metadata=metadata, results=all_results)
         return metadata
 
-    return coord.all_reduce(
-        "save write",
-        write_step,
-        finish_step,
-        lambda r: dumps(encode_write_results(r)),
-        lambda b: decode_write_results(loads(b, "write results")),
-        encode_metadata,
-        lambda b: parse_metadata(b, "metadata from the coordinator"),
-    )
+    try:
+        return coord.all_reduce(
+            "save write",
+            write_step,
+            finish_step,
+            lambda r: dumps(encode_write_results(r)),
+            lambda b: decode_write_results(loads(b, "write results")),
+            encode_metadata,
+            lambda b: parse_metadata(b, "metadata from the coordinator"),
+        )
+    except CheckpointError:
+        # every rank has left write_data by now: the coordinator removes the uncommitted files
+        discard = getattr(writer, "discard_incomplete", None)
+        if coord.is_coordinator and discard is not None:
+            discard()
+        raise

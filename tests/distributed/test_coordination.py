@@ -46,8 +46,9 @@ def test_failure_on_one_rank_fails_all_and_commits_nothing(tmp_path, phase, worl
         assert res["failures"] == [fail_rank]
         assert f"rank {fail_rank}" in res["text"]
         assert ("planned failure" in res["text"]) if phase == "plan" else ("No space left" in res["text"])
-    assert not os.path.exists(os.path.join(path, "metadata.json"))
-    with pytest.raises(distckpt.CheckpointNotFoundError, match="never committed"):
+    assert not os.path.exists(path)
+    assert not [n for n in os.listdir(tmp_path) if "distckpt-tmp" in n], "the failed save left its files behind"
+    with pytest.raises(distckpt.CheckpointNotFoundError, match="does not exist"):
         distckpt.load({}, checkpoint_id=path)
 
 

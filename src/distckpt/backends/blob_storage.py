@@ -46,9 +46,10 @@ def _done(value: Any) -> Future:
 class BlobStorageWriter(StorageWriter):
     """The protocol's StorageWriter over a blob store; subclasses provide ``_store()``."""
 
-    def __init__(self, sync_files: Optional[bool] = None, thread_count: Optional[int] = None):
+    def __init__(self, sync_files: Optional[bool] = None, thread_count: Optional[int] = None, overwrite: bool = False):
         self.sync_files = sync_files
         self.thread_count = thread_count
+        self.overwrite = overwrite
         self.rank = 0
         self.is_coordinator = True
 
@@ -72,11 +73,11 @@ class BlobStorageWriter(StorageWriter):
         self.is_coordinator = is_coordinator
         self.rank = rank
         self.store = self._store()
-        if self.store.exists(METADATA_FILE):
+        if not self.overwrite and self.store.is_committed():
             raise CheckpointError(
-                f"checkpoint {self._checkpoint_id()!r} already exists and is committed; distckpt never overwrites a "
-                "committed checkpoint in place. Save to a new checkpoint_id, or delete the old one first.")
-        self.store.prepare()
+                f"checkpoint {self._checkpoint_id()!r} already exists and is committed; distckpt does not replace it "
+                "unless asked. Save to a new checkpoint_id, or pass overwrite=True to the storage writer "
+                "(the old checkpoint stays intact until the new one commits).")
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
@@ -91,7 +92,9 @@ class BlobStorageWriter(StorageWriter):
         if not isinstance(sd, dict) or "file" not in sd:
             raise CheckpointError("the save plan has no storage data from prepare_global_plan; was the plan built by this writer?")
         self.save_id = sd["save_id"]
-        results = write_file(self.store, sd["file"], sd["save_id"], sd["rank"], plan, planner,
+        staging = self.store.staging(self.save_id)
+        staging.prepare()
+        results = write_file(staging, sd["file"], sd["save_id"], sd["rank"], plan, planner,
                              threads=self.thread_count or knobs.io_threads(), sync=self._sync())
         return _done(results)
 
@@ -109,7 +112,17 @@ class BlobStorageWriter(StorageWriter):
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.checkpoint_id = self._checkpoint_id()
         metadata.storage_meta.save_id = fsd.save_id
-        self.store.put_atomic(METADATA_FILE, encode_metadata(metadata), self._sync())
+        staging = self.store.staging(self.save_id)
+        staging.put_atomic(METADATA_FILE, encode_metadata(metadata), self._sync())
+        self.store.commit(staging, self.overwrite, self._sync())
+
+    def discard_incomplete(self) -> None:
+        """Remove this save's uncommitted data after a failed save (coordinator, best effort)."""
+        if getattr(self, "save_id", None):
+            try:
+                self.store.discard(self.store.staging(self.save_id))
+            except OSError:
+                pass
 
 
 def write_file(store: BlobStore, name: str, save_id: str, rank: int, plan: SavePlan, planner: SavePlanner,

@@ -73,3 +73,31 @@ class BlobStore(abc.ABC):
     @abc.abstractmethod
     def describe(self, name: str = "") -> str:
         """A human-readable location, for error messages."""
+
+    # ---- commit protocol: a save writes into a staging store, then commits it
+
+    def is_committed(self) -> bool:
+        from ..format import METADATA_FILE
+
+        return self.exists(METADATA_FILE)
+
+    @abc.abstractmethod
+    def staging(self, save_id: str) -> "BlobStore":
+        """The store one save writes into before it commits; invisible to readers."""
+
+    @abc.abstractmethod
+    def commit(self, staging: "BlobStore", overwrite: bool, sync: bool) -> None:
+        """Make ``staging`` this store's content in one atomic step.
+
+        Without ``overwrite``, fail with CheckpointError if a checkpoint is
+        already here (exactly one of two concurrent commits wins). With it,
+        the old content stays intact until the new one is visible.
+        """
+
+    @abc.abstractmethod
+    def discard(self, staging: "BlobStore") -> None:
+        """Remove an uncommitted staging store (best effort)."""
+
+    @abc.abstractmethod
+    def incomplete_saves(self) -> list[str]:
+        """Descriptions of uncommitted staging stores of this location."""

@@ -7,9 +7,13 @@ import os
 from pathlib import Path
 from typing import Iterable, Union
 
-from ..errors import CheckpointNotFoundError, StorageIOError
+from .. import faults
+from ..errors import CheckpointError, CheckpointNotFoundError, StorageIOError
 from .blob_storage import BlobStorageReader, BlobStorageWriter
 from .blobs import BlobReader, BlobStore, BlobWriter
+from .rename import exchange, rename_noreplace
+
+TMP_MARK = ".distckpt-tmp-"
 
 __all__ = ["FileSystemWriter", "FileSystemReader", "FsStore"]
 
@@ -34,6 +38,7 @@ class _FdWriter(BlobWriter):
     def pwrite(self, data: memoryview, offset: int) -> None:
         view = memoryview(data).cast("B")
         try:
+            faults.point("write", self.path)
             while len(view):
                 n = os.pwrite(self.fd, view, offset)
                 view = view[n:]
@@ -44,6 +49,7 @@ class _FdWriter(BlobWriter):
     def close(self, sync: bool) -> None:
         try:
             if sync:
+                faults.point("fsync", self.path)
                 os.fsync(self.fd)
         except OSError as exc:
             raise _io_error("fsync of", self.path, exc) from exc
@@ -80,6 +86,7 @@ class _FdReader(BlobReader):
 
 
 def _fsync_dir(path: str) -> None:
+    faults.point("fsync", path)
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -122,6 +129,7 @@ class FsStore(BlobStore):
         finally:
             w.close(sync)
         try:
+            faults.point("rename", final)
             os.replace(tmp, final)
             if sync:
                 _fsync_dir(self.root)
@@ -139,6 +147,71 @@ class FsStore(BlobStore):
 
     def describe(self, name: str = "") -> str:
         return self._p(name) if name else self.root
+
+    # ---- commit: a hidden sibling directory, renamed into place
+
+    def _sibling(self, tag: str) -> str:
+        parent, base = os.path.split(os.path.abspath(self.root))
+        return os.path.join(parent, f".{base}{TMP_MARK}{tag}")
+
+    def staging(self, save_id: str) -> "FsStore":
+        return FsStore(self._sibling(save_id))
+
+    def commit(self, staging: BlobStore, overwrite: bool, sync: bool) -> None:
+        assert isinstance(staging, FsStore)
+        final = os.path.abspath(self.root)
+        try:
+            if sync:
+                _fsync_dir(staging.root)
+            if os.path.isdir(final) and not os.listdir(final):
+                os.rmdir(final)  # an empty directory made by the user is not a checkpoint
+            faults.point("rename", final)
+            if overwrite and os.path.lexists(final):
+                exchange(staging.root, final)  # atomic swap: the old checkpoint is now at staging.root
+                if sync:
+                    _fsync_dir(os.path.dirname(final))
+                _remove_tree(staging.root)
+            else:
+                rename_noreplace(staging.root, final)
+            if sync:
+                _fsync_dir(os.path.dirname(final))
+        except OSError as exc:
+            if exc.errno in (errno.EEXIST, errno.ENOTEMPTY) and not overwrite:
+                self.discard(staging)
+                raise CheckpointError(
+                    f"checkpoint {final!r} was committed by another save while this one was writing; "
+                    "this save was discarded and the committed checkpoint left as it is") from None
+            raise _io_error("committing", final, exc) from exc
+
+    def discard(self, staging: BlobStore) -> None:
+        assert isinstance(staging, FsStore)
+        _remove_tree(staging.root)
+
+    def incomplete_saves(self) -> list[str]:
+        parent, base = os.path.split(os.path.abspath(self.root))
+        prefix = f".{base}{TMP_MARK}"
+        try:
+            return sorted(os.path.join(parent, n) for n in os.listdir(parent) if n.startswith(prefix))
+        except FileNotFoundError:
+            return []
+
+
+def _remove_tree(path: str) -> None:
+    """Delete a directory tree; its name is already hidden, so a partial delete is harmless."""
+    if not os.path.isdir(path):
+        return
+    for name in os.listdir(path):
+        faults.point("unlink", os.path.join(path, name))
+        try:
+            os.unlink(os.path.join(path, name))
+        except IsADirectoryError:
+            _remove_tree(os.path.join(path, name))
+        except FileNotFoundError:
+            pass
+    try:
+        os.rmdir(path)
+    except FileNotFoundError:
+        pass
 
 
 def _is_local_path(checkpoint_id: Union[str, os.PathLike]) -> bool:
@@ -160,10 +233,18 @@ class FileSystemWriter(BlobStorageWriter):
         path: the checkpoint directory (may also be given as ``checkpoint_id``).
         sync_files: fsync data files, metadata and the directory (default: the DISTCKPT_FSYNC knob).
         thread_count: writer threads per rank (default: the DISTCKPT_IO_THREADS knob).
+        overwrite: replace a committed checkpoint at ``path``; the old one stays
+            intact until the new one commits. Off by default: saving over a
+            committed checkpoint raises.
+
+    The save writes into a hidden sibling directory ``.<name>.distckpt-tmp-<save id>``
+    and the coordinator renames it into place after fsync: a reader sees the
+    whole checkpoint or none of it.
     """
 
-    def __init__(self, path: Union[str, os.PathLike, None] = None, sync_files: bool | None = None, thread_count: int | None = None):
-        super().__init__(sync_files=sync_files, thread_count=thread_count)
+    def __init__(self, path: Union[str, os.PathLike, None] = None, sync_files: bool | None = None,
+                 thread_count: int | None = None, overwrite: bool = False):
+        super().__init__(sync_files=sync_files, thread_count=thread_count, overwrite=overwrite)
         self.path = _strip_file_scheme(path)
 
     def reset(self, checkpoint_id=None) -> None:
@@ -205,9 +286,15 @@ class FileSystemReader(BlobStorageReader):
     def _store(self) -> BlobStore:
         if self.path is None:
             raise CheckpointNotFoundError("FileSystemReader has no path: pass checkpoint_id= to load, or FileSystemReader(path)")
+        store = FsStore(self.path)
         if not Path(self.path).is_dir():
+            pending = store.incomplete_saves()
+            if pending:
+                raise CheckpointNotFoundError(
+                    f"checkpoint {str(self.path)!r} is incomplete: its save never committed (uncommitted data in "
+                    f"{pending[0]!r}). Load an earlier checkpoint.")
             raise CheckpointNotFoundError(f"checkpoint {str(self.path)!r} does not exist (no such directory); check the path")
-        return FsStore(self.path)
+        return store
 
     def _checkpoint_id(self) -> str:
         return str(self.path)

@@ -9,7 +9,8 @@ from __future__ import annotations
 import threading
 from typing import Iterable, Union
 
-from ..errors import CheckpointNotFoundError
+from ..errors import CheckpointError, CheckpointNotFoundError
+from ..format import METADATA_FILE
 from .blob_storage import BlobStorageReader, BlobStorageWriter
 from .blobs import BlobReader, BlobStore, BlobWriter
 
@@ -18,6 +19,7 @@ __all__ = ["MemoryWriter", "MemoryReader", "MemoryStore", "clear_memory_store"]
 _LOCK = threading.Lock()
 _CHECKPOINTS: dict[str, dict[str, bytearray]] = {}
 SCHEME = "memory://"
+_TMP = "#tmp-"
 
 
 def clear_memory_store() -> None:
@@ -90,6 +92,24 @@ class MemoryStore(BlobStore):
     def describe(self, name: str = "") -> str:
         return f"{SCHEME}{self.name}/{name}" if name else f"{SCHEME}{self.name}"
 
+    def staging(self, save_id: str) -> "MemoryStore":
+        return MemoryStore(f"{self.name}{_TMP}{save_id}")
+
+    def commit(self, staging: BlobStore, overwrite: bool, sync: bool) -> None:
+        assert isinstance(staging, MemoryStore)
+        with _LOCK:
+            if not overwrite and METADATA_FILE in _CHECKPOINTS.get(self.name, {}):
+                _CHECKPOINTS.pop(staging.name, None)
+                raise CheckpointError(f"checkpoint {self.describe()!r} was committed by another save while this one was writing")
+            _CHECKPOINTS[self.name] = _CHECKPOINTS.pop(staging.name, {})
+
+    def discard(self, staging: BlobStore) -> None:
+        with _LOCK:
+            _CHECKPOINTS.pop(staging.name, None)
+
+    def incomplete_saves(self) -> list[str]:
+        return sorted(SCHEME + n for n in _CHECKPOINTS if n.startswith(self.name + _TMP))
+
 
 def _name(checkpoint_id: Union[str, None]) -> Union[str, None]:
     if checkpoint_id is None:
@@ -101,8 +121,8 @@ def _name(checkpoint_id: Union[str, None]) -> Union[str, None]:
 class MemoryWriter(BlobStorageWriter):
     """Writes a checkpoint into this process's memory under ``memory://<name>``."""
 
-    def __init__(self, name: Union[str, None] = None, thread_count: int | None = None):
-        super().__init__(sync_files=False, thread_count=thread_count)
+    def __init__(self, name: Union[str, None] = None, thread_count: int | None = None, overwrite: bool = False):
+        super().__init__(sync_files=False, thread_count=thread_count, overwrite=overwrite)
         self.name = _name(name)
 
     def reset(self, checkpoint_id=None) -> None:
@@ -139,7 +159,8 @@ class MemoryReader(BlobStorageReader):
         if self.name is None:
             raise CheckpointNotFoundError("MemoryReader has no name: pass checkpoint_id='memory://NAME'")
         if self.name not in _CHECKPOINTS:
-            raise CheckpointNotFoundError(f"checkpoint '{SCHEME}{self.name}' does not exist in this process")
+            hint = " (a save of it never committed)" if MemoryStore(self.name).incomplete_saves() else ""
+            raise CheckpointNotFoundError(f"checkpoint '{SCHEME}{self.name}' does not exist in this process{hint}")
         return MemoryStore(self.name)
 
     def _checkpoint_id(self) -> str:
