@@ -20,6 +20,7 @@ from .errors import (
     UnsafeValueError,
 )
 from .loading import load, read_metadata
+from .manager import CheckpointManager
 from .optim import init_optimizer_state
 from .planning import DefaultLoadPlanner, DefaultSavePlanner, RankLocal
 from .saving import save
@@ -32,6 +33,7 @@ __all__ = [
     "save",
     "load",
     "read_metadata",
+    "CheckpointManager",
     "verify",
     "VerifyReport",
     "DefaultSavePlanner",

@@ -14,7 +14,7 @@ import traceback
 from datetime import timedelta
 from typing import Any, Callable, Optional
 
-__all__ = ["run_ranks", "RankError", "free_port"]
+__all__ = ["run_ranks", "RankError", "RankFailure", "free_port"]
 
 
 class RankError(AssertionError):
@@ -56,11 +56,12 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
 
 
 def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.0,
-              collective_timeout_s: float = 60.0, env: Optional[dict] = None) -> list[Any]:
+              collective_timeout_s: float = 60.0, env: Optional[dict] = None, allow_failures: bool = False) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes; return each rank's result.
 
     Raises RankError if any rank raised, exited abnormally, or did not finish
-    within ``timeout_s`` (hung ranks are killed).
+    within ``timeout_s`` (hung ranks are killed). With ``allow_failures``, a
+    failed rank's entry is a :class:`RankFailure` instead.
     """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -99,6 +100,16 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.
     for r in range(world_size):
         if r not in results and r not in errors:
             errors[r] = f"no result: exit code {procs[r].exitcode} (hung past {timeout_s}s or died)"
-    if errors:
+    if errors and not allow_failures:
         raise RankError(errors)
-    return [results[r] for r in range(world_size)]
+    return [results[r] if r in results else RankFailure(r, errors[r], procs[r].exitcode) for r in range(world_size)]
+
+
+class RankFailure:
+    """The outcome of a rank that raised, died or hung (``exitcode`` -9 for SIGKILL)."""
+
+    def __init__(self, rank: int, text: str, exitcode: Optional[int]):
+        self.rank, self.text, self.exitcode = rank, text, exitcode
+
+    def __repr__(self) -> str:
+        return f"RankFailure(rank={self.rank}, exitcode={self.exitcode}, text={self.text[-200:]!r})"

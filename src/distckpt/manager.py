@@ -1,0 +1,139 @@
+"""CheckpointManager: numbered checkpoints of a training run, with retention and resume."""
+
+from __future__ import annotations
+
+import os
+import re
+import uuid
+from typing import Any, Optional, Union
+
+from .backends.filesystem import TMP_MARK, FsStore, _remove_tree
+from .distributed import Coordinator
+from .errors import CheckpointError, CheckpointNotFoundError
+from .format import METADATA_FILE
+from .loading import load
+from .metadata import STATE_DICT_TYPE, Metadata
+from .saving import save
+
+__all__ = ["CheckpointManager"]
+
+_STEP = re.compile(r"step-(\d{1,19})\Z")
+
+
+class CheckpointManager:
+    """Checkpoints of one training run under ``root``, one directory per step.
+
+    Args:
+        root: directory holding ``step-<N>`` checkpoints.
+        keep_last: keep the newest N committed checkpoints (None: all).
+        keep_every: also keep every checkpoint whose step is a multiple of K.
+        process_group, coordinator_rank: as for :func:`distckpt.save`.
+        cleanup: remove temporaries left by crashed saves when the manager starts.
+
+    Every rank constructs the manager and calls ``save``/``load`` together.
+    Only committed checkpoints count: a save that crashed is invisible to
+    ``all_steps``, never counts toward ``keep_last``, and its temporaries are
+    removed by the next manager. The newest committed checkpoint is never
+    deleted. Deletion renames a checkpoint to a hidden name first, so a
+    reader never sees half of one.
+    """
+
+    def __init__(self, root: Union[str, os.PathLike], *, keep_last: Optional[int] = None, keep_every: Optional[int] = None,
+                 process_group: Any = None, coordinator_rank: int = 0, cleanup: bool = True):
+        if keep_last is not None and keep_last < 1:
+            raise CheckpointError(f"keep_last must be at least 1, got {keep_last}")
+        if keep_every is not None and keep_every < 1:
+            raise CheckpointError(f"keep_every must be at least 1, got {keep_every}")
+        self.root = os.fspath(root)
+        self.keep_last = keep_last
+        self.keep_every = keep_every
+        self.process_group = process_group
+        self.coordinator_rank = coordinator_rank
+        self._coord = Coordinator(process_group, coordinator_rank)
+        if self._coord.is_coordinator:
+            os.makedirs(self.root, exist_ok=True)
+            if cleanup:
+                self.remove_stale_temporaries()
+
+    def path(self, step: int) -> str:
+        """The checkpoint directory of ``step``."""
+        if step < 0:
+            raise CheckpointError(f"steps are non-negative integers, got {step}")
+        return os.path.join(self.root, f"step-{step:010d}")
+
+    def all_steps(self) -> list[int]:
+        """Steps with a committed checkpoint, ascending."""
+        steps = []
+        try:
+            names = os.listdir(self.root)
+        except FileNotFoundError:
+            return []
+        for name in names:
+            m = _STEP.match(name)
+            if m and os.path.isfile(os.path.join(self.root, name, METADATA_FILE)):
+                steps.append(int(m.group(1)))
+        return sorted(steps)
+
+    def latest_step(self) -> Optional[int]:
+        """The newest committed step, or None."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def save(self, step: int, state_dict: STATE_DICT_TYPE, **kwargs: Any) -> Metadata:
+        """Save ``state_dict`` as checkpoint ``step`` on every rank, then apply retention."""
+        md = save(state_dict, checkpoint_id=self.path(step), process_group=self.process_group,
+                  coordinator_rank=self.coordinator_rank, **kwargs)
+        if self._coord.is_coordinator:
+            self.apply_retention()
+        return md
+
+    def load(self, state_dict: STATE_DICT_TYPE, step: Optional[int] = None, **kwargs: Any) -> int:
+        """Load checkpoint ``step`` (default: the newest committed) into ``state_dict``; return the step."""
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise CheckpointNotFoundError(f"no committed checkpoint under {self.root!r}; nothing to resume from")
+        elif step not in self.all_steps():
+            raise CheckpointNotFoundError(
+                f"no committed checkpoint of step {step} under {self.root!r}; committed steps: {self.all_steps()}")
+        load(state_dict, checkpoint_id=self.path(step), process_group=self.process_group,
+             coordinator_rank=self.coordinator_rank, **kwargs)
+        return step
+
+    def steps_to_keep(self, steps: list[int]) -> set[int]:
+        if not steps:
+            return set()
+        keep = set(steps) if self.keep_last is None else set(steps[-self.keep_last:])
+        if self.keep_every is not None:
+            if self.keep_last is None:
+                keep = {s for s in steps if s % self.keep_every == 0}
+            else:
+                keep |= {s for s in steps if s % self.keep_every == 0}
+        keep.add(steps[-1])  # never the newest
+        return keep
+
+    def apply_retention(self) -> list[int]:
+        """Delete committed checkpoints the policy does not keep; return their steps."""
+        steps = self.all_steps()
+        keep = self.steps_to_keep(steps)
+        removed = []
+        for step in steps:
+            if step not in keep:
+                self._delete(step)
+                removed.append(step)
+        return removed
+
+    def _delete(self, step: int) -> None:
+        path = self.path(step)
+        hidden = FsStore(path)._sibling("trash-" + uuid.uuid4().hex)
+        os.rename(path, hidden)  # atomic: the checkpoint disappears whole
+        _remove_tree(hidden)
+
+    def remove_stale_temporaries(self) -> list[str]:
+        """Remove what crashed saves and deletions left behind under ``root``."""
+        removed = []
+        for name in os.listdir(self.root):
+            if name.startswith(".step-") and TMP_MARK in name:
+                _remove_tree(os.path.join(self.root, name))
+                removed.append(name)
+        return removed
