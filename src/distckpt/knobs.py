@@ -13,8 +13,9 @@ from .errors import CheckpointError
 
 __all__ = [
     "io_threads",
-    "write_batch_bytes",
+    "io_batch_bytes",
     "fsync_enabled",
+    "memory_budget_bytes",
     "max_metadata_bytes",
     "max_header_bytes",
     "collective_timeout_s",
@@ -51,9 +52,18 @@ def io_threads() -> int:
     return _int("DISTCKPT_IO_THREADS", 4, minimum=1)
 
 
-def write_batch_bytes() -> int:
-    """Items smaller than this are coalesced into one write (DISTCKPT_WRITE_BATCH_BYTES, default 4 MiB)."""
-    return _int("DISTCKPT_WRITE_BATCH_BYTES", 4 << 20, minimum=0)
+def io_batch_bytes() -> int:
+    """Adjacent items are written or read together, one system call and one task per batch
+    of up to this many bytes (DISTCKPT_IO_BATCH_BYTES, default 8 MiB)."""
+    return _int("DISTCKPT_IO_BATCH_BYTES", 8 << 20, minimum=0)
+
+
+def memory_budget_bytes() -> int:
+    """Most bytes of transient buffers one rank holds at once: host copies of device or
+    non-contiguous tensors on save, read buffers for partially needed chunks on load
+    (DISTCKPT_MEMORY_BUDGET_BYTES, default 1 GiB). Async-save staging is a full copy of the
+    state by nature and is not counted."""
+    return _int("DISTCKPT_MEMORY_BUDGET_BYTES", 1 << 30, minimum=1)
 
 
 def fsync_enabled() -> bool:

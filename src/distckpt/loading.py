@@ -6,7 +6,7 @@ import os
 from typing import Any, Optional, Union
 
 from . import backends
-from ._sequence import split_stateful, tell_rank
+from ._sequence import gc_paused, split_stateful, tell_rank
 from .distributed import Coordinator
 from .errors import CheckpointError
 from .format.codec import decode_load_plan, dumps, encode_load_plan, loads
@@ -45,7 +45,8 @@ def load(
     planner = planner if planner is not None else DefaultLoadPlanner()
     tell_rank(planner, coord.rank)
     plain, objects = split_stateful(state_dict)
-    run_load(plain, storage_reader, planner, coord)
+    with gc_paused():
+        run_load(plain, storage_reader, planner, coord)
     for key, value in plain.items():
         if key in objects:
             objects[key].load_state_dict(value)

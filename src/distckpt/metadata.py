@@ -87,7 +87,7 @@ class MetadataIndex:
 
     def __init__(self, fqn: str, offset: Optional[Sequence[int]] = None, index: Optional[int] = None):
         object.__setattr__(self, "fqn", fqn)
-        object.__setattr__(self, "offset", None if offset is None else torch.Size(offset))
+        object.__setattr__(self, "offset", offset if offset is None or type(offset) is torch.Size else torch.Size(offset))
         object.__setattr__(self, "index", index)
 
 

@@ -6,7 +6,7 @@ import os
 from typing import Any, Optional, Union
 
 from . import backends
-from ._sequence import call_set_up, split_stateful, tell_rank
+from ._sequence import call_set_up, gc_paused, split_stateful, tell_rank
 from .distributed import Coordinator
 from .errors import CheckpointError
 from .format.codec import decode_save_plan, decode_write_results, dumps, encode_metadata, encode_save_plan, encode_write_results, loads, parse_metadata
@@ -47,7 +47,8 @@ def save(
     planner = planner if planner is not None else DefaultSavePlanner()
     tell_rank(planner, coord.rank)
     plain, _ = split_stateful(state_dict)
-    return run_save(plain, storage_writer, planner, coord)
+    with gc_paused():
+        return run_save(plain, storage_writer, planner, coord)
 
 
 def run_save(state_dict: STATE_DICT_TYPE, writer: StorageWriter, planner: SavePlanner, coord: Coordinator) -> Metadata:

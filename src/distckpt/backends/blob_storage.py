@@ -32,7 +32,9 @@ from ..planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem, SavePlan, S
 from ..planning.resharding import volume
 from ..storage import StorageReader, StorageWriter, WriteResult
 from .blobs import BlobReader, BlobStore
-from .tensor_bytes import host_bytes, writable_bytes
+from .budget import ByteBudget
+from .tensor_bytes import host_bytes, host_tensor
+from .tasks import run_tasks
 
 FILE_RESULT_PREFIX = "__file__:"
 
@@ -127,7 +129,12 @@ class BlobStorageWriter(StorageWriter):
 
 def write_file(store: BlobStore, name: str, save_id: str, rank: int, plan: SavePlan, planner: SavePlanner,
                *, threads: int, sync: bool) -> list[WriteResult]:
-    """Write one rank's data file and return a WriteResult per item, plus one for the file."""
+    """Write one rank's data file and return a WriteResult per item, plus one for the file.
+
+    Items are laid out in plan order. Adjacent items are grouped into batches
+    of about ``io_batch_bytes``; each batch is one task for the thread pool and
+    one vectored write, straight from tensor memory.
+    """
     entries, payloads = [], []
     for item in plan.items:
         if item.type == WriteItemType.BYTE_IO:
@@ -147,36 +154,52 @@ def write_file(store: BlobStore, name: str, save_id: str, rank: int, plan: SaveP
             entries[i] = e = Entry(f"{e.name}#{i}", e.code, e.shape, e.nbytes)
         names.add(e.name)
     lead, offsets = build_header(entries, save_id, rank)
-    blob = store.create(name)
     crcs = [0] * len(entries)
+    budget = ByteBudget(knobs.memory_budget_bytes())
+
+    def item_bytes(i: int) -> tuple[memoryview, object, int]:
+        """The bytes of item ``i``, the object that owns them, and how many are a transient copy."""
+        if payloads[i] is not None:
+            return memoryview(payloads[i]), None, 0
+        item = plan.items[i]
+        tensor = planner.resolve_data(item)
+        if not isinstance(tensor, torch.Tensor):
+            raise CheckpointError(f"resolve_data for tensor item {item.index.fqn!r} returned {type(tensor).__name__}")
+        copied = 0
+        want = item.tensor_data.properties.dtype
+        if tensor.dtype != want or tensor.device.type != "cpu" or not tensor.is_contiguous():
+            copied = entries[i].nbytes
+            budget.acquire(copied)
+            try:
+                tensor = host_tensor(tensor.to(dtype=want))
+            except BaseException:
+                budget.release(copied)
+                raise
+        data, owner = host_bytes(tensor)
+        if len(data) != entries[i].nbytes:
+            budget.release(copied)
+            raise CheckpointError(f"key {item.index.fqn!r}: resolve_data returned {len(data)} bytes, the plan expects {entries[i].nbytes}")
+        return data, owner, copied
+
+    def write_batch(batch: list[int]) -> None:
+        views, owners, held = [], [], 0
+        try:
+            for i in batch:
+                data, owner, copied = item_bytes(i)
+                held += copied
+                owners.append(owner)  # keeps the memory behind each view alive until written
+                crcs[i] = crc32c(data)
+                views.append(data)
+            blob.pwritev(views, offsets[batch[0]])
+        finally:
+            if held:
+                budget.release(held)
+
+    batches = _batches([e.nbytes for e in entries], knobs.io_batch_bytes())
+    blob = store.create(name)
     try:
         blob.pwrite(memoryview(lead), 0)
-
-        def write_one(i: int) -> None:
-            item = plan.items[i]
-            if payloads[i] is not None:
-                data = memoryview(payloads[i])
-            else:
-                tensor = planner.resolve_data(item)
-                td = item.tensor_data
-                if not isinstance(tensor, torch.Tensor):
-                    raise CheckpointError(f"resolve_data for tensor item {item.index.fqn!r} returned {type(tensor).__name__}")
-                if tensor.dtype != td.properties.dtype:
-                    tensor = tensor.to(td.properties.dtype)
-                data = host_bytes(tensor)
-                if len(data) != entries[i].nbytes:
-                    raise CheckpointError(
-                        f"key {item.index.fqn!r}: resolve_data returned {len(data)} bytes, the plan expects {entries[i].nbytes}")
-            crcs[i] = crc32c(data)
-            blob.pwrite(data, offsets[i])
-
-        if threads <= 1 or len(entries) <= 1:
-            for i in range(len(entries)):
-                write_one(i)
-        else:
-            with ThreadPoolExecutor(threads, thread_name_prefix="distckpt-write") as pool:
-                for f in [pool.submit(write_one, i) for i in range(len(entries))]:
-                    f.result()
+        run_tasks([(write_batch, b, len(b)) for b in batches], threads, "distckpt-write")
     except BaseException:
         blob.close(False)
         raise
@@ -186,6 +209,22 @@ def write_file(store: BlobStore, name: str, save_id: str, rank: int, plan: SaveP
                for item, e, off, c in zip(plan.items, entries, offsets, crcs)]
     results.append(WriteResult(MetadataIndex(FILE_RESULT_PREFIX + name), size, FileInfo(size, rank, crc32c(lead))))
     return results
+
+
+def _batches(sizes: list[int], limit: int) -> list[list[int]]:
+    """Group consecutive indices into runs of at most ``limit`` bytes (a larger item stands alone)."""
+    out: list[list[int]] = []
+    cur: list[int] = []
+    total = 0
+    for i, n in enumerate(sizes):
+        if cur and total + n > limit:
+            out.append(cur)
+            cur, total = [], 0
+        cur.append(i)
+        total += n
+    if cur:
+        out.append(cur)
+    return out
 
 
 class BlobStorageReader(StorageReader):

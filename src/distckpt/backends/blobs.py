@@ -17,6 +17,12 @@ class BlobWriter(abc.ABC):
     @abc.abstractmethod
     def pwrite(self, data: memoryview, offset: int) -> None: ...
 
+    def pwritev(self, buffers: list, offset: int) -> None:
+        """Write ``buffers`` back to back from ``offset``."""
+        for b in buffers:
+            self.pwrite(b, offset)
+            offset += len(b)
+
     @abc.abstractmethod
     def close(self, sync: bool) -> None:
         """Finish the blob; with ``sync``, make its bytes durable before returning."""
@@ -30,6 +36,16 @@ class BlobReader(abc.ABC):
     @abc.abstractmethod
     def readinto(self, buf: memoryview, offset: int) -> int:
         """Fill ``buf`` from ``offset``; return the bytes read (less only at end of blob)."""
+
+    def readv(self, views: list, offset: int) -> int:
+        """Fill ``views`` back to back from ``offset``; return the bytes read."""
+        total = 0
+        for v in views:
+            got = self.readinto(v, offset + total)
+            total += got
+            if got < len(v):
+                break
+        return total
 
     def pread(self, n: int, offset: int) -> bytes:
         buf = bytearray(n)

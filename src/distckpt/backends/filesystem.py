@@ -14,6 +14,7 @@ from .blobs import BlobReader, BlobStore, BlobWriter
 from .rename import exchange, rename_noreplace
 
 TMP_MARK = ".distckpt-tmp-"
+_IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024)
 
 __all__ = ["FileSystemWriter", "FileSystemReader", "FsStore"]
 
@@ -43,6 +44,21 @@ class _FdWriter(BlobWriter):
                 n = os.pwrite(self.fd, view, offset)
                 view = view[n:]
                 offset += n
+        except OSError as exc:
+            raise _io_error("writing", self.path, exc) from exc
+
+    def pwritev(self, buffers: list, offset: int) -> None:
+        views = [memoryview(b).cast("B") for b in buffers if len(b)]
+        try:
+            faults.point("write", self.path)
+            while views:
+                n = os.pwritev(self.fd, views[:_IOV_MAX], offset)
+                offset += n
+                while views and n >= len(views[0]):  # drop what was written, keep the rest
+                    n -= len(views[0])
+                    views.pop(0)
+                if n:
+                    views[0] = views[0][n:]
         except OSError as exc:
             raise _io_error("writing", self.path, exc) from exc
 
@@ -77,6 +93,24 @@ class _FdReader(BlobReader):
                 if n == 0:
                     break
                 total += n
+        except OSError as exc:
+            raise _io_error("reading", self.path, exc) from exc
+        return total
+
+    def readv(self, views: list, offset: int) -> int:
+        views = [memoryview(v).cast("B") for v in views if len(v)]
+        total = 0
+        try:
+            while views:
+                n = os.preadv(self.fd, views[:_IOV_MAX], offset + total)
+                if n == 0:
+                    break
+                total += n
+                while views and n >= len(views[0]):
+                    n -= len(views[0])
+                    views.pop(0)
+                if n:
+                    views[0] = views[0][n:]
         except OSError as exc:
             raise _io_error("reading", self.path, exc) from exc
         return total

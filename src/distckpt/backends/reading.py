@@ -17,7 +17,10 @@ from ..format.records import FileStorageData, StorageInfo
 from ..metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from ..planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from ..planning.resharding import volume
+from .. import knobs
 from .blobs import BlobReader, BlobStore
+from .budget import ByteBudget
+from .tasks import run_tasks
 from .tensor_bytes import writable_bytes
 
 
@@ -35,15 +38,7 @@ def open_and_validate(store: BlobStore, fsd: FileStorageData, names, where: str)
             if blob.size != info.size:
                 raise CorruptCheckpointError(
                     f"{here}: size is {blob.size} bytes, the metadata records {info.size}; the file is truncated or was replaced")
-            header = read_header(blob.pread, blob.size, here)
-            if header.save_id != fsd.save_id:
-                raise CorruptCheckpointError(
-                    f"{here}: belongs to save {header.save_id}, but this checkpoint is save {fsd.save_id}; "
-                    "a file from another checkpoint was copied in. Restore the original file.")
-            if header.lead_crc32c != info.header_crc32c:
-                raise CorruptCheckpointError(
-                    f"{here}: header checksum mismatch (offset 0 to {header.data_start}): stored {info.header_crc32c:08x}, "
-                    f"computed {header.lead_crc32c:08x}. The file is damaged; restore it from a copy.")
+            _check_header(blob, info, fsd.save_id, here)
     except BaseException:
         for b in blobs.values():
             b.close()
@@ -51,8 +46,37 @@ def open_and_validate(store: BlobStore, fsd: FileStorageData, names, where: str)
     return blobs
 
 
+def _check_header(blob: BlobReader, info, save_id: str, here: str) -> None:
+    """The header's CRC is recorded in the metadata, and the header holds the save id: a matching
+    CRC proves the file belongs to this save. Only on mismatch is the header parsed, to say why."""
+    import struct
+
+    prefix = blob.pread(8, 0)
+    if len(prefix) == 8:
+        (n,) = struct.unpack("<Q", prefix)
+        if 8 + n <= blob.size and n <= knobs.max_header_bytes():
+            if crc32c(blob.pread(n, 8), crc32c(prefix)) == info.header_crc32c:
+                return
+    header = read_header(blob.pread, blob.size, here)  # raises if malformed
+    if header.save_id != save_id:
+        raise CorruptCheckpointError(
+            f"{here}: belongs to save {header.save_id}, but this checkpoint is save {save_id}; "
+            "a file from another checkpoint was copied in. Restore the original file.")
+    raise CorruptCheckpointError(
+        f"{here}: header checksum mismatch (offset 0 to {header.data_start}): stored {info.header_crc32c:08x}, "
+        f"computed {header.lead_crc32c:08x}. The file is damaged; restore it from a copy.")
+
+
 def read_items(store: BlobStore, md: Metadata, plan: LoadPlan, planner: LoadPlanner, checkpoint_id: str,
                *, verify: bool, threads: int) -> None:
+    """Read every item of ``plan``.
+
+    Stored chunks that one read item needs whole, into a contiguous CPU
+    destination of the same dtype, are read straight into the destination;
+    adjacent ones are batched into one vectored read. Any other chunk is read
+    once into a buffer (within the memory budget) and copied to every
+    destination that needs part of it.
+    """
     fsd: FileStorageData = md.storage_data
     where = f"checkpoint {checkpoint_id!r}"
     by_chunk: dict[MetadataIndex, list[ReadItem]] = defaultdict(list)
@@ -66,60 +90,86 @@ def read_items(store: BlobStore, md: Metadata, plan: LoadPlan, planner: LoadPlan
         infos[index] = info
     blobs = open_and_validate(store, fsd, {i.file for i in infos.values()}, where)
     lock = threading.Lock()
+    budget = ByteBudget(knobs.memory_budget_bytes())
     chunk_shapes = _chunk_shapes(md)
 
-    def run(index: MetadataIndex) -> None:
+    def here(index: MetadataIndex) -> str:
+        chunk = f", chunk {list(index.offset)}" if index.offset is not None else ""
+        return f"{where}: key {index.fqn!r}{chunk}"
+
+    # decide, in file order, which chunks go straight into their destination
+    direct: list[tuple[MetadataIndex, torch.Tensor]] = []
+    buffered: list[MetadataIndex] = []
+    for index in sorted(by_chunk, key=lambda ix: (infos[ix].file, infos[ix].offset)):
+        items = by_chunk[index]
+        if items[0].type == LoadItemType.TENSOR and len(items) == 1 and tuple(items[0].lengths) == chunk_shapes[index]:
+            dest = planner.resolve_tensor(items[0])
+            entry = md.state_dict_metadata[index.fqn]
+            if dest.dtype == entry.properties.dtype and tuple(dest.shape) == chunk_shapes[index] and writable_bytes(dest) is not None:
+                direct.append((index, dest))
+                continue
+        buffered.append(index)
+
+    def run_direct(batch: list[tuple[MetadataIndex, torch.Tensor]]) -> None:
+        first = infos[batch[0][0]]
+        views = [writable_bytes(dest) for _, dest in batch]  # `batch` holds the destinations alive
+        got = blobs[first.file].readv(views, first.offset)
+        want = sum(len(v) for v in views)
+        if got != want:
+            raise CorruptCheckpointError(f"{here(batch[0][0])}: file {first.file!r} ends at {first.offset + got}, before offset {first.offset + want}; it is truncated")
+        for (index, dest), view in zip(batch, views):
+            _check(verify, crc32c(view), infos[index], here(index))
+            with lock:
+                planner.commit_tensor(by_chunk[index][0], dest)
+
+    def run_buffered(index: MetadataIndex) -> None:
         items = by_chunk[index]
         info = infos[index]
         blob = blobs[info.file]
-        here = f"{where}: key {index.fqn!r}"
         if items[0].type == LoadItemType.BYTE_IO:
-            data = _read_exact(blob, info.length, info.offset, here, info.file)
-            _check(verify, crc32c(data), info, here)
+            data = _read_exact(blob, info.length, info.offset, here(index), info.file)
+            _check(verify, crc32c(data), info, here(index))
             with lock:
                 planner.load_bytes(items[0], io.BytesIO(data))
             return
-        md_entry = md.state_dict_metadata[index.fqn]
-        assert isinstance(md_entry, TensorStorageMetadata)
-        dtype = md_entry.properties.dtype
+        dtype = md.state_dict_metadata[index.fqn].properties.dtype
         shape = chunk_shapes[index]
-        here = f"{here}, chunk {list(index.offset or [])}"
-        if len(items) == 1 and tuple(items[0].lengths) == tuple(shape):
-            with lock:
-                dest = planner.resolve_tensor(items[0])
-            view = writable_bytes(dest) if dest.dtype == dtype and tuple(dest.shape) == tuple(shape) else None
-            if view is not None:
-                _read_into(blob, view, info.offset, here, info.file)
-                _check(verify, crc32c(view), info, here)
+        with budget.hold(info.length):
+            buf = torch.empty(info.length, dtype=torch.uint8)
+            raw = memoryview(buf.numpy()).cast("B")
+            _read_into(blob, raw, info.offset, here(index), info.file)
+            _check(verify, crc32c(raw), info, here(index))
+            src_all = buf.view(dtype).reshape(shape) if info.length else torch.empty(shape, dtype=dtype)
+            for item in items:
+                src = src_all
+                for dim, (off, length) in enumerate(zip(item.storage_offsets, item.lengths)):
+                    src = src.narrow(dim, off, length)
                 with lock:
-                    planner.commit_tensor(items[0], dest)
-                return
-        buf = torch.empty(info.length, dtype=torch.uint8)
-        raw = memoryview(buf.numpy()).cast("B")
-        _read_into(blob, raw, info.offset, here, info.file)
-        _check(verify, crc32c(raw), info, here)
-        src_all = buf.view(dtype).reshape(shape) if info.length else torch.empty(shape, dtype=dtype)
-        for item in items:
-            src = src_all
-            for dim, (off, length) in enumerate(zip(item.storage_offsets, item.lengths)):
-                src = src.narrow(dim, off, length)
-            with lock:
-                dest = planner.resolve_tensor(item)
-            if tuple(dest.shape) != tuple(item.lengths):
-                raise CheckpointError(f"{here}: resolve_tensor returned shape {tuple(dest.shape)}, the read item needs {tuple(item.lengths)}")
-            dest.copy_(src)
-            with lock:
-                planner.commit_tensor(item, dest)
+                    dest = planner.resolve_tensor(item)
+                if tuple(dest.shape) != tuple(item.lengths):
+                    raise CheckpointError(f"{here(index)}: resolve_tensor returned shape {tuple(dest.shape)}, the read item needs {tuple(item.lengths)}")
+                dest.copy_(src)
+                with lock:
+                    planner.commit_tensor(item, dest)
 
+    tasks: list = []
+    limit = knobs.io_batch_bytes()
+    run: list = []
+    total = 0
+    for index, dest in direct:
+        info = infos[index]
+        if run:
+            prev = infos[run[-1][0]]
+            if prev.file != info.file or prev.offset + prev.length != info.offset or total + info.length > limit:
+                tasks.append((run_direct, run))
+                run, total = [], 0
+        run.append((index, dest))
+        total += info.length
+    if run:
+        tasks.append((run_direct, run))
+    tasks.extend((run_buffered, index) for index in buffered)
     try:
-        order = sorted(by_chunk, key=lambda ix: (infos[ix].file, infos[ix].offset))
-        if threads <= 1 or len(order) <= 1:
-            for ix in order:
-                run(ix)
-        else:
-            with ThreadPoolExecutor(threads, thread_name_prefix="distckpt-read") as pool:
-                for f in [pool.submit(run, ix) for ix in order]:
-                    f.result()
+        run_tasks([(fn, arg, len(arg) if fn is run_direct else len(by_chunk[arg])) for fn, arg in tasks], threads, "distckpt-read")
     finally:
         for b in blobs.values():
             b.close()
