@@ -24,6 +24,7 @@ from .manager import CheckpointManager
 from .optim import init_optimizer_state
 from .planning import DefaultLoadPlanner, DefaultSavePlanner, RankLocal
 from .saving import save
+from .staging import AsyncSaveHandle, async_save
 from .stateful import Stateful
 from .verification import VerifyReport, verify
 
@@ -31,6 +32,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "save",
+    "async_save",
+    "AsyncSaveHandle",
     "load",
     "read_metadata",
     "CheckpointManager",

@@ -87,6 +87,15 @@ class CheckpointManager:
             self.apply_retention()
         return md
 
+    def async_save(self, step: int, state_dict: STATE_DICT_TYPE, **kwargs: Any):
+        """Like :meth:`save`, but returns after staging; retention runs after the commit."""
+        from .staging import async_save
+
+        is_coordinator = self._coord.is_coordinator
+        return async_save(state_dict, checkpoint_id=self.path(step), process_group=self.process_group,
+                          coordinator_rank=self.coordinator_rank,
+                          on_commit=(lambda _md: self.apply_retention()) if is_coordinator else None, **kwargs)
+
     def load(self, state_dict: STATE_DICT_TYPE, step: Optional[int] = None, **kwargs: Any) -> int:
         """Load checkpoint ``step`` (default: the newest committed) into ``state_dict``; return the step."""
         if step is None:

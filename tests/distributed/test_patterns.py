@@ -29,3 +29,7 @@ def test_inconsistent_replicas_are_an_error_not_a_silent_pick(tmp_path):
     results = run_ranks(workers.mismatched_replicas, 2, str(tmp_path / "ck"))
     for text in results:
         assert text is not None and "RankLocal" in text and "'w'" in text
+
+
+def test_async_save_across_ranks_with_training_collectives(tmp_path):
+    assert run_ranks(workers.async_sharded_save, 2, str(tmp_path / "ck")) == [True, True]

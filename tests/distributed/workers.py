@@ -132,3 +132,19 @@ def mismatched_replicas(rank, world_size, path):
     except distckpt.CheckpointError as exc:
         return str(exc)
     return None
+
+
+def async_sharded_save(rank, world_size, path):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    full = torch.arange(60.0).reshape(12, 5)
+    dt = distribute_tensor(full.clone(), mesh, [Shard(0)])
+    handle = distckpt.async_save({"dt": dt, "rep": torch.ones(3)}, checkpoint_id=path)
+    dt.to_local().fill_(-1)  # training goes on
+    dist.barrier()  # a training collective while the background save runs its own
+    handle.result(timeout=60)
+    out = {"dt": distribute_tensor(torch.zeros(12, 5), mesh, [Shard(1)]), "rep": torch.zeros(3)}
+    distckpt.load(out, checkpoint_id=path)
+    return torch.equal(out["dt"].full_tensor(), full)

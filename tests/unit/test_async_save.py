@@ -1,0 +1,71 @@
+"""async_save: the bytes on disk are the state at staging time; errors surface on the handle."""
+
+import pytest
+import torch
+
+import distckpt
+from distckpt import faults
+
+
+def test_mutation_after_staging_does_not_reach_the_disk(tmp_path):
+    model = torch.nn.Linear(64, 64)
+    state = {"model": model, "step": 1, "buf": [torch.arange(10.0)]}
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    handle = distckpt.async_save(state, checkpoint_id=tmp_path / "a")
+    assert handle.staged.done()
+    with torch.no_grad():
+        model.weight.add_(1.0)
+        state["buf"][0].mul_(0)
+    state["step"] = 2
+    md = handle.result(timeout=60)
+    assert "model.weight" in md.state_dict_metadata
+    out = torch.nn.Linear(64, 64)
+    loaded = {"model": out, "step": 0, "buf": [torch.zeros(10)]}
+    distckpt.load(loaded, checkpoint_id=tmp_path / "a")
+    assert all(torch.equal(out.state_dict()[k], v) for k, v in before.items())
+    assert loaded["step"] == 1 and torch.equal(loaded["buf"][0], torch.arange(10.0))
+
+
+def test_background_error_surfaces_on_the_handle(tmp_path):
+    with faults.inject(faults.Fault("enospc", kinds=("write",))):
+        handle = distckpt.async_save({"w": torch.ones(100)}, checkpoint_id=tmp_path / "a")
+        with pytest.raises(distckpt.CheckpointError, match="No space left"):
+            handle.result(timeout=60)
+    assert not (tmp_path / "a").exists()
+
+
+def test_two_async_saves_in_a_row_and_buffer_reuse(tmp_path):
+    w = torch.zeros(256)
+    handles = []
+    for i in range(3):
+        w.fill_(float(i))
+        handles.append(distckpt.async_save({"w": w}, checkpoint_id=tmp_path / f"s{i}"))
+    for i, h in enumerate(handles):
+        h.result(timeout=60)
+        out = {"w": torch.empty(256)}
+        distckpt.load(out, checkpoint_id=tmp_path / f"s{i}")
+        assert torch.equal(out["w"], torch.full((256,), float(i)))
+
+
+def test_second_save_can_refuse_instead_of_waiting(tmp_path):
+    release = []
+
+    def slow(kind, what):
+        import time
+
+        while not release:
+            time.sleep(0.01)
+
+    with faults.inject(faults.Fault("call", kinds=("write",), callback=slow)):
+        first = distckpt.async_save({"w": torch.ones(4)}, checkpoint_id=tmp_path / "a")
+        with pytest.raises(distckpt.CheckpointError, match="still in flight"):
+            distckpt.async_save({"w": torch.ones(4)}, checkpoint_id=tmp_path / "b", wait_for_previous=False)
+        release.append(True)
+        first.result(timeout=60)
+
+
+def test_manager_async_save_applies_retention_after_commit(tmp_path):
+    mgr = distckpt.CheckpointManager(tmp_path, keep_last=2)
+    for step in range(1, 5):
+        mgr.async_save(step, {"w": torch.full((8,), float(step))}).result(timeout=60)
+    assert mgr.all_steps() == [3, 4]
