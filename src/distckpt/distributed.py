@@ -28,6 +28,9 @@ R = TypeVar("R")
 
 _OK, _ERR, _ABORT = 0, 1, 2
 
+# bytes this rank sent and received in each phase of its latest save or load, for observability
+phase_bytes: dict[str, int] = {}
+
 
 class Coordinator:
     """Runs checkpoint phases across the ranks of ``process_group``.
@@ -69,6 +72,7 @@ class Coordinator:
         local, local_exc = self._run(local_fn, enc_local)
         gathered = self._gather(local)
         outs: Optional[list[bytes]] = None
+        phase_bytes[phase] = len(local)
         if self.is_coordinator:
             values, failure = self._decode_all(gathered, dec_local)
             if failure is None:
@@ -82,6 +86,7 @@ class Coordinator:
             if failure is not None:
                 outs = [failure] * self.world_size
         mine = self._scatter(outs)
+        phase_bytes[phase] += len(mine)
         return self._unwrap(phase, mine, dec_out, local_exc)
 
     def all_reduce(self, phase: str, local_fn: Callable[[], T], global_fn: Callable[[list[T]], R],

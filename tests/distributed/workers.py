@@ -148,3 +148,25 @@ def async_sharded_save(rank, world_size, path):
     out = {"dt": distribute_tensor(torch.zeros(12, 5), mesh, [Shard(1)]), "rep": torch.zeros(3)}
     distckpt.load(out, checkpoint_id=path)
     return torch.equal(out["dt"].full_tensor(), full)
+
+
+def cached_plan_saves(rank, world_size, root):
+    from distckpt import distributed as dd
+
+    planner = distckpt.DefaultSavePlanner(enable_plan_caching=True)
+    sizes = []
+    state = {f"layer{i}.w": torch.full((32, 8), float(i)) for i in range(50)} | {"own": distckpt.RankLocal(torch.full((4,), float(rank)))}
+    for step in range(4):
+        if step == 3:
+            state["new"] = torch.ones(2)  # a changed state dict invalidates the cache
+        for t in state.values():
+            if isinstance(t, torch.Tensor):
+                t.add_(1)
+        distckpt.save(state, checkpoint_id=f"{root}/s{step}", planner=planner)
+        sizes.append(dd.phase_bytes["save planning"])
+        out = {k: torch.zeros_like(v) for k, v in state.items() if isinstance(v, torch.Tensor)}
+        out["own"] = distckpt.RankLocal(torch.zeros(4))
+        distckpt.load(out, checkpoint_id=f"{root}/s{step}")
+        assert all(torch.equal(out[k], state[k]) for k in out if k != "own"), step
+        assert torch.equal(out["own"].value, state["own"].value)
+    return sizes

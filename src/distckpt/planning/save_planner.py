@@ -43,6 +43,8 @@ class DefaultSavePlanner(SavePlanner):
             replicated DTensor shards), balancing bytes across ranks.
         allow_pickle: let values that are not plain data be stored pickled.
             Off by default: such a value raises UnsafeValueError at planning.
+        enable_plan_caching: reuse the previous save's global plan when no
+            rank's local plan changed. Pass the same planner object to every save.
     """
 
     def __init__(
@@ -51,7 +53,9 @@ class DefaultSavePlanner(SavePlanner):
         flatten_sharded_tensors: bool = True,
         dedup_replicated_tensors: Optional[bool] = None,
         allow_pickle: bool = False,
+        enable_plan_caching: bool = False,
     ) -> None:
+        self.enable_plan_caching = enable_plan_caching
         self.flatten_state_dict = flatten_state_dict
         self.flatten_sharded_tensors = flatten_sharded_tensors
         self.dedup_replicated_tensors = True if dedup_replicated_tensors is None else dedup_replicated_tensors
