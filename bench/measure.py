@@ -1,0 +1,74 @@
+"""Measuring one operation: wall time, CPU time, and peak RSS above the level before it."""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+
+@dataclass
+class Sample:
+    wall_s: float
+    cpu_s: float
+    peak_rss_delta_mb: float
+    nbytes: int
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / self.wall_s / 1e9 if self.wall_s else float("inf")
+
+    @property
+    def cpu_s_per_gb(self) -> float:
+        return self.cpu_s / (self.nbytes / 1e9) if self.nbytes else 0.0
+
+    def as_dict(self) -> dict:
+        return asdict(self) | {"gbps": self.gbps, "cpu_s_per_gb": self.cpu_s_per_gb}
+
+
+def _rss_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def _reset_peak() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM (peak RSS) to the current RSS
+    except OSError:
+        pass
+
+
+def measure(fn: Callable[[], object], nbytes: int) -> Sample:
+    """Run ``fn`` once; CPU time counts every thread of this process."""
+    _reset_peak()
+    base = _rss_kb("VmRSS")
+    c0 = time.process_time()
+    t0 = time.perf_counter()
+    fn()
+    wall = time.perf_counter() - t0
+    cpu = time.process_time() - c0
+    peak = _rss_kb("VmHWM")
+    return Sample(wall, cpu, max(0, peak - base) / 1024, nbytes)
+
+
+def drop_cache(path: str) -> None:
+    """Evict a directory's files from the page cache (they must be clean: fsynced)."""
+    for root, _, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def usage_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime

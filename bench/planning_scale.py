@@ -1,0 +1,149 @@
+"""Coordinator cost of planning a save at thousands of ranks, simulated without data.
+
+Every rank holds ITEMS items: half replicated (the same key on every rank),
+half sharded (one chunk per rank). Timed, for distckpt and for
+torch.distributed.checkpoint on the same plans, is the whole coordinator path:
+decoding the gathered local plans, global planning (dedup, balancing,
+metadata), encoding the plans scattered back, decoding the write results and
+building and encoding the metadata.
+
+python bench/planning_scale.py [--ranks 512 4096] [--items 500] [--no-dcp]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import pickle
+import time
+
+import torch
+
+
+def _tensor_item_args(r, i, world, replicated):
+    if replicated:
+        return f"rep{i}", (0, 0), (64, 64), (64, 64)
+    return f"shard{i}", (r * 16, 0), (16, 64), (world * 16, 64)
+
+
+def distckpt_path(world: int, items: int) -> dict:
+    import distckpt
+    from distckpt.format.codec import (decode_save_plan, decode_write_results, dumps, encode_metadata, encode_save_plan,
+                                       encode_write_results, loads)
+    from distckpt.format.records import StorageInfo
+    from distckpt.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from distckpt.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+    from distckpt.storage import WriteResult
+
+    props = TensorProperties(torch.float32)
+    local_bytes = []
+    for r in range(world):
+        its = []
+        for i in range(items):
+            fqn, off, size, glob = _tensor_item_args(r, i // 2, world, i % 2 == 0)
+            its.append(WriteItem(MetadataIndex(fqn, off), WriteItemType.SHARD if i % 2 else WriteItemType.TENSOR,
+                                 tensor_data=TensorWriteData(ChunkStorageMetadata(torch.Size(off), torch.Size(size)), props, torch.Size(glob))))
+        mappings = {it.index.fqn: (it.index.fqn,) for it in its}  # what the default planners send
+        local_bytes.append(dumps(encode_save_plan(SavePlan(its, planner_data=mappings))))
+    planner = distckpt.DefaultSavePlanner()
+    writer = distckpt.FileSystemWriter("/nonexistent/bench")
+    writer.rank = 0
+    gc.disable()
+    t0 = time.perf_counter()
+    plans = [decode_save_plan(loads(b, "bench")) for b in local_bytes]
+    final, md = planner.create_global_plan(plans)
+    final = writer.prepare_global_plan(final)
+    replies = [dumps(encode_save_plan(p)) for p in final]
+    t_plan = time.perf_counter() - t0
+    # each rank's write results, as the coordinator receives them
+    results_bytes = []
+    for r, p in enumerate(final):
+        res = [WriteResult(it.index, 16384, StorageInfo(p.storage_data["file"], 4096 + k * 16384, 16384, 0x1234abcd))
+               for k, it in enumerate(p.items)]
+        results_bytes.append(dumps(encode_write_results(res)))
+    t1 = time.perf_counter()
+    all_results = [decode_write_results(loads(b, "bench")) for b in results_bytes]
+    from distckpt.format.records import FileInfo, FileStorageData
+
+    fsd = FileStorageData(writer.save_id)
+    for rr in all_results:
+        for res in rr:
+            fsd.items[res.index] = res.storage_data
+            fsd.files.setdefault(res.storage_data.file, FileInfo(1 << 30, 0, 0))
+    md.storage_data = fsd
+    doc = encode_metadata(md)
+    t_md = time.perf_counter() - t1
+    gc.enable()
+    return {"plan_s": t_plan, "metadata_s": t_md, "total_s": t_plan + t_md, "gathered_bytes": sum(map(len, local_bytes)),
+            "scattered_bytes": sum(map(len, replies)), "metadata_bytes": len(doc)}
+
+
+def dcp_path(world: int, items: int) -> dict:
+    import io
+
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    props = TensorProperties(torch.float32)
+    local_bytes = []
+    for r in range(world):
+        its = []
+        for i in range(items):
+            fqn, off, size, glob = _tensor_item_args(r, i // 2, world, i % 2 == 0)
+            its.append(WriteItem(MetadataIndex(fqn, torch.Size(off)), WriteItemType.SHARD if i % 2 else WriteItemType.TENSOR,
+                                 tensor_data=TensorWriteData(ChunkStorageMetadata(torch.Size(off), torch.Size(size)), props, torch.Size(glob))))
+        mappings = {it.index.fqn: (it.index.fqn,) for it in its}
+        local_bytes.append(pickle.dumps(SavePlan(its, planner_data=mappings)))
+    planner = DefaultSavePlanner()
+    planner.set_up_planner({}, None, True)
+    writer = FileSystemWriter("/nonexistent/bench")
+    gc.disable()
+    t0 = time.perf_counter()
+    plans = [pickle.loads(b) for b in local_bytes]
+    final, md = planner.create_global_plan(plans)
+    final = writer.prepare_global_plan(final)
+    replies = [pickle.dumps(p) for p in final]
+    t_plan = time.perf_counter() - t0
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    results_bytes = []
+    for r, p in enumerate(final):
+        res = [WriteResult(it.index, 16384, _StorageInfo(f"__{r}_0.distcp", 4096 + k * 16384, 16384)) for k, it in enumerate(p.items)]
+        results_bytes.append(pickle.dumps(res))
+    t1 = time.perf_counter()
+    all_results = [pickle.loads(b) for b in results_bytes]
+    md.storage_data = {res.index: res.storage_data for rr in all_results for res in rr}
+    buf = io.BytesIO()
+    pickle.dump(md, buf)
+    t_md = time.perf_counter() - t1
+    gc.enable()
+    return {"plan_s": t_plan, "metadata_s": t_md, "total_s": t_plan + t_md, "gathered_bytes": sum(map(len, local_bytes)),
+            "scattered_bytes": sum(map(len, replies)), "metadata_bytes": len(buf.getvalue())}
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ranks", type=int, nargs="+", default=[512])
+    p.add_argument("--items", type=int, default=500)
+    p.add_argument("--no-dcp", action="store_true")
+    a = p.parse_args(argv)
+    rows = []
+    print(f"{'ranks':>6} {'peer':>9} {'plan s':>8} {'meta s':>8} {'total s':>8} {'gathered MB':>12} {'metadata MB':>12} {'DCP/distckpt':>13}")
+    for world in a.ranks:
+        ours = distckpt_path(world, a.items)
+        theirs = None if a.no_dcp else dcp_path(world, a.items)
+        for name, r in (("distckpt", ours), ("dcp", theirs)):
+            if r is None:
+                continue
+            ratio = "" if name == "distckpt" else f"{r['total_s'] / ours['total_s']:.1f}x"
+            print(f"{world:>6} {name:>9} {r['plan_s']:8.2f} {r['metadata_s']:8.2f} {r['total_s']:8.2f} "
+                  f"{r['gathered_bytes'] / 1e6:12.1f} {r['metadata_bytes'] / 1e6:12.1f} {ratio:>13}", flush=True)
+            rows.append({"ranks": world, "peer": name, **r})
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""distckpt's benchmark suite: distckpt, torch.distributed.checkpoint, torch.save and safetensors,
+side by side in one run, with ratios to distckpt.
+
+    python -m bench.run                 # 2 GiB state, disk and tmpfs, 1 and 2 ranks
+    python -m bench.run --gib 0.01 --small 500 --planning-ranks 16   # a smoke run
+
+Ratios are peer time / distckpt time: above 1 means distckpt is faster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+import torch
+
+from distckpt.testing import run_ranks
+
+from . import planning_scale, workers
+from .measure import drop_cache
+
+
+def disk_baselines(location: str, nbytes: int) -> dict:
+    """Raw sequential write+fsync and cold read bandwidth of ``location``; memcpy bandwidth."""
+    path = os.path.join(location, "raw.bin")
+    block = torch.randint(0, 255, (64 << 20,), dtype=torch.uint8).numpy().tobytes()
+    n = max(1, nbytes // len(block))
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    for _ in range(n):
+        os.write(fd, block)
+    os.fsync(fd)
+    os.close(fd)
+    write = n * len(block) / (time.perf_counter() - t0) / 1e9
+    drop_cache(location if os.path.isfile(path) else path)
+    buf = bytearray(len(block))
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_RDONLY)
+    while os.readv(fd, [buf]):
+        pass
+    os.close(fd)
+    read = n * len(block) / (time.perf_counter() - t0) / 1e9
+    os.remove(path)
+    src = torch.empty(min(nbytes, 1 << 30), dtype=torch.uint8).fill_(1)
+    dst = torch.empty_like(src).fill_(0)
+    t0 = time.perf_counter()
+    dst.copy_(src)
+    memcpy = src.numel() / (time.perf_counter() - t0) / 1e9
+    return {"write_fsync_gbps": write, "read_cold_gbps": read, "memcpy_gbps": memcpy}
+
+
+def table(title: str, rows: dict, base_peer: str = "distckpt") -> list[str]:
+    out = [f"\n{title}", f"{'peer':<12}{'op':<10}{'time s':>9}{'GB/s':>8}{'CPU s/GB':>10}{'peak RSS MB':>13}{'time vs distckpt':>18}"]
+    for key, s in rows.items():
+        peer, op = key.split("|")
+        base = rows.get(f"{base_peer}|{op}")
+        ratio = f"{s['wall_s'] / base['wall_s']:.2f}x" if base and peer != base_peer else ""
+        out.append(f"{peer:<12}{op:<10}{s['wall_s']:9.3f}{s['gbps']:8.2f}{s['cpu_s_per_gb']:10.2f}{s['peak_rss_delta_mb']:13.0f}{ratio:>18}")
+    return out
+
+
+def _merge(per_rank: list[dict]) -> dict:
+    """Slowest rank's time, summed CPU, largest RSS."""
+    out = {}
+    for key in per_rank[0]:
+        samples = [r[key] for r in per_rank]
+        worst = max(samples, key=lambda s: s["wall_s"])
+        cpu = sum(s["cpu_s"] for s in samples)
+        nbytes = sum(s["nbytes"] for s in samples)
+        out[key] = worst | {"cpu_s": cpu, "nbytes": nbytes, "gbps": nbytes / worst["wall_s"] / 1e9,
+                            "cpu_s_per_gb": cpu / (nbytes / 1e9), "peak_rss_delta_mb": max(s["peak_rss_delta_mb"] for s in samples)}
+    return out
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gib", type=float, default=2.0, help="size of the GPT-like state")
+    p.add_argument("--small", type=int, default=20000, help="count of small tensors")
+    p.add_argument("--disk-dir", default=None, help="a directory on the disk to measure (default: a temporary one under the current directory)")
+    p.add_argument("--tmpfs-dir", default="/dev/shm")
+    p.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--planning-ranks", type=int, nargs="+", default=[512])
+    p.add_argument("--json", default=None, help="also write the results here")
+    a = p.parse_args(argv)
+    total = int(a.gib * (1 << 30))
+    disk = tempfile.mkdtemp(prefix="distckpt-bench-", dir=a.disk_dir or os.getcwd())
+    tmpfs = tempfile.mkdtemp(prefix="distckpt-bench-", dir=a.tmpfs_dir)
+    env = {"DISTCKPT_FSYNC": "1", "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // max(a.ranks)))}
+    results: dict = {"config": vars(a)}
+    lines = [f"distckpt benchmark: {total / 2**30:.2f} GiB GPT-like state, {a.small} small tensors, torch {torch.__version__}, {os.cpu_count()} CPUs"]
+    try:
+        base = disk_baselines(disk, min(total, 1 << 30))
+        results["baselines"] = base
+        lines.append(f"raw disk: write+fsync {base['write_fsync_gbps']:.2f} GB/s, cold read {base['read_cold_gbps']:.2f} GB/s; memcpy {base['memcpy_gbps']:.2f} GB/s")
+        print(lines[-1], flush=True)
+        for loc_name, loc, cold in (("disk", disk, True), ("tmpfs", tmpfs, False)):
+            for n in a.ranks:
+                rows = _merge(run_ranks(workers.peers_round, n, total, loc, cold, env=env, timeout_s=3600))
+                results[f"{loc_name}/{n}"] = rows
+                block = table(f"{loc_name}, {n} rank(s){', cold-cache loads' if cold else ', warm loads'}", rows)
+                print("\n".join(block), flush=True)
+                lines += block
+        rows = run_ranks(workers.small_round, 1, a.small, tmpfs, env=env, timeout_s=3600)[0]
+        results["small"] = rows
+        block = table(f"{a.small} small tensors (1-64 KiB), tmpfs, 1 rank", rows)
+        print("\n".join(block), flush=True)
+        lines += block
+        run_ranks(workers.reshard_save, 2, total, tmpfs, env=env, timeout_s=3600)
+        for n in (1, 2):
+            rows = _merge(run_ranks(workers.reshard_load, n, total, tmpfs, 2, env=env, timeout_s=3600))
+            results[f"reshard/{n}"] = rows
+            block = table(f"reshard: saved at 2 ranks (Shard(0)), loaded at {n} rank(s){' as Shard(1)' if n > 1 else ''}, tmpfs", rows)
+            print("\n".join(block), flush=True)
+            lines += block
+        rows = run_ranks(workers.async_round, 1, total, disk, env=env, timeout_s=3600)[0]
+        results["async"] = rows
+        block = table("async_save on disk, 1 rank (blocking vs one in-memory copy; total vs sync save)", rows, base_peer="distckpt")
+        print("\n".join(block), flush=True)
+        lines += block
+        print(f"  blocking / memcpy: {rows['async|blocking']['wall_s'] / rows['memcpy|copy']['wall_s']:.2f}x;"
+              f" total / sync save: {rows['async|total']['wall_s'] / rows['distckpt|save']['wall_s']:.2f}x", flush=True)
+        print("\nplanning at scale (coordinator path, simulated):", flush=True)
+        results["planning"] = planning_scale.main(["--ranks", *map(str, a.planning_ranks)])
+    finally:
+        shutil.rmtree(disk, ignore_errors=True)
+        shutil.rmtree(tmpfs, ignore_errors=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(results, f, indent=1, default=str)
+    return results
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)

@@ -1,0 +1,201 @@
+"""Rank bodies of the benchmark: each measures the peers in one process group, in turn."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+
+from .measure import drop_cache, measure
+from .states import gpt_like, many_small, nbytes
+
+PEERS = ("distckpt", "dcp", "torch.save", "safetensors")
+
+
+def _local_state(total: int, world_size: int, rank: int, sharded: bool):
+    """This rank's part of a GPT-like state: DTensors sharded on dim 0 (or plain tensors at 1 rank)."""
+    shard = gpt_like(total // world_size, seed=rank)
+    if world_size == 1 or not sharded:
+        return shard, shard
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    dts = {k: DTensor.from_local(v, mesh, [Shard(0)], run_check=False,
+                                 shape=torch.Size([v.shape[0] * world_size, *v.shape[1:]]), stride=None if v.dim() < 1 else _stride(v, world_size))
+           for k, v in shard.items()}
+    return dts, shard
+
+
+def _stride(v: torch.Tensor, ws: int):
+    shape = [v.shape[0] * ws, *v.shape[1:]]
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= s
+    return tuple(reversed(stride))
+
+
+def _blank(sd):
+    out = {}
+    for k, v in sd.items():
+        if hasattr(v, "to_local"):
+            from torch.distributed.tensor import DTensor
+
+            out[k] = DTensor.from_local(torch.zeros_like(v.to_local()), v.device_mesh, v.placements, run_check=False,
+                                        shape=v.shape, stride=v.stride())
+        else:
+            out[k] = torch.zeros_like(v)
+    return out
+
+
+def _fsync_dir(path: str) -> None:
+    for root, _, files in os.walk(path):
+        for n in files:
+            fd = os.open(os.path.join(root, n), os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+
+
+def _save(peer, sd, local, path, rank):
+    if peer == "distckpt":
+        import distckpt
+
+        distckpt.save(sd, checkpoint_id=path)
+    elif peer == "dcp":
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(sd, checkpoint_id=path)  # its FileSystemWriter fsyncs by default
+    elif peer == "torch.save":
+        os.makedirs(path, exist_ok=True)
+        f = os.path.join(path, f"rank{rank}.pt")
+        torch.save(local, f)
+        _fsync_dir(path)
+    elif peer == "safetensors":
+        from safetensors.torch import save_file
+
+        os.makedirs(path, exist_ok=True)
+        save_file(local, os.path.join(path, f"rank{rank}.safetensors"))
+        _fsync_dir(path)
+
+
+def _load(peer, dest, dest_local, path, rank):
+    if peer == "distckpt":
+        import distckpt
+
+        distckpt.load(dest, checkpoint_id=path)
+    elif peer == "dcp":
+        import torch.distributed.checkpoint as dcp
+
+        dcp.load(dest, checkpoint_id=path)
+    elif peer == "torch.save":
+        got = torch.load(os.path.join(path, f"rank{rank}.pt"), weights_only=True)
+        for k, v in got.items():
+            dest_local[k].copy_(v)
+    elif peer == "safetensors":
+        from safetensors.torch import load_file
+
+        got = load_file(os.path.join(path, f"rank{rank}.safetensors"))
+        for k, v in got.items():
+            dest_local[k].copy_(v)
+
+
+def _barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def peers_round(rank, world_size, total, location, cold):
+    """Save and load the GPT-like state with every peer; return samples per (peer, op)."""
+    sd, local = _local_state(total, world_size, rank, sharded=True)
+    size = nbytes(local)
+    out = {}
+    for peer in PEERS:
+        path = os.path.join(location, f"{peer}-{world_size}")
+        if rank == 0 and os.path.exists(path):
+            shutil.rmtree(path)
+        _barrier()
+        out[(peer, "save")] = measure(lambda: _save(peer, sd, local, path, rank), size).as_dict()
+        _barrier()
+        dest = _blank(sd)
+        dest_local = {k: (v.to_local() if hasattr(v, "to_local") else v) for k, v in dest.items()}
+        if cold and rank == 0:
+            drop_cache(path)
+        _barrier()
+        out[(peer, "load")] = measure(lambda: _load(peer, dest, dest_local, path, rank), size).as_dict()
+        ok = all(torch.equal(dest_local[k], local[k]) for k in local)
+        assert ok, f"{peer} loaded wrong data"
+        _barrier()
+        if rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+        del dest, dest_local
+    return {f"{p}|{o}": v for (p, o), v in out.items()}
+
+
+def small_round(rank, world_size, count, location):
+    sd = many_small(count)
+    size = nbytes(sd)
+    out = {}
+    for peer in ("distckpt", "dcp"):
+        path = os.path.join(location, f"small-{peer}")
+        shutil.rmtree(path, ignore_errors=True)
+        out[f"{peer}|save"] = measure(lambda: _save(peer, sd, sd, path, rank), size).as_dict()
+        dest = {k: torch.zeros_like(v) for k, v in sd.items()}
+        out[f"{peer}|load"] = measure(lambda: _load(peer, dest, dest, path, rank), size).as_dict()
+        assert all(torch.equal(dest[k], sd[k]) for k in sd)
+        shutil.rmtree(path, ignore_errors=True)
+    return out
+
+
+def reshard_save(rank, world_size, total, location):
+    sd, _ = _local_state(total, world_size, rank, sharded=True)
+    for peer in ("distckpt", "dcp"):
+        path = os.path.join(location, f"reshard-{peer}")
+        if rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+        _barrier()
+        _save(peer, sd, sd, path, rank)
+    return nbytes({k: v.to_local() for k, v in sd.items()})
+
+
+def reshard_load(rank, world_size, total, location, saved_world):
+    """Load the 2-rank checkpoint at this world size, with the other shard dim (Shard(1)) at >1 rank."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    full_shapes = {k: torch.Size([v.shape[0] * saved_world, *v.shape[1:]]) for k, v in gpt_like(total // saved_world, seed=0).items()}
+    if world_size == 1:
+        dest = {k: torch.zeros(s) for k, s in full_shapes.items()}
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import distribute_tensor
+
+        mesh = init_device_mesh("cpu", (world_size,))
+        dest = {k: distribute_tensor(torch.zeros(s), mesh, [Shard(1) if len(s) > 1 else Shard(0)]) for k, s in full_shapes.items()}
+    size = sum(v.numel() * v.element_size() for v in dest.values()) // world_size
+    out = {}
+    for peer in ("distckpt", "dcp"):
+        out[f"{peer}|load"] = measure(lambda: _load(peer, dest, None, os.path.join(location, f"reshard-{peer}"), rank), size).as_dict()
+    return out
+
+
+def async_round(rank, world_size, total, location):
+    import distckpt
+
+    sd = gpt_like(total)
+    size = nbytes(sd)
+    out = {"memcpy|copy": measure(lambda: [t.clone() for t in sd.values()], size).as_dict()}
+    path = os.path.join(location, "async")
+    shutil.rmtree(path, ignore_errors=True)
+    out["distckpt|save"] = measure(lambda: distckpt.save(sd, checkpoint_id=path + "-sync"), size).as_dict()
+    # first async save allocates the staging pool; the second one shows the steady state
+    distckpt.async_save(sd, checkpoint_id=path + "-warm").result()
+    handle = []
+    blocking = measure(lambda: handle.append(distckpt.async_save(sd, checkpoint_id=path)), size)
+    total_s = measure(lambda: handle[0].result(), size)
+    out["async|blocking"] = blocking.as_dict()
+    out["async|total"] = blocking.as_dict() | {"wall_s": blocking.wall_s + total_s.wall_s}
+    for p in (path, path + "-sync", path + "-warm"):
+        shutil.rmtree(p, ignore_errors=True)
+    return out
