@@ -134,23 +134,42 @@ def read_items(store: BlobStore, md: Metadata, plan: LoadPlan, planner: LoadPlan
             return
         dtype = md.state_dict_metadata[index.fqn].properties.dtype
         shape = chunk_shapes[index]
-        with budget.hold(info.length):
-            buf = torch.empty(info.length, dtype=torch.uint8)
-            raw = memoryview(buf.numpy()).cast("B")
-            _read_into(blob, raw, info.offset, here(index), info.file)
-            _check(verify, crc32c(raw), info, here(index))
-            src_all = buf.view(dtype).reshape(shape) if info.length else torch.empty(shape, dtype=dtype)
-            for item in items:
-                src = src_all
-                for dim, (off, length) in enumerate(zip(item.storage_offsets, item.lengths)):
-                    src = src.narrow(dim, off, length)
-                with lock:
-                    dest = planner.resolve_tensor(item)
-                if tuple(dest.shape) != tuple(item.lengths):
-                    raise CheckpointError(f"{here(index)}: resolve_tensor returned shape {tuple(dest.shape)}, the read item needs {tuple(item.lengths)}")
-                dest.copy_(src)
-                with lock:
+        with lock:
+            dests = [planner.resolve_tensor(item) for item in items]
+        if info.length == 0:  # nothing stored, nothing to copy
+            with lock:
+                for item, dest in zip(items, dests):
                     planner.commit_tensor(item, dest)
+            return
+        for item, dest in zip(items, dests):
+            if tuple(dest.shape) != tuple(item.lengths):
+                raise CheckpointError(f"{here(index)}: resolve_tensor returned shape {tuple(dest.shape)}, the read item needs {tuple(item.lengths)}")
+        if not shape or info.length == 0:
+            rows, row_bytes = 1, info.length
+        else:
+            rows, row_bytes = shape[0], info.length // shape[0]
+        # stream the chunk through one reused buffer, a slab of whole rows at a time:
+        # every byte is read once, the checksum is computed on the way, memory stays bounded
+        slab_rows = max(1, min(rows, min(_SLAB_BYTES, budget.limit) // max(1, row_bytes)))
+        with budget.hold(slab_rows * row_bytes):
+            buf = torch.empty(slab_rows * row_bytes, dtype=torch.uint8)
+            raw = memoryview(buf.numpy()).cast("B") if len(buf) else memoryview(bytearray(0))
+            crc = 0
+            for a in range(0, rows, slab_rows):
+                b = min(rows, a + slab_rows)
+                wanted = [(item, dest) for item, dest in zip(items, dests) if _rows_meet(item, a, b, shape)]
+                if not wanted and not verify:
+                    continue
+                n = (b - a) * row_bytes
+                _read_into(blob, raw[:n], info.offset + a * row_bytes, here(index), info.file)
+                crc = crc32c(raw[:n], crc)
+                slab = buf[:n].view(dtype).reshape(((b - a),) + tuple(shape[1:])) if shape else buf[:n].view(dtype).reshape(())
+                for item, dest in wanted:
+                    _copy_rows(item, dest, slab, a, b, shape)
+            _check(verify, crc, info, here(index))
+        with lock:
+            for item, dest in zip(items, dests):
+                planner.commit_tensor(item, dest)
 
     tasks: list = []
     limit = knobs.io_batch_bytes()
@@ -173,6 +192,29 @@ def read_items(store: BlobStore, md: Metadata, plan: LoadPlan, planner: LoadPlan
     finally:
         for b in blobs.values():
             b.close()
+
+
+_SLAB_BYTES = 32 << 20
+
+
+def _rows_meet(item: ReadItem, a: int, b: int, shape: tuple) -> bool:
+    if not shape:
+        return True
+    r0 = item.storage_offsets[0]
+    return max(a, r0) < min(b, r0 + item.lengths[0])
+
+
+def _copy_rows(item: ReadItem, dest: torch.Tensor, slab: torch.Tensor, a: int, b: int, shape: tuple) -> None:
+    """Copy the part of ``item`` that lies in rows [a, b) of its chunk from ``slab`` into ``dest``."""
+    if not shape:
+        dest.copy_(slab)
+        return
+    r0 = item.storage_offsets[0]
+    lo, hi = max(a, r0), min(b, r0 + item.lengths[0])
+    src = slab.narrow(0, lo - a, hi - lo)
+    for dim in range(1, len(shape)):
+        src = src.narrow(dim, item.storage_offsets[dim], item.lengths[dim])
+    dest.narrow(0, lo - r0, hi - lo).copy_(src)
 
 
 def _chunk_shapes(md: Metadata) -> dict[MetadataIndex, tuple[int, ...]]:
