@@ -55,3 +55,20 @@ def gc_paused() -> Iterator[None]:
     finally:
         if was_enabled:
             gc.enable()
+
+
+def pick_storage(kind: str, checkpoint_id: Any, given: Any) -> Any:
+    """The storage writer or reader to use: ``given``, or the backend that accepts ``checkpoint_id``;
+    reset to ``checkpoint_id`` when there is one."""
+    from . import backends
+    from .errors import CheckpointError
+
+    storage = given
+    if storage is None:
+        if checkpoint_id is None:
+            arg = "storage_writer" if kind == "writer" else "storage_reader"
+            raise CheckpointError(f"needs checkpoint_id= (a directory path or memory://name) or {arg}=")
+        storage = backends.writer_for(checkpoint_id) if kind == "writer" else backends.reader_for(checkpoint_id)
+    if checkpoint_id is not None:
+        storage.reset(checkpoint_id)
+    return storage

@@ -5,10 +5,8 @@ from __future__ import annotations
 import os
 from typing import Any, Optional, Union
 
-from . import backends
-from ._sequence import gc_paused, split_stateful, tell_rank
+from ._sequence import gc_paused, pick_storage, split_stateful, tell_rank
 from .distributed import Coordinator
-from .errors import CheckpointError
 from .format.codec import decode_load_plan, dumps, encode_load_plan, loads
 from .metadata import STATE_DICT_TYPE, Metadata
 from .planner import LoadPlan, LoadPlanner
@@ -36,12 +34,7 @@ def load(
     Checksums are verified as data is read.
     """
     coord = Coordinator(process_group, coordinator_rank)
-    if storage_reader is None:
-        if checkpoint_id is None:
-            raise CheckpointError("load needs checkpoint_id= (a directory path or memory://name) or storage_reader=")
-        storage_reader = backends.reader_for(checkpoint_id)
-    if checkpoint_id is not None:
-        storage_reader.reset(checkpoint_id)
+    storage_reader = pick_storage("reader", checkpoint_id, storage_reader)
     planner = planner if planner is not None else DefaultLoadPlanner()
     tell_rank(planner, coord.rank)
     plain, objects = split_stateful(state_dict)
@@ -79,6 +72,4 @@ def run_load(state_dict: STATE_DICT_TYPE, reader: StorageReader, planner: LoadPl
 
 def read_metadata(checkpoint_id: Union[str, os.PathLike], storage_reader: Optional[StorageReader] = None) -> Metadata:
     """The metadata of a checkpoint: every key, its shape, dtype and chunks. Reads nothing else."""
-    reader = storage_reader if storage_reader is not None else backends.reader_for(checkpoint_id)
-    reader.reset(checkpoint_id)
-    return reader.read_metadata()
+    return pick_storage("reader", checkpoint_id, storage_reader).read_metadata()

@@ -6,8 +6,7 @@ import os
 from dataclasses import replace
 from typing import Any, Optional, Union
 
-from . import backends
-from ._sequence import call_set_up, gc_paused, split_stateful, tell_rank
+from ._sequence import call_set_up, gc_paused, pick_storage, split_stateful, tell_rank
 from .distributed import Coordinator
 from .errors import CheckpointError
 from .format.codec import decode_save_plan, decode_write_results, dumps, encode_metadata, encode_save_plan, encode_write_results, loads, parse_metadata
@@ -39,12 +38,7 @@ def save(
     and nothing is committed.
     """
     coord = Coordinator(process_group, coordinator_rank)
-    if storage_writer is None:
-        if checkpoint_id is None:
-            raise CheckpointError("save needs checkpoint_id= (a directory path or memory://name) or storage_writer=")
-        storage_writer = backends.writer_for(checkpoint_id)
-    if checkpoint_id is not None:
-        storage_writer.reset(checkpoint_id)
+    storage_writer = pick_storage("writer", checkpoint_id, storage_writer)
     planner = planner if planner is not None else DefaultSavePlanner()
     tell_rank(planner, coord.rank)
     plain, _ = split_stateful(state_dict)

@@ -18,8 +18,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from . import backends
-from ._sequence import split_stateful, tell_rank
+from ._sequence import pick_storage, split_stateful, tell_rank
 from .distributed import Coordinator, dist
 from .errors import CheckpointError
 from .metadata import STATE_DICT_TYPE, Metadata
@@ -161,12 +160,7 @@ def async_save(
         except BaseException:  # noqa: BLE001 - cancelled futures
             pass
 
-    if storage_writer is None:
-        if checkpoint_id is None:
-            raise CheckpointError("async_save needs checkpoint_id= (a directory path or memory://name) or storage_writer=")
-        storage_writer = backends.writer_for(checkpoint_id)
-    if checkpoint_id is not None:
-        storage_writer.reset(checkpoint_id)
+    storage_writer = pick_storage("writer", checkpoint_id, storage_writer)
     planner = planner if planner is not None else DefaultSavePlanner()
     group = _background_group(process_group)
     coord = Coordinator(group, coordinator_rank)

@@ -260,7 +260,30 @@ def _strip_file_scheme(checkpoint_id: Union[str, os.PathLike, None]):
     return text[len("file://"):] if text.startswith("file://") else text
 
 
-class FileSystemWriter(BlobStorageWriter):
+class _AtPath:
+    """Where a filesystem writer or reader points: its constructor path, or the latest checkpoint_id."""
+
+    path: Union[str, None]
+
+    def reset(self, checkpoint_id=None) -> None:
+        super().reset(checkpoint_id)  # type: ignore[misc]
+        if checkpoint_id is not None:
+            self.path = _strip_file_scheme(checkpoint_id)
+
+    def _require_path(self) -> str:
+        if self.path is None:
+            raise CheckpointNotFoundError(f"{type(self).__name__} has no path: pass checkpoint_id=, or {type(self).__name__}(path)")
+        return self.path
+
+    def _checkpoint_id(self) -> str:
+        return str(self.path)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+        return _is_local_path(checkpoint_id)
+
+
+class FileSystemWriter(_AtPath, BlobStorageWriter):
     """Writes a checkpoint into a directory: one safetensors data file per rank, plus metadata.json.
 
     Args:
@@ -281,25 +304,11 @@ class FileSystemWriter(BlobStorageWriter):
         super().__init__(sync_files=sync_files, thread_count=thread_count, overwrite=overwrite)
         self.path = _strip_file_scheme(path)
 
-    def reset(self, checkpoint_id=None) -> None:
-        super().reset(checkpoint_id)
-        if checkpoint_id is not None:
-            self.path = _strip_file_scheme(checkpoint_id)
-
     def _store(self) -> BlobStore:
-        if self.path is None:
-            raise CheckpointNotFoundError("FileSystemWriter has no path: pass checkpoint_id= to save, or FileSystemWriter(path)")
-        return FsStore(self.path)
-
-    def _checkpoint_id(self) -> str:
-        return str(self.path)
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
-        return _is_local_path(checkpoint_id)
+        return FsStore(self._require_path())
 
 
-class FileSystemReader(BlobStorageReader):
+class FileSystemReader(_AtPath, BlobStorageReader):
     """Reads a checkpoint directory written by :class:`FileSystemWriter`.
 
     Args:
@@ -312,15 +321,8 @@ class FileSystemReader(BlobStorageReader):
         super().__init__(verify_checksums=verify_checksums, thread_count=thread_count)
         self.path = _strip_file_scheme(path)
 
-    def reset(self, checkpoint_id=None) -> None:
-        super().reset(checkpoint_id)
-        if checkpoint_id is not None:
-            self.path = _strip_file_scheme(checkpoint_id)
-
     def _store(self) -> BlobStore:
-        if self.path is None:
-            raise CheckpointNotFoundError("FileSystemReader has no path: pass checkpoint_id= to load, or FileSystemReader(path)")
-        store = FsStore(self.path)
+        store = FsStore(self._require_path())
         if not Path(self.path).is_dir():
             pending = store.incomplete_saves()
             if pending:
@@ -329,10 +331,3 @@ class FileSystemReader(BlobStorageReader):
                     f"{pending[0]!r}). Load an earlier checkpoint.")
             raise CheckpointNotFoundError(f"checkpoint {str(self.path)!r} does not exist (no such directory); check the path")
         return store
-
-    def _checkpoint_id(self) -> str:
-        return str(self.path)
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
-        return _is_local_path(checkpoint_id)

@@ -1,0 +1,93 @@
+"""The ``distckpt`` command: inspect and verify checkpoints.
+
+    distckpt inspect PATH [--json]     keys, shapes, dtypes, chunks, files and sizes
+    distckpt verify PATH [--quiet]     check every byte against its checksums
+
+Exit codes: 0 success, 1 the checkpoint is damaged or incomplete, 2 usage errors.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from . import __version__
+from .errors import CheckpointError, CheckpointNotFoundError
+from .loading import read_metadata
+from .metadata import TensorStorageMetadata
+from .verification import verify
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+@click.group(help=__doc__)
+@click.version_option(__version__, prog_name="distckpt")
+def main() -> None:
+    pass
+
+
+@main.command()
+@click.argument("checkpoint")
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+def inspect(checkpoint: str, as_json: bool) -> None:
+    """Show what CHECKPOINT holds, from its metadata alone."""
+    try:
+        md = read_metadata(checkpoint)
+    except CheckpointError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(1)
+    fsd = md.storage_data
+    rows = []
+    for fqn, entry in md.state_dict_metadata.items():
+        if isinstance(entry, TensorStorageMetadata):
+            rows.append({"key": fqn, "kind": "tensor", "dtype": str(entry.properties.dtype).replace("torch.", ""),
+                         "shape": list(entry.size), "chunks": len(entry.chunks)})
+        else:
+            rows.append({"key": fqn, "kind": "value"})
+    files = {name: {"size": info.size, "rank": info.rank} for name, info in getattr(fsd, "files", {}).items()}
+    if as_json:
+        click.echo(json.dumps({"checkpoint": checkpoint, "format_version": md.version,
+                               "save_id": getattr(fsd, "save_id", None), "entries": rows, "files": files}, indent=1))
+        return
+    total = sum(f["size"] for f in files.values())
+    click.echo(f"checkpoint {checkpoint}: format {md.version}, save {getattr(fsd, 'save_id', '?')}, "
+               f"{len(rows)} entries, {len(files)} data file(s), {_human(total)}")
+    width = max([len(r["key"]) for r in rows] + [3])
+    for r in rows:
+        if r["kind"] == "tensor":
+            click.echo(f"  {r['key']:<{width}}  {r['dtype']:<9} {str(tuple(r['shape'])):<20} {r['chunks']} chunk(s)")
+        else:
+            click.echo(f"  {r['key']:<{width}}  value")
+    for name, f in sorted(files.items()):
+        click.echo(f"  file {name}: {_human(f['size'])} from rank {f['rank']}")
+
+
+@main.command(name="verify")
+@click.argument("checkpoint")
+@click.option("--quiet", is_flag=True, help="print nothing; the exit code tells")
+def verify_cmd(checkpoint: str, quiet: bool) -> None:
+    """Check every byte of CHECKPOINT against its checksums, without loading it."""
+    try:
+        report = verify(checkpoint, progress=not quiet and sys.stderr.isatty())
+    except CheckpointNotFoundError as exc:
+        if not quiet:
+            click.echo(f"incomplete or missing: {exc}", err=True)
+        sys.exit(1)
+    except CheckpointError as exc:
+        if not quiet:
+            click.echo(f"damaged: {exc}", err=True)
+        sys.exit(1)
+    if not quiet:
+        click.echo(f"ok: {report.items} items in {report.files} file(s), {_human(report.bytes_checked)} checked")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,40 @@
+import json
+import os
+
+import torch
+from click.testing import CliRunner
+
+import distckpt
+from distckpt.cli import main
+
+
+def test_inspect_and_verify(tmp_path):
+    path = str(tmp_path / "ck")
+    distckpt.save({"w": torch.ones(3, 4, dtype=torch.bfloat16), "step": 5}, checkpoint_id=path)
+    runner = CliRunner()
+    res = runner.invoke(main, ["inspect", path])
+    assert res.exit_code == 0, res.output
+    assert "w" in res.output and "bfloat16" in res.output and "(3, 4)" in res.output
+    res = runner.invoke(main, ["inspect", path, "--json"])
+    doc = json.loads(res.output)
+    assert {e["key"] for e in doc["entries"]} == {"w", "step"} and doc["format_version"] == "1.0"
+    res = runner.invoke(main, ["verify", path])
+    assert res.exit_code == 0 and res.output.startswith("ok: 2 items")
+
+
+def test_verify_exit_codes_for_damage_and_absence(tmp_path):
+    path = str(tmp_path / "ck")
+    distckpt.save({"w": torch.randn(64)}, checkpoint_id=path)
+    name = next(n for n in os.listdir(path) if n.endswith(".safetensors"))
+    data = bytearray(open(os.path.join(path, name), "rb").read())
+    data[-5] ^= 0xFF
+    open(os.path.join(path, name), "wb").write(bytes(data))
+    runner = CliRunner()
+    res = runner.invoke(main, ["verify", path])
+    assert res.exit_code == 1 and "checksum mismatch" in res.output
+    res = runner.invoke(main, ["verify", str(tmp_path / "nope")])
+    assert res.exit_code == 1 and "does not exist" in res.output
+    res = runner.invoke(main, ["inspect", str(tmp_path / "nope")])
+    assert res.exit_code == 1
+    res = runner.invoke(main, ["frobnicate"])
+    assert res.exit_code == 2
