@@ -44,12 +44,21 @@ def _bool(name: str, default: bool) -> bool:
 
 
 def io_threads() -> int:
-    """Threads per rank that write or read data files (DISTCKPT_IO_THREADS, default 4).
+    """Threads per rank that write or read data files (DISTCKPT_IO_THREADS).
 
-    I/O releases the GIL, so a few threads keep the disk queue full while other
-    threads checksum and copy.
+    I/O and checksums release the GIL, so threads overlap them; but more busy
+    threads than cores only adds switching. The default is this rank's share
+    of the CPUs (CPUs / LOCAL_WORLD_SIZE, as torchrun sets it), from 1 to 4.
     """
-    return _int("DISTCKPT_IO_THREADS", 4, minimum=1)
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    try:
+        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        local = 1
+    return _int("DISTCKPT_IO_THREADS", max(1, min(4, cpus // local)), minimum=1)
 
 
 def io_batch_bytes() -> int:

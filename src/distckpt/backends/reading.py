@@ -91,6 +91,14 @@ def read_items(store: BlobStore, md: Metadata, plan: LoadPlan, planner: LoadPlan
     blobs = open_and_validate(store, fsd, {i.file for i in infos.values()}, where)
     lock = threading.Lock()
     budget = ByteBudget(knobs.memory_budget_bytes())
+    per_thread = threading.local()
+
+    def slab_buffer(n: int) -> torch.Tensor:
+        """This thread's reusable read buffer: fresh pages for every chunk would cost page faults."""
+        buf = getattr(per_thread, "buf", None)
+        if buf is None or buf.numel() < n:
+            buf = per_thread.buf = torch.empty(n, dtype=torch.uint8)
+        return buf[:n]
     chunk_shapes = _chunk_shapes(md)
 
     def here(index: MetadataIndex) -> str:
@@ -152,7 +160,7 @@ def read_items(store: BlobStore, md: Metadata, plan: LoadPlan, planner: LoadPlan
         # every byte is read once, the checksum is computed on the way, memory stays bounded
         slab_rows = max(1, min(rows, min(_SLAB_BYTES, budget.limit) // max(1, row_bytes)))
         with budget.hold(slab_rows * row_bytes):
-            buf = torch.empty(slab_rows * row_bytes, dtype=torch.uint8)
+            buf = slab_buffer(slab_rows * row_bytes)
             raw = memoryview(buf.numpy()).cast("B") if len(buf) else memoryview(bytearray(0))
             crc = 0
             for a in range(0, rows, slab_rows):

@@ -32,6 +32,9 @@ def free_port() -> int:
 
 
 def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any, timeout_s: float, env: dict) -> None:
+    # what torchrun would set: every rank of the group runs on this host
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+                       "LOCAL_WORLD_SIZE": str(world_size)})
     os.environ.update(env)
     import torch
     import torch.distributed as dist
