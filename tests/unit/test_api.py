@@ -157,3 +157,20 @@ def test_storage_chosen_from_checkpoint_id(tmp_path):
     assert torch.equal(out["w"], torch.ones(2))
     distckpt.save({"w": torch.ones(2)}, checkpoint_id=f"file://{tmp_path}/f")
     assert os.path.exists(tmp_path / "f" / "metadata.json")
+
+
+def test_large_rank_state_is_split_over_files_written_in_parallel(tmp_path, monkeypatch):
+    from safetensors import safe_open
+
+    monkeypatch.setenv("DISTCKPT_IO_THREADS", "3")
+    sd = {f"w{i}": torch.randn(8, 1 << 20) for i in range(6)}  # 6 x 32 MiB
+    distckpt.save(sd, checkpoint_id=tmp_path / "ck")
+    files = sorted(f for f in os.listdir(tmp_path / "ck") if f.endswith(".safetensors"))
+    assert files == ["data-00000-1.safetensors", "data-00000-2.safetensors", "data-00000.safetensors"]
+    for name in files:
+        with safe_open(str(tmp_path / "ck" / name), framework="pt") as f:
+            assert len(list(f.keys())) == 2
+    assert distckpt.verify(tmp_path / "ck").items == 6
+    out = {k: torch.zeros_like(v) for k, v in sd.items()}
+    distckpt.load(out, checkpoint_id=tmp_path / "ck")
+    assert all(torch.equal(out[k], sd[k]) for k in sd)

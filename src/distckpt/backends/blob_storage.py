@@ -34,7 +34,6 @@ from ..storage import StorageReader, StorageWriter, WriteResult
 from .blobs import BlobReader, BlobStore
 from .budget import ByteBudget
 from .tensor_bytes import host_bytes, host_tensor
-from .tasks import run_tasks
 
 FILE_RESULT_PREFIX = "__file__:"
 
@@ -127,13 +126,18 @@ class BlobStorageWriter(StorageWriter):
                 pass
 
 
+_MIN_FILE_BYTES = 64 << 20
+
+
 def write_file(store: BlobStore, name: str, save_id: str, rank: int, plan: SavePlan, planner: SavePlanner,
                *, threads: int, sync: bool) -> list[WriteResult]:
-    """Write one rank's data file and return a WriteResult per item, plus one for the file.
+    """Write one rank's items into data files; return a WriteResult per item, plus one per file.
 
-    Items are laid out in plan order. Adjacent items are grouped into batches
-    of about ``io_batch_bytes``; each batch is one task for the thread pool and
-    one vectored write, straight from tensor memory.
+    Items keep plan order and are split into up to ``threads`` contiguous runs
+    of similar size (at least 64 MiB each), one file per run, each written by
+    its own thread: threads sharing one file contend on it in the kernel.
+    Within a file, adjacent items go out in batches of about
+    ``io_batch_bytes`` with one vectored write each, straight from tensor memory.
     """
     entries, payloads = [], []
     for item in plan.items:
@@ -148,13 +152,10 @@ def write_file(store: BlobStore, name: str, save_id: str, rank: int, plan: SaveP
             shape = tuple(td.chunk.sizes) if code != "U8" or td.properties.dtype == torch.uint8 else (nbytes,)
             entries.append(Entry(entry_name(item.index.fqn, tuple(item.index.offset or ())), code, shape, nbytes))
             payloads.append(None)
-    names = set()
-    for i, e in enumerate(entries):  # a key may itself look like "<key>@<offsets>": keep names unique
-        if e.name in names:
-            entries[i] = e = Entry(f"{e.name}#{i}", e.code, e.shape, e.nbytes)
-        names.add(e.name)
-    lead, offsets = build_header(entries, save_id, rank)
     crcs = [0] * len(entries)
+    offsets = [0] * len(entries)
+    files: list[tuple[str, int, int]] = []  # (name, size, header crc)
+    item_file = [""] * len(entries)
     budget = ByteBudget(knobs.memory_budget_bytes())
 
     def item_bytes(i: int) -> tuple[memoryview, object, int]:
@@ -181,34 +182,72 @@ def write_file(store: BlobStore, name: str, save_id: str, rank: int, plan: SaveP
             raise CheckpointError(f"key {item.index.fqn!r}: resolve_data returned {len(data)} bytes, the plan expects {entries[i].nbytes}")
         return data, owner, copied
 
-    def write_batch(batch: list[int]) -> None:
-        views, owners, held = [], [], 0
+    def write_one_file(file_name: str, members: list[int]) -> tuple[str, int, int]:
+        local = []
+        names = set()
+        for i in members:  # a key may itself look like "<key>@<offsets>": keep names unique in the file
+            e = entries[i]
+            if e.name in names:
+                e = Entry(f"{e.name}#{i}", e.code, e.shape, e.nbytes)
+            names.add(e.name)
+            local.append(e)
+        lead, local_offsets = build_header(local, save_id, rank)
+        for i, off in zip(members, local_offsets):
+            offsets[i] = off
+            item_file[i] = file_name
+        blob = store.create(file_name)
         try:
-            for i in batch:
-                data, owner, copied = item_bytes(i)
-                held += copied
-                owners.append(owner)  # keeps the memory behind each view alive until written
-                crcs[i] = crc32c(data)
-                views.append(data)
-            blob.pwritev(views, offsets[batch[0]])
-        finally:
-            if held:
-                budget.release(held)
+            blob.pwrite(memoryview(lead), 0)
+            for batch in _batches([entries[i].nbytes for i in members], knobs.io_batch_bytes()):
+                views, owners, held = [], [], 0
+                try:
+                    for j in batch:
+                        i = members[j]
+                        data, owner, copied = item_bytes(i)
+                        held += copied
+                        owners.append(owner)  # keeps the memory behind each view alive until written
+                        crcs[i] = crc32c(data)
+                        views.append(data)
+                    blob.pwritev(views, offsets[members[batch[0]]])
+                finally:
+                    if held:
+                        budget.release(held)
+        except BaseException:
+            blob.close(False)
+            raise
+        blob.close(sync)
+        return file_name, len(lead) + sum(entries[i].nbytes for i in members), crc32c(lead)
 
-    batches = _batches([e.nbytes for e in entries], knobs.io_batch_bytes())
-    blob = store.create(name)
-    try:
-        blob.pwrite(memoryview(lead), 0)
-        run_tasks([(write_batch, b, len(b)) for b in batches], threads, "distckpt-write")
-    except BaseException:
-        blob.close(False)
-        raise
-    blob.close(sync)
-    size = len(lead) + sum(e.nbytes for e in entries)
-    results = [WriteResult(item.index, e.nbytes, StorageInfo(name, off, e.nbytes, c))
-               for item, e, off, c in zip(plan.items, entries, offsets, crcs)]
-    results.append(WriteResult(MetadataIndex(FILE_RESULT_PREFIX + name), size, FileInfo(size, rank, crc32c(lead))))
+    groups = _split([e.nbytes for e in entries], max(1, min(threads, sum(e.nbytes for e in entries) // _MIN_FILE_BYTES)))
+    stem = name[: -len(".safetensors")] if name.endswith(".safetensors") else name
+    names = [name] + [f"{stem}-{g}.safetensors" for g in range(1, len(groups))]
+    if len(groups) == 1:
+        files.append(write_one_file(name, groups[0]))
+    else:
+        with ThreadPoolExecutor(len(groups), thread_name_prefix="distckpt-write") as pool:
+            futures = [pool.submit(write_one_file, n, g) for n, g in zip(names, groups)]
+            files.extend(f.result() for f in futures)
+    results = [WriteResult(item.index, e.nbytes, StorageInfo(f, off, e.nbytes, c))
+               for item, e, off, c, f in zip(plan.items, entries, offsets, crcs, item_file)]
+    for file_name, size, lead_crc in files:
+        results.append(WriteResult(MetadataIndex(FILE_RESULT_PREFIX + file_name), size, FileInfo(size, rank, lead_crc)))
     return results
+
+
+def _split(sizes: list[int], parts: int) -> list[list[int]]:
+    """Split indices into at most ``parts`` contiguous runs of similar total size (never empty)."""
+    total = sum(sizes)
+    if parts <= 1 or not sizes:
+        return [list(range(len(sizes)))]
+    target = total / parts
+    out: list[list[int]] = [[]]
+    acc = 0
+    for i, n in enumerate(sizes):
+        if out[-1] and acc + n / 2 > target * len(out) and len(out) < parts:
+            out.append([])
+        out[-1].append(i)
+        acc += n
+    return out
 
 
 def _batches(sizes: list[int], limit: int) -> list[list[int]]:
