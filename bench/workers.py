@@ -133,7 +133,7 @@ def peers_round(rank, world_size, total, location, cold):
         _barrier()
         if rank == 0:
             shutil.rmtree(path, ignore_errors=True)
-        del dest, dest_local
+        dest = dest_local = None  # free before the next peer
     return {f"{p}|{o}": v for (p, o), v in out.items()}
 
 
@@ -165,7 +165,7 @@ def reshard_save(rank, world_size, total, location):
 
 def reshard_load(rank, world_size, total, location, saved_world):
     """Load the 2-rank checkpoint at this world size, with the other shard dim (Shard(1)) at >1 rank."""
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import Shard
 
     full_shapes = {k: torch.Size([v.shape[0] * saved_world, *v.shape[1:]]) for k, v in gpt_like(total // saved_world, seed=0).items()}
     if world_size == 1:
@@ -190,7 +190,7 @@ def async_round(rank, world_size, total, location):
     size = nbytes(sd)
     copies = {k: torch.empty_like(v).fill_(0) for k, v in sd.items()}  # preallocated, as the staging pool is
     out = {"memcpy|copy": measure(lambda: [copies[k].copy_(v) for k, v in sd.items()], size).as_dict()}
-    del copies
+    copies = None
     path = os.path.join(location, "async")
     shutil.rmtree(path, ignore_errors=True)
     os.sync()

@@ -10,7 +10,6 @@ from . import backends
 from .backends.blob_storage import BlobStorageReader
 from .backends.reading import open_and_validate
 from .errors import CheckpointError, CorruptCheckpointError
-from .format import METADATA_FILE
 from .format.checksum import crc32c
 from .format.datafile import entry_name
 from .format.records import FileStorageData

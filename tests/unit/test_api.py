@@ -1,6 +1,5 @@
 """End-to-end save/load through the public API, in one process."""
 
-import io
 import os
 import uuid
 

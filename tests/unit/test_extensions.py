@@ -8,7 +8,7 @@ import torch
 import distckpt
 from distckpt import DefaultLoadPlanner, DefaultSavePlanner
 from distckpt.format.values import decode_value
-from distckpt.metadata import STATE_DICT_TYPE, Metadata, StorageMeta
+from distckpt.metadata import STATE_DICT_TYPE, StorageMeta
 from distckpt.planner import SavePlan, WriteItemType
 from distckpt.planning import flatten_state_dict
 

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from distckpt import CheckpointError, CorruptCheckpointError, RankLocal, UnsafeValueError
+from distckpt import CheckpointError, RankLocal, UnsafeValueError
 from distckpt.format.values import decode_value, encode_value
 from distckpt.planning.flatten import flatten_state_dict, get_element, set_element
 

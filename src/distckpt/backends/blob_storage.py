@@ -9,8 +9,6 @@ destination where its memory is contiguous.
 
 from __future__ import annotations
 
-import io
-import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -24,14 +22,14 @@ from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpoint
 from ..format import FORMAT_VERSION_STR, METADATA_FILE
 from ..format.checksum import crc32c
 from ..format.codec import encode_metadata, parse_metadata
-from ..format.datafile import Entry, build_header, entry_name, read_header
+from ..format.datafile import Entry, build_header, entry_name
 from ..format.dtypes import itemsize, safetensors_code
 from ..format.records import FileInfo, FileStorageData, StorageInfo
-from ..metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
-from ..planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner, WriteItemType
+from ..metadata import Metadata, MetadataIndex, StorageMeta
+from ..planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner, WriteItemType
 from ..planning.resharding import volume
 from ..storage import StorageReader, StorageWriter, WriteResult
-from .blobs import BlobReader, BlobStore
+from .blobs import BlobStore
 from .budget import ByteBudget
 from .tensor_bytes import host_bytes, host_tensor
 

@@ -5,18 +5,15 @@ from __future__ import annotations
 import io
 import threading
 from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from ..errors import CheckpointError, CorruptCheckpointError
 from ..format.checksum import crc32c
 from ..format.datafile import read_header
-from ..format.dtypes import itemsize
 from ..format.records import FileStorageData, StorageInfo
 from ..metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from ..planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
-from ..planning.resharding import volume
 from .. import knobs
 from .blobs import BlobReader, BlobStore
 from .budget import ByteBudget

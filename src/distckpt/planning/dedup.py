@@ -5,7 +5,6 @@ Runs on the coordinator only, in O(n log n) over all items of all ranks.
 
 from __future__ import annotations
 
-import heapq
 from collections import defaultdict
 from dataclasses import replace
 
