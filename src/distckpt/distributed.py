@@ -57,6 +57,8 @@ class Coordinator:
         else:
             self.rank, self.world_size, self._dst = 0, 1, 0
             self.device = torch.device("cpu")
+        if self.world_size == 1:  # a group of one: nothing to exchange, skip encoding plans for transport
+            self.use_dist = False
         self.coordinator_rank = coordinator_rank
         self.is_coordinator = self.rank == coordinator_rank
         faults.set_rank(self.rank)
