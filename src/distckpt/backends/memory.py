@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 from typing import Iterable, Union
 
+from .. import faults
 from ..errors import CheckpointError, CheckpointNotFoundError
 from ..format import METADATA_FILE
 from .blob_storage import BlobStorageReader, BlobStorageWriter
@@ -35,6 +36,7 @@ class _MemWriter(BlobWriter):
         blobs[name] = self.buf
 
     def pwrite(self, data: memoryview, offset: int) -> None:
+        faults.point("write", "memory")
         data = memoryview(data).cast("B")
         with self.lock:
             end = offset + len(data)
@@ -97,6 +99,7 @@ class MemoryStore(BlobStore):
 
     def commit(self, staging: BlobStore, overwrite: bool, sync: bool) -> None:
         assert isinstance(staging, MemoryStore)
+        faults.point("rename", self.describe())
         with _LOCK:
             if not overwrite and METADATA_FILE in _CHECKPOINTS.get(self.name, {}):
                 _CHECKPOINTS.pop(staging.name, None)

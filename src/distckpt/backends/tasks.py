@@ -15,16 +15,16 @@ _MANY_ITEMS = 16
 
 def run_tasks(tasks: list[tuple[Callable[[Any], None], Any, int]], threads: int, name: str) -> None:
     """Run ``fn(arg)`` for each ``(fn, arg, item_count)``; re-raise the first failure."""
-    heavy = [(fn, arg) for fn, arg, n in tasks if n < _MANY_ITEMS]
-    light = [(fn, arg) for fn, arg, n in tasks if n >= _MANY_ITEMS]
-    if threads <= 1 or len(heavy) <= 1:
-        for fn, arg in heavy + light:
+    few_items = [(fn, arg) for fn, arg, n in tasks if n < _MANY_ITEMS]  # byte-bound: threads overlap them
+    many_items = [(fn, arg) for fn, arg, n in tasks if n >= _MANY_ITEMS]  # GIL-bound: run here
+    if threads <= 1 or len(few_items) <= 1:
+        for fn, arg in few_items + many_items:
             fn(arg)
         return
-    with ThreadPoolExecutor(min(threads, len(heavy)), thread_name_prefix=name) as pool:
-        futures = [pool.submit(fn, arg) for fn, arg in heavy]
+    with ThreadPoolExecutor(min(threads, len(few_items)), thread_name_prefix=name) as pool:
+        futures = [pool.submit(fn, arg) for fn, arg in few_items]
         try:
-            for fn, arg in light:
+            for fn, arg in many_items:
                 fn(arg)
         finally:
             for f in futures:
