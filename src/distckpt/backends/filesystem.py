@@ -48,17 +48,11 @@ class _FdWriter(BlobWriter):
             raise _io_error("writing", self.path, exc) from exc
 
     def pwritev(self, buffers: list, offset: int) -> None:
-        views = [memoryview(b).cast("B") for b in buffers if len(b)]
         try:
             faults.point("write", self.path)
-            while views:
-                n = os.pwritev(self.fd, views[:_IOV_MAX], offset)
-                offset += n
-                while views and n >= len(views[0]):  # drop what was written, keep the rest
-                    n -= len(views[0])
-                    views.pop(0)
-                if n:
-                    views[0] = views[0][n:]
+            want = sum(len(b) for b in buffers)
+            if _vectored(os.pwritev, self.fd, buffers, offset) != want:
+                raise OSError(errno.EIO, "short write")
         except OSError as exc:
             raise _io_error("writing", self.path, exc) from exc
 
@@ -98,25 +92,33 @@ class _FdReader(BlobReader):
         return total
 
     def readv(self, views: list, offset: int) -> int:
-        views = [memoryview(v).cast("B") for v in views if len(v)]
-        total = 0
         try:
-            while views:
-                n = os.preadv(self.fd, views[:_IOV_MAX], offset + total)
-                if n == 0:
-                    break
-                total += n
-                while views and n >= len(views[0]):
-                    n -= len(views[0])
-                    views.pop(0)
-                if n:
-                    views[0] = views[0][n:]
+            return _vectored(os.preadv, self.fd, views, offset)
         except OSError as exc:
             raise _io_error("reading", self.path, exc) from exc
-        return total
 
     def close(self) -> None:
         os.close(self.fd)
+
+
+def _vectored(op, fd: int, buffers: list, offset: int) -> int:
+    """Run ``os.pwritev``/``os.preadv`` over ``buffers`` until done (or end of file); return the bytes moved.
+
+    The calls may move fewer bytes than asked, and take at most IOV_MAX buffers each.
+    """
+    views = [memoryview(b).cast("B") for b in buffers if len(b)]
+    i = total = 0
+    while i < len(views):
+        n = op(fd, views[i:i + _IOV_MAX], offset + total)
+        if n == 0:
+            break
+        total += n
+        while i < len(views) and n >= len(views[i]):  # skip what is done, trim the one in progress
+            n -= len(views[i])
+            i += 1
+        if n:
+            views[i] = views[i][n:]
+    return total
 
 
 def _fsync_dir(path: str) -> None:
