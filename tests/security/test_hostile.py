@@ -121,10 +121,7 @@ def test_path_traversal_names_are_rejected(good, tmp_path, bad):
     path, sd = good
     ck = copy(path, str(tmp_path / "ck"))
     body = read_body(ck)
-    old = next(iter(body["storage_data"]["$fs"]["files"]))
-    body["storage_data"]["$fs"]["files"][bad] = body["storage_data"]["$fs"]["files"].pop(old)
-    for item in body["storage_data"]["$fs"]["items"]:
-        item[2] = bad
+    body["storage_data"]["$files"]["files"][0][0] = bad
     write_body(ck, body)
     with pytest.raises(CorruptCheckpointError, match="not a plain file name"):
         distckpt.load(blank_like(sd), checkpoint_id=ck)
@@ -145,9 +142,9 @@ def test_unknown_major_version_is_rejected_with_supported_version(good, tmp_path
     path, sd = good
     ck = copy(path, str(tmp_path / "ck"))
     body = read_body(ck)
-    body["format_version"] = "2.0"
+    body["format_version"] = "3.0"
     write_body(ck, body)
-    with pytest.raises(FormatVersionError, match=r"2\.0.*reads format version 1\.x"):
+    with pytest.raises(FormatVersionError, match=r"3\.0.*reads format versions 1\.x and 2\.x"):
         distckpt.read_metadata(ck)
 
 

@@ -4,8 +4,8 @@ See docs/format.md for the normative specification.
 """
 
 FORMAT_NAME = "distckpt"
-FORMAT_VERSION = (1, 0)
-FORMAT_VERSION_STR = "1.0"
+FORMAT_VERSION = (2, 0)
+FORMAT_VERSION_STR = "2.0"
 METADATA_FILE = "metadata.json"
 
 __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "FORMAT_VERSION_STR", "METADATA_FILE"]

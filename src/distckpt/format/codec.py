@@ -36,7 +36,7 @@ from ..planner import (
     WriteItemType,
 )
 from ..storage import WriteResult
-from . import FORMAT_NAME, FORMAT_VERSION, FORMAT_VERSION_STR
+from . import FORMAT_NAME, FORMAT_VERSION_STR
 from .checksum import crc32c, format_crc
 from .dtypes import dtype_from_name, dtype_name, itemsize
 from .records import FileInfo, FileStorageData, StorageInfo
@@ -256,24 +256,58 @@ def _check_no_overlap(items: dict, files: dict, where: str) -> None:
 # ---------------------------------------------------------------- metadata document
 
 _TRAILER = re.compile(rb',"crc32c":"([0-9a-f]{8})"}\n\Z')
+SUPPORTED_MAJORS = (1, 2)
 
 
 def encode_metadata(md: Metadata) -> bytes:
-    """The metadata document: JSON whose last member is the CRC-32C of all bytes before it."""
+    """The metadata document (format 2.x): JSON whose last member is the CRC-32C of all bytes before it.
+
+    With distckpt's own storage data (:class:`FileStorageData`) every chunk and
+    value carries its location inline, and ``storage_data`` holds only the
+    data-file table; other storage data is stored as a tagged value.
+    """
+    fsd = md.storage_data if isinstance(md.storage_data, FileStorageData) else None
+    names = sorted(fsd.files) if fsd is not None else []
+    file_no = {name: i for i, name in enumerate(names)}
+
+    def where_is(index: MetadataIndex) -> StorageInfo:
+        si = fsd.items.get(index)
+        if si is None or si.file not in file_no:
+            raise CheckpointError(f"key {index.fqn!r}: no stored location for {list(index.offset or [])} (internal error)")
+        return si
+
     sdm = {}
     for fqn, entry in md.state_dict_metadata.items():
         if isinstance(entry, TensorStorageMetadata):
-            sdm[fqn] = {"type": "tensor", "size": list(entry.size), "properties": _enc_props(entry.properties),
-                        "chunks": [_enc_chunk(c) for c in entry.chunks]}
+            chunks = []
+            for c in entry.chunks:
+                row = [list(c.offsets), list(c.sizes)]
+                if fsd is not None:
+                    si = where_is(MetadataIndex(fqn, c.offsets))
+                    row += [file_no[si.file], si.offset, si.crc32c]
+                chunks.append(row)
+            sdm[fqn] = {"type": "tensor", "size": list(entry.size), "properties": _enc_props(entry.properties), "chunks": chunks}
+        elif fsd is not None:
+            si = where_is(MetadataIndex(fqn))
+            sdm[fqn] = {"type": "bytes", "at": [file_no[si.file], si.offset, si.length, si.crc32c]}
         else:
             sdm[fqn] = {"type": "bytes"}
-    sm = md.storage_meta
+    if fsd is not None:
+        storage = {"$files": {"save_id": fsd.save_id,
+                              "files": [[n, fsd.files[n].size, fsd.files[n].rank, fsd.files[n].header_crc32c] for n in names]}}
+    else:
+        storage = _opaque_to(md.storage_data, "metadata storage_data", False)
+    return metadata_document(sdm, storage, _opaque_to(md.planner_data, "metadata planner_data", False), md.storage_meta)
+
+
+def metadata_document(sdm: dict, storage: Any, planner: Any, sm: Optional[StorageMeta]) -> bytes:
+    """Serialise the already-encoded members of a metadata document and append its checksum."""
     body = {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION_STR,
         "state_dict_metadata": sdm,
-        "storage_data": _opaque_to(md.storage_data, "metadata storage_data", False),
-        "planner_data": _opaque_to(md.planner_data, "metadata planner_data", False),
+        "storage_data": storage,
+        "planner_data": planner,
         "storage_meta": None if sm is None else {
             "checkpoint_id": None if sm.checkpoint_id is None else str(sm.checkpoint_id),
             "save_id": sm.save_id, "load_id": sm.load_id, "modules": list(sm.modules)},
@@ -311,9 +345,10 @@ def _parse_metadata(raw: bytes, where: str) -> Metadata:
     if not isinstance(version, str) or not re.fullmatch(r"\d{1,4}\.\d{1,4}", version):
         raise CorruptCheckpointError(f"{where}: malformed format_version {version!r:.40}")
     major = int(version.split(".")[0])
-    if major != FORMAT_VERSION[0]:
+    if major not in SUPPORTED_MAJORS:
+        readable = " and ".join(f"{v}.x" for v in SUPPORTED_MAJORS)
         raise FormatVersionError(
-            f"{where}: written in format version {version}; this distckpt reads format version {FORMAT_VERSION[0]}.x. "
+            f"{where}: written in format version {version}; this distckpt reads format versions {readable}. "
             "Use a distckpt release that supports that version."
         )
     sdm_raw = body.get("state_dict_metadata")
@@ -321,6 +356,10 @@ def _parse_metadata(raw: bytes, where: str) -> Metadata:
         raise CorruptCheckpointError(f"{where}: state_dict_metadata is missing or not an object")
     if len(sdm_raw) > MAX_KEYS:
         raise CorruptCheckpointError(f"{where}: more than {MAX_KEYS} keys")
+    storage_raw = body.get("storage_data")
+    inline = major >= 2 and isinstance(storage_raw, dict) and set(storage_raw) == {"$files"}
+    fsd = _dec_file_table(storage_raw["$files"], where) if inline else None
+    file_list = list(fsd.files.items()) if fsd is not None else []
     sdm: dict = {}
     total_chunks = 0
     for fqn, entry in sdm_raw.items():
@@ -329,6 +368,11 @@ def _parse_metadata(raw: bytes, where: str) -> Metadata:
             raise CorruptCheckpointError(f"{here}: malformed entry")
         if entry["type"] == "bytes":
             sdm[fqn] = BytesStorageMetadata()
+            if fsd is not None:
+                at = entry.get("at")
+                if not isinstance(at, list) or len(at) != 4:
+                    raise CorruptCheckpointError(f"{here}: value has no valid location")
+                _add_item(fsd, file_list, MetadataIndex(fqn), at[0], at[1], at[2], at[3], here)
             continue
         size = _ints(entry.get("size"), here)
         props = _dec_props(entry.get("properties"), here)
@@ -338,10 +382,20 @@ def _parse_metadata(raw: bytes, where: str) -> Metadata:
         total_chunks += len(chunks_raw)
         if total_chunks > MAX_CHUNKS:
             raise CorruptCheckpointError(f"{where}: more than {MAX_CHUNKS} chunks")
-        chunks = [_dec_chunk(c, here) for c in chunks_raw]
-        for c in chunks:
-            if len(c.offsets) != len(size) or any(o + s > d for o, s, d in zip(c.offsets, c.sizes, size)):
-                raise CorruptCheckpointError(f"{here}: chunk {list(c.offsets)}+{list(c.sizes)} lies outside tensor of size {list(size)}")
+        chunks = []
+        width = itemsize(props.dtype)
+        for c in chunks_raw:
+            if fsd is None:
+                chunk = _dec_chunk(c, here)
+            else:
+                if not isinstance(c, list) or len(c) != 5:
+                    raise CorruptCheckpointError(f"{here}: malformed chunk {c!r:.200}")
+                chunk = _dec_chunk(c[:2], here)
+                _add_item(fsd, file_list, MetadataIndex(fqn, chunk.offsets), c[2], c[3], math.prod(chunk.sizes) * width, c[4], here)
+            if len(chunk.offsets) != len(size) or any(o + s > d for o, s, d in zip(chunk.offsets, chunk.sizes, size)):
+                raise CorruptCheckpointError(
+                    f"{here}: chunk {list(chunk.offsets)}+{list(chunk.sizes)} lies outside tensor of size {list(size)}")
+            chunks.append(chunk)
         sdm[fqn] = TensorStorageMetadata(props, size, chunks)
     sm_raw = body.get("storage_meta")
     sm = None
@@ -349,16 +403,61 @@ def _parse_metadata(raw: bytes, where: str) -> Metadata:
         if not isinstance(sm_raw, dict):
             raise CorruptCheckpointError(f"{where}: malformed storage_meta")
         sm = StorageMeta(sm_raw.get("checkpoint_id"), sm_raw.get("save_id"), sm_raw.get("load_id"), list(sm_raw.get("modules") or []))
+    if fsd is not None:
+        storage_data: Any = fsd
+        _check_no_overlap(fsd.items, fsd.files, where)
+    else:
+        storage_data = _opaque_from(storage_raw, f"{where}: storage_data", False)
     md = Metadata(
         state_dict_metadata=sdm,
         planner_data=_opaque_from(body.get("planner_data"), f"{where}: planner_data", False),
-        storage_data=_opaque_from(body.get("storage_data"), f"{where}: storage_data", False),
+        storage_data=storage_data,
         storage_meta=sm,
         version=version,
     )
     if isinstance(md.storage_data, FileStorageData):
         _cross_check(md, md.storage_data, where)
     return md
+
+
+def _dec_file_table(data: Any, where: str) -> FileStorageData:
+    """The ``$files`` member of format 2.x: save id and data-file table, items filled in from the entries."""
+    from .names import check_file_name
+
+    if not isinstance(data, dict) or set(data) != {"save_id", "files"}:
+        raise CorruptCheckpointError(f"{where}: malformed storage data")
+    save_id, files_raw = data["save_id"], data["files"]
+    if not isinstance(save_id, str) or not isinstance(files_raw, list):
+        raise CorruptCheckpointError(f"{where}: malformed storage data")
+    files = {}
+    for info in files_raw:
+        if not (isinstance(info, list) and len(info) == 4):
+            raise CorruptCheckpointError(f"{where}: malformed data-file entry {info!r:.200}")
+        name = check_file_name(info[0], where)
+        if not (all(type(x) is int and 0 <= x <= _MAX_INT for x in info[1:3]) and _is_crc(info[3])):
+            raise CorruptCheckpointError(f"{where}: malformed entry for data file {name!r}")
+        if name in files:
+            raise CorruptCheckpointError(f"{where}: data file {name!r} is listed twice")
+        files[name] = FileInfo(info[1], info[2], info[3])
+    return FileStorageData(save_id, files, {})
+
+
+def _is_crc(value: Any) -> bool:
+    return type(value) is int and 0 <= value <= 0xFFFFFFFF
+
+
+def _add_item(fsd: FileStorageData, file_list: list, index: MetadataIndex, file_no: Any, begin: Any, length: int,
+              crc: Any, where: str) -> None:
+    if type(file_no) is not int or not 0 <= file_no < len(file_list):
+        raise CorruptCheckpointError(f"{where}: location names data file #{file_no!r:.20}, which the file table lacks")
+    name, info = file_list[file_no]
+    if not (type(begin) is int and type(length) is int and 0 <= begin <= _MAX_INT and 0 <= length and begin + length <= info.size):
+        raise CorruptCheckpointError(f"{where}: stored bytes {begin!r:.20}+{length} lie outside data file {name!r}")
+    if not _is_crc(crc):
+        raise CorruptCheckpointError(f"{where}: malformed checksum {crc!r:.20}")
+    if index in fsd.items:
+        raise CorruptCheckpointError(f"{where}: chunk {list(index.offset or [])} is listed twice")
+    fsd.items[index] = StorageInfo(name, begin, length, crc)
 
 
 def _cross_check(md: Metadata, fsd: FileStorageData, where: str) -> None:
