@@ -1,5 +1,10 @@
 """Coordinator cost of planning a save at thousands of ranks, simulated without data.
 
+distckpt's side is what distckpt.save's coordinator runs with the default
+planner and its own writer: plans travel as columns (planning/columns.py),
+global planning runs on arrays (planning/columnar.py), and the metadata
+document is written from the column write results.
+
 Every rank holds ITEMS items: half replicated (the same key on every rank),
 half sharded (one chunk per rank). Timed, for distckpt and for
 torch.distributed.checkpoint on the same plans, is the whole coordinator path:
@@ -27,16 +32,18 @@ def _tensor_item_args(r, i, world, replicated):
 
 
 def distckpt_path(world: int, items: int) -> dict:
+    """What distckpt.save's coordinator does with the default planner and its own writer: column plans."""
     import distckpt
-    from distckpt.format.codec import (decode_save_plan, decode_write_results, dumps, encode_metadata, encode_save_plan,
-                                       encode_write_results, loads)
-    from distckpt.format.records import StorageInfo
+    from distckpt.backends.blob_storage import FILE_RESULT_PREFIX
+    from distckpt.format.records import FileInfo, StorageInfo
     from distckpt.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
     from distckpt.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+    from distckpt.planning.columnar import metadata_document, plan_columns
+    from distckpt.planning.columns import PlanColumns, ResultColumns, decode_keep, encode_keep, encode_plan_columns, encode_result_columns
     from distckpt.storage import WriteResult
 
     props = TensorProperties(torch.float32)
-    local_bytes = []
+    local_plans, local_bytes = [], []
     for r in range(world):
         its = []
         for i in range(items):
@@ -44,34 +51,34 @@ def distckpt_path(world: int, items: int) -> dict:
             its.append(WriteItem(MetadataIndex(fqn, off), WriteItemType.SHARD if i % 2 else WriteItemType.TENSOR,
                                  tensor_data=TensorWriteData(ChunkStorageMetadata(torch.Size(off), torch.Size(size)), props, torch.Size(glob))))
         mappings = {it.index.fqn: (it.index.fqn,) for it in its}  # what the default planners send
-        local_bytes.append(dumps(encode_save_plan(SavePlan(its, planner_data=mappings))))
-    planner = distckpt.DefaultSavePlanner()
+        local_plans.append(SavePlan(its, planner_data=mappings))
+        local_bytes.append(encode_plan_columns(local_plans[-1]))
     writer = distckpt.FileSystemWriter("/nonexistent/bench")
     writer.rank = 0
     gc.disable()
     t0 = time.perf_counter()
-    plans = [decode_save_plan(loads(b, "bench")) for b in local_bytes]
-    final, md = planner.create_global_plan(plans)
-    final = writer.prepare_global_plan(final)
-    replies = [dumps(encode_save_plan(p)) for p in final]
+    cols = [PlanColumns.decode(b) for b in local_bytes]
+    plan = plan_columns(cols)
+    storage = writer.prepare_global_plan([SavePlan([]) for _ in cols])
+    replies = [encode_keep(k, s.storage_data) for k, s in zip(plan.keep, storage)]
     t_plan = time.perf_counter() - t0
-    # each rank's write results, as the coordinator receives them
+    gc.enable()
+    # each rank's write results, as the coordinator receives them (built on the ranks: not timed)
     results_bytes = []
-    for r, p in enumerate(final):
-        res = [WriteResult(it.index, 16384, StorageInfo(p.storage_data["file"], 4096 + k * 16384, 16384, 0x1234abcd))
-               for k, it in enumerate(p.items)]
-        results_bytes.append(dumps(encode_write_results(res)))
+    for r, (raw, local) in enumerate(zip(replies, local_plans)):
+        central = decode_keep(raw, local)
+        name = central.storage_data["file"]
+        res, size = [], 4096
+        for it in central.items:
+            n = it.tensor_data.chunk.sizes.numel() * 4
+            res.append(WriteResult(it.index, n, StorageInfo(name, size, n, 0x1234abcd)))
+            size += n
+        res.append(WriteResult(MetadataIndex(FILE_RESULT_PREFIX + name), size, FileInfo(size, r, 0)))
+        results_bytes.append(encode_result_columns(res, central, FILE_RESULT_PREFIX))
+    gc.disable()
     t1 = time.perf_counter()
-    all_results = [decode_write_results(loads(b, "bench")) for b in results_bytes]
-    from distckpt.format.records import FileInfo, FileStorageData
-
-    fsd = FileStorageData(writer.save_id)
-    for rr in all_results:
-        for res in rr:
-            fsd.items[res.index] = res.storage_data
-            fsd.files.setdefault(res.storage_data.file, FileInfo(1 << 30, 0, 0))
-    md.storage_data = fsd
-    doc = encode_metadata(md)
+    results = [ResultColumns.decode(b) for b in results_bytes]
+    doc = metadata_document(plan, results, writer.save_id, "/nonexistent/bench")
     t_md = time.perf_counter() - t1
     gc.enable()
     return {"plan_s": t_plan, "metadata_s": t_md, "total_s": t_plan + t_md, "gathered_bytes": sum(map(len, local_bytes)),

@@ -10,9 +10,13 @@ from ._sequence import call_set_up, gc_paused, pick_storage, split_stateful, tel
 from .distributed import Coordinator
 from .errors import CheckpointError
 from .format.codec import decode_save_plan, decode_write_results, dumps, encode_metadata, encode_save_plan, encode_write_results, loads, parse_metadata
+from .format.frames import frame_kind
 from .metadata import STATE_DICT_TYPE, Metadata
 from .planner import SavePlan, SavePlanner
 from .planning import DefaultSavePlanner
+from .planning.columnar import ColumnarPlan, Declined, metadata_document, plan_columns, to_metadata
+from .planning.columns import (KEEP_MAGIC, PLAN_MAGIC, RESULTS_MAGIC, PlanColumns, ResultColumns, decode_keep, encode_keep,
+                               encode_plan_columns, encode_result_columns)
 from .storage import StorageWriter
 
 __all__ = ["save"]
@@ -56,6 +60,16 @@ def _plan_cache(planner: SavePlanner) -> Optional[dict]:
     return cache
 
 
+def _columnar_eligible(planner: SavePlanner, writer: StorageWriter, cache: Optional[dict]) -> bool:
+    """Whether this save may plan on columns: the default planner's global step and distckpt's writer, unmodified."""
+    from .backends.blob_storage import BlobStorageWriter
+
+    return (cache is None and isinstance(planner, DefaultSavePlanner) and planner.dedup_replicated_tensors
+            and type(planner).create_global_plan is DefaultSavePlanner.create_global_plan
+            and isinstance(writer, BlobStorageWriter)
+            and all(getattr(type(writer), m) is getattr(BlobStorageWriter, m) for m in ("prepare_global_plan", "write_data", "finish")))
+
+
 def run_save(state_dict: STATE_DICT_TYPE, writer: StorageWriter, planner: SavePlanner, coord: Coordinator) -> Metadata:
     """The save sequence: plan locally, plan globally, write, commit.
 
@@ -64,14 +78,24 @@ def run_save(state_dict: STATE_DICT_TYPE, writer: StorageWriter, planner: SavePl
     protocol's ``usable=False`` marker, the coordinator reuses its cached
     global plan and metadata, and replies with just the new storage data: a
     repeated save moves a constant number of bytes per rank in planning.
+
+    With the default planner and distckpt's own writer, plans travel as
+    columns (``planning/columns.py``): the coordinator plans on arrays,
+    replies with a bit per item, and writes the metadata document straight
+    from the ranks' column write results. The outcome is the same as the
+    object path's, which runs for everything else.
     """
     global_metadata: list[Metadata] = []
     cache = _plan_cache(planner)
+    columnar = coord.use_dist and _columnar_eligible(planner, writer, cache)
+    local_plan: list[SavePlan] = []
+    fast: list[ColumnarPlan] = []  # coordinator: set when global planning ran on columns
 
     def local_step() -> SavePlan:
         planner.set_up_planner(state_dict, writer.storage_meta(), coord.is_coordinator)
         call_set_up(writer.set_up_storage_writer, coord.is_coordinator, rank=coord.rank, world_size=coord.world_size)
         plan = writer.prepare_local_plan(planner.create_local_plan())
+        local_plan.append(plan)
         if cache is not None:
             if cache.get("local") == plan:
                 return SavePlan([], usable=False)
@@ -79,7 +103,21 @@ def run_save(state_dict: STATE_DICT_TYPE, writer: StorageWriter, planner: SavePl
             cache.pop("central", None)
         return plan
 
-    def global_step(all_plans: list[SavePlan]) -> list[SavePlan]:
+    def columnar_step(all_cols: list[PlanColumns]) -> Optional[list[bytes]]:
+        try:
+            plan = plan_columns(all_cols, planner.dedup_replicated_tensors)
+        except Declined:
+            return None  # the object path decides, and names what is wrong
+        fast.append(plan)
+        storage = writer.prepare_global_plan([SavePlan([]) for _ in all_cols])
+        return [encode_keep(keep, s.storage_data) for keep, s in zip(plan.keep, storage)]
+
+    def global_step(all_plans: list) -> list:
+        if all_plans and all(isinstance(p, PlanColumns) for p in all_plans):
+            replies = columnar_step(all_plans)
+            if replies is not None:
+                return replies
+        all_plans = [p.to_plan() if isinstance(p, PlanColumns) else p for p in all_plans]
         if cache is None:
             all_plans, metadata = planner.create_global_plan(all_plans)
             global_metadata.append(metadata)
@@ -108,9 +146,27 @@ def run_save(state_dict: STATE_DICT_TYPE, writer: StorageWriter, planner: SavePl
         cache["sent"] = [replace(p, storage_data=None) for p in final]
         return replies
 
-    enc_plan = lambda p: dumps(encode_save_plan(p))
-    dec_plan = lambda b: decode_save_plan(loads(b, "save plan"))
-    central_plan = coord.reduce_scatter("save planning", local_step, global_step, enc_plan, dec_plan, enc_plan, dec_plan)
+    def enc_plan(p: SavePlan) -> bytes:
+        raw = encode_plan_columns(p) if columnar else None
+        return raw if raw is not None else dumps(encode_save_plan(p))
+
+    def dec_plan(b: bytes):
+        if frame_kind(b) == PLAN_MAGIC:
+            return PlanColumns.decode(b)
+        return decode_save_plan(loads(b, "save plan"))
+
+    via_keep: list[bool] = []
+
+    def enc_reply(p) -> bytes:
+        return p if isinstance(p, bytes) else dumps(encode_save_plan(p))
+
+    def dec_reply(b: bytes) -> SavePlan:
+        if frame_kind(b) == KEEP_MAGIC:
+            via_keep.append(True)
+            return decode_keep(b, local_plan[-1])
+        return decode_save_plan(loads(b, "save plan"))
+
+    central_plan = coord.reduce_scatter("save planning", local_step, global_step, enc_plan, dec_plan, enc_reply, dec_reply)
     if cache is not None:
         if central_plan.usable:
             cache["central"] = replace(central_plan, storage_data=None)
@@ -119,24 +175,49 @@ def run_save(state_dict: STATE_DICT_TYPE, writer: StorageWriter, planner: SavePl
         else:
             raise CheckpointError("the coordinator sent a cached plan this rank does not have; "
                                   "pass the same planner object to every save, on every rank")
+    written: list[SavePlan] = []
 
     def write_step():
         final_plan = planner.finish_plan(central_plan)
-        return writer.write_data(final_plan, planner).wait()
+        results = writer.write_data(final_plan, planner).wait()
+        written.append(final_plan)
+        return results
 
-    def finish_step(all_results) -> Metadata:
+    def enc_results(results) -> bytes:
+        if via_keep and written and written[0] is central_plan:
+            from .backends.blob_storage import FILE_RESULT_PREFIX
+
+            raw = encode_result_columns(results, central_plan, FILE_RESULT_PREFIX)
+            if raw is not None:
+                return raw
+        return dumps(encode_write_results(results))
+
+    def dec_results(b: bytes):
+        if frame_kind(b) == RESULTS_MAGIC:
+            return ResultColumns.decode(b)
+        return decode_write_results(loads(b, "write results"))
+
+    def finish_step(all_results):
+        if fast:
+            plan = fast[0]
+            if all(isinstance(r, ResultColumns) for r in all_results):
+                doc = metadata_document(plan, all_results, writer.save_id, writer._checkpoint_id())
+                writer.commit_document(doc)
+                return doc
+            all_results = [_as_results(plan, rank, r) for rank, r in enumerate(all_results)]
+            global_metadata.append(to_metadata(plan))
         metadata = global_metadata[0]
         writer.finish(metadata=metadata, results=all_results)
         return metadata
 
     try:
-        return coord.all_reduce(
+        metadata = coord.all_reduce(
             "save write",
             write_step,
             finish_step,
-            lambda r: dumps(encode_write_results(r)),
-            lambda b: decode_write_results(loads(b, "write results")),
-            encode_metadata,
+            enc_results,
+            dec_results,
+            lambda m: m if isinstance(m, bytes) else encode_metadata(m),
             lambda b: parse_metadata(b, "metadata from the coordinator"),
         )
     except CheckpointError:
@@ -145,3 +226,16 @@ def run_save(state_dict: STATE_DICT_TYPE, writer: StorageWriter, planner: SavePl
         if coord.is_coordinator and discard is not None:
             discard()
         raise
+    if fast:
+        planner.metadata = metadata
+    return metadata
+
+
+def _as_results(plan: ColumnarPlan, rank: int, results):
+    """A rank's write results as objects (when another rank sent them in the general form)."""
+    if not isinstance(results, ResultColumns):
+        return results
+    from .backends.blob_storage import FILE_RESULT_PREFIX
+
+    items = [it for it, k in zip(plan.all_cols[rank].to_plan().items, plan.keep[rank].tolist()) if k]
+    return results.to_results(items, FILE_RESULT_PREFIX)

@@ -111,8 +111,12 @@ class BlobStorageWriter(StorageWriter):
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.checkpoint_id = self._checkpoint_id()
         metadata.storage_meta.save_id = fsd.save_id
+        self.commit_document(encode_metadata(metadata))
+
+    def commit_document(self, document: bytes) -> None:
+        """Write the metadata document of this save and commit the checkpoint (coordinator)."""
         staging = self.store.staging(self.save_id)
-        staging.put_atomic(METADATA_FILE, encode_metadata(metadata), self._sync())
+        staging.put_atomic(METADATA_FILE, document, self._sync())
         self.store.commit(staging, self.overwrite, self._sync())
 
     def discard_incomplete(self) -> None:
