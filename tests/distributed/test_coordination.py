@@ -71,3 +71,20 @@ def test_missing_key_on_one_rank_names_key_and_rank(tmp_path):
     for res in results:
         assert res["failures"] == [1]
         assert "'nope'" in res["text"] and "allow_partial_load" in res["text"] and path in res["text"]
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_column_planning_runs_and_matches_the_object_path(tmp_path, world_size):
+    """The default planner with distckpt's writer plans on columns; the checkpoint is the one the object path writes."""
+    res = run_ranks(workers.save_by_both_paths, world_size, str(tmp_path))
+    assert res[0]["calls"] == 1 and all(r["calls"] == 0 for r in res[1:])
+    assert all(r["planning_bytes"] < r["object_bytes"] for r in res)
+    fast = distckpt.read_metadata(str(tmp_path / "columns"))
+    slow = distckpt.read_metadata(str(tmp_path / "objects"))
+    assert fast.state_dict_metadata == slow.state_dict_metadata and fast.planner_data == slow.planner_data
+    where = lambda md: {ix: (si.file, si.offset, si.length, si.crc32c) for ix, si in md.storage_data.items.items()}
+    assert where(fast) == where(slow)
+    assert {n: (f.size, f.rank) for n, f in fast.storage_data.files.items()} == {n: (f.size, f.rank) for n, f in slow.storage_data.files.items()}
+    for path in ("columns", "objects"):
+        distckpt.verify(str(tmp_path / path))
+    assert run_ranks(workers.load_all_layouts, world_size, [str(tmp_path / "columns")]) == [{}] * world_size

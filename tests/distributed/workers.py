@@ -170,3 +170,29 @@ def cached_plan_saves(rank, world_size, root):
         assert all(torch.equal(out[k], state[k]) for k in out if k != "own"), step
         assert torch.equal(out["own"].value, state["own"].value)
     return sizes
+
+
+class _ObjectPathPlanner(distckpt.DefaultSavePlanner):
+    """Overrides create_global_plan (without changing it), which sends the save down the object path."""
+
+    def create_global_plan(self, all_plans):
+        return super().create_global_plan(all_plans)
+
+
+def save_by_both_paths(rank, world_size, root):
+    import distckpt.saving as saving
+
+    calls = []
+    real = saving.plan_columns
+    saving.plan_columns = lambda *a, **k: calls.append(1) or real(*a, **k)
+    try:
+        sd = states.build(world_size, states.SAVE, fill=True)
+        sd["step"] = 11
+        sd["opt"] = {"lr": 0.1, "betas": (0.9, 0.99)}
+        distckpt.save(sd, checkpoint_id=os.path.join(root, "columns"))
+        planning_bytes = distckpt.distributed.phase_bytes["save planning"]
+        distckpt.save(sd, checkpoint_id=os.path.join(root, "objects"), planner=_ObjectPathPlanner())
+        object_bytes = distckpt.distributed.phase_bytes["save planning"]
+    finally:
+        saving.plan_columns = real
+    return {"calls": len(calls), "planning_bytes": planning_bytes, "object_bytes": object_bytes}
