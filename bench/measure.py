@@ -57,6 +57,12 @@ def measure(fn: Callable[[], object], nbytes: int) -> Sample:
     return Sample(wall, cpu, max(0, peak - base) / 1024, nbytes)
 
 
+def median(samples: list) -> Sample:
+    """The sample of median wall time (of an even count, the faster middle one)."""
+    ordered = sorted(samples, key=lambda s: s.wall_s)
+    return ordered[(len(ordered) - 1) // 2]
+
+
 def drop_cache(path: str) -> None:
     """Evict a directory's files from the page cache (they must be clean: fsynced)."""
     for root, _, files in os.walk(path):

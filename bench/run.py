@@ -95,6 +95,8 @@ def main(argv=None) -> dict:
     p.add_argument("--tmpfs-dir", default="/dev/shm")
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
     p.add_argument("--planning-ranks", type=int, nargs="+", default=[512])
+    p.add_argument("--repeat", type=int, default=3, help="runs of each measurement; the median is reported "
+                   "(single runs here vary 2-3x with page-cache and host memory state)")
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--warm-gib", type=float, default=None, help="memory to touch first (default: 4x the state, at most 60%% of RAM)")
     a = p.parse_args(argv)
@@ -115,24 +117,24 @@ def main(argv=None) -> dict:
         print(lines[-1], flush=True)
         for loc_name, loc, cold in (("disk", disk, True), ("tmpfs", tmpfs, False)):
             for n in a.ranks:
-                rows = _merge(run_ranks(workers.peers_round, n, total, loc, cold, env=env, timeout_s=3600))
+                rows = _merge(run_ranks(workers.peers_round, n, total, loc, cold, a.repeat, env=env, timeout_s=3600))
                 results[f"{loc_name}/{n}"] = rows
                 block = table(f"{loc_name}, {n} rank(s){', cold-cache loads' if cold else ', warm loads'}", rows)
                 print("\n".join(block), flush=True)
                 lines += block
-        rows = run_ranks(workers.small_round, 1, a.small, tmpfs, env=env, timeout_s=3600)[0]
+        rows = run_ranks(workers.small_round, 1, a.small, tmpfs, a.repeat, env=env, timeout_s=3600)[0]
         results["small"] = rows
         block = table(f"{a.small} small tensors (1-64 KiB), tmpfs, 1 rank", rows)
         print("\n".join(block), flush=True)
         lines += block
         run_ranks(workers.reshard_save, 2, total, tmpfs, env=env, timeout_s=3600)
         for n in (1, 2):
-            rows = _merge(run_ranks(workers.reshard_load, n, total, tmpfs, 2, env=env, timeout_s=3600))
+            rows = _merge(run_ranks(workers.reshard_load, n, total, tmpfs, 2, a.repeat, env=env, timeout_s=3600))
             results[f"reshard/{n}"] = rows
             block = table(f"reshard: saved at 2 ranks (Shard(0)), loaded at {n} rank(s){' as Shard(1)' if n > 1 else ''}, tmpfs", rows)
             print("\n".join(block), flush=True)
             lines += block
-        rows = run_ranks(workers.async_round, 1, total, disk, env=env, timeout_s=3600)[0]
+        rows = run_ranks(workers.async_round, 1, total, disk, a.repeat, env=env, timeout_s=3600)[0]
         results["async"] = rows
         block = table("async_save on disk, 1 rank (blocking vs one in-memory copy; total vs sync save)", rows, base_peer="distckpt")
         print("\n".join(block), flush=True)

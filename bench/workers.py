@@ -8,7 +8,7 @@ import shutil
 import torch
 import torch.distributed as dist
 
-from .measure import drop_cache, measure
+from .measure import drop_cache, measure, median
 from .states import gpt_like, many_small, nbytes
 
 PEERS = ("distckpt", "dcp", "torch.save", "safetensors")
@@ -108,46 +108,53 @@ def _barrier():
         dist.barrier()
 
 
-def peers_round(rank, world_size, total, location, cold):
-    """Save and load the GPT-like state with every peer; return samples per (peer, op)."""
+def peers_round(rank, world_size, total, location, cold, repeat=1):
+    """Save and load the GPT-like state with every peer, ``repeat`` times each; the median of each (peer, op)."""
     sd, local = _local_state(total, world_size, rank, sharded=True)
     size = nbytes(local)
     out = {}
     for peer in PEERS:
         path = os.path.join(location, f"{peer}-{world_size}")
-        if rank == 0 and os.path.exists(path):
-            shutil.rmtree(path)
-        _barrier()
-        os.sync()  # start from a quiet disk: no write-back of the previous peer's files
-        _barrier()
-        out[(peer, "save")] = measure(lambda: _save(peer, sd, local, path, rank), size).as_dict()
-        _barrier()
-        dest = _blank(sd)
-        dest_local = {k: (v.to_local() if hasattr(v, "to_local") else v) for k, v in dest.items()}
-        if cold and rank == 0:
-            drop_cache(path)
-        _barrier()
-        out[(peer, "load")] = measure(lambda: _load(peer, dest, dest_local, path, rank), size).as_dict()
-        ok = all(torch.equal(dest_local[k], local[k]) for k in local)
-        assert ok, f"{peer} loaded wrong data"
-        _barrier()
+        saves, loads = [], []
+        for _ in range(repeat):
+            if rank == 0 and os.path.exists(path):
+                shutil.rmtree(path)
+            _barrier()
+            os.sync()  # start from a quiet disk: no write-back of the previous peer's files
+            _barrier()
+            saves.append(measure(lambda: _save(peer, sd, local, path, rank), size))
+            _barrier()
+            dest = _blank(sd)
+            dest_local = {k: (v.to_local() if hasattr(v, "to_local") else v) for k, v in dest.items()}
+            if cold and rank == 0:
+                drop_cache(path)
+            _barrier()
+            loads.append(measure(lambda: _load(peer, dest, dest_local, path, rank), size))
+            ok = all(torch.equal(dest_local[k], local[k]) for k in local)
+            assert ok, f"{peer} loaded wrong data"
+            dest = dest_local = None  # free before the next run
+            _barrier()
+        out[(peer, "save")] = median(saves).as_dict()
+        out[(peer, "load")] = median(loads).as_dict()
         if rank == 0:
             shutil.rmtree(path, ignore_errors=True)
-        dest = dest_local = None  # free before the next peer
     return {f"{p}|{o}": v for (p, o), v in out.items()}
 
 
-def small_round(rank, world_size, count, location):
+def small_round(rank, world_size, count, location, repeat=1):
     sd = many_small(count)
     size = nbytes(sd)
     out = {}
     for peer in ("distckpt", "dcp"):
         path = os.path.join(location, f"small-{peer}")
-        shutil.rmtree(path, ignore_errors=True)
-        out[f"{peer}|save"] = measure(lambda: _save(peer, sd, sd, path, rank), size).as_dict()
-        dest = {k: torch.zeros_like(v) for k, v in sd.items()}
-        out[f"{peer}|load"] = measure(lambda: _load(peer, dest, dest, path, rank), size).as_dict()
-        assert all(torch.equal(dest[k], sd[k]) for k in sd)
+        saves, loads = [], []
+        for _ in range(repeat):
+            shutil.rmtree(path, ignore_errors=True)
+            saves.append(measure(lambda: _save(peer, sd, sd, path, rank), size))
+            dest = {k: torch.zeros_like(v) for k, v in sd.items()}
+            loads.append(measure(lambda: _load(peer, dest, dest, path, rank), size))
+            assert all(torch.equal(dest[k], sd[k]) for k in sd)
+        out[f"{peer}|save"], out[f"{peer}|load"] = median(saves).as_dict(), median(loads).as_dict()
         shutil.rmtree(path, ignore_errors=True)
     return out
 
@@ -163,7 +170,7 @@ def reshard_save(rank, world_size, total, location):
     return nbytes({k: v.to_local() for k, v in sd.items()})
 
 
-def reshard_load(rank, world_size, total, location, saved_world):
+def reshard_load(rank, world_size, total, location, saved_world, repeat=1):
     """Load the 2-rank checkpoint at this world size, with the other shard dim (Shard(1)) at >1 rank."""
     from torch.distributed.tensor import Shard
 
@@ -179,30 +186,43 @@ def reshard_load(rank, world_size, total, location, saved_world):
     size = sum(v.numel() * v.element_size() for v in dest.values()) // world_size
     out = {}
     for peer in ("distckpt", "dcp"):
-        out[f"{peer}|load"] = measure(lambda: _load(peer, dest, None, os.path.join(location, f"reshard-{peer}"), rank), size).as_dict()
+        runs = [measure(lambda: _load(peer, dest, None, os.path.join(location, f"reshard-{peer}"), rank), size) for _ in range(repeat)]
+        out[f"{peer}|load"] = median(runs).as_dict()
     return out
 
 
-def async_round(rank, world_size, total, location):
+def async_round(rank, world_size, total, location, repeat=1):
+    """async_save's blocking time against one in-memory copy, and its total time against a sync save.
+
+    Sync and async saves alternate, ``repeat`` times, so both see the same disk state; medians are reported.
+    """
     import distckpt
 
     sd = gpt_like(total)
     size = nbytes(sd)
     copies = {k: torch.empty_like(v).fill_(0) for k, v in sd.items()}  # preallocated, as the staging pool is
-    out = {"memcpy|copy": measure(lambda: [copies[k].copy_(v) for k, v in sd.items()], size).as_dict()}
+    out = {"memcpy|copy": median([measure(lambda: [copies[k].copy_(v) for k, v in sd.items()], size) for _ in range(repeat)]).as_dict()}
     copies = None
     path = os.path.join(location, "async")
-    shutil.rmtree(path, ignore_errors=True)
-    os.sync()
-    out["distckpt|save"] = measure(lambda: distckpt.save(sd, checkpoint_id=path + "-sync"), size).as_dict()
-    # first async save allocates the staging pool; the second one shows the steady state
+    # the first async save allocates the staging pool; the measured ones show the steady state
     distckpt.async_save(sd, checkpoint_id=path + "-warm").result()
-    os.sync()
-    handle = []
-    blocking = measure(lambda: handle.append(distckpt.async_save(sd, checkpoint_id=path)), size)
-    total_s = measure(lambda: handle[0].result(), size)
-    out["async|blocking"] = blocking.as_dict()
-    out["async|total"] = blocking.as_dict() | {"wall_s": blocking.wall_s + total_s.wall_s}
-    for p in (path, path + "-sync", path + "-warm"):
+    shutil.rmtree(path + "-warm", ignore_errors=True)
+    syncs, blocks, totals = [], [], []
+    for _ in range(repeat):
+        for p in (path, path + "-sync"):
+            shutil.rmtree(p, ignore_errors=True)
+        os.sync()
+        syncs.append(measure(lambda: distckpt.save(sd, checkpoint_id=path + "-sync"), size))
+        os.sync()
+        handle = []
+        blocking = measure(lambda: handle.append(distckpt.async_save(sd, checkpoint_id=path)), size)
+        rest = measure(lambda: handle[0].result(), size)
+        blocks.append(blocking)
+        totals.append(type(blocking)(blocking.wall_s + rest.wall_s, blocking.cpu_s + rest.cpu_s,
+                                     max(blocking.peak_rss_delta_mb, rest.peak_rss_delta_mb), size))
+    out["distckpt|save"] = median(syncs).as_dict()
+    out["async|blocking"] = median(blocks).as_dict()
+    out["async|total"] = median(totals).as_dict()
+    for p in (path, path + "-sync"):
         shutil.rmtree(p, ignore_errors=True)
     return out
