@@ -223,3 +223,38 @@ def test_data_files_are_safetensors_files(tmp_path):
                 t = f.get_tensor(f"{key}@" + ",".join("0" * sd[key].dim()))
                 assert t.dtype == sd[key].dtype and torch.equal(t, sd[key])
             assert bytes(f.get_tensor("step").tolist()).startswith(b"DCKV1\n")
+
+
+def _first_chunk(body):
+    for entry in body["state_dict_metadata"].values():
+        if entry["type"] == "tensor" and entry["chunks"]:
+            return entry["chunks"][0]
+    raise AssertionError("no tensor chunk")
+
+
+@pytest.mark.parametrize("damage,message", [
+    (lambda b: _first_chunk(b).__setitem__(2, 99), "file table lacks"),
+    (lambda b: _first_chunk(b).__setitem__(2, -1), "file table lacks"),
+    (lambda b: _first_chunk(b).__setitem__(3, 1 << 40), "outside data file"),
+    (lambda b: _first_chunk(b).__setitem__(4, 1 << 33), "malformed checksum"),
+    (lambda b: _first_chunk(b).pop(), "malformed chunk"),
+    (lambda b: b["storage_data"]["$files"]["files"].append(list(b["storage_data"]["$files"]["files"][0])), "listed twice"),
+    (lambda b: b["storage_data"]["$files"]["files"][0].__setitem__(1, 10), "outside data file"),
+    (lambda b: next(e for e in b["state_dict_metadata"].values() if e["type"] == "bytes").pop("at"), "no valid location"),
+])
+def test_hostile_locations_in_format_2_are_refused(good, damage, message):
+    path, _ = good
+    body = read_body(path)
+    damage(body)
+    with pytest.raises(CorruptCheckpointError, match=message):
+        parse_metadata(_doc(body), "test")
+
+
+def test_overlapping_locations_are_refused(good):
+    path, _ = good
+    body = read_body(path)
+    chunks = [c for e in body["state_dict_metadata"].values() if e["type"] == "tensor" for c in e["chunks"] if c[1] and all(c[1])]
+    a, b = chunks[0], chunks[1]
+    b[2], b[3] = a[2], a[3]
+    with pytest.raises(CorruptCheckpointError, match="overlap"):
+        parse_metadata(_doc(body), "test")
