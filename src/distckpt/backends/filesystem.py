@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 from pathlib import Path
 from typing import Iterable, Union
@@ -97,8 +98,34 @@ class _FdReader(BlobReader):
         except OSError as exc:
             raise _io_error("reading", self.path, exc) from exc
 
+    def map_range(self, offset: int, length: int) -> "_Mapping":
+        """``length`` bytes at ``offset``, mapped from the page cache instead of copied out of it."""
+        try:
+            return _Mapping(self.fd, offset, length)
+        except (OSError, ValueError) as exc:
+            raise _io_error("mapping", self.path, OSError(str(exc))) from exc
+
     def close(self) -> None:
         os.close(self.fd)
+
+
+class _Mapping:
+    """A private, read-ahead mapping of a byte range of a file; ``view`` is the range.
+
+    Private and writable (copy on write; nothing writes to it) so that tensors may view it.
+    """
+
+    def __init__(self, fd: int, offset: int, length: int):
+        start = offset - offset % mmap.ALLOCATIONGRANULARITY
+        self.map = mmap.mmap(fd, length + offset - start, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE,
+                             offset=start)
+        if hasattr(self.map, "madvise"):
+            self.map.madvise(mmap.MADV_WILLNEED)
+        self.view = memoryview(self.map)[offset - start:]
+
+    def close(self) -> None:
+        self.view.release()
+        self.map.close()
 
 
 def _vectored(op, fd: int, buffers: list, offset: int) -> int:

@@ -156,9 +156,9 @@ def read_items(store: BlobStore, md: Metadata, plan: LoadPlan, planner: LoadPlan
         # stream the chunk through one reused buffer, a slab of whole rows at a time:
         # every byte is read once, the checksum is computed on the way, memory stays bounded
         slab_rows = max(1, min(rows, min(_SLAB_BYTES, budget.limit) // max(1, row_bytes)))
-        with budget.hold(slab_rows * row_bytes):
-            buf = slab_buffer(slab_rows * row_bytes)
-            raw = memoryview(buf.numpy()).cast("B") if len(buf) else memoryview(bytearray(0))
+        mapped = getattr(blob, "map_range", None)
+        with budget.hold(slab_rows * row_bytes):  # a buffer, or a mapped window of that size
+            buf = None if mapped else slab_buffer(slab_rows * row_bytes)
             crc = 0
             for a in range(0, rows, slab_rows):
                 b = min(rows, a + slab_rows)
@@ -166,11 +166,23 @@ def read_items(store: BlobStore, md: Metadata, plan: LoadPlan, planner: LoadPlan
                 if not wanted and not verify:
                     continue
                 n = (b - a) * row_bytes
-                _read_into(blob, raw[:n], info.offset + a * row_bytes, here(index), info.file)
-                crc = crc32c(raw[:n], crc)
-                slab = buf[:n].view(dtype).reshape(((b - a),) + tuple(shape[1:])) if shape else buf[:n].view(dtype).reshape(())
-                for item, dest in wanted:
-                    _copy_rows(item, dest, slab, a, b, shape)
+                if mapped:  # straight from the page cache: no copy into a buffer first
+                    window = mapped(info.offset + a * row_bytes, n)
+                    raw = window.view
+                    data = torch.frombuffer(raw, dtype=torch.uint8, count=n) if n else torch.empty(0, dtype=torch.uint8)
+                else:
+                    window, data = None, buf[:n]
+                    raw = memoryview(buf.numpy()).cast("B")[:n] if n else memoryview(bytearray(0))
+                    _read_into(blob, raw, info.offset + a * row_bytes, here(index), info.file)
+                try:
+                    crc = crc32c(raw, crc)
+                    slab = data.view(dtype).reshape(((b - a),) + tuple(shape[1:])) if shape else data.view(dtype).reshape(())
+                    for item, dest in wanted:
+                        _copy_rows(item, dest, slab, a, b, shape)
+                finally:
+                    if window is not None:
+                        slab = data = raw = None
+                        window.close()
             _check(verify, crc, info, here(index))
         with lock:
             for item, dest in zip(items, dests):
