@@ -53,9 +53,13 @@ _MAX_INT = (1 << 63) - 1
 def _ints(value: Any, where: str, *, allow_none: bool = False) -> Optional[torch.Size]:
     if value is None and allow_none:
         return None
-    if not isinstance(value, list) or len(value) > MAX_DIMS or not all(type(x) is int and 0 <= x <= _MAX_INT for x in value):
-        raise CorruptCheckpointError(f"{where}: expected a list of at most {MAX_DIMS} non-negative integers, got {value!r:.200}")
-    return torch.Size(value)
+    if type(value) is list and len(value) <= MAX_DIMS:
+        for x in value:
+            if type(x) is not int or x < 0 or x > _MAX_INT:
+                break
+        else:
+            return torch.Size(value)
+    raise CorruptCheckpointError(f"{where}: expected a list of at most {MAX_DIMS} non-negative integers, got {value!r:.200}")
 
 
 def _enc_index(index: MetadataIndex) -> list:
@@ -384,17 +388,22 @@ def _parse_metadata(raw: bytes, where: str) -> Metadata:
             raise CorruptCheckpointError(f"{where}: more than {MAX_CHUNKS} chunks")
         chunks = []
         width = itemsize(props.dtype)
+        ndim = len(size)
         for c in chunks_raw:
             if fsd is None:
                 chunk = _dec_chunk(c, here)
             else:
-                if not isinstance(c, list) or len(c) != 5:
+                if type(c) is not list or len(c) != 5:
                     raise CorruptCheckpointError(f"{here}: malformed chunk {c!r:.200}")
-                chunk = _dec_chunk(c[:2], here)
-                _add_item(fsd, file_list, MetadataIndex(fqn, chunk.offsets), c[2], c[3], math.prod(chunk.sizes) * width, c[4], here)
-            if len(chunk.offsets) != len(size) or any(o + s > d for o, s, d in zip(chunk.offsets, chunk.sizes, size)):
-                raise CorruptCheckpointError(
-                    f"{here}: chunk {list(chunk.offsets)}+{list(chunk.sizes)} lies outside tensor of size {list(size)}")
+                chunk = ChunkStorageMetadata(_ints(c[0], here), _ints(c[1], here))
+            offsets, sizes = chunk.offsets, chunk.sizes
+            if len(offsets) != ndim or len(sizes) != ndim:
+                raise CorruptCheckpointError(f"{here}: chunk {list(offsets)}+{list(sizes)} does not have the tensor's {ndim} dimensions")
+            for o, n, d in zip(offsets, sizes, size):
+                if o + n > d:
+                    raise CorruptCheckpointError(f"{here}: chunk {list(offsets)}+{list(sizes)} lies outside tensor of size {list(size)}")
+            if fsd is not None:
+                _add_item(fsd, file_list, MetadataIndex(fqn, offsets), c[2], c[3], math.prod(sizes) * width, c[4], here)
             chunks.append(chunk)
         sdm[fqn] = TensorStorageMetadata(props, size, chunks)
     sm_raw = body.get("storage_meta")
@@ -415,7 +424,9 @@ def _parse_metadata(raw: bytes, where: str) -> Metadata:
         storage_meta=sm,
         version=version,
     )
-    if isinstance(md.storage_data, FileStorageData):
+    if isinstance(md.storage_data, FileStorageData) and fsd is None:
+        # format 1.x lists locations apart from the entries: check they match one to one.
+        # In 2.x each location sits in its chunk, with the length the chunk implies.
         _cross_check(md, md.storage_data, where)
     return md
 
@@ -453,11 +464,13 @@ def _add_item(fsd: FileStorageData, file_list: list, index: MetadataIndex, file_
     name, info = file_list[file_no]
     if not (type(begin) is int and type(length) is int and 0 <= begin <= _MAX_INT and 0 <= length and begin + length <= info.size):
         raise CorruptCheckpointError(f"{where}: stored bytes {begin!r:.20}+{length} lie outside data file {name!r}")
-    if not _is_crc(crc):
+    if type(crc) is not int or not 0 <= crc <= 0xFFFFFFFF:
         raise CorruptCheckpointError(f"{where}: malformed checksum {crc!r:.20}")
-    if index in fsd.items:
+    items = fsd.items
+    count = len(items)
+    items[index] = StorageInfo(name, begin, length, crc)
+    if len(items) == count:
         raise CorruptCheckpointError(f"{where}: chunk {list(index.offset or [])} is listed twice")
-    fsd.items[index] = StorageInfo(name, begin, length, crc)
 
 
 def _cross_check(md: Metadata, fsd: FileStorageData, where: str) -> None:
