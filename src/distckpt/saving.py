@@ -60,11 +60,11 @@ def _plan_cache(planner: SavePlanner) -> Optional[dict]:
     return cache
 
 
-def _columnar_eligible(planner: SavePlanner, writer: StorageWriter, cache: Optional[dict]) -> bool:
+def _columnar_eligible(planner: SavePlanner, writer: StorageWriter) -> bool:
     """Whether this save may plan on columns: the default planner's global step and distckpt's writer, unmodified."""
     from .backends.blob_storage import BlobStorageWriter
 
-    return (cache is None and isinstance(planner, DefaultSavePlanner) and planner.dedup_replicated_tensors
+    return (isinstance(planner, DefaultSavePlanner) and planner.dedup_replicated_tensors
             and type(planner).create_global_plan is DefaultSavePlanner.create_global_plan
             and isinstance(writer, BlobStorageWriter)
             and all(getattr(type(writer), m) is getattr(BlobStorageWriter, m) for m in ("prepare_global_plan", "write_data", "finish")))
@@ -87,7 +87,7 @@ def run_save(state_dict: STATE_DICT_TYPE, writer: StorageWriter, planner: SavePl
     """
     global_metadata: list[Metadata] = []
     cache = _plan_cache(planner)
-    columnar = coord.use_dist and _columnar_eligible(planner, writer, cache)
+    columnar = coord.use_dist and _columnar_eligible(planner, writer)
     local_plan: list[SavePlan] = []
     fast: list[ColumnarPlan] = []  # coordinator: set when global planning ran on columns
 
@@ -103,17 +103,40 @@ def run_save(state_dict: STATE_DICT_TYPE, writer: StorageWriter, planner: SavePl
             cache.pop("central", None)
         return plan
 
-    def columnar_step(all_cols: list[PlanColumns]) -> Optional[list[bytes]]:
+    def columnar_step(all_cols: list[PlanColumns], reuse: Optional[ColumnarPlan] = None) -> Optional[list[bytes]]:
         try:
-            plan = plan_columns(all_cols, planner.dedup_replicated_tensors)
+            plan = reuse if reuse is not None else plan_columns(all_cols, planner.dedup_replicated_tensors)
         except Declined:
             return None  # the object path decides, and names what is wrong
         fast.append(plan)
+        if cache is not None:
+            cache["columnar"] = plan
         storage = writer.prepare_global_plan([SavePlan([]) for _ in all_cols])
         return [encode_keep(keep, s.storage_data) for keep, s in zip(plan.keep, storage)]
 
+    def cached_columns(all_plans: list) -> list:
+        """Plans with each rank's "unchanged" marker replaced by what it sent last time (columns or objects)."""
+        previous = cache.get("all_cols")
+        marked = [isinstance(p, SavePlan) and not p.usable for p in all_plans]
+        if not any(marked):
+            cache.pop("columnar", None)
+            return all_plans
+        if previous is None or len(previous) != len(all_plans):
+            raise CheckpointError("a rank sent a cached save plan but the coordinator has no cache; "
+                                  "pass the same planner object to every save, on every rank")
+        if not all(marked):
+            cache.pop("columnar", None)
+        return [previous[i] if m else p for i, (p, m) in enumerate(zip(all_plans, marked))]
+
     def global_step(all_plans: list) -> list:
-        if all_plans and all(isinstance(p, PlanColumns) for p in all_plans):
+        if columnar and cache is not None:
+            all_plans = cache["all_cols"] = cached_columns(all_plans)
+            if all(isinstance(p, PlanColumns) for p in all_plans):
+                replies = columnar_step(all_plans, cache.get("columnar"))
+                if replies is not None:
+                    return replies
+            cache.pop("columnar", None)  # the object path below re-plans from the resolved plans
+        elif all_plans and all(isinstance(p, PlanColumns) for p in all_plans):
             replies = columnar_step(all_plans)
             if replies is not None:
                 return replies
@@ -147,7 +170,7 @@ def run_save(state_dict: STATE_DICT_TYPE, writer: StorageWriter, planner: SavePl
         return replies
 
     def enc_plan(p: SavePlan) -> bytes:
-        raw = encode_plan_columns(p) if columnar else None
+        raw = encode_plan_columns(p) if columnar and p.usable else None
         return raw if raw is not None else dumps(encode_save_plan(p))
 
     def dec_plan(b: bytes):

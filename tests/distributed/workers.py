@@ -150,12 +150,24 @@ def async_sharded_save(rank, world_size, path):
     return torch.equal(out["dt"].full_tensor(), full)
 
 
-def cached_plan_saves(rank, world_size, root):
+class _ObjectPathPlanner(distckpt.DefaultSavePlanner):
+    """Overrides create_global_plan (without changing it), which sends the save down the object path."""
+
+    def create_global_plan(self, all_plans):
+        return super().create_global_plan(all_plans)
+
+
+def cached_plan_saves(rank, world_size, root, object_path=False):
+    import distckpt.saving as saving
     from distckpt import distributed as dd
 
-    planner = distckpt.DefaultSavePlanner(enable_plan_caching=True)
+    planned = []
+    real = saving.plan_columns
+    saving.plan_columns = lambda *a, **k: planned.append(len(sizes)) or real(*a, **k)
+    planner = (_ObjectPathPlanner if object_path else distckpt.DefaultSavePlanner)(enable_plan_caching=True)
     sizes = []
-    state = {f"layer{i}.w": torch.full((32, 8), float(i)) for i in range(50)} | {"own": distckpt.RankLocal(torch.full((4,), float(rank)))}
+    state = {f"layer{i}.w{i * 7919 % 1000}": torch.full((2 + i % 5, 3 + i % 7), float(i)) for i in range(400)}
+    state["own"] = distckpt.RankLocal(torch.full((4,), float(rank)))
     for step in range(4):
         if step == 3:
             state["new"] = torch.ones(2)  # a changed state dict invalidates the cache
@@ -169,14 +181,8 @@ def cached_plan_saves(rank, world_size, root):
         distckpt.load(out, checkpoint_id=f"{root}/s{step}")
         assert all(torch.equal(out[k], state[k]) for k in out if k != "own"), step
         assert torch.equal(out["own"].value, state["own"].value)
-    return sizes
-
-
-class _ObjectPathPlanner(distckpt.DefaultSavePlanner):
-    """Overrides create_global_plan (without changing it), which sends the save down the object path."""
-
-    def create_global_plan(self, all_plans):
-        return super().create_global_plan(all_plans)
+    saving.plan_columns = real
+    return sizes, planned
 
 
 def save_by_both_paths(rank, world_size, root):

@@ -25,7 +25,7 @@ from ..format.codec import _dec_props
 from ..format.codec import metadata_document as document_bytes
 from ..format.dtypes import dtype_from_name, itemsize
 from ..metadata import BytesStorageMetadata, ChunkStorageMetadata, Metadata, StorageMeta, TensorProperties, TensorStorageMetadata
-from .columns import BYTES_CODE, PlanColumns, ResultColumns, plain_dict
+from .columns import BYTES_CODE, PlanColumns, ResultColumns
 
 __all__ = ["Declined", "ColumnarPlan", "plan_columns"]
 
