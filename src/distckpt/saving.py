@@ -9,7 +9,7 @@ from typing import Any, Optional, Union
 from ._sequence import call_set_up, gc_paused, pick_storage, split_stateful, tell_rank
 from .distributed import Coordinator
 from .errors import CheckpointError
-from .format.codec import decode_save_plan, decode_write_results, dumps, encode_metadata, encode_save_plan, encode_write_results, loads, parse_metadata
+from .format.codec import decode_save_plan, decode_write_results, dumps, encode_metadata, encode_save_plan, encode_write_results, lazy_metadata, loads
 from .format.frames import frame_kind
 from .metadata import STATE_DICT_TYPE, Metadata
 from .planner import SavePlan, SavePlanner
@@ -241,7 +241,7 @@ def run_save(state_dict: STATE_DICT_TYPE, writer: StorageWriter, planner: SavePl
             enc_results,
             dec_results,
             lambda m: m if isinstance(m, bytes) else encode_metadata(m),
-            lambda b: parse_metadata(b, "metadata from the coordinator"),
+            lambda b: lazy_metadata(b, "metadata from the coordinator"),
         )
     except CheckpointError:
         # every rank has left write_data by now: the coordinator removes the uncommitted files

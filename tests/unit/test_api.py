@@ -173,3 +173,25 @@ def test_large_rank_state_is_split_over_files_written_in_parallel(tmp_path, monk
     out = {k: torch.zeros_like(v) for k, v in sd.items()}
     distckpt.load(out, checkpoint_id=tmp_path / "ck")
     assert all(torch.equal(out[k], sd[k]) for k in sd)
+
+
+def test_metadata_returned_by_save_decodes_on_first_use_and_behaves_as_metadata(tmp_path):
+    import copy
+    import dataclasses
+
+    from distckpt.format.codec import lazy_metadata
+
+    distckpt.save({"w": torch.ones(4, 5), "step": 3}, checkpoint_id=tmp_path / "ck")
+    raw = (tmp_path / "ck" / "metadata.json").read_bytes()
+    read = distckpt.read_metadata(tmp_path / "ck")
+    md = lazy_metadata(raw, "test")
+    assert "_pending" in vars(md)  # nothing decoded yet
+    assert md.state_dict_metadata == read.state_dict_metadata and "_pending" not in vars(md)
+    assert isinstance(md, distckpt.metadata.Metadata)
+    assert dataclasses.replace(lazy_metadata(raw, "test"), version="x").version == "x"
+    assert copy.deepcopy(lazy_metadata(raw, "test")).storage_data.save_id == read.storage_data.save_id
+    changed = lazy_metadata(raw, "test")
+    changed.version = "9"  # a write decodes first, so it is not lost
+    assert changed.version == "9" and changed.planner_data == read.planner_data
+    with pytest.raises(distckpt.CorruptCheckpointError, match="checksum"):
+        lazy_metadata(raw[:-12] + b'00000000"}\n', "test")

@@ -7,6 +7,7 @@ validate every field and raise CorruptCheckpointError on anything malformed.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -320,6 +321,51 @@ def metadata_document(sdm: dict, storage: Any, planner: Any, sm: Optional[Storag
     assert text.endswith(b"}")
     prefix = text[:-1]
     return prefix + b',"crc32c":"' + format_crc(crc32c(prefix)).encode() + b'"}\n'
+
+
+_METADATA_FIELDS = frozenset(("state_dict_metadata", "planner_data", "storage_data", "storage_meta", "version"))
+
+
+class _LazyMetadata(Metadata):
+    """Metadata whose document is checked now and decoded on first use of any field.
+
+    What save() returns on every rank: at thousands of ranks the document has
+    millions of chunks, and most callers never look at it.
+    """
+
+    def __init__(self, raw: bytes, where: str) -> None:  # noqa: D107 - replaces the dataclass __init__ on purpose
+        m = _TRAILER.search(raw)
+        if m is None or crc32c(raw[: m.start()]) != int(m.group(1), 16):
+            parse_metadata(raw, where)  # raises the precise error
+        object.__setattr__(self, "_pending", (raw, where))
+
+    def _decode(self) -> None:
+        state = object.__getattribute__(self, "__dict__")
+        pending = state.pop("_pending", None)
+        if pending is not None:
+            md = parse_metadata(*pending)
+            state.update({name: getattr(md, name) for name in _METADATA_FIELDS})
+
+    def __getattribute__(self, name: str) -> Any:
+        if name in _METADATA_FIELDS:
+            _LazyMetadata._decode(self)
+        return object.__getattribute__(self, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        _LazyMetadata._decode(self)
+        object.__setattr__(self, name, value)
+
+    @property  # type: ignore[misc]
+    def __class__(self):  # noqa: D105 - compares, copies and prints as the Metadata it stands for
+        return Metadata
+
+    def __reduce__(self):
+        return (Metadata, tuple(getattr(self, f.name) for f in dataclasses.fields(Metadata)))
+
+
+def lazy_metadata(raw: bytes, where: str) -> Metadata:
+    """A Metadata for the document ``raw``: its checksum is verified now, the rest is decoded when first used."""
+    return _LazyMetadata(raw, where)
 
 
 def parse_metadata(raw: bytes, where: str) -> Metadata:
