@@ -88,3 +88,11 @@ def test_column_planning_runs_and_matches_the_object_path(tmp_path, world_size):
     for path in ("columns", "objects"):
         distckpt.verify(str(tmp_path / path))
     assert run_ranks(workers.load_all_layouts, world_size, [str(tmp_path / "columns")]) == [{}] * world_size
+
+
+def test_column_planning_with_write_results_in_the_general_form(tmp_path):
+    """A planner whose finish_plan returns a new plan: planning stays on columns, the metadata is built from objects."""
+    path = str(tmp_path / "ck")
+    assert run_ranks(workers.save_with_general_results, 3, path) == [1, 0, 0]
+    distckpt.verify(path)
+    assert run_ranks(workers.load_all_layouts, 2, [path]) == [{}, {}]
