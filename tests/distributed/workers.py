@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -150,6 +151,20 @@ def async_sharded_save(rank, world_size, path):
     return torch.equal(out["dt"].full_tensor(), full)
 
 
+@contextlib.contextmanager
+def counting_column_plans():
+    """Record each time the coordinator plans on columns (distckpt.saving.plan_columns), in a list."""
+    import distckpt.saving as saving
+
+    calls: list = []
+    real = saving.plan_columns
+    saving.plan_columns = lambda *a, **k: calls.append(1) or real(*a, **k)
+    try:
+        yield calls
+    finally:
+        saving.plan_columns = real
+
+
 class _ObjectPathPlanner(distckpt.DefaultSavePlanner):
     """Overrides create_global_plan (without changing it), which sends the save down the object path."""
 
@@ -158,14 +173,10 @@ class _ObjectPathPlanner(distckpt.DefaultSavePlanner):
 
 
 def cached_plan_saves(rank, world_size, root, object_path=False):
-    import distckpt.saving as saving
     from distckpt import distributed as dd
 
-    planned = []
-    real = saving.plan_columns
-    saving.plan_columns = lambda *a, **k: planned.append(len(sizes)) or real(*a, **k)
     planner = (_ObjectPathPlanner if object_path else distckpt.DefaultSavePlanner)(enable_plan_caching=True)
-    sizes = []
+    sizes, planned = [], []
     state = {f"layer{i}.w{i * 7919 % 1000}": torch.full((2 + i % 5, 3 + i % 7), float(i)) for i in range(400)}
     state["own"] = distckpt.RankLocal(torch.full((4,), float(rank)))
     for step in range(4):
@@ -174,33 +185,27 @@ def cached_plan_saves(rank, world_size, root, object_path=False):
         for t in state.values():
             if isinstance(t, torch.Tensor):
                 t.add_(1)
-        distckpt.save(state, checkpoint_id=f"{root}/s{step}", planner=planner)
+        with counting_column_plans() as calls:
+            distckpt.save(state, checkpoint_id=f"{root}/s{step}", planner=planner)
+        planned += [step] * len(calls)
         sizes.append(dd.phase_bytes["save planning"])
         out = {k: torch.zeros_like(v) for k, v in state.items() if isinstance(v, torch.Tensor)}
         out["own"] = distckpt.RankLocal(torch.zeros(4))
         distckpt.load(out, checkpoint_id=f"{root}/s{step}")
         assert all(torch.equal(out[k], state[k]) for k in out if k != "own"), step
         assert torch.equal(out["own"].value, state["own"].value)
-    saving.plan_columns = real
     return sizes, planned
 
 
 def save_by_both_paths(rank, world_size, root):
-    import distckpt.saving as saving
-
-    calls = []
-    real = saving.plan_columns
-    saving.plan_columns = lambda *a, **k: calls.append(1) or real(*a, **k)
-    try:
-        sd = states.build(world_size, states.SAVE, fill=True)
-        sd["step"] = 11
-        sd["opt"] = {"lr": 0.1, "betas": (0.9, 0.99)}
+    sd = states.build(world_size, states.SAVE, fill=True)
+    sd["step"] = 11
+    sd["opt"] = {"lr": 0.1, "betas": (0.9, 0.99)}
+    with counting_column_plans() as calls:
         distckpt.save(sd, checkpoint_id=os.path.join(root, "columns"))
         planning_bytes = distckpt.distributed.phase_bytes["save planning"]
         distckpt.save(sd, checkpoint_id=os.path.join(root, "objects"), planner=_ObjectPathPlanner())
         object_bytes = distckpt.distributed.phase_bytes["save planning"]
-    finally:
-        saving.plan_columns = real
     return {"calls": len(calls), "planning_bytes": planning_bytes, "object_bytes": object_bytes}
 
 
@@ -214,15 +219,8 @@ class _CopyingFinishPlanner(distckpt.DefaultSavePlanner):
 
 
 def save_with_general_results(rank, world_size, path):
-    import distckpt.saving as saving
-
-    calls = []
-    real = saving.plan_columns
-    saving.plan_columns = lambda *a, **k: calls.append(1) or real(*a, **k)
-    try:
-        sd = states.build(world_size, states.SAVE, fill=True)
-        sd["step"] = 5
+    sd = states.build(world_size, states.SAVE, fill=True)
+    sd["step"] = 5
+    with counting_column_plans() as calls:
         distckpt.save(sd, checkpoint_id=path, planner=_CopyingFinishPlanner())
-    finally:
-        saving.plan_columns = real
     return len(calls)
