@@ -59,15 +59,29 @@ def run_load(state_dict: STATE_DICT_TYPE, reader: StorageReader, planner: LoadPl
     def global_step(all_plans: list[LoadPlan]) -> list[LoadPlan]:
         return reader.prepare_global_plan(planner.create_global_plan(all_plans))
 
-    enc = lambda p: dumps(encode_load_plan(p))
-    dec = lambda b: decode_load_plan(loads(b, "load plan"))
-    central_plan = coord.reduce_scatter("load planning", local_step, global_step, enc, dec, enc, dec)
+    if coord.use_dist and _global_step_is_identity(planner, reader):
+        # the default planner and distckpt's reader leave every plan as it is: each rank keeps its own,
+        # and planning moves no plan bytes at all (only failures are shared)
+        plans: list[LoadPlan] = []
+        coord.all_gather("load planning", lambda: plans.append(local_step()))
+        central_plan = plans[0]
+    else:
+        enc = lambda p: dumps(encode_load_plan(p))
+        dec = lambda b: decode_load_plan(loads(b, "load plan"))
+        central_plan = coord.reduce_scatter("load planning", local_step, global_step, enc, dec, enc, dec)
 
     def read_step() -> None:
         final_plan = planner.finish_plan(central_plan)
         reader.read_data(final_plan, planner).wait()
 
     coord.all_gather("load read", read_step)
+
+
+def _global_step_is_identity(planner: LoadPlanner, reader: StorageReader) -> bool:
+    from .backends.blob_storage import BlobStorageReader
+
+    return (isinstance(planner, DefaultLoadPlanner) and type(planner).create_global_plan is DefaultLoadPlanner.create_global_plan
+            and isinstance(reader, BlobStorageReader) and type(reader).prepare_global_plan is BlobStorageReader.prepare_global_plan)
 
 
 def read_metadata(checkpoint_id: Union[str, os.PathLike], storage_reader: Optional[StorageReader] = None) -> Metadata:

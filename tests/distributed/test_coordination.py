@@ -96,3 +96,11 @@ def test_column_planning_with_write_results_in_the_general_form(tmp_path):
     assert run_ranks(workers.save_with_general_results, 3, path) == [1, 0, 0]
     distckpt.verify(path)
     assert run_ranks(workers.load_all_layouts, 2, [path]) == [{}, {}]
+
+
+def test_default_load_planning_moves_no_plan_bytes(tmp_path):
+    """The default global load step is the identity: plans stay on their ranks, failures are still shared."""
+    path = str(tmp_path / "ck")
+    run_ranks(workers.save_all_layouts, 2, path)
+    for moved in run_ranks(workers.load_with_and_without_plan_transport, 3, path):
+        assert moved["default"] == 0 and moved["object"] > 1000, moved

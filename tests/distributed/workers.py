@@ -224,3 +224,23 @@ def save_with_general_results(rank, world_size, path):
     with counting_column_plans() as calls:
         distckpt.save(sd, checkpoint_id=path, planner=_CopyingFinishPlanner())
     return len(calls)
+
+
+class _ObjectPathLoadPlanner(distckpt.DefaultLoadPlanner):
+    """Overrides create_global_plan (without changing it): load plans then travel to the coordinator."""
+
+    def create_global_plan(self, global_plan):
+        return super().create_global_plan(global_plan)
+
+
+def load_with_and_without_plan_transport(rank, world_size, path):
+    from distckpt import distributed as dd
+
+    moved = {}
+    for name, planner in (("default", None), ("object", _ObjectPathLoadPlanner())):
+        dd.phase_bytes.clear()
+        sd = states.build(world_size, states.RESHARD_LAYOUT, fill=False)
+        distckpt.load(sd, checkpoint_id=path, planner=planner)
+        assert not states.check(sd), name
+        moved[name] = dd.phase_bytes.get("load planning", 0)
+    return moved
