@@ -4,9 +4,9 @@
 does (dedup of items held by several ranks, balancing of write bytes,
 the checks behind the metadata) with the same result, item for item, but
 on numpy arrays: sorting groups equal items, and only the items held by
-several ranks are placed one by one. :meth:`ColumnarPlan.metadata_document`
-then writes the metadata document straight from the arrays and the ranks'
-column write results.
+several ranks are placed one by one. :func:`metadata_document` then writes
+the metadata document straight from the arrays and the ranks' column write
+results.
 
 Whenever the plans are not regular enough to decide here (disagreeing
 replicas, missing shards, a key used in two ways) it raises
@@ -16,6 +16,7 @@ error that names the problem.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import numpy as np
@@ -34,13 +35,32 @@ class Declined(Exception):
     """These plans need the general (object) path of global planning."""
 
 
+@dataclass
 class ColumnarPlan:
-    """The outcome of :func:`plan_columns`: per-rank keep masks, and the chunk table."""
+    """The outcome of :func:`plan_columns`.
 
-    def __init__(self, **fields: Any) -> None:
-        self.__dict__.update(fields)
+    ``keep[r]`` says which of rank r's local items it writes. Keys: ``rows``
+    (the global key table, rows as in :class:`PlanColumns`), per key ``code``,
+    ``ndim``, ``width`` (item size) and ``key_order`` (the order the metadata
+    lists them in). Chunks, one per group of equal items, sorted by key then
+    offsets: ``group_gid``, ``group_off``, ``group_size``, ``group_bytes``, and
+    the writer of each, ``group_rank`` and ``group_ordinal`` (its position
+    among that rank's kept items).
+    """
 
-    keep: list  # per rank, a bool array over its local items
+    keep: list
+    rows: list
+    code: np.ndarray
+    ndim: np.ndarray
+    width: np.ndarray
+    key_order: np.ndarray
+    group_gid: np.ndarray
+    group_off: np.ndarray
+    group_size: np.ndarray
+    group_bytes: np.ndarray
+    group_rank: np.ndarray
+    group_ordinal: np.ndarray
+    all_cols: list
 
 
 def plan_columns(all_cols: list[PlanColumns], dedup: bool = True) -> ColumnarPlan:
