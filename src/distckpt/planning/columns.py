@@ -184,7 +184,7 @@ def decode_keep(raw: bytes, local: SavePlan) -> SavePlan:
 @dataclass
 class ResultColumns:
     """One rank's write results relative to its central plan: item i of the plan is
-    at ``offset[i]`` of ``files[file_no[i]]`` with checksum ``crc[i]``; ``file_info``
+    at ``offset[i]`` of ``files[file_no[i]]`` with checksum ``crc[i]``; ``files``
     holds [name, size, rank, header crc] of each file the rank wrote."""
 
     files: list
