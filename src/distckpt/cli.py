@@ -1,7 +1,9 @@
-"""The ``distckpt`` command: inspect and verify checkpoints.
+"""The ``distckpt`` command: inspect, verify and convert checkpoints.
 
     distckpt inspect PATH [--json]     keys, shapes, dtypes, chunks, files and sizes
     distckpt verify PATH [--quiet]     check every byte against its checksums
+    distckpt convert --from-dcp SRC DST --trust-pickle
+    distckpt convert --to-dcp SRC DST  between distckpt and torch.distributed.checkpoint
 
 Exit codes: 0 success, 1 the checkpoint is damaged or incomplete, 2 usage errors.
 """
@@ -87,6 +89,32 @@ def verify_cmd(checkpoint: str, quiet: bool) -> None:
         sys.exit(1)
     if not quiet:
         click.echo(f"ok: {report.items} items in {report.files} file(s), {_human(report.bytes_checked)} checked")
+
+
+@main.command()
+@click.argument("src")
+@click.argument("dst")
+@click.option("--from-dcp", "from_dcp", is_flag=True, help="SRC is a torch.distributed.checkpoint checkpoint")
+@click.option("--to-dcp", "to_dcp", is_flag=True, help="DST becomes a torch.distributed.checkpoint checkpoint")
+@click.option("--trust-pickle", is_flag=True, help="with --from-dcp: SRC is trusted (DCP files are pickles; reading them can run code)")
+@click.option("--allow-pickle", is_flag=True, help="values that are not plain data may be stored / read pickled")
+def convert(src: str, dst: str, from_dcp: bool, to_dcp: bool, trust_pickle: bool, allow_pickle: bool) -> None:
+    """Convert SRC into a new checkpoint DST, between distckpt and DCP formats."""
+    from . import convert as conversion
+
+    if from_dcp == to_dcp:
+        click.echo("error: pass exactly one of --from-dcp and --to-dcp", err=True)
+        sys.exit(2)
+    say = (lambda text: click.echo(text, err=True))
+    try:
+        if from_dcp:
+            n = conversion.from_dcp(src, dst, trust_pickle=trust_pickle, allow_pickle=allow_pickle, progress=say)
+        else:
+            n = conversion.to_dcp(src, dst, allow_pickle=allow_pickle, progress=say)
+    except CheckpointError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(1)
+    click.echo(f"ok: {n} keys converted into {dst}")
 
 
 if __name__ == "__main__":  # pragma: no cover
