@@ -1,5 +1,6 @@
 """The ``distckpt`` command: inspect, verify and convert checkpoints.
 
+\b
     distckpt inspect PATH [--json]     keys, shapes, dtypes, chunks, files and sizes
     distckpt verify PATH [--quiet]     check every byte against its checksums
     distckpt convert --from-dcp SRC DST --trust-pickle
