@@ -33,8 +33,10 @@ __all__ = ["from_dcp", "to_dcp"]
 PathLike = Union[str, os.PathLike]
 
 
-def _blank(size: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    return torch.empty(size, dtype=dtype)
+def _placeholders(entries: dict, tensor_type: type) -> dict[str, Any]:
+    """An empty tensor per stored tensor, None per stored value: what a load fills in."""
+    return {fqn: torch.empty(e.size, dtype=e.properties.dtype) if isinstance(e, tensor_type) else None
+            for fqn, e in entries.items()}
 
 
 def from_dcp(src: PathLike, dst: PathLike, *, trust_pickle: bool = False, allow_pickle: bool = False,
@@ -54,12 +56,7 @@ def from_dcp(src: PathLike, dst: PathLike, *, trust_pickle: bool = False, allow_
     if not os.path.exists(os.path.join(os.fspath(src), ".metadata")):
         raise CheckpointNotFoundError(f"{src}: no DCP checkpoint there (its .metadata file is missing)")
     md = dcp.FileSystemReader(os.fspath(src)).read_metadata()
-    state: dict[str, Any] = {}
-    for fqn, entry in md.state_dict_metadata.items():
-        if isinstance(entry, dcp.metadata.TensorStorageMetadata):
-            state[fqn] = _blank(entry.size, entry.properties.dtype)
-        else:
-            state[fqn] = None  # DCP fills in the value
+    state = _placeholders(md.state_dict_metadata, dcp.metadata.TensorStorageMetadata)
     if progress:
         progress(f"reading {len(state)} keys from DCP checkpoint {src}")
     with warnings.catch_warnings():  # DCP warns that it runs in one process, which is the point here
@@ -82,9 +79,7 @@ def to_dcp(src: PathLike, dst: PathLike, *, allow_pickle: bool = False,
     if os.path.exists(dst) and os.listdir(dst):
         raise CheckpointError(f"{dst} exists and is not empty; convert into a new directory")
     md = read_metadata(src)
-    state: dict[str, Any] = {}
-    for fqn, entry in md.state_dict_metadata.items():
-        state[fqn] = _blank(entry.size, entry.properties.dtype) if isinstance(entry, TensorStorageMetadata) else None
+    state = _placeholders(md.state_dict_metadata, TensorStorageMetadata)
     if progress:
         progress(f"reading {len(state)} keys from distckpt checkpoint {src}")
     load(state, checkpoint_id=src, planner=DefaultLoadPlanner(allow_pickle=allow_pickle))
