@@ -52,7 +52,7 @@ def verify(checkpoint_id: Union[str, os.PathLike], storage_reader: Optional[Blob
     fsd = md.storage_data
     if not isinstance(fsd, FileStorageData):
         raise CorruptCheckpointError(f"checkpoint {str(checkpoint_id)!r}: metadata has no data-file table")
-    store = reader._store()
+    store = reader._store().data_store(fsd.save_id)
     where = f"checkpoint {str(checkpoint_id)!r}"
     by_file: dict[str, list] = {name: [] for name in fsd.files}
     for index, si in fsd.items.items():

@@ -1,6 +1,7 @@
 """Storage backends, chosen by the scheme of a checkpoint_id.
 
-``memory://name`` selects the in-memory backend; a plain path (or
+``memory://name`` selects the in-memory backend, ``s3://bucket/prefix`` an
+S3-compatible object store; a plain path (or
 ``file://``) the filesystem. More backends register with
 :func:`register_backend`.
 """
@@ -14,15 +15,17 @@ from ..errors import CheckpointError
 from ..storage import StorageReader, StorageWriter
 from .filesystem import FileSystemReader, FileSystemWriter
 from .memory import MemoryReader, MemoryWriter, clear_memory_store
+from .s3 import S3Reader, S3Writer
 
 __all__ = [
-    "FileSystemWriter", "FileSystemReader", "MemoryWriter", "MemoryReader", "clear_memory_store",
+    "FileSystemWriter", "FileSystemReader", "MemoryWriter", "MemoryReader", "S3Writer", "S3Reader", "clear_memory_store",
     "register_backend", "writer_for", "reader_for",
 ]
 
 # most specific first; the filesystem accepts any plain path, so it comes last
 _BACKENDS: list[tuple[type[StorageWriter], type[StorageReader]]] = [
     (MemoryWriter, MemoryReader),
+    (S3Writer, S3Reader),
     (FileSystemWriter, FileSystemReader),
 ]
 

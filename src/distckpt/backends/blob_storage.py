@@ -215,7 +215,7 @@ def write_file(store: BlobStore, name: str, save_id: str, rank: int, plan: SaveP
                     if held:
                         budget.release(held)
         except BaseException:
-            blob.close(False)
+            blob.abort()
             raise
         blob.close(sync)
         return file_name, len(lead) + sum(entries[i].nbytes for i in members), crc32c(lead)
@@ -309,7 +309,7 @@ class BlobStorageReader(StorageReader):
             raise CorruptCheckpointError(f"checkpoint {self._checkpoint_id()!r}: metadata has no data-file table; it was not written by a distckpt storage layer")
         self.metadata = metadata
         self.is_coordinator = is_coordinator
-        self.store = self._store()
+        self.store = self._store().data_store(metadata.storage_data.save_id)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan

@@ -27,6 +27,10 @@ class BlobWriter(abc.ABC):
     def close(self, sync: bool) -> None:
         """Finish the blob; with ``sync``, make its bytes durable before returning."""
 
+    def abort(self) -> None:
+        """Give up on the blob after a failed write (it belongs to a save that will not commit)."""
+        self.close(False)
+
 
 class BlobReader(abc.ABC):
     """A blob being read: its size and positional reads from any thread."""
@@ -96,6 +100,10 @@ class BlobStore(abc.ABC):
         from ..format import METADATA_FILE
 
         return self.exists(METADATA_FILE)
+
+    def data_store(self, save_id: str) -> "BlobStore":
+        """Where the data files of committed save ``save_id`` are (stores that keep them apart override)."""
+        return self
 
     @abc.abstractmethod
     def staging(self, save_id: str) -> "BlobStore":

@@ -1,0 +1,506 @@
+"""S3-compatible object stores: checkpoints at ``s3://bucket/prefix``.
+
+Object stores have no rename, so a checkpoint cannot be built aside and moved
+into place. Instead every save writes its data objects under a prefix of its
+own, and one PUT of the metadata document commits it::
+
+    <prefix>/metadata.json                          the commit: written last
+    <prefix>/saves/<save id>/data-00000.safetensors each save's data objects
+
+A reader sees a checkpoint only once ``metadata.json`` exists, and the
+metadata names the save whose objects it reads, so a half-written save is
+never visible. Without ``overwrite`` the commit is a conditional PUT
+(``If-None-Match: *``): of two saves racing to one prefix exactly one wins.
+With ``overwrite``, the old checkpoint stays whole until the new metadata
+replaces it; its objects are deleted after that. Reads are ranged GETs,
+conditional on the ETag seen when the object was opened, so an object
+replaced during a load is an error, not a mix of two saves.
+
+Endpoint, region and credentials come from the usual AWS configuration
+(``AWS_ENDPOINT_URL_S3``/``AWS_ENDPOINT_URL``, ``AWS_REGION``, the credential
+chain) unless given to the writer/reader. Needs ``boto3`` (``pip install
+distckpt[s3]``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from typing import Any, Iterable, Optional, Union
+
+from .. import faults
+from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StorageIOError
+from ..format import METADATA_FILE
+from .blob_storage import BlobStorageReader, BlobStorageWriter
+from .blobs import BlobReader, BlobStore, BlobWriter
+
+__all__ = ["S3Writer", "S3Reader", "S3Store"]
+
+SCHEME = "s3://"
+SAVES = "saves"
+_MIN_PART = 5 << 20  # S3's smallest part, except the last
+_DEFAULT_PART = 32 << 20
+_MAX_PARTS = 10_000
+_SAVE_ID = re.compile(r"[0-9A-Za-z_-]{1,64}\Z")
+_NOT_FOUND = {"404", "NoSuchKey", "NotFound"}
+_LOST_RACE = {"412", "PreconditionFailed", "409", "ConditionalRequestConflict"}
+
+
+def parse_s3_url(checkpoint_id: Union[str, os.PathLike]) -> tuple[str, str]:
+    """``s3://bucket/some/prefix`` -> ``("bucket", "some/prefix")``; raises CheckpointError on anything else."""
+    text = os.fspath(checkpoint_id)
+    if not isinstance(text, str) or not text.startswith(SCHEME):
+        raise CheckpointError(f"{text!r} is not an s3:// checkpoint id")
+    bucket, _, prefix = text[len(SCHEME):].partition("/")
+    prefix = prefix.strip("/")
+    if not bucket or not prefix:
+        raise CheckpointError(
+            f"checkpoint id {text!r} needs a bucket and a prefix inside it, as in s3://my-bucket/run-1/step-100; "
+            "distckpt does not write at the top of a bucket")
+    return bucket, prefix
+
+
+# ---- clients: one per process, endpoint and region (boto3 clients are thread-safe, not fork-safe)
+
+_CLIENTS: dict[tuple, Any] = {}
+_CLIENTS_LOCK = threading.Lock()
+
+
+def _client(endpoint_url: Optional[str], region_name: Optional[str]):
+    key = (os.getpid(), endpoint_url, region_name)
+    with _CLIENTS_LOCK:
+        client = _CLIENTS.get(key)
+        if client is None:
+            try:
+                import boto3
+                from botocore.config import Config
+            except ImportError:
+                raise CheckpointError("s3:// checkpoints need boto3: pip install 'distckpt[s3]'") from None
+            config = Config(max_pool_connections=64, retries={"mode": "standard", "max_attempts": 5})
+            client = _CLIENTS[key] = boto3.session.Session().client(
+                "s3", endpoint_url=endpoint_url, region_name=region_name, config=config)
+        return client
+
+
+def _error_code(exc: BaseException) -> str:
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):
+        return str(response.get("Error", {}).get("Code", ""))
+    return ""
+
+
+def _s3_error(action: str, where: str, exc: BaseException) -> CheckpointError:
+    """A typed error for a failed S3 call, naming the object and, where one is known, the fix."""
+    code = _error_code(exc)
+    if code in _NOT_FOUND:
+        return CheckpointNotFoundError(f"{where} does not exist; the checkpoint is incomplete or damaged")
+    if code == "NoSuchBucket":
+        return StorageIOError(f"{action} {where} failed: the bucket does not exist; create it or fix the checkpoint id")
+    if code in ("AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
+        return StorageIOError(f"{action} {where} failed: access denied ({code}); check the credentials and the bucket policy")
+    if isinstance(exc, OSError) and not code:
+        return StorageIOError(f"{action} {where} failed: {exc.strerror or exc}", exc.errno)
+    name = type(exc).__name__
+    return StorageIOError(f"{action} {where} failed: {code or name}: {exc}; check the endpoint "
+                          "(AWS_ENDPOINT_URL_S3), the network and the credentials")
+
+
+def _s3_failures() -> tuple[type[BaseException], ...]:
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    return (ClientError, BotoCoreError, OSError)
+
+
+class _ObjectWriter(BlobWriter):
+    """Streams one object in order as a multipart upload; small objects go up in one PUT.
+
+    Writes must arrive in ascending offsets (a gap is zero-filled), which is
+    how distckpt writes data files: header first, then items in file order.
+    """
+
+    def __init__(self, store: "S3Store", name: str, part_size: int):
+        self.store = store
+        self.key = store.key(name)
+        self.where = store.describe(name)
+        self.part_size = max(_MIN_PART, part_size)
+        self.buf = bytearray()
+        self.pos = 0
+        self.flushed = 0
+        self.parts: list[dict] = []
+        self.upload_id: Optional[str] = None
+        self.lock = threading.Lock()
+        self.closed = False
+
+    def pwrite(self, data: memoryview, offset: int) -> None:
+        self.pwritev([data], offset)
+
+    def pwritev(self, buffers: list, offset: int) -> None:
+        with self.lock:
+            try:
+                faults.point("write", self.where)
+                if offset < self.pos:
+                    raise CheckpointError(f"{self.where}: object stores take bytes in order; a write at byte {offset} "
+                                          f"came after {self.pos} bytes were written")
+                if offset > self.pos:
+                    self._append(memoryview(bytes(offset - self.pos)))
+                for b in buffers:
+                    self._append(memoryview(b).cast("B"))
+            except CheckpointError:
+                raise
+            except _s3_failures() as exc:
+                raise _s3_error("writing", self.where, exc) from exc
+
+    def _append(self, view: memoryview) -> None:
+        while len(view):
+            room = self._current_part_size() - len(self.buf)
+            self.buf += view[:room]
+            view = view[room:]
+            if len(self.buf) >= self._current_part_size():
+                self._upload_part()
+        self.pos = self.flushed + len(self.buf)
+
+    def _current_part_size(self) -> int:
+        # parts grow so that an object of any size fits in S3's 10,000 parts
+        return self.part_size * (1 + len(self.parts) // (_MAX_PARTS // 10))
+
+    def _upload_part(self) -> None:
+        client = self.store.client
+        if self.upload_id is None:
+            self.upload_id = client.create_multipart_upload(Bucket=self.store.bucket, Key=self.key)["UploadId"]
+        number = len(self.parts) + 1
+        reply = client.upload_part(Bucket=self.store.bucket, Key=self.key, UploadId=self.upload_id,
+                                   PartNumber=number, Body=self.buf)
+        self.parts.append({"PartNumber": number, "ETag": reply["ETag"]})
+        self.flushed += len(self.buf)
+        self.buf = bytearray()
+
+    def close(self, sync: bool) -> None:
+        """Upload what is buffered and complete the object (S3 makes it durable before answering)."""
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+            client = self.store.client
+            try:
+                faults.point("fsync", self.where)
+                if self.upload_id is None:
+                    client.put_object(Bucket=self.store.bucket, Key=self.key, Body=self.buf)
+                else:
+                    if self.buf:
+                        self._upload_part()
+                    client.complete_multipart_upload(Bucket=self.store.bucket, Key=self.key, UploadId=self.upload_id,
+                                                     MultipartUpload={"Parts": self.parts})
+            except _s3_failures() as exc:
+                self._abort_upload()
+                raise _s3_error("uploading", self.where, exc) from exc
+            finally:
+                self.buf = bytearray()
+
+    def abort(self) -> None:
+        with self.lock:
+            self.closed = True
+            self.buf = bytearray()
+            self._abort_upload()
+
+    def _abort_upload(self) -> None:
+        if self.upload_id is not None:
+            try:
+                self.store.client.abort_multipart_upload(Bucket=self.store.bucket, Key=self.key, UploadId=self.upload_id)
+            except _s3_failures():
+                pass  # the staging prefix is discarded, and a bucket lifecycle rule clears stale uploads
+            self.upload_id = None
+
+
+class _ObjectReader(BlobReader):
+    """Ranged GETs of one object, each conditional on the ETag it had when opened."""
+
+    def __init__(self, store: "S3Store", name: str):
+        self.store = store
+        self.key = store.key(name)
+        self.where = store.describe(name)
+        try:
+            head = store.client.head_object(Bucket=store.bucket, Key=self.key)
+        except _s3_failures() as exc:
+            raise _s3_error("opening", self.where, exc) from exc
+        self.size = int(head["ContentLength"])
+        self.etag = head.get("ETag")
+
+    def readinto(self, buf: memoryview, offset: int) -> int:
+        return self.readv([buf], offset)
+
+    def readv(self, views: list, offset: int) -> int:
+        views = [memoryview(v).cast("B") for v in views]
+        want = min(sum(len(v) for v in views), max(0, self.size - offset))
+        if want == 0:
+            return 0
+        extra = {"IfMatch": self.etag} if self.etag else {}
+        try:
+            reply = self.store.client.get_object(Bucket=self.store.bucket, Key=self.key,
+                                                 Range=f"bytes={offset}-{offset + want - 1}", **extra)
+            body = reply["Body"]
+            total = 0
+            try:
+                for v in views:
+                    v = v[: want - total]
+                    got = 0
+                    while got < len(v):
+                        n = body.readinto(v[got:])
+                        if not n:
+                            break
+                        got += n
+                    total += got
+                    if got < len(v) or total >= want:
+                        break
+            finally:
+                body.close()
+        except _s3_failures() as exc:
+            if _error_code(exc) in _LOST_RACE:
+                raise CorruptCheckpointError(f"{self.where} changed while it was being read (its ETag no longer "
+                                             "matches); another save replaced this checkpoint. Load again.") from exc
+            raise _s3_error("reading", self.where, exc) from exc
+        return total
+
+
+class S3Store(BlobStore):
+    """One checkpoint prefix (or one save's data prefix) in a bucket."""
+
+    def __init__(self, bucket: str, prefix: str, *, endpoint_url: Optional[str] = None, region_name: Optional[str] = None,
+                 part_size: int = _DEFAULT_PART, client: Any = None):
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        self.endpoint_url = endpoint_url
+        self.region_name = region_name
+        self.part_size = part_size
+        self._given_client = client
+
+    @property
+    def client(self):
+        return self._given_client or _client(self.endpoint_url, self.region_name)
+
+    def _sub(self, prefix: str) -> "S3Store":
+        return S3Store(self.bucket, prefix, endpoint_url=self.endpoint_url, region_name=self.region_name,
+                       part_size=self.part_size, client=self._given_client)
+
+    def key(self, name: str) -> str:
+        return f"{self.prefix}/{name}"
+
+    def describe(self, name: str = "") -> str:
+        return f"{SCHEME}{self.bucket}/{self.prefix}/{name}" if name else f"{SCHEME}{self.bucket}/{self.prefix}"
+
+    def prepare(self) -> None:
+        try:
+            self.client.head_bucket(Bucket=self.bucket)
+        except _s3_failures() as exc:
+            if _error_code(exc) in _NOT_FOUND | {"NoSuchBucket"}:
+                raise StorageIOError(f"bucket {self.bucket!r} of {self.describe()} does not exist; create it first") from exc
+            raise _s3_error("checking the bucket of", self.describe(), exc) from exc
+
+    def create(self, name: str) -> BlobWriter:
+        return _ObjectWriter(self, name, self.part_size)
+
+    def open(self, name: str) -> BlobReader:
+        return _ObjectReader(self, name)
+
+    def put_atomic(self, name: str, data: bytes, sync: bool) -> None:
+        try:
+            self._put(name, data)
+        except _s3_failures() as exc:
+            raise _s3_error("writing", self.describe(name), exc) from exc
+
+    def _put(self, name: str, data: bytes, **conditions: str) -> None:
+        faults.point("write", self.describe(name))
+        self.client.put_object(Bucket=self.bucket, Key=self.key(name), Body=data, **conditions)
+
+    def _get(self, name: str) -> Optional[bytes]:
+        try:
+            return self.client.get_object(Bucket=self.bucket, Key=self.key(name))["Body"].read()
+        except _s3_failures() as exc:
+            if _error_code(exc) in _NOT_FOUND:
+                return None
+            raise _s3_error("reading", self.describe(name), exc) from exc
+
+    def exists(self, name: str) -> bool:
+        try:
+            self.client.head_object(Bucket=self.bucket, Key=self.key(name))
+            return True
+        except _s3_failures() as exc:
+            if _error_code(exc) in _NOT_FOUND:
+                return False
+            raise _s3_error("looking up", self.describe(name), exc) from exc
+
+    def _keys(self, prefix: str, delimiter: str = "") -> Iterable[str]:
+        """Keys (or, with a delimiter, common prefixes) under ``prefix``."""
+        pages = self.client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.bucket, Prefix=prefix, **({"Delimiter": delimiter} if delimiter else {}))
+        try:
+            for page in pages:
+                if delimiter:
+                    yield from (p["Prefix"] for p in page.get("CommonPrefixes", []))
+                yield from (o["Key"] for o in page.get("Contents", []))
+        except _s3_failures() as exc:
+            raise _s3_error("listing", self.describe(), exc) from exc
+
+    def list(self) -> Iterable[str]:
+        start = len(self.prefix) + 1
+        return sorted(k[start:] for k in self._keys(self.prefix + "/", "/"))
+
+    # ---- commit: each save has its own prefix; the metadata PUT is the commit
+
+    def staging(self, save_id: str) -> "S3Store":
+        return self._sub(f"{self.prefix}/{SAVES}/{_checked_save_id(save_id, self.describe())}")
+
+    def data_store(self, save_id: str) -> "S3Store":
+        return self.staging(save_id)
+
+    def commit(self, staging: BlobStore, overwrite: bool, sync: bool) -> None:
+        assert isinstance(staging, S3Store)
+        document = staging._get(METADATA_FILE)
+        if document is None:
+            raise CheckpointError(f"{staging.describe(METADATA_FILE)} is missing; the save cannot commit")
+        old_save = self._committed_save_id() if overwrite else None
+        where = self.describe(METADATA_FILE)
+        try:
+            faults.point("rename", where)
+            if overwrite:
+                self._put(METADATA_FILE, document)
+            else:
+                self._put(METADATA_FILE, document, IfNoneMatch="*")
+        except _s3_failures() as exc:
+            if _error_code(exc) in _LOST_RACE:
+                self.discard(staging)
+                raise CheckpointError(
+                    f"checkpoint {self.describe()!r} was committed by another save while this one was writing; "
+                    "this save was discarded and the committed checkpoint left as it is") from None
+            raise _s3_error("committing", where, exc) from exc
+        self._delete_prefix(staging.key(METADATA_FILE), exact=True)
+        if old_save is not None and old_save != staging.prefix.rsplit("/", 1)[-1]:
+            self._delete_prefix(self.staging(old_save).prefix + "/")
+
+    def _committed_save_id(self) -> Optional[str]:
+        """The save id the committed metadata names, or None (no checkpoint, or one too damaged to tell)."""
+        from ..format.codec import parse_metadata
+
+        document = self._get(METADATA_FILE)
+        if document is None:
+            return None
+        try:
+            return getattr(parse_metadata(document, self.describe(METADATA_FILE)).storage_data, "save_id", None)
+        except CheckpointError:
+            return None
+
+    def discard(self, staging: BlobStore) -> None:
+        assert isinstance(staging, S3Store)
+        prefix = staging.prefix + "/"
+        try:
+            uploads = self.client.list_multipart_uploads(Bucket=self.bucket, Prefix=prefix).get("Uploads", [])
+            for up in uploads:
+                self.client.abort_multipart_upload(Bucket=self.bucket, Key=up["Key"], UploadId=up["UploadId"])
+        except _s3_failures():
+            pass
+        self._delete_prefix(prefix)
+
+    def _delete_prefix(self, prefix: str, exact: bool = False) -> None:
+        keys = [prefix] if exact else list(self._keys(prefix))
+        for start in range(0, len(keys), 1000):
+            batch = keys[start: start + 1000]
+            for key in batch:
+                faults.point("unlink", f"{SCHEME}{self.bucket}/{key}")
+            try:
+                self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True})
+            except _s3_failures() as exc:
+                raise _s3_error("deleting", f"{SCHEME}{self.bucket}/{prefix}", exc) from exc
+
+    def incomplete_saves(self) -> list[str]:
+        committed = self._committed_save_id()
+        base = f"{self.prefix}/{SAVES}/"
+        found = []
+        for p in self._keys(base, "/"):
+            save_id = p[len(base):].rstrip("/")
+            if save_id and save_id != committed:
+                found.append(f"{SCHEME}{self.bucket}/{p}")
+        return sorted(found)
+
+
+def _checked_save_id(save_id: str, where: str) -> str:
+    if not isinstance(save_id, str) or not _SAVE_ID.match(save_id):
+        raise CorruptCheckpointError(f"{where}: save id {str(save_id)!r:.80} is not a plain identifier")
+    return save_id
+
+
+class _AtUrl:
+    """Where an S3 writer or reader points: its constructor URL, or the latest checkpoint_id."""
+
+    url: Optional[str]
+
+    def _init_s3(self, url, endpoint_url, region_name, client, part_size=_DEFAULT_PART) -> None:
+        self.url = None if url is None else os.fspath(url)
+        if self.url is not None:
+            parse_s3_url(self.url)
+        self.endpoint_url = endpoint_url
+        self.region_name = region_name
+        self.client = client
+        self.part_size = part_size
+
+    def reset(self, checkpoint_id=None) -> None:
+        super().reset(checkpoint_id)  # type: ignore[misc]
+        if checkpoint_id is not None:
+            parse_s3_url(checkpoint_id)
+            self.url = os.fspath(checkpoint_id)
+
+    def _store(self) -> S3Store:
+        if self.url is None:
+            raise CheckpointNotFoundError(f"{type(self).__name__} has no location: pass checkpoint_id='s3://bucket/prefix'")
+        bucket, prefix = parse_s3_url(self.url)
+        return S3Store(bucket, prefix, endpoint_url=self.endpoint_url, region_name=self.region_name,
+                       part_size=self.part_size, client=self.client)
+
+    def _checkpoint_id(self) -> str:
+        return str(self.url)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+        try:
+            return os.fspath(checkpoint_id).startswith(SCHEME)
+        except TypeError:
+            return False
+
+
+class S3Writer(_AtUrl, BlobStorageWriter):
+    """Writes a checkpoint to an S3-compatible object store at ``s3://bucket/prefix``.
+
+    Args:
+        url: the checkpoint's location (may also be given as ``checkpoint_id``).
+        endpoint_url, region_name: override the AWS configuration (e.g. a MinIO or Ceph endpoint).
+        client: a ready boto3 S3 client to use instead.
+        thread_count: objects uploaded in parallel per rank (default: the DISTCKPT_IO_THREADS knob).
+        part_size: multipart-upload part size in bytes (default 32 MiB; at least 5 MiB).
+        overwrite: replace a committed checkpoint at ``url``; the old one stays intact
+            until the new metadata replaces it, then its objects are deleted.
+    """
+
+    def __init__(self, url: Union[str, os.PathLike, None] = None, *, endpoint_url: Optional[str] = None,
+                 region_name: Optional[str] = None, client: Any = None, thread_count: Optional[int] = None,
+                 part_size: int = _DEFAULT_PART, overwrite: bool = False):
+        super().__init__(sync_files=True, thread_count=thread_count, overwrite=overwrite)
+        self._init_s3(url, endpoint_url, region_name, client, part_size)
+
+
+class S3Reader(_AtUrl, BlobStorageReader):
+    """Reads a checkpoint written by :class:`S3Writer` (same arguments, plus ``verify_checksums``)."""
+
+    def __init__(self, url: Union[str, os.PathLike, None] = None, *, endpoint_url: Optional[str] = None,
+                 region_name: Optional[str] = None, client: Any = None, verify_checksums: bool = True,
+                 thread_count: Optional[int] = None):
+        super().__init__(verify_checksums=verify_checksums, thread_count=thread_count)
+        self._init_s3(url, endpoint_url, region_name, client)
+
+    def read_metadata(self, *args: Any, **kwargs: Any):
+        store = self._store()
+        if not store.exists(METADATA_FILE):
+            pending = store.incomplete_saves()
+            if pending:
+                raise CheckpointNotFoundError(
+                    f"checkpoint {self.url!r} is incomplete: its save never committed (uncommitted data under "
+                    f"{pending[0]!r}). Load an earlier checkpoint.")
+        return super().read_metadata(*args, **kwargs)

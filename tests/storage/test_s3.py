@@ -1,0 +1,214 @@
+"""The S3 backend against a real S3-compatible server on loopback (moto's HTTP server)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import distckpt
+from distckpt import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StorageIOError
+from distckpt.backends import S3Reader, S3Writer
+from distckpt.backends.s3 import S3Store
+from distckpt.cli import main as cli
+from distckpt.faults import Fault, inject
+from distckpt.testing import run_ranks
+from distckpt.testing.storage_suite import StorageSuite
+
+from ..distributed import workers
+from .s3_server import new_bucket, s3_server
+
+
+@pytest.fixture(scope="module")
+def endpoint():
+    with s3_server() as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(endpoint):
+    import boto3
+
+    return boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+
+
+@pytest.fixture(scope="module")
+def bucket(client):
+    return new_bucket(client)
+
+
+def keys(client, bucket, prefix):
+    pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/")
+    return sorted(o["Key"][len(prefix) + 1:] for page in pages for o in page.get("Contents", []))
+
+
+def pending_uploads(client, bucket, prefix):
+    return client.list_multipart_uploads(Bucket=bucket, Prefix=prefix + "/").get("Uploads", [])
+
+
+class TestS3(StorageSuite):
+    @pytest.fixture(autouse=True)
+    def _bucket(self, bucket):
+        self.bucket = bucket
+
+    def checkpoint_id(self, tmp_path, name):
+        return f"s3://{self.bucket}/{tmp_path.name}/{name}"
+
+
+def _state():
+    g = torch.Generator().manual_seed(3)
+    return {"big": torch.randn(3 << 20, generator=g), "small": torch.arange(10), "step": 7}
+
+
+def _load(cid, **reader_args):
+    out = {"big": torch.zeros(3 << 20), "small": torch.zeros(10, dtype=torch.int64), "step": 0}
+    distckpt.load(out, checkpoint_id=cid, storage_reader=S3Reader(**reader_args))
+    return out
+
+
+def test_layout_multipart_upload_and_round_trip(client, bucket):
+    cid = f"s3://{bucket}/layout/step-1"
+    sd = _state()
+    md = distckpt.save(sd, checkpoint_id=cid, storage_writer=S3Writer(part_size=5 << 20, thread_count=1))
+    save_id = md.storage_meta.save_id
+    assert keys(client, bucket, "layout/step-1") == ["metadata.json", f"saves/{save_id}/data-00000.safetensors"]
+    head = client.head_object(Bucket=bucket, Key=f"layout/step-1/saves/{save_id}/data-00000.safetensors")
+    assert head["ContentLength"] > 12 << 20 and "-" in head["ETag"]  # a multipart ETag: the object went up in parts
+    assert pending_uploads(client, bucket, "layout/step-1") == []
+    out = _load(cid)
+    assert torch.equal(out["big"], sd["big"]) and torch.equal(out["small"], sd["small"]) and out["step"] == 7
+    assert distckpt.verify(cid).ok
+
+
+def test_overwrite_keeps_the_old_checkpoint_until_the_new_one_commits(client, bucket):
+    cid = f"s3://{bucket}/over/ckpt"
+    first = distckpt.save({"w": torch.ones(4)}, checkpoint_id=cid)
+    with pytest.raises(StorageIOError):
+        with inject(Fault("eio", kinds=("rename",))):
+            distckpt.save({"w": torch.zeros(4)}, checkpoint_id=cid, storage_writer=S3Writer(overwrite=True))
+    out = {"w": torch.zeros(4)}
+    distckpt.load(out, checkpoint_id=cid)
+    assert torch.equal(out["w"], torch.ones(4))
+    assert all(k == "metadata.json" or first.storage_meta.save_id in k for k in keys(client, bucket, "over/ckpt"))
+
+    second = distckpt.save({"w": torch.full((4,), 2.0)}, checkpoint_id=cid, storage_writer=S3Writer(overwrite=True))
+    distckpt.load(out, checkpoint_id=cid)
+    assert torch.equal(out["w"], torch.full((4,), 2.0))
+    assert keys(client, bucket, "over/ckpt") == ["metadata.json", f"saves/{second.storage_meta.save_id}/data-00000.safetensors"]
+
+
+def test_of_two_racing_saves_exactly_one_commits(client, bucket):
+    cid = f"s3://{bucket}/race/ckpt"
+    fired = []
+
+    def other_save_commits_first(kind, where):
+        if not fired:
+            fired.append(where)
+            distckpt.save({"w": torch.full((3,), 5.0)}, checkpoint_id=cid)
+
+    with pytest.raises(CheckpointError, match="committed by another save"):
+        with inject(Fault("call", kinds=("rename",), callback=other_save_commits_first)):
+            distckpt.save({"w": torch.full((3,), 9.0)}, checkpoint_id=cid)
+    assert fired
+    out = {"w": torch.zeros(3)}
+    distckpt.load(out, checkpoint_id=cid)
+    assert torch.equal(out["w"], torch.full((3,), 5.0))
+    saves = {k.split("/")[1] for k in keys(client, bucket, "race/ckpt") if k.startswith("saves/")}
+    assert len(saves) == 1  # the loser's objects were discarded
+    assert S3Store(bucket, "race/ckpt").incomplete_saves() == []
+
+
+def test_failed_upload_leaves_no_objects_and_no_open_uploads(client, bucket):
+    cid = f"s3://{bucket}/failed/ckpt"
+    writes = []
+
+    def fail_after_a_part_went_up(kind, where):
+        writes.append(where)
+        if len(writes) == 3:  # header, the big tensor (two parts uploaded), then this one fails
+            assert len(pending_uploads(client, bucket, "failed/ckpt")) == 1
+            raise OSError(5, "Input/output error (injected)")
+
+    with pytest.raises(StorageIOError, match="failed/ckpt/saves/"):
+        with inject(Fault("call", kinds=("write",), callback=fail_after_a_part_went_up)):
+            distckpt.save(_state(), checkpoint_id=cid,
+                          storage_writer=S3Writer(part_size=5 << 20, thread_count=1))
+    assert keys(client, bucket, "failed/ckpt") == []
+    assert pending_uploads(client, bucket, "failed/ckpt") == []
+    with pytest.raises(CheckpointNotFoundError):
+        _load(cid)
+
+
+def test_uncommitted_save_is_reported_as_incomplete(bucket):
+    cid = f"s3://{bucket}/incomplete/ckpt"
+    store = S3Store(bucket, "incomplete/ckpt")
+    staging = store.staging("abc123")
+    w = staging.create("data-00000.safetensors")
+    w.pwrite(memoryview(b"partial"), 0)
+    w.close(True)
+    assert store.incomplete_saves() == [f"s3://{bucket}/incomplete/ckpt/saves/abc123/"]
+    with pytest.raises(CheckpointNotFoundError, match="never committed"):
+        _load(cid)
+
+
+def test_damaged_object_is_detected_by_load_and_verify(client, bucket):
+    cid = f"s3://{bucket}/damaged/ckpt"
+    md = distckpt.save(_state(), checkpoint_id=cid)
+    key = f"damaged/ckpt/saves/{md.storage_meta.save_id}/data-00000.safetensors"
+    data = bytearray(client.get_object(Bucket=bucket, Key=key)["Body"].read())
+    data[len(data) // 2] ^= 0x40
+    client.put_object(Bucket=bucket, Key=key, Body=bytes(data))
+    with pytest.raises(CorruptCheckpointError, match="big"):
+        _load(cid)
+    report = distckpt.verify(cid, raise_on_error=False)
+    assert not report.ok and any("big" in p for p in report.problems)
+    result = CliRunner().invoke(cli, ["verify", cid])
+    assert result.exit_code != 0 and "big" in result.output
+
+
+def test_object_replaced_while_open_is_an_error(client, bucket):
+    store = S3Store(bucket, "replaced")
+    w = store.create("blob")
+    w.pwrite(memoryview(b"a" * 100), 0)
+    w.close(True)
+    blob = store.open("blob")
+    assert blob.pread(10, 5) == b"a" * 10
+    client.put_object(Bucket=bucket, Key="replaced/blob", Body=b"b" * 100)
+    with pytest.raises(CorruptCheckpointError, match="changed while it was being read"):
+        blob.pread(10, 5)
+
+
+def test_writes_must_come_in_order(bucket):
+    w = S3Store(bucket, "order").create("blob")
+    w.pwrite(memoryview(b"x" * 10), 0)
+    w.pwrite(memoryview(b"y" * 10), 20)  # a gap is zero-filled
+    with pytest.raises(CheckpointError, match="in order"):
+        w.pwrite(memoryview(b"z"), 5)
+    w.close(True)
+    assert S3Store(bucket, "order").open("blob").pread(30, 0) == b"x" * 10 + bytes(10) + b"y" * 10
+
+
+def test_bad_locations_are_clear_errors(endpoint):
+    for bad in ("s3://", "s3://bucket-only", "s3://bucket-only/"):
+        with pytest.raises(CheckpointError, match="needs a bucket and a prefix"):
+            distckpt.save({"w": torch.ones(1)}, checkpoint_id=bad)
+    with pytest.raises(StorageIOError, match="does not exist; create it"):
+        distckpt.save({"w": torch.ones(1)}, checkpoint_id="s3://no-such-bucket-here/x")
+    with pytest.raises(StorageIOError, match="(?i)endpoint"):
+        distckpt.save({"w": torch.ones(1)}, storage_writer=S3Writer("s3://b/x", endpoint_url="http://127.0.0.1:9"))
+
+
+def test_cli_inspects_an_s3_checkpoint(bucket):
+    cid = f"s3://{bucket}/cli/ckpt"
+    distckpt.save(_state(), checkpoint_id=cid)
+    result = CliRunner().invoke(cli, ["inspect", cid])
+    assert result.exit_code == 0, result.output
+    assert "big" in result.output and "small" in result.output
+    assert CliRunner().invoke(cli, ["verify", cid]).exit_code == 0
+
+
+def test_two_ranks_save_and_three_load_resharded(bucket):
+    cid = f"s3://{bucket}/ranks/ckpt"
+    run_ranks(workers.save_all_layouts, 2, cid, timeout_s=180)
+    for world in (1, 3):
+        results = run_ranks(workers.load_all_layouts, world, [cid], timeout_s=180)
+        assert all(r == {} for r in results), results
