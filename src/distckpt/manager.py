@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import os
 import re
-import uuid
 from typing import Any, Optional, Union
 
-from .backends.filesystem import TMP_MARK, FsStore, _remove_tree
+from . import backends
+from .backends.blobs import BlobStore
 from .distributed import Coordinator
 from .errors import CheckpointError, CheckpointNotFoundError
-from .format import METADATA_FILE
 from .loading import load
 from .metadata import STATE_DICT_TYPE, Metadata
 from .saving import save
@@ -21,10 +20,12 @@ _STEP = re.compile(r"step-(\d{1,19})\Z")
 
 
 class CheckpointManager:
-    """Checkpoints of one training run under ``root``, one directory per step.
+    """Checkpoints of one training run under ``root``, one checkpoint per step.
 
     Args:
-        root: directory holding ``step-<N>`` checkpoints.
+        root: where the run's ``step-<N>`` checkpoints live: a directory, or
+            any location a backend can hold a run in (``s3://bucket/run``,
+            ``memory://run``).
         keep_last: keep the newest N committed checkpoints (None: all).
         keep_every: also keep every checkpoint whose step is a multiple of K.
         process_group, coordinator_rank: as for :func:`distckpt.save`.
@@ -45,32 +46,31 @@ class CheckpointManager:
         if keep_every is not None and keep_every < 1:
             raise CheckpointError(f"keep_every must be at least 1, got {keep_every}")
         self.root = os.fspath(root)
+        self._url = "://" in self.root and not self.root.startswith("file://")
+        self._store = _root_store(self.root)
         self.keep_last = keep_last
         self.keep_every = keep_every
         self.process_group = process_group
         self.coordinator_rank = coordinator_rank
         self._coord = Coordinator(process_group, coordinator_rank)
         if self._coord.is_coordinator:
-            os.makedirs(self.root, exist_ok=True)
+            self._store.prepare()
             if cleanup:
                 self.remove_stale_temporaries()
 
     def path(self, step: int) -> str:
-        """The checkpoint directory of ``step``."""
+        """The checkpoint id of ``step``."""
         if step < 0:
             raise CheckpointError(f"steps are non-negative integers, got {step}")
-        return os.path.join(self.root, f"step-{step:010d}")
+        name = f"step-{step:010d}"
+        return f"{self.root.rstrip('/')}/{name}" if self._url else os.path.join(self.root, name)
 
     def all_steps(self) -> list[int]:
         """Steps with a committed checkpoint, ascending."""
         steps = []
-        try:
-            names = os.listdir(self.root)
-        except FileNotFoundError:
-            return []
-        for name in names:
+        for name in self._store.children():
             m = _STEP.match(name)
-            if m and os.path.isfile(os.path.join(self.root, name, METADATA_FILE)):
+            if m and self._store.child(name).is_committed():
                 steps.append(int(m.group(1)))
         return sorted(steps)
 
@@ -133,16 +133,18 @@ class CheckpointManager:
         return removed
 
     def _delete(self, step: int) -> None:
-        path = self.path(step)
-        hidden = FsStore(path)._sibling("trash-" + uuid.uuid4().hex)
-        os.rename(path, hidden)  # atomic: the checkpoint disappears whole
-        _remove_tree(hidden)
+        self._store.child(f"step-{step:010d}").remove()
 
     def remove_stale_temporaries(self) -> list[str]:
-        """Remove what crashed saves and deletions left behind under ``root``."""
-        removed = []
-        for name in os.listdir(self.root):
-            if name.startswith(".step-") and TMP_MARK in name:
-                _remove_tree(os.path.join(self.root, name))
-                removed.append(name)
-        return removed
+        """Remove what crashed saves and deletions left behind under ``root``; return what was removed."""
+        return self._store.remove_incomplete_below("step-")
+
+
+def _root_store(root: str) -> BlobStore:
+    """The store of the location that holds the run's checkpoints, from the backend that accepts ``root``."""
+    writer = backends.writer_for(root)
+    writer.reset(root)
+    store = writer._store() if hasattr(writer, "_store") else None
+    if not isinstance(store, BlobStore):
+        raise CheckpointError(f"CheckpointManager cannot keep a run at {root!r}: its backend is not one of distckpt's blob stores")
+    return store

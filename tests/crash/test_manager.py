@@ -17,13 +17,34 @@ class SimulatedCrash(BaseException):
 
 
 class ManagerMachine(RuleBasedStateMachine):
+    """The run's model against a CheckpointManager on local disk; subclasses run it on other stores."""
+
     def __init__(self):
         super().__init__()
+        self.root = self.new_root()
+        self.committed: list[int] = []  # what the model says is stored
+        self.step = 0
+
+    def new_root(self) -> str:
         import tempfile
 
-        self.root = tempfile.mkdtemp(prefix="mgr-")
-        self.committed: list[int] = []  # what the model says is on disk
-        self.step = 0
+        return tempfile.mkdtemp(prefix="mgr-")
+
+    def leftovers(self) -> list[str]:
+        """What crashed saves or deletions left in the root (checked without the manager's help)."""
+        return [n for n in os.listdir(self.root) if n.startswith(".")]
+
+    def remove_root(self) -> None:
+        import shutil
+
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def is_committed(self, step) -> bool:
+        try:
+            distckpt.read_metadata(self.mgr.path(step))
+            return True
+        except distckpt.CheckpointNotFoundError:
+            return False
 
     @initialize(keep_last=st.one_of(st.none(), st.integers(1, 4)), keep_every=st.one_of(st.none(), st.integers(2, 5)))
     def start(self, keep_last, keep_every):
@@ -60,7 +81,7 @@ class ManagerMachine(RuleBasedStateMachine):
             with faults.inject(faults.Fault("call", index=at, callback=crash)):
                 self.mgr.save(self.step, self._state(self.step))
                 raise SimulatedCrash()  # the save finished before the crash point: crash right after
-        if os.path.isfile(os.path.join(self.mgr.path(self.step), "metadata.json")):
+        if self.is_committed(self.step):
             # it committed before the crash point: it counts, and retention may not have run
             self.committed.append(self.step)
             self.committed = sorted(set(self.committed))
@@ -81,7 +102,7 @@ class ManagerMachine(RuleBasedStateMachine):
     @rule()
     def restart(self):
         self.mgr = distckpt.CheckpointManager(self.root, keep_last=self.keep_last, keep_every=self.keep_every)
-        assert not [n for n in os.listdir(self.root) if n.startswith(".")], "stale temporaries survived a restart"
+        assert not self.leftovers(), "stale temporaries survived a restart"
 
     @precondition(lambda self: self.committed)
     @rule()
@@ -97,9 +118,7 @@ class ManagerMachine(RuleBasedStateMachine):
             assert self.mgr.latest_step() == (self.committed[-1] if self.committed else None)
 
     def teardown(self):
-        import shutil
-
-        shutil.rmtree(self.root, ignore_errors=True)
+        self.remove_root()
 
 
 TestManagerMachine = ManagerMachine.TestCase

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import uuid
+
 import pytest
 import torch
 from click.testing import CliRunner
+from hypothesis import settings
 
 import distckpt
 from distckpt import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StorageIOError
@@ -15,6 +18,7 @@ from distckpt.faults import Fault, inject
 from distckpt.testing import run_ranks
 from distckpt.testing.storage_suite import StorageSuite
 
+from ..crash.test_manager import ManagerMachine
 from ..distributed import workers
 from .s3_server import new_bucket, s3_server
 
@@ -212,3 +216,47 @@ def test_two_ranks_save_and_three_load_resharded(bucket):
     for world in (1, 3):
         results = run_ranks(workers.load_all_layouts, world, [cid], timeout_s=180)
         assert all(r == {} for r in results), results
+
+
+# ---- CheckpointManager on S3: the run model of tests/crash/test_manager.py, with crashes and restarts
+
+_RUN: dict = {}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _run_bucket(client, bucket):
+    _RUN.update(client=client, bucket=bucket)
+
+
+class S3ManagerMachine(ManagerMachine):
+    def new_root(self):
+        return f"s3://{_RUN['bucket']}/run-{uuid.uuid4().hex[:10]}"
+
+    def leftovers(self):
+        """Objects under the run that are not part of a committed checkpoint, and open uploads."""
+        client, bucket = _RUN["client"], _RUN["bucket"]
+        prefix = self.root.split("/", 3)[3]
+        live = {f"step-{s:010d}": distckpt.read_metadata(self.mgr.path(s)).storage_meta.save_id for s in self.committed}
+        stray = []
+        for key in keys(client, bucket, prefix):
+            step, _, rest = key.partition("/")
+            if step not in live or not (rest == "metadata.json" or rest.startswith(f"saves/{live[step]}/")):
+                stray.append(key)
+        return stray + [u["Key"] for u in pending_uploads(client, bucket, prefix)]
+
+    def remove_root(self):
+        pass
+
+
+TestS3ManagerMachine = S3ManagerMachine.TestCase
+TestS3ManagerMachine.settings = settings(max_examples=15, stateful_step_count=12, deadline=None)
+
+
+def test_manager_keeps_a_run_in_memory():
+    root = f"memory://run-{uuid.uuid4().hex}"
+    mgr = distckpt.CheckpointManager(root, keep_last=2)
+    for step in (1, 2, 3):
+        mgr.save(step, {"w": torch.full((2,), float(step))})
+    assert mgr.all_steps() == [2, 3]
+    out = {"w": torch.zeros(2)}
+    assert mgr.load(out) == 3 and torch.equal(out["w"], torch.full((2,), 3.0))

@@ -10,6 +10,8 @@ from __future__ import annotations
 import abc
 from typing import Iterable
 
+from ..errors import CheckpointError
+
 
 class BlobWriter(abc.ABC):
     """A blob being written: positional writes from any thread, then ``close``."""
@@ -125,3 +127,23 @@ class BlobStore(abc.ABC):
     @abc.abstractmethod
     def incomplete_saves(self) -> list[str]:
         """Descriptions of uncommitted staging stores of this location."""
+
+    # ---- a run of checkpoints: this location as the parent of several (CheckpointManager)
+
+    def child(self, name: str) -> "BlobStore":
+        """The store of checkpoint ``name`` directly under this location."""
+        raise CheckpointError(f"{type(self).__name__} cannot hold a run of checkpoints (no child())")
+
+    def children(self) -> list[str]:
+        """Names directly under this location that may be checkpoints (committed or not)."""
+        raise CheckpointError(f"{type(self).__name__} cannot list a run of checkpoints (no children())")
+
+    def remove(self) -> None:
+        """Delete this committed checkpoint: invisible to readers at once, then its contents."""
+        raise CheckpointError(f"{type(self).__name__} cannot delete checkpoints (no remove())")
+
+    def remove_incomplete_below(self, prefix: str = "") -> list[str]:
+        """Remove what uncommitted saves left of the checkpoints directly under this location whose
+        names start with ``prefix``; describe what was removed."""
+        raise CheckpointError(f"{type(self).__name__} cannot clean up a run of checkpoints")
+

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import uuid
 from pathlib import Path
 from typing import Iterable, Union
 
@@ -257,6 +258,33 @@ class FsStore(BlobStore):
             return sorted(os.path.join(parent, n) for n in os.listdir(parent) if n.startswith(prefix))
         except FileNotFoundError:
             return []
+
+    def child(self, name: str) -> "FsStore":
+        return FsStore(os.path.join(self.root, name))
+
+    def children(self) -> list[str]:
+        try:
+            return sorted(n for n in os.listdir(self.root)
+                          if not n.startswith(".") and os.path.isdir(os.path.join(self.root, n)))
+        except FileNotFoundError:
+            return []
+
+    def remove(self) -> None:
+        hidden = self._sibling("trash-" + uuid.uuid4().hex)
+        try:
+            faults.point("rename", self.root)
+            os.rename(self.root, hidden)  # atomic: the checkpoint disappears whole
+        except OSError as exc:
+            raise _io_error("deleting", self.root, exc) from exc
+        _remove_tree(hidden)
+
+    def remove_incomplete_below(self, prefix: str = "") -> list[str]:
+        removed = []
+        for name in sorted(os.listdir(self.root)) if os.path.isdir(self.root) else []:
+            if name.startswith("." + prefix) and TMP_MARK in name:
+                _remove_tree(os.path.join(self.root, name))
+                removed.append(os.path.join(self.root, name))
+        return removed
 
 
 def _remove_tree(path: str) -> None:

@@ -113,6 +113,26 @@ class MemoryStore(BlobStore):
     def incomplete_saves(self) -> list[str]:
         return sorted(SCHEME + n for n in _CHECKPOINTS if n.startswith(self.name + _TMP))
 
+    def child(self, name: str) -> "MemoryStore":
+        return MemoryStore(f"{self.name}/{name}")
+
+    def children(self) -> list[str]:
+        start = len(self.name) + 1
+        with _LOCK:
+            return sorted({n[start:].split("/", 1)[0] for n in _CHECKPOINTS
+                           if n.startswith(self.name + "/") and _TMP not in n[start:]})
+
+    def remove(self) -> None:
+        with _LOCK:
+            _CHECKPOINTS.pop(self.name, None)
+
+    def remove_incomplete_below(self, prefix: str = "") -> list[str]:
+        with _LOCK:
+            stale = [n for n in _CHECKPOINTS if n.startswith(f"{self.name}/{prefix}") and _TMP in n[len(self.name) + 1:]]
+            for n in stale:
+                del _CHECKPOINTS[n]
+        return sorted(SCHEME + n for n in stale)
+
 
 def _name(checkpoint_id: Union[str, None]) -> Union[str, None]:
     if checkpoint_id is None:

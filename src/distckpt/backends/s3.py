@@ -412,14 +412,36 @@ class S3Store(BlobStore):
                 raise _s3_error("deleting", f"{SCHEME}{self.bucket}/{prefix}", exc) from exc
 
     def incomplete_saves(self) -> list[str]:
+        return [f"{SCHEME}{self.bucket}/{self.prefix}/{SAVES}/{save_id}/" for save_id in self._uncommitted_save_ids()]
+
+    def _uncommitted_save_ids(self) -> list[str]:
         committed = self._committed_save_id()
         base = f"{self.prefix}/{SAVES}/"
-        found = []
-        for p in self._keys(base, "/"):
-            save_id = p[len(base):].rstrip("/")
-            if save_id and save_id != committed:
-                found.append(f"{SCHEME}{self.bucket}/{p}")
-        return sorted(found)
+        found = (p[len(base):].rstrip("/") for p in self._keys(base, "/"))
+        return sorted(save_id for save_id in found if save_id and save_id != committed)
+
+    # ---- a run of checkpoints under this prefix (CheckpointManager)
+
+    def child(self, name: str) -> "S3Store":
+        return self._sub(f"{self.prefix}/{name}")
+
+    def children(self) -> list[str]:
+        start = len(self.prefix) + 1
+        return sorted(p[start:].rstrip("/") for p in self._keys(self.prefix + "/", "/") if p.endswith("/"))
+
+    def remove(self) -> None:
+        self._delete_prefix(self.key(METADATA_FILE), exact=True)  # the checkpoint disappears whole
+        self._delete_prefix(self.prefix + "/")
+
+    def remove_incomplete_below(self, prefix: str = "") -> list[str]:
+        removed = []
+        for name in (n for n in self.children() if n.startswith(prefix)):
+            child = self.child(name)
+            for save_id in child._uncommitted_save_ids():
+                staging = child.staging(save_id)
+                child.discard(staging)
+                removed.append(staging.describe())
+        return removed
 
 
 def _checked_save_id(save_id: str, where: str) -> str:
