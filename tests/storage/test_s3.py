@@ -260,3 +260,20 @@ def test_manager_keeps_a_run_in_memory():
     assert mgr.all_steps() == [2, 3]
     out = {"w": torch.zeros(2)}
     assert mgr.load(out) == 3 and torch.equal(out["w"], torch.full((2,), 3.0))
+
+
+def test_parts_upload_in_parallel_and_large_reads_come_back_in_pieces(bucket):
+    store = S3Store(bucket, "pieces", part_size=5 << 20, upload_concurrency=3)
+    data = torch.randint(0, 256, (40 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    raw = memoryview(data.numpy())
+    w = store.create("blob")
+    for start in range(0, len(raw), 3 << 20):  # writes that straddle part boundaries
+        w.pwrite(raw[start: start + (3 << 20)], start)
+    w.close(True)
+    blob = store.open("blob")
+    assert blob.size == len(raw) and blob.etag.strip('"').endswith("-8")  # eight parts
+    back = bytearray(len(raw))
+    assert blob.readinto(memoryview(back), 0) == len(raw)  # 40 MiB: three ranged GETs at once
+    assert back == raw.tobytes()
+    tail = bytearray(100)
+    assert blob.readinto(memoryview(tail), len(raw) - 50) == 50 and tail[:50] == raw[-50:].tobytes()

@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 import re
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, Iterable, Optional, Union
 
 from .. import faults
@@ -40,7 +41,10 @@ __all__ = ["S3Writer", "S3Reader", "S3Store"]
 SCHEME = "s3://"
 SAVES = "saves"
 _MIN_PART = 5 << 20  # S3's smallest part, except the last
-_DEFAULT_PART = 32 << 20
+_DEFAULT_PART = 16 << 20
+_DEFAULT_CONCURRENCY = 4  # parts of one object uploading at once
+_READ_PIECE = 16 << 20  # large reads go in pieces of this size, in parallel
+_POOL_THREADS = 32
 _MAX_PARTS = 10_000
 _SAVE_ID = re.compile(r"[0-9A-Za-z_-]{1,64}\Z")
 _NOT_FOUND = {"404", "NoSuchKey", "NotFound"}
@@ -112,22 +116,37 @@ def _s3_failures() -> tuple[type[BaseException], ...]:
     return (ClientError, BotoCoreError, OSError)
 
 
+_POOLS: dict[int, ThreadPoolExecutor] = {}
+
+
+def _pool() -> ThreadPoolExecutor:
+    """This process's threads for part uploads and range reads (shared by every object in flight)."""
+    with _CLIENTS_LOCK:
+        pool = _POOLS.get(os.getpid())
+        if pool is None:
+            pool = _POOLS[os.getpid()] = ThreadPoolExecutor(_POOL_THREADS, thread_name_prefix="distckpt-s3")
+        return pool
+
+
 class _ObjectWriter(BlobWriter):
     """Streams one object in order as a multipart upload; small objects go up in one PUT.
 
+    Full parts upload in the background, up to ``concurrency`` at once per
+    object (each a buffer of ``part_size`` bytes), while the next part fills.
     Writes must arrive in ascending offsets (a gap is zero-filled), which is
     how distckpt writes data files: header first, then items in file order.
     """
 
-    def __init__(self, store: "S3Store", name: str, part_size: int):
+    def __init__(self, store: "S3Store", name: str, part_size: int, concurrency: int):
         self.store = store
         self.key = store.key(name)
         self.where = store.describe(name)
         self.part_size = max(_MIN_PART, part_size)
+        self.concurrency = max(1, concurrency)
         self.buf = bytearray()
         self.pos = 0
         self.flushed = 0
-        self.parts: list[dict] = []
+        self.parts: list[Future] = []
         self.upload_id: Optional[str] = None
         self.lock = threading.Lock()
         self.closed = False
@@ -157,23 +176,33 @@ class _ObjectWriter(BlobWriter):
             self.buf += view[:room]
             view = view[room:]
             if len(self.buf) >= self._current_part_size():
-                self._upload_part()
+                self._send_part()
         self.pos = self.flushed + len(self.buf)
 
     def _current_part_size(self) -> int:
         # parts grow so that an object of any size fits in S3's 10,000 parts
         return self.part_size * (1 + len(self.parts) // (_MAX_PARTS // 10))
 
-    def _upload_part(self) -> None:
+    def _send_part(self) -> None:
+        """Hand the buffer to an upload thread; wait while ``concurrency`` parts are already in flight."""
         client = self.store.client
         if self.upload_id is None:
             self.upload_id = client.create_multipart_upload(Bucket=self.store.bucket, Key=self.key)["UploadId"]
-        number = len(self.parts) + 1
-        reply = client.upload_part(Bucket=self.store.bucket, Key=self.key, UploadId=self.upload_id,
-                                   PartNumber=number, Body=self.buf)
-        self.parts.append({"PartNumber": number, "ETag": reply["ETag"]})
-        self.flushed += len(self.buf)
+        in_flight = [f for f in self.parts if not f.done()]
+        if len(in_flight) >= self.concurrency:
+            in_flight[0].result()
+        for f in self.parts:
+            if f.done():
+                f.result()  # an upload that failed stops the object here
+        number, body = len(self.parts) + 1, self.buf
+        self.parts.append(_pool().submit(self._upload, client, number, body))
+        self.flushed += len(body)
         self.buf = bytearray()
+
+    def _upload(self, client, number: int, body: bytearray) -> dict:
+        reply = client.upload_part(Bucket=self.store.bucket, Key=self.key, UploadId=self.upload_id,
+                                   PartNumber=number, Body=body)
+        return {"PartNumber": number, "ETag": reply["ETag"]}
 
     def close(self, sync: bool) -> None:
         """Upload what is buffered and complete the object (S3 makes it durable before answering)."""
@@ -188,9 +217,10 @@ class _ObjectWriter(BlobWriter):
                     client.put_object(Bucket=self.store.bucket, Key=self.key, Body=self.buf)
                 else:
                     if self.buf:
-                        self._upload_part()
+                        self._send_part()
+                    parts = [f.result() for f in self.parts]
                     client.complete_multipart_upload(Bucket=self.store.bucket, Key=self.key, UploadId=self.upload_id,
-                                                     MultipartUpload={"Parts": self.parts})
+                                                     MultipartUpload={"Parts": parts})
             except _s3_failures() as exc:
                 self._abort_upload()
                 raise _s3_error("uploading", self.where, exc) from exc
@@ -204,6 +234,9 @@ class _ObjectWriter(BlobWriter):
             self._abort_upload()
 
     def _abort_upload(self) -> None:
+        for f in self.parts:
+            f.cancel()
+        wait(self.parts)
         if self.upload_id is not None:
             try:
                 self.store.client.abort_multipart_upload(Bucket=self.store.bucket, Key=self.key, UploadId=self.upload_id)
@@ -213,7 +246,10 @@ class _ObjectWriter(BlobWriter):
 
 
 class _ObjectReader(BlobReader):
-    """Ranged GETs of one object, each conditional on the ETag it had when opened."""
+    """Ranged GETs of one object, each conditional on the ETag it had when opened.
+
+    A large read into one buffer is split into pieces fetched in parallel.
+    """
 
     def __init__(self, store: "S3Store", name: str):
         self.store = store
@@ -227,7 +263,12 @@ class _ObjectReader(BlobReader):
         self.etag = head.get("ETag")
 
     def readinto(self, buf: memoryview, offset: int) -> int:
-        return self.readv([buf], offset)
+        view = memoryview(buf).cast("B")[: max(0, self.size - offset)]
+        if len(view) < 2 * _READ_PIECE:
+            return self.readv([view], offset)
+        starts = range(0, len(view), _READ_PIECE)
+        futures = [_pool().submit(self.readv, [view[s: s + _READ_PIECE]], offset + s) for s in starts]
+        return sum(f.result() for f in futures)
 
     def readv(self, views: list, offset: int) -> int:
         views = [memoryview(v).cast("B") for v in views]
@@ -266,12 +307,13 @@ class S3Store(BlobStore):
     """One checkpoint prefix (or one save's data prefix) in a bucket."""
 
     def __init__(self, bucket: str, prefix: str, *, endpoint_url: Optional[str] = None, region_name: Optional[str] = None,
-                 part_size: int = _DEFAULT_PART, client: Any = None):
+                 part_size: int = _DEFAULT_PART, upload_concurrency: int = _DEFAULT_CONCURRENCY, client: Any = None):
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         self.endpoint_url = endpoint_url
         self.region_name = region_name
         self.part_size = part_size
+        self.upload_concurrency = upload_concurrency
         self._given_client = client
 
     @property
@@ -280,7 +322,7 @@ class S3Store(BlobStore):
 
     def _sub(self, prefix: str) -> "S3Store":
         return S3Store(self.bucket, prefix, endpoint_url=self.endpoint_url, region_name=self.region_name,
-                       part_size=self.part_size, client=self._given_client)
+                       part_size=self.part_size, upload_concurrency=self.upload_concurrency, client=self._given_client)
 
     def key(self, name: str) -> str:
         return f"{self.prefix}/{name}"
@@ -297,7 +339,7 @@ class S3Store(BlobStore):
             raise _s3_error("checking the bucket of", self.describe(), exc) from exc
 
     def create(self, name: str) -> BlobWriter:
-        return _ObjectWriter(self, name, self.part_size)
+        return _ObjectWriter(self, name, self.part_size, self.upload_concurrency)
 
     def open(self, name: str) -> BlobReader:
         return _ObjectReader(self, name)
@@ -455,7 +497,8 @@ class _AtUrl:
 
     url: Optional[str]
 
-    def _init_s3(self, url, endpoint_url, region_name, client, part_size=_DEFAULT_PART) -> None:
+    def _init_s3(self, url, endpoint_url, region_name, client, part_size=_DEFAULT_PART,
+                 upload_concurrency=_DEFAULT_CONCURRENCY) -> None:
         self.url = None if url is None else os.fspath(url)
         if self.url is not None:
             parse_s3_url(self.url)
@@ -463,6 +506,7 @@ class _AtUrl:
         self.region_name = region_name
         self.client = client
         self.part_size = part_size
+        self.upload_concurrency = upload_concurrency
 
     def reset(self, checkpoint_id=None) -> None:
         super().reset(checkpoint_id)  # type: ignore[misc]
@@ -475,7 +519,7 @@ class _AtUrl:
             raise CheckpointNotFoundError(f"{type(self).__name__} has no location: pass checkpoint_id='s3://bucket/prefix'")
         bucket, prefix = parse_s3_url(self.url)
         return S3Store(bucket, prefix, endpoint_url=self.endpoint_url, region_name=self.region_name,
-                       part_size=self.part_size, client=self.client)
+                       part_size=self.part_size, upload_concurrency=self.upload_concurrency, client=self.client)
 
     def _checkpoint_id(self) -> str:
         return str(self.url)
@@ -496,16 +540,19 @@ class S3Writer(_AtUrl, BlobStorageWriter):
         endpoint_url, region_name: override the AWS configuration (e.g. a MinIO or Ceph endpoint).
         client: a ready boto3 S3 client to use instead.
         thread_count: objects uploaded in parallel per rank (default: the DISTCKPT_IO_THREADS knob).
-        part_size: multipart-upload part size in bytes (default 32 MiB; at least 5 MiB).
+        part_size: multipart-upload part size in bytes (default 16 MiB; at least 5 MiB).
+        upload_concurrency: parts of one object uploading at once (default 4); memory per
+            object in flight is about ``part_size * (upload_concurrency + 1)``.
         overwrite: replace a committed checkpoint at ``url``; the old one stays intact
             until the new metadata replaces it, then its objects are deleted.
     """
 
     def __init__(self, url: Union[str, os.PathLike, None] = None, *, endpoint_url: Optional[str] = None,
                  region_name: Optional[str] = None, client: Any = None, thread_count: Optional[int] = None,
-                 part_size: int = _DEFAULT_PART, overwrite: bool = False):
+                 part_size: int = _DEFAULT_PART, upload_concurrency: int = _DEFAULT_CONCURRENCY,
+                 overwrite: bool = False):
         super().__init__(sync_files=True, thread_count=thread_count, overwrite=overwrite)
-        self._init_s3(url, endpoint_url, region_name, client, part_size)
+        self._init_s3(url, endpoint_url, region_name, client, part_size, upload_concurrency)
 
 
 class S3Reader(_AtUrl, BlobStorageReader):
