@@ -3,8 +3,8 @@
 \b
     distckpt inspect PATH [--json]     keys, shapes, dtypes, chunks, files and sizes
     distckpt verify PATH [--quiet]     check every byte against its checksums
-    distckpt convert --from-dcp SRC DST --trust-pickle
-    distckpt convert --to-dcp SRC DST  between distckpt and torch.distributed.checkpoint
+    distckpt convert --to FORMAT SRC DST      distckpt -> dcp | safetensors | torch-save
+    distckpt convert --from FORMAT SRC DST    dcp (with --trust-pickle) | safetensors | torch-save -> distckpt
 
 Exit codes: 0 success, 1 the checkpoint is damaged or incomplete, 2 usage errors.
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import Optional
 
 import click
 
@@ -92,26 +93,51 @@ def verify_cmd(checkpoint: str, quiet: bool) -> None:
         click.echo(f"ok: {report.items} items in {report.files} file(s), {_human(report.bytes_checked)} checked")
 
 
+_FORMATS = ("dcp", "safetensors", "torch-save")
+
+
 @main.command()
 @click.argument("src")
 @click.argument("dst")
-@click.option("--from-dcp", "from_dcp", is_flag=True, help="SRC is a torch.distributed.checkpoint checkpoint")
-@click.option("--to-dcp", "to_dcp", is_flag=True, help="DST becomes a torch.distributed.checkpoint checkpoint")
-@click.option("--trust-pickle", is_flag=True, help="with --from-dcp: SRC is trusted (DCP files are pickles; reading them can run code)")
+@click.option("--from", "from_format", type=click.Choice(_FORMATS), help="SRC is in this format; DST becomes a distckpt checkpoint")
+@click.option("--to", "to_format", type=click.Choice(_FORMATS), help="SRC is a distckpt checkpoint; DST becomes this format")
+@click.option("--from-dcp", "from_dcp", is_flag=True, help="same as --from dcp")
+@click.option("--to-dcp", "to_dcp", is_flag=True, help="same as --to dcp")
+@click.option("--trust-pickle", is_flag=True, help="with --from dcp: SRC is trusted (DCP files are pickles; reading them can run code)")
 @click.option("--allow-pickle", is_flag=True, help="values that are not plain data may be stored / read pickled")
-def convert(src: str, dst: str, from_dcp: bool, to_dcp: bool, trust_pickle: bool, allow_pickle: bool) -> None:
-    """Convert SRC into a new checkpoint DST, between distckpt and DCP formats."""
+def convert(src: str, dst: str, from_format: Optional[str], to_format: Optional[str], from_dcp: bool, to_dcp: bool,
+            trust_pickle: bool, allow_pickle: bool) -> None:
+    """Convert SRC into a new DST: distckpt <-> DCP directory, safetensors file, torch.save file.
+
+    Tensors come out whole, whatever sharding they were saved with. Examples:
+
+    \b
+      distckpt convert --to safetensors CKPT model.safetensors
+      distckpt convert --from torch-save model.pt CKPT
+      distckpt convert --from dcp --trust-pickle DCP_DIR CKPT
+    """
     from . import convert as conversion
 
-    if from_dcp == to_dcp:
-        click.echo("error: pass exactly one of --from-dcp and --to-dcp", err=True)
+    chosen = [("from", f) for f in [from_format, "dcp" if from_dcp else None] if f] + \
+             [("to", f) for f in [to_format, "dcp" if to_dcp else None] if f]
+    if len(chosen) != 1:
+        click.echo("error: pass exactly one of --from FORMAT and --to FORMAT", err=True)
         sys.exit(2)
+    direction, fmt = chosen[0]
     say = (lambda text: click.echo(text, err=True))
     try:
-        if from_dcp:
+        if (direction, fmt) == ("from", "dcp"):
             n = conversion.from_dcp(src, dst, trust_pickle=trust_pickle, allow_pickle=allow_pickle, progress=say)
-        else:
+        elif (direction, fmt) == ("to", "dcp"):
             n = conversion.to_dcp(src, dst, allow_pickle=allow_pickle, progress=say)
+        elif (direction, fmt) == ("from", "safetensors"):
+            n = conversion.from_safetensors(src, dst, allow_pickle=allow_pickle, progress=say)
+        elif (direction, fmt) == ("to", "safetensors"):
+            n = conversion.to_safetensors(src, dst, allow_pickle=allow_pickle, progress=say)
+        elif direction == "from":
+            n = conversion.from_torch_save(src, dst, progress=say)
+        else:
+            n = conversion.to_torch_save(src, dst, allow_pickle=allow_pickle, progress=say)
     except CheckpointError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(1)

@@ -1,7 +1,10 @@
-"""Conversion between distckpt checkpoints and torch.distributed.checkpoint (DCP) checkpoints.
+"""Conversion between distckpt checkpoints and other formats: torch.distributed.checkpoint
+(DCP) directories, single safetensors files and torch.save files.
 
-The one module under src/ that uses DCP: it reads and writes DCP's format
-through DCP itself, in one process, holding the whole state in host memory.
+Every conversion runs in one process and holds the whole state in host
+memory: tensors come out whole (consolidated), whatever the sharding they
+were saved with. This is the one module under src/ that uses DCP: it reads
+and writes DCP's format through DCP itself.
 
 DCP stores its metadata, and every non-tensor value, as pickles. Reading a
 DCP checkpoint therefore runs the unpickler on its files, which can execute
@@ -12,23 +15,34 @@ The other direction unpickles nothing: distckpt's format is pickle-free.
 Keys keep their names: a DCP key such as ``model.layers.0.w`` is the same
 key in distckpt, so nested state dicts load from the converted checkpoint as
 they loaded from the original.
+
+A safetensors file holds the tensors under their flat keys; non-tensor
+values, which safetensors cannot hold, go as distckpt's pickle-free value
+encoding (JSON) into the file's ``__metadata__`` under ``distckpt.values``,
+and come back from there. A torch.save file is read with
+``torch.load(weights_only=True)``, which unpickles only tensors and plain
+data; it is written as one flat dict of keys to tensors and values.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 from typing import Any, Callable, Optional, Union
 
 import torch
 
-from .errors import CheckpointError, CheckpointNotFoundError
+from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from .format.values import from_data, to_data
 from .loading import load, read_metadata
 from .metadata import TensorStorageMetadata
 from .planning import DefaultLoadPlanner, DefaultSavePlanner
 from .saving import save
 
-__all__ = ["from_dcp", "to_dcp"]
+__all__ = ["from_dcp", "to_dcp", "from_safetensors", "to_safetensors", "from_torch_save", "to_torch_save"]
+
+VALUES_KEY = "distckpt.values"
 
 PathLike = Union[str, os.PathLike]
 
@@ -88,4 +102,113 @@ def to_dcp(src: PathLike, dst: PathLike, *, allow_pickle: bool = False,
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         dcp.save(state, checkpoint_id=os.fspath(dst), no_dist=True)
+    return len(state)
+
+
+def _read_whole(src: PathLike, allow_pickle: bool, progress: Optional[Callable[[str], None]]) -> dict[str, Any]:
+    """Every key of the distckpt checkpoint ``src``, tensors whole, in this process."""
+    md = read_metadata(src)
+    state = _placeholders(md.state_dict_metadata, TensorStorageMetadata)
+    if progress:
+        progress(f"reading {len(state)} keys from distckpt checkpoint {src}")
+    load(state, checkpoint_id=src, planner=DefaultLoadPlanner(allow_pickle=allow_pickle))
+    return state
+
+
+def _write_new_file(dst: PathLike, write: Callable[[str], None]) -> None:
+    """Create the file ``dst`` through ``write(tmp_path)`` and a rename: never replaces, never leaves half a file."""
+    dst = os.fspath(dst)
+    if os.path.lexists(dst):
+        raise CheckpointError(f"{dst} already exists; convert into a new file")
+    tmp = f"{dst}.distckpt-tmp-{os.getpid()}"
+    try:
+        write(tmp)
+        os.link(tmp, dst)  # fails if dst appeared meanwhile
+    finally:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+
+
+def to_safetensors(src: PathLike, dst: PathLike, *, allow_pickle: bool = False,
+                   progress: Optional[Callable[[str], None]] = None) -> int:
+    """Consolidate the distckpt checkpoint ``src`` into one new safetensors file ``dst``; return the count of keys.
+
+    Values that are not tensors are kept in the file's metadata (see the module text).
+    """
+    from safetensors.torch import save_file
+
+    state = _read_whole(src, allow_pickle, progress)
+    tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+    values = {k: to_data(v, allow_pickle=allow_pickle, where=f"key {k!r}") for k, v in state.items() if k not in tensors}
+    metadata = {"format": "pt"}
+    if values:
+        metadata[VALUES_KEY] = json.dumps(values, separators=(",", ":"), allow_nan=False)
+    if progress:
+        progress(f"writing safetensors file {dst}")
+    _write_new_file(dst, lambda tmp: save_file(tensors, tmp, metadata=metadata))
+    return len(state)
+
+
+def from_safetensors(src: PathLike, dst: PathLike, *, allow_pickle: bool = False,
+                     progress: Optional[Callable[[str], None]] = None) -> int:
+    """Convert the safetensors file ``src`` (from any writer, e.g. Hugging Face) into a new distckpt
+    checkpoint ``dst``; return the count of keys."""
+    from safetensors import SafetensorError, safe_open
+
+    where = f"safetensors file {os.fspath(src)}"
+    if not os.path.isfile(src):
+        raise CheckpointNotFoundError(f"{where} does not exist")
+    try:
+        with safe_open(os.fspath(src), framework="pt") as f:
+            state: dict[str, Any] = {k: f.get_tensor(k) for k in f.keys()}
+            raw_values = (f.metadata() or {}).get(VALUES_KEY)
+    except (OSError, ValueError, RuntimeError, SafetensorError) as exc:
+        raise CorruptCheckpointError(f"{where} cannot be read as safetensors: {exc}") from exc
+    if raw_values is not None:
+        try:
+            values = json.loads(raw_values)
+        except ValueError as exc:
+            raise CorruptCheckpointError(f"{where}: metadata {VALUES_KEY!r} is not JSON: {exc}") from None
+        if not isinstance(values, dict):
+            raise CorruptCheckpointError(f"{where}: metadata {VALUES_KEY!r} is not a JSON object")
+        for k, v in values.items():
+            if k in state:
+                raise CorruptCheckpointError(f"{where}: key {k!r} is both a tensor and a value")
+            state[k] = from_data(v, allow_pickle=allow_pickle, where=f"{where}, key {k!r}")
+    if progress:
+        progress(f"writing distckpt checkpoint {dst} ({len(state)} keys)")
+    save(state, checkpoint_id=dst, planner=DefaultSavePlanner(allow_pickle=allow_pickle))
+    return len(state)
+
+
+def to_torch_save(src: PathLike, dst: PathLike, *, allow_pickle: bool = False,
+                  progress: Optional[Callable[[str], None]] = None) -> int:
+    """Consolidate the distckpt checkpoint ``src`` into one new torch.save file ``dst``; return the count of keys."""
+    state = _read_whole(src, allow_pickle, progress)
+    if progress:
+        progress(f"writing torch.save file {dst}")
+    _write_new_file(dst, lambda tmp: torch.save(state, tmp))
+    return len(state)
+
+
+def from_torch_save(src: PathLike, dst: PathLike, *, progress: Optional[Callable[[str], None]] = None) -> int:
+    """Convert the torch.save file ``src`` into a new distckpt checkpoint ``dst``; return the count of top-level keys.
+
+    The file is read with ``weights_only=True``: only tensors and plain data are
+    unpickled, and a file holding anything else is refused. Nested dicts are
+    kept (keys become dotted paths, as for any nested state dict).
+    """
+    where = f"torch.save file {os.fspath(src)}"
+    if not os.path.isfile(src):
+        raise CheckpointNotFoundError(f"{where} does not exist")
+    try:
+        state = torch.load(os.fspath(src), map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - torch raises UnpicklingError, RuntimeError, ...
+        raise CheckpointError(f"{where} cannot be loaded with weights_only=True (it holds more than tensors and "
+                              f"plain data, or is damaged): {str(exc).splitlines()[0]}") from exc
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{where} holds a {type(state).__name__}, not a dict of keys to tensors and values")
+    if progress:
+        progress(f"writing distckpt checkpoint {dst}")
+    save(state, checkpoint_id=dst)
     return len(state)

@@ -1,4 +1,4 @@
-"""Conversion to and from torch.distributed.checkpoint, through the API and the command line."""
+"""Conversion to and from DCP, safetensors files and torch.save files, through the API and the command line."""
 
 import pytest
 import torch
@@ -7,7 +7,9 @@ from click.testing import CliRunner
 
 import distckpt
 from distckpt.cli import main
-from distckpt.convert import from_dcp, to_dcp
+from distckpt.convert import from_dcp, from_safetensors, from_torch_save, to_dcp, to_safetensors, to_torch_save
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # DCP, run in one process
 
 
 def _state():
@@ -67,3 +69,90 @@ def test_convert_command(tmp_path):
     assert res.exit_code == 2
     res = runner.invoke(main, ["convert", "--from-dcp", "--trust-pickle", str(tmp_path / "nothing"), str(tmp_path / "y")])
     assert res.exit_code == 1 and "no DCP checkpoint" in res.output
+
+
+def _flat(sd, prefix=""):
+    out = {}
+    for k, v in sd.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def test_safetensors_round_trip_consolidates_shards_and_keeps_values(tmp_path):
+    from safetensors.torch import load_file
+
+    want = _state()
+    want["optim"]["blob"] = b"\x00\xff"
+    want["optim"]["pair"] = (1, float("inf"))
+    distckpt.save(want, checkpoint_id=tmp_path / "ours")
+    assert to_safetensors(tmp_path / "ours", tmp_path / "m.safetensors") == 8
+    tensors = load_file(str(tmp_path / "m.safetensors"))  # an ordinary safetensors file
+    flat = _flat(want)
+    assert tensors.keys() == {k for k, v in flat.items() if isinstance(v, torch.Tensor)}
+    assert all(_equal(flat[k], t) for k, t in tensors.items())
+    with pytest.raises(distckpt.CheckpointError, match="already exists"):
+        to_safetensors(tmp_path / "ours", tmp_path / "m.safetensors")
+    assert from_safetensors(tmp_path / "m.safetensors", tmp_path / "back") == 8
+    got = _blank(want)
+    distckpt.load(got, checkpoint_id=tmp_path / "back")
+    assert _equal(want, got)
+
+
+def test_a_plain_safetensors_file_converts(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"a.w": torch.ones(3, 2), "b": torch.arange(4, dtype=torch.int16)}, str(tmp_path / "hf.safetensors"))
+    assert from_safetensors(tmp_path / "hf.safetensors", tmp_path / "ck") == 2
+    got = {"a": {"w": torch.zeros(3, 2)}, "b": torch.zeros(4, dtype=torch.int16)}
+    distckpt.load(got, checkpoint_id=tmp_path / "ck")
+    assert torch.equal(got["a"]["w"], torch.ones(3, 2)) and torch.equal(got["b"], torch.arange(4, dtype=torch.int16))
+    (tmp_path / "junk.safetensors").write_bytes(b"\x08" + bytes(20))
+    with pytest.raises(distckpt.CorruptCheckpointError, match="junk.safetensors"):
+        from_safetensors(tmp_path / "junk.safetensors", tmp_path / "j")
+
+
+def test_torch_save_round_trip_and_unsafe_files_are_refused(tmp_path):
+    want = _state()
+    torch.save(want, tmp_path / "model.pt")
+    assert from_torch_save(tmp_path / "model.pt", tmp_path / "ours") == 2
+    got = _blank(want)
+    distckpt.load(got, checkpoint_id=tmp_path / "ours")
+    assert _equal(want, got)
+    assert to_torch_save(tmp_path / "ours", tmp_path / "flat.pt") == 6
+    flat = torch.load(tmp_path / "flat.pt", weights_only=True)
+    assert _equal(_flat(want), flat)
+
+    torch.save({"w": torch.ones(1), "f": _Unsafe()}, tmp_path / "unsafe.pt")
+    with pytest.raises(distckpt.CheckpointError, match="weights_only=True"):
+        from_torch_save(tmp_path / "unsafe.pt", tmp_path / "u")
+    torch.save([torch.ones(1)], tmp_path / "list.pt")
+    with pytest.raises(distckpt.CheckpointError, match="not a dict"):
+        from_torch_save(tmp_path / "list.pt", tmp_path / "l")
+
+
+class _Unsafe:
+    pass
+
+
+def test_convert_command_other_formats(tmp_path):
+    want = _state()
+    distckpt.save(want, checkpoint_id=tmp_path / "ours")
+    runner = CliRunner()
+    res = runner.invoke(main, ["convert", "--to", "safetensors", str(tmp_path / "ours"), str(tmp_path / "m.safetensors")])
+    assert res.exit_code == 0 and "6 keys" in res.output, res.output
+    res = runner.invoke(main, ["convert", "--from", "safetensors", str(tmp_path / "m.safetensors"), str(tmp_path / "b1")])
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(main, ["convert", "--to", "torch-save", str(tmp_path / "b1"), str(tmp_path / "m.pt")])
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(main, ["convert", "--from", "torch-save", str(tmp_path / "m.pt"), str(tmp_path / "b2")])
+    assert res.exit_code == 0, res.output
+    got = _blank(want)
+    distckpt.load(got, checkpoint_id=tmp_path / "b2")
+    assert _equal(want, got)
+    res = runner.invoke(main, ["convert", "--to", "dcp", "--from", "dcp", str(tmp_path / "b2"), str(tmp_path / "x")])
+    assert res.exit_code == 2
+    res = runner.invoke(main, ["convert", "--from", "torch-save", str(tmp_path / "missing.pt"), str(tmp_path / "y")])
+    assert res.exit_code == 1 and "does not exist" in res.output
