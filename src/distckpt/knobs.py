@@ -75,6 +75,22 @@ def memory_budget_bytes() -> int:
     return _int("DISTCKPT_MEMORY_BUDGET_BYTES", 1 << 30, minimum=1)
 
 
+def s3_part_bytes() -> int:
+    """Part size of S3 multipart uploads (DISTCKPT_S3_PART_BYTES, default 16 MiB; S3's minimum is 5 MiB)."""
+    return _int("DISTCKPT_S3_PART_BYTES", 16 << 20, minimum=5 << 20)
+
+
+def s3_upload_concurrency() -> int:
+    """Parts of one S3 object uploading at once (DISTCKPT_S3_UPLOAD_CONCURRENCY, default 4)."""
+    return _int("DISTCKPT_S3_UPLOAD_CONCURRENCY", 4, minimum=1)
+
+
+def s3_read_piece_bytes() -> int:
+    """A read of at least twice this many bytes from S3 is split into ranged GETs of this size,
+    fetched in parallel (DISTCKPT_S3_READ_PIECE_BYTES, default 16 MiB)."""
+    return _int("DISTCKPT_S3_READ_PIECE_BYTES", 16 << 20, minimum=1 << 20)
+
+
 def fsync_enabled() -> bool:
     """Whether data files, metadata and directories are fsynced on save (DISTCKPT_FSYNC, default on)."""
     return _bool("DISTCKPT_FSYNC", True)

@@ -26,29 +26,20 @@ from __future__ import annotations
 
 import os
 import re
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, Iterable, Optional, Union
 
-from .. import faults
+from .. import faults, knobs
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StorageIOError
 from ..format import METADATA_FILE
 from .blob_storage import BlobStorageReader, BlobStorageWriter
 from .blobs import BlobReader, BlobStore, BlobWriter
+from .s3_objects import LOST_RACE, NOT_FOUND, ObjectReader, ObjectWriter, client_for, error_code, s3_error, s3_failures
 
 __all__ = ["S3Writer", "S3Reader", "S3Store"]
 
 SCHEME = "s3://"
 SAVES = "saves"
-_MIN_PART = 5 << 20  # S3's smallest part, except the last
-_DEFAULT_PART = 16 << 20
-_DEFAULT_CONCURRENCY = 4  # parts of one object uploading at once
-_READ_PIECE = 16 << 20  # large reads go in pieces of this size, in parallel
-_POOL_THREADS = 32
-_MAX_PARTS = 10_000
 _SAVE_ID = re.compile(r"[0-9A-Za-z_-]{1,64}\Z")
-_NOT_FOUND = {"404", "NoSuchKey", "NotFound"}
-_LOST_RACE = {"412", "PreconditionFailed", "409", "ConditionalRequestConflict"}
 
 
 def parse_s3_url(checkpoint_id: Union[str, os.PathLike]) -> tuple[str, str]:
@@ -65,249 +56,11 @@ def parse_s3_url(checkpoint_id: Union[str, os.PathLike]) -> tuple[str, str]:
     return bucket, prefix
 
 
-# ---- clients: one per process, endpoint and region (boto3 clients are thread-safe, not fork-safe)
-
-_CLIENTS: dict[tuple, Any] = {}
-_CLIENTS_LOCK = threading.Lock()
-
-
-def _client(endpoint_url: Optional[str], region_name: Optional[str]):
-    key = (os.getpid(), endpoint_url, region_name)
-    with _CLIENTS_LOCK:
-        client = _CLIENTS.get(key)
-        if client is None:
-            try:
-                import boto3
-                from botocore.config import Config
-            except ImportError:
-                raise CheckpointError("s3:// checkpoints need boto3: pip install 'distckpt[s3]'") from None
-            config = Config(max_pool_connections=64, retries={"mode": "standard", "max_attempts": 5})
-            client = _CLIENTS[key] = boto3.session.Session().client(
-                "s3", endpoint_url=endpoint_url, region_name=region_name, config=config)
-        return client
-
-
-def _error_code(exc: BaseException) -> str:
-    response = getattr(exc, "response", None)
-    if isinstance(response, dict):
-        return str(response.get("Error", {}).get("Code", ""))
-    return ""
-
-
-def _s3_error(action: str, where: str, exc: BaseException) -> CheckpointError:
-    """A typed error for a failed S3 call, naming the object and, where one is known, the fix."""
-    code = _error_code(exc)
-    if code in _NOT_FOUND:
-        return CheckpointNotFoundError(f"{where} does not exist; the checkpoint is incomplete or damaged")
-    if code == "NoSuchBucket":
-        return StorageIOError(f"{action} {where} failed: the bucket does not exist; create it or fix the checkpoint id")
-    if code in ("AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
-        return StorageIOError(f"{action} {where} failed: access denied ({code}); check the credentials and the bucket policy")
-    if isinstance(exc, OSError) and not code:
-        return StorageIOError(f"{action} {where} failed: {exc.strerror or exc}", exc.errno)
-    name = type(exc).__name__
-    return StorageIOError(f"{action} {where} failed: {code or name}: {exc}; check the endpoint "
-                          "(AWS_ENDPOINT_URL_S3), the network and the credentials")
-
-
-def _s3_failures() -> tuple[type[BaseException], ...]:
-    from botocore.exceptions import BotoCoreError, ClientError
-
-    return (ClientError, BotoCoreError, OSError)
-
-
-_POOLS: dict[int, ThreadPoolExecutor] = {}
-
-
-def _pool() -> ThreadPoolExecutor:
-    """This process's threads for part uploads and range reads (shared by every object in flight)."""
-    with _CLIENTS_LOCK:
-        pool = _POOLS.get(os.getpid())
-        if pool is None:
-            pool = _POOLS[os.getpid()] = ThreadPoolExecutor(_POOL_THREADS, thread_name_prefix="distckpt-s3")
-        return pool
-
-
-class _ObjectWriter(BlobWriter):
-    """Streams one object in order as a multipart upload; small objects go up in one PUT.
-
-    Full parts upload in the background, up to ``concurrency`` at once per
-    object (each a buffer of ``part_size`` bytes), while the next part fills.
-    Writes must arrive in ascending offsets (a gap is zero-filled), which is
-    how distckpt writes data files: header first, then items in file order.
-    """
-
-    def __init__(self, store: "S3Store", name: str, part_size: int, concurrency: int):
-        self.store = store
-        self.key = store.key(name)
-        self.where = store.describe(name)
-        self.part_size = max(_MIN_PART, part_size)
-        self.concurrency = max(1, concurrency)
-        self.buf = bytearray()
-        self.pos = 0
-        self.flushed = 0
-        self.parts: list[Future] = []
-        self.upload_id: Optional[str] = None
-        self.lock = threading.Lock()
-        self.closed = False
-
-    def pwrite(self, data: memoryview, offset: int) -> None:
-        self.pwritev([data], offset)
-
-    def pwritev(self, buffers: list, offset: int) -> None:
-        with self.lock:
-            try:
-                faults.point("write", self.where)
-                if offset < self.pos:
-                    raise CheckpointError(f"{self.where}: object stores take bytes in order; a write at byte {offset} "
-                                          f"came after {self.pos} bytes were written")
-                if offset > self.pos:
-                    self._append(memoryview(bytes(offset - self.pos)))
-                for b in buffers:
-                    self._append(memoryview(b).cast("B"))
-            except CheckpointError:
-                raise
-            except _s3_failures() as exc:
-                raise _s3_error("writing", self.where, exc) from exc
-
-    def _append(self, view: memoryview) -> None:
-        while len(view):
-            room = self._current_part_size() - len(self.buf)
-            self.buf += view[:room]
-            view = view[room:]
-            if len(self.buf) >= self._current_part_size():
-                self._send_part()
-        self.pos = self.flushed + len(self.buf)
-
-    def _current_part_size(self) -> int:
-        # parts grow so that an object of any size fits in S3's 10,000 parts
-        return self.part_size * (1 + len(self.parts) // (_MAX_PARTS // 10))
-
-    def _send_part(self) -> None:
-        """Hand the buffer to an upload thread; wait while ``concurrency`` parts are already in flight."""
-        client = self.store.client
-        if self.upload_id is None:
-            self.upload_id = client.create_multipart_upload(Bucket=self.store.bucket, Key=self.key)["UploadId"]
-        in_flight = [f for f in self.parts if not f.done()]
-        if len(in_flight) >= self.concurrency:
-            in_flight[0].result()
-        for f in self.parts:
-            if f.done():
-                f.result()  # an upload that failed stops the object here
-        number, body = len(self.parts) + 1, self.buf
-        self.parts.append(_pool().submit(self._upload, client, number, body))
-        self.flushed += len(body)
-        self.buf = bytearray()
-
-    def _upload(self, client, number: int, body: bytearray) -> dict:
-        reply = client.upload_part(Bucket=self.store.bucket, Key=self.key, UploadId=self.upload_id,
-                                   PartNumber=number, Body=body)
-        return {"PartNumber": number, "ETag": reply["ETag"]}
-
-    def close(self, sync: bool) -> None:
-        """Upload what is buffered and complete the object (S3 makes it durable before answering)."""
-        with self.lock:
-            if self.closed:
-                return
-            self.closed = True
-            client = self.store.client
-            try:
-                faults.point("fsync", self.where)
-                if self.upload_id is None:
-                    client.put_object(Bucket=self.store.bucket, Key=self.key, Body=self.buf)
-                else:
-                    if self.buf:
-                        self._send_part()
-                    parts = [f.result() for f in self.parts]
-                    client.complete_multipart_upload(Bucket=self.store.bucket, Key=self.key, UploadId=self.upload_id,
-                                                     MultipartUpload={"Parts": parts})
-            except _s3_failures() as exc:
-                self._abort_upload()
-                raise _s3_error("uploading", self.where, exc) from exc
-            finally:
-                self.buf = bytearray()
-
-    def abort(self) -> None:
-        with self.lock:
-            self.closed = True
-            self.buf = bytearray()
-            self._abort_upload()
-
-    def _abort_upload(self) -> None:
-        for f in self.parts:
-            f.cancel()
-        wait(self.parts)
-        if self.upload_id is not None:
-            try:
-                self.store.client.abort_multipart_upload(Bucket=self.store.bucket, Key=self.key, UploadId=self.upload_id)
-            except _s3_failures():
-                pass  # the staging prefix is discarded, and a bucket lifecycle rule clears stale uploads
-            self.upload_id = None
-
-
-class _ObjectReader(BlobReader):
-    """Ranged GETs of one object, each conditional on the ETag it had when opened.
-
-    A large read into one buffer is split into pieces fetched in parallel.
-    """
-
-    def __init__(self, store: "S3Store", name: str):
-        self.store = store
-        self.key = store.key(name)
-        self.where = store.describe(name)
-        try:
-            head = store.client.head_object(Bucket=store.bucket, Key=self.key)
-        except _s3_failures() as exc:
-            raise _s3_error("opening", self.where, exc) from exc
-        self.size = int(head["ContentLength"])
-        self.etag = head.get("ETag")
-
-    def readinto(self, buf: memoryview, offset: int) -> int:
-        view = memoryview(buf).cast("B")[: max(0, self.size - offset)]
-        if len(view) < 2 * _READ_PIECE:
-            return self.readv([view], offset)
-        starts = range(0, len(view), _READ_PIECE)
-        futures = [_pool().submit(self.readv, [view[s: s + _READ_PIECE]], offset + s) for s in starts]
-        return sum(f.result() for f in futures)
-
-    def readv(self, views: list, offset: int) -> int:
-        views = [memoryview(v).cast("B") for v in views]
-        want = min(sum(len(v) for v in views), max(0, self.size - offset))
-        if want == 0:
-            return 0
-        extra = {"IfMatch": self.etag} if self.etag else {}
-        try:
-            reply = self.store.client.get_object(Bucket=self.store.bucket, Key=self.key,
-                                                 Range=f"bytes={offset}-{offset + want - 1}", **extra)
-            body = reply["Body"]
-            total = 0
-            try:
-                for v in views:
-                    v = v[: want - total]
-                    got = 0
-                    while got < len(v):
-                        n = body.readinto(v[got:])
-                        if not n:
-                            break
-                        got += n
-                    total += got
-                    if got < len(v) or total >= want:
-                        break
-            finally:
-                body.close()
-        except _s3_failures() as exc:
-            if _error_code(exc) in _LOST_RACE:
-                raise CorruptCheckpointError(f"{self.where} changed while it was being read (its ETag no longer "
-                                             "matches); another save replaced this checkpoint. Load again.") from exc
-            raise _s3_error("reading", self.where, exc) from exc
-        return total
-
-
 class S3Store(BlobStore):
     """One checkpoint prefix (or one save's data prefix) in a bucket."""
 
     def __init__(self, bucket: str, prefix: str, *, endpoint_url: Optional[str] = None, region_name: Optional[str] = None,
-                 part_size: int = _DEFAULT_PART, upload_concurrency: int = _DEFAULT_CONCURRENCY, client: Any = None):
+                 part_size: Optional[int] = None, upload_concurrency: Optional[int] = None, client: Any = None):
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         self.endpoint_url = endpoint_url
@@ -318,7 +71,7 @@ class S3Store(BlobStore):
 
     @property
     def client(self):
-        return self._given_client or _client(self.endpoint_url, self.region_name)
+        return self._given_client or client_for(self.endpoint_url, self.region_name)
 
     def _sub(self, prefix: str) -> "S3Store":
         return S3Store(self.bucket, prefix, endpoint_url=self.endpoint_url, region_name=self.region_name,
@@ -333,22 +86,24 @@ class S3Store(BlobStore):
     def prepare(self) -> None:
         try:
             self.client.head_bucket(Bucket=self.bucket)
-        except _s3_failures() as exc:
-            if _error_code(exc) in _NOT_FOUND | {"NoSuchBucket"}:
+        except s3_failures() as exc:
+            if error_code(exc) in NOT_FOUND | {"NoSuchBucket"}:
                 raise StorageIOError(f"bucket {self.bucket!r} of {self.describe()} does not exist; create it first") from exc
-            raise _s3_error("checking the bucket of", self.describe(), exc) from exc
+            raise s3_error("checking the bucket of", self.describe(), exc) from exc
 
     def create(self, name: str) -> BlobWriter:
-        return _ObjectWriter(self, name, self.part_size, self.upload_concurrency)
+        part = knobs.s3_part_bytes() if self.part_size is None else self.part_size
+        concurrency = knobs.s3_upload_concurrency() if self.upload_concurrency is None else self.upload_concurrency
+        return ObjectWriter(self, name, part, concurrency)
 
     def open(self, name: str) -> BlobReader:
-        return _ObjectReader(self, name)
+        return ObjectReader(self, name)
 
     def put_atomic(self, name: str, data: bytes, sync: bool) -> None:
         try:
             self._put(name, data)
-        except _s3_failures() as exc:
-            raise _s3_error("writing", self.describe(name), exc) from exc
+        except s3_failures() as exc:
+            raise s3_error("writing", self.describe(name), exc) from exc
 
     def _put(self, name: str, data: bytes, **conditions: str) -> None:
         faults.point("write", self.describe(name))
@@ -357,19 +112,19 @@ class S3Store(BlobStore):
     def _get(self, name: str) -> Optional[bytes]:
         try:
             return self.client.get_object(Bucket=self.bucket, Key=self.key(name))["Body"].read()
-        except _s3_failures() as exc:
-            if _error_code(exc) in _NOT_FOUND:
+        except s3_failures() as exc:
+            if error_code(exc) in NOT_FOUND:
                 return None
-            raise _s3_error("reading", self.describe(name), exc) from exc
+            raise s3_error("reading", self.describe(name), exc) from exc
 
     def exists(self, name: str) -> bool:
         try:
             self.client.head_object(Bucket=self.bucket, Key=self.key(name))
             return True
-        except _s3_failures() as exc:
-            if _error_code(exc) in _NOT_FOUND:
+        except s3_failures() as exc:
+            if error_code(exc) in NOT_FOUND:
                 return False
-            raise _s3_error("looking up", self.describe(name), exc) from exc
+            raise s3_error("looking up", self.describe(name), exc) from exc
 
     def _keys(self, prefix: str, delimiter: str = "") -> Iterable[str]:
         """Keys (or, with a delimiter, common prefixes) under ``prefix``."""
@@ -380,8 +135,8 @@ class S3Store(BlobStore):
                 if delimiter:
                     yield from (p["Prefix"] for p in page.get("CommonPrefixes", []))
                 yield from (o["Key"] for o in page.get("Contents", []))
-        except _s3_failures() as exc:
-            raise _s3_error("listing", self.describe(), exc) from exc
+        except s3_failures() as exc:
+            raise s3_error("listing", self.describe(), exc) from exc
 
     def list(self) -> Iterable[str]:
         start = len(self.prefix) + 1
@@ -408,13 +163,13 @@ class S3Store(BlobStore):
                 self._put(METADATA_FILE, document)
             else:
                 self._put(METADATA_FILE, document, IfNoneMatch="*")
-        except _s3_failures() as exc:
-            if _error_code(exc) in _LOST_RACE:
+        except s3_failures() as exc:
+            if error_code(exc) in LOST_RACE:
                 self.discard(staging)
                 raise CheckpointError(
                     f"checkpoint {self.describe()!r} was committed by another save while this one was writing; "
                     "this save was discarded and the committed checkpoint left as it is") from None
-            raise _s3_error("committing", where, exc) from exc
+            raise s3_error("committing", where, exc) from exc
         self._delete_prefix(staging.key(METADATA_FILE), exact=True)
         if old_save is not None and old_save != staging.prefix.rsplit("/", 1)[-1]:
             self._delete_prefix(self.staging(old_save).prefix + "/")
@@ -438,7 +193,7 @@ class S3Store(BlobStore):
             uploads = self.client.list_multipart_uploads(Bucket=self.bucket, Prefix=prefix).get("Uploads", [])
             for up in uploads:
                 self.client.abort_multipart_upload(Bucket=self.bucket, Key=up["Key"], UploadId=up["UploadId"])
-        except _s3_failures():
+        except s3_failures():
             pass
         self._delete_prefix(prefix)
 
@@ -450,8 +205,8 @@ class S3Store(BlobStore):
                 faults.point("unlink", f"{SCHEME}{self.bucket}/{key}")
             try:
                 self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True})
-            except _s3_failures() as exc:
-                raise _s3_error("deleting", f"{SCHEME}{self.bucket}/{prefix}", exc) from exc
+            except s3_failures() as exc:
+                raise s3_error("deleting", f"{SCHEME}{self.bucket}/{prefix}", exc) from exc
 
     def incomplete_saves(self) -> list[str]:
         return [f"{SCHEME}{self.bucket}/{self.prefix}/{SAVES}/{save_id}/" for save_id in self._uncommitted_save_ids()]
@@ -497,8 +252,7 @@ class _AtUrl:
 
     url: Optional[str]
 
-    def _init_s3(self, url, endpoint_url, region_name, client, part_size=_DEFAULT_PART,
-                 upload_concurrency=_DEFAULT_CONCURRENCY) -> None:
+    def _init_s3(self, url, endpoint_url, region_name, client, part_size=None, upload_concurrency=None) -> None:
         self.url = None if url is None else os.fspath(url)
         if self.url is not None:
             parse_s3_url(self.url)
@@ -540,16 +294,18 @@ class S3Writer(_AtUrl, BlobStorageWriter):
         endpoint_url, region_name: override the AWS configuration (e.g. a MinIO or Ceph endpoint).
         client: a ready boto3 S3 client to use instead.
         thread_count: objects uploaded in parallel per rank (default: the DISTCKPT_IO_THREADS knob).
-        part_size: multipart-upload part size in bytes (default 16 MiB; at least 5 MiB).
-        upload_concurrency: parts of one object uploading at once (default 4); memory per
-            object in flight is about ``part_size * (upload_concurrency + 1)``.
+        part_size: multipart-upload part size in bytes (default: the DISTCKPT_S3_PART_BYTES
+            knob, 16 MiB; at least 5 MiB).
+        upload_concurrency: parts of one object uploading at once (default: the
+            DISTCKPT_S3_UPLOAD_CONCURRENCY knob, 4); memory per object in flight is about
+            ``part_size * (upload_concurrency + 1)``.
         overwrite: replace a committed checkpoint at ``url``; the old one stays intact
             until the new metadata replaces it, then its objects are deleted.
     """
 
     def __init__(self, url: Union[str, os.PathLike, None] = None, *, endpoint_url: Optional[str] = None,
                  region_name: Optional[str] = None, client: Any = None, thread_count: Optional[int] = None,
-                 part_size: int = _DEFAULT_PART, upload_concurrency: int = _DEFAULT_CONCURRENCY,
+                 part_size: Optional[int] = None, upload_concurrency: Optional[int] = None,
                  overwrite: bool = False):
         super().__init__(sync_files=True, thread_count=thread_count, overwrite=overwrite)
         self._init_s3(url, endpoint_url, region_name, client, part_size, upload_concurrency)

@@ -1,0 +1,261 @@
+"""The objects of an S3-compatible store: clients, streaming multipart uploads, ranged reads.
+
+What :mod:`distckpt.backends.s3` builds its blob store from. Every call that
+fails becomes a typed distckpt error naming the object (``_s3_error``).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import Any, Optional
+
+from .. import faults, knobs
+from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StorageIOError
+from .blobs import BlobReader, BlobWriter
+
+_MIN_PART = 5 << 20  # S3's smallest part, except the last
+_MAX_PARTS = 10_000
+_POOL_THREADS = 32
+NOT_FOUND = {"404", "NoSuchKey", "NotFound"}
+LOST_RACE = {"412", "PreconditionFailed", "409", "ConditionalRequestConflict"}
+
+
+# ---- clients: one per process, endpoint and region (boto3 clients are thread-safe, not fork-safe)
+
+_CLIENTS: dict[tuple, Any] = {}
+_CLIENTS_LOCK = threading.Lock()
+
+
+def client_for(endpoint_url: Optional[str], region_name: Optional[str]):
+    key = (os.getpid(), endpoint_url, region_name)
+    with _CLIENTS_LOCK:
+        client = _CLIENTS.get(key)
+        if client is None:
+            try:
+                import boto3
+                from botocore.config import Config
+            except ImportError:
+                raise CheckpointError("s3:// checkpoints need boto3: pip install 'distckpt[s3]'") from None
+            config = Config(max_pool_connections=64, retries={"mode": "standard", "max_attempts": 5})
+            client = _CLIENTS[key] = boto3.session.Session().client(
+                "s3", endpoint_url=endpoint_url, region_name=region_name, config=config)
+        return client
+
+
+def error_code(exc: BaseException) -> str:
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):
+        return str(response.get("Error", {}).get("Code", ""))
+    return ""
+
+
+def s3_error(action: str, where: str, exc: BaseException) -> CheckpointError:
+    """A typed error for a failed S3 call, naming the object and, where one is known, the fix."""
+    code = error_code(exc)
+    if code in NOT_FOUND:
+        return CheckpointNotFoundError(f"{where} does not exist; the checkpoint is incomplete or damaged")
+    if code == "NoSuchBucket":
+        return StorageIOError(f"{action} {where} failed: the bucket does not exist; create it or fix the checkpoint id")
+    if code in ("AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
+        return StorageIOError(f"{action} {where} failed: access denied ({code}); check the credentials and the bucket policy")
+    if isinstance(exc, OSError) and not code:
+        return StorageIOError(f"{action} {where} failed: {exc.strerror or exc}", exc.errno)
+    name = type(exc).__name__
+    return StorageIOError(f"{action} {where} failed: {code or name}: {exc}; check the endpoint "
+                          "(AWS_ENDPOINT_URL_S3), the network and the credentials")
+
+
+def s3_failures() -> tuple[type[BaseException], ...]:
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    return (ClientError, BotoCoreError, OSError)
+
+
+_POOLS: dict[int, ThreadPoolExecutor] = {}
+
+
+def _pool() -> ThreadPoolExecutor:
+    """This process's threads for part uploads and range reads (shared by every object in flight)."""
+    with _CLIENTS_LOCK:
+        pool = _POOLS.get(os.getpid())
+        if pool is None:
+            pool = _POOLS[os.getpid()] = ThreadPoolExecutor(_POOL_THREADS, thread_name_prefix="distckpt-s3")
+        return pool
+
+
+class ObjectWriter(BlobWriter):
+    """Streams one object in order as a multipart upload; small objects go up in one PUT.
+
+    Full parts upload in the background, up to ``concurrency`` at once per
+    object (each a buffer of ``part_size`` bytes), while the next part fills.
+    Writes must arrive in ascending offsets (a gap is zero-filled), which is
+    how distckpt writes data files: header first, then items in file order.
+    """
+
+    def __init__(self, store: Any, name: str, part_size: int, concurrency: int):
+        self.store = store
+        self.key = store.key(name)
+        self.where = store.describe(name)
+        self.part_size = max(_MIN_PART, part_size)
+        self.concurrency = max(1, concurrency)
+        self.buf = bytearray()
+        self.pos = 0
+        self.flushed = 0
+        self.parts: list[Future] = []
+        self.upload_id: Optional[str] = None
+        self.lock = threading.Lock()
+        self.closed = False
+
+    def pwrite(self, data: memoryview, offset: int) -> None:
+        self.pwritev([data], offset)
+
+    def pwritev(self, buffers: list, offset: int) -> None:
+        with self.lock:
+            try:
+                faults.point("write", self.where)
+                if offset < self.pos:
+                    raise CheckpointError(f"{self.where}: object stores take bytes in order; a write at byte {offset} "
+                                          f"came after {self.pos} bytes were written")
+                if offset > self.pos:
+                    self._append(memoryview(bytes(offset - self.pos)))
+                for b in buffers:
+                    self._append(memoryview(b).cast("B"))
+            except CheckpointError:
+                raise
+            except s3_failures() as exc:
+                raise s3_error("writing", self.where, exc) from exc
+
+    def _append(self, view: memoryview) -> None:
+        while len(view):
+            room = self._current_part_size() - len(self.buf)
+            self.buf += view[:room]
+            view = view[room:]
+            if len(self.buf) >= self._current_part_size():
+                self._send_part()
+        self.pos = self.flushed + len(self.buf)
+
+    def _current_part_size(self) -> int:
+        # parts grow so that an object of any size fits in S3's 10,000 parts
+        return self.part_size * (1 + len(self.parts) // (_MAX_PARTS // 10))
+
+    def _send_part(self) -> None:
+        """Hand the buffer to an upload thread; wait while ``concurrency`` parts are already in flight."""
+        client = self.store.client
+        if self.upload_id is None:
+            self.upload_id = client.create_multipart_upload(Bucket=self.store.bucket, Key=self.key)["UploadId"]
+        in_flight = [f for f in self.parts if not f.done()]
+        if len(in_flight) >= self.concurrency:
+            in_flight[0].result()
+        for f in self.parts:
+            if f.done():
+                f.result()  # an upload that failed stops the object here
+        number, body = len(self.parts) + 1, self.buf
+        self.parts.append(_pool().submit(self._upload, client, number, body))
+        self.flushed += len(body)
+        self.buf = bytearray()
+
+    def _upload(self, client, number: int, body: bytearray) -> dict:
+        reply = client.upload_part(Bucket=self.store.bucket, Key=self.key, UploadId=self.upload_id,
+                                   PartNumber=number, Body=body)
+        return {"PartNumber": number, "ETag": reply["ETag"]}
+
+    def close(self, sync: bool) -> None:
+        """Upload what is buffered and complete the object (S3 makes it durable before answering)."""
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+            client = self.store.client
+            try:
+                faults.point("fsync", self.where)
+                if self.upload_id is None:
+                    client.put_object(Bucket=self.store.bucket, Key=self.key, Body=self.buf)
+                else:
+                    if self.buf:
+                        self._send_part()
+                    parts = [f.result() for f in self.parts]
+                    client.complete_multipart_upload(Bucket=self.store.bucket, Key=self.key, UploadId=self.upload_id,
+                                                     MultipartUpload={"Parts": parts})
+            except s3_failures() as exc:
+                self._abort_upload()
+                raise s3_error("uploading", self.where, exc) from exc
+            finally:
+                self.buf = bytearray()
+
+    def abort(self) -> None:
+        with self.lock:
+            self.closed = True
+            self.buf = bytearray()
+            self._abort_upload()
+
+    def _abort_upload(self) -> None:
+        for f in self.parts:
+            f.cancel()
+        wait(self.parts)
+        if self.upload_id is not None:
+            try:
+                self.store.client.abort_multipart_upload(Bucket=self.store.bucket, Key=self.key, UploadId=self.upload_id)
+            except s3_failures():
+                pass  # the staging prefix is discarded, and a bucket lifecycle rule clears stale uploads
+            self.upload_id = None
+
+
+class ObjectReader(BlobReader):
+    """Ranged GETs of one object, each conditional on the ETag it had when opened.
+
+    A large read into one buffer is split into pieces fetched in parallel.
+    """
+
+    def __init__(self, store: Any, name: str):
+        self.store = store
+        self.key = store.key(name)
+        self.where = store.describe(name)
+        try:
+            head = store.client.head_object(Bucket=store.bucket, Key=self.key)
+        except s3_failures() as exc:
+            raise s3_error("opening", self.where, exc) from exc
+        self.size = int(head["ContentLength"])
+        self.etag = head.get("ETag")
+
+    def readinto(self, buf: memoryview, offset: int) -> int:
+        view = memoryview(buf).cast("B")[: max(0, self.size - offset)]
+        piece = knobs.s3_read_piece_bytes()
+        if len(view) < 2 * piece:
+            return self.readv([view], offset)
+        starts = range(0, len(view), piece)
+        futures = [_pool().submit(self.readv, [view[s: s + piece]], offset + s) for s in starts]
+        return sum(f.result() for f in futures)
+
+    def readv(self, views: list, offset: int) -> int:
+        views = [memoryview(v).cast("B") for v in views]
+        want = min(sum(len(v) for v in views), max(0, self.size - offset))
+        if want == 0:
+            return 0
+        extra = {"IfMatch": self.etag} if self.etag else {}
+        try:
+            reply = self.store.client.get_object(Bucket=self.store.bucket, Key=self.key,
+                                                 Range=f"bytes={offset}-{offset + want - 1}", **extra)
+            body = reply["Body"]
+            total = 0
+            try:
+                for v in views:
+                    v = v[: want - total]
+                    got = 0
+                    while got < len(v):
+                        n = body.readinto(v[got:])
+                        if not n:
+                            break
+                        got += n
+                    total += got
+                    if got < len(v) or total >= want:
+                        break
+            finally:
+                body.close()
+        except s3_failures() as exc:
+            if error_code(exc) in LOST_RACE:
+                raise CorruptCheckpointError(f"{self.where} changed while it was being read (its ETag no longer "
+                                             "matches); another save replaced this checkpoint. Load again.") from exc
+            raise s3_error("reading", self.where, exc) from exc
+        return total
