@@ -10,7 +10,8 @@ half sharded (one chunk per rank). Timed, for distckpt and for
 torch.distributed.checkpoint on the same plans, is the whole coordinator path:
 decoding the gathered local plans, global planning (dedup, balancing,
 metadata), encoding the plans scattered back, decoding the write results and
-building and encoding the metadata.
+building and encoding the metadata. The last columns time what every rank
+does with that metadata on load: decode it (DCP: unpickle it).
 
 python bench/planning_scale.py [--ranks 512 4096] [--items 500] [--no-dcp]
 """
@@ -29,6 +30,9 @@ def _tensor_item_args(r, i, world, replicated):
     if replicated:
         return f"rep{i}", (0, 0), (64, 64), (64, 64)
     return f"shard{i}", (r * 16, 0), (16, 64), (world * 16, 64)
+
+
+LAST_DOCUMENTS: dict[str, bytes] = {}  # the metadata each path built last (for load-side measurements)
 
 
 def distckpt_path(world: int, items: int) -> dict:
@@ -81,8 +85,14 @@ def distckpt_path(world: int, items: int) -> dict:
     doc = metadata_document(plan, results, writer.save_id, "/nonexistent/bench")
     t_md = time.perf_counter() - t1
     gc.enable()
+    LAST_DOCUMENTS["distckpt"] = doc
+    from distckpt.format.codec import parse_metadata
+
+    t2 = time.perf_counter()
+    parse_metadata(doc, "bench")  # what every rank does on load
+    t_decode = time.perf_counter() - t2
     return {"plan_s": t_plan, "metadata_s": t_md, "total_s": t_plan + t_md, "gathered_bytes": sum(map(len, local_bytes)),
-            "scattered_bytes": sum(map(len, replies)), "metadata_bytes": len(doc)}
+            "scattered_bytes": sum(map(len, replies)), "metadata_bytes": len(doc), "load_decode_s": t_decode}
 
 
 def dcp_path(world: int, items: int) -> dict:
@@ -127,8 +137,12 @@ def dcp_path(world: int, items: int) -> dict:
     pickle.dump(md, buf)
     t_md = time.perf_counter() - t1
     gc.enable()
+    LAST_DOCUMENTS["dcp"] = buf.getvalue()
+    t2 = time.perf_counter()
+    pickle.loads(buf.getvalue())  # what every rank does on load (DCP's reader unpickles .metadata)
+    t_decode = time.perf_counter() - t2
     return {"plan_s": t_plan, "metadata_s": t_md, "total_s": t_plan + t_md, "gathered_bytes": sum(map(len, local_bytes)),
-            "scattered_bytes": sum(map(len, replies)), "metadata_bytes": len(buf.getvalue())}
+            "scattered_bytes": sum(map(len, replies)), "metadata_bytes": len(buf.getvalue()), "load_decode_s": t_decode}
 
 
 def main(argv=None) -> list[dict]:
@@ -138,7 +152,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--no-dcp", action="store_true")
     a = p.parse_args(argv)
     rows = []
-    print(f"{'ranks':>6} {'peer':>9} {'plan s':>8} {'meta s':>8} {'total s':>8} {'gathered MB':>12} {'metadata MB':>12} {'DCP/distckpt':>13}")
+    print(f"{'ranks':>6} {'peer':>9} {'plan s':>8} {'meta s':>8} {'total s':>8} {'gathered MB':>12} {'metadata MB':>12} {'DCP/distckpt':>13}"
+          f" {'load decode s':>14} {'DCP/distckpt':>13}")
     for world in a.ranks:
         ours = distckpt_path(world, a.items)
         theirs = None if a.no_dcp else dcp_path(world, a.items)
@@ -146,8 +161,10 @@ def main(argv=None) -> list[dict]:
             if r is None:
                 continue
             ratio = "" if name == "distckpt" else f"{r['total_s'] / ours['total_s']:.1f}x"
+            decode_ratio = "" if name == "distckpt" else f"{r['load_decode_s'] / ours['load_decode_s']:.1f}x"
             print(f"{world:>6} {name:>9} {r['plan_s']:8.2f} {r['metadata_s']:8.2f} {r['total_s']:8.2f} "
-                  f"{r['gathered_bytes'] / 1e6:12.1f} {r['metadata_bytes'] / 1e6:12.1f} {ratio:>13}", flush=True)
+                  f"{r['gathered_bytes'] / 1e6:12.1f} {r['metadata_bytes'] / 1e6:12.1f} {ratio:>13}"
+                  f" {r['load_decode_s']:14.2f} {decode_ratio:>13}", flush=True)
             rows.append({"ranks": world, "peer": name, **r})
     return rows
 
