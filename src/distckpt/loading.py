@@ -61,10 +61,9 @@ def run_load(state_dict: STATE_DICT_TYPE, reader: StorageReader, planner: LoadPl
 
     if coord.use_dist and _global_step_is_identity(planner, reader):
         # the default planner and distckpt's reader leave every plan as it is: each rank keeps its own,
-        # and planning moves no plan bytes at all (only failures are shared)
-        plans: list[LoadPlan] = []
-        coord.all_gather("load planning", lambda: plans.append(local_step()))
-        central_plan = plans[0]
+        # and planning moves no plan bytes; ranks only list the chunks they read partly, so that one
+        # reader of each verifies it whole and the others read just what they need
+        central_plan = _plan_with_shared_verification(local_step, reader, coord)
     else:
         enc = lambda p: dumps(encode_load_plan(p))
         dec = lambda b: decode_load_plan(loads(b, "load plan"))
@@ -75,6 +74,22 @@ def run_load(state_dict: STATE_DICT_TYPE, reader: StorageReader, planner: LoadPl
         reader.read_data(final_plan, planner).wait()
 
     coord.all_gather("load read", read_step)
+
+
+def _plan_with_shared_verification(local_step, reader: StorageReader, coord: Coordinator) -> LoadPlan:
+    from .backends import shared_verification as sv
+
+    mine: dict = {}
+
+    def local() -> bytes:
+        plan = mine["plan"] = local_step()
+        chunks = mine["chunks"] = sv.partial_chunks(reader.metadata, plan) if reader.verify_checksums else []
+        return sv.encode_chunks(reader.metadata, chunks)
+
+    mask = coord.reduce_scatter("load planning", local, lambda tables: sv.assign_verifiers([sv.decode_chunks(t) for t in tables]),
+                                lambda b: b, lambda b: b, lambda b: b, lambda b: b)
+    reader.verified_elsewhere = sv.verified_elsewhere(mine["chunks"], mask)
+    return mine["plan"]
 
 
 def _global_step_is_identity(planner: LoadPlanner, reader: StorageReader) -> bool:

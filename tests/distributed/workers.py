@@ -244,3 +244,32 @@ def load_with_and_without_plan_transport(rank, world_size, path):
         assert not states.check(sd), name
         moved[name] = dd.phase_bytes.get("load planning", 0)
     return moved
+
+
+def _rows_dtensor(world_size, fill):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    full = torch.arange(12 * 1024, dtype=torch.float32).reshape(12, 1024) if fill else torch.zeros(12, 1024)
+    return {"w": distribute_tensor(full, mesh, [Shard(0)])}
+
+
+def save_rows(rank, world_size, path):
+    distckpt.save(_rows_dtensor(world_size, True), checkpoint_id=path)
+    return True
+
+
+def load_rows_sharing_verification(rank, world_size, path):
+    """Load at another world size; report which partly read chunks this rank verified and whether the data is right."""
+    sd = _rows_dtensor(world_size, False)
+    reader = distckpt.FileSystemReader(path)
+    try:
+        distckpt.load(sd, storage_reader=reader)
+    except distckpt.CheckpointError as exc:
+        return {"error": type(exc).__name__, "text": str(exc)}
+    want = torch.arange(12 * 1024, dtype=torch.float32).reshape(12, 1024)
+    local = sd["w"].to_local()
+    start = sd["w"].device_mesh.get_coordinate()[0] * (12 // world_size)
+    return {"ok": torch.equal(local, want[start:start + local.shape[0]]),
+            "elsewhere": sorted(tuple(i.offset) for i in reader.verified_elsewhere)}

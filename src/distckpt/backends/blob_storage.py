@@ -310,6 +310,8 @@ class BlobStorageReader(StorageReader):
         self.metadata = metadata
         self.is_coordinator = is_coordinator
         self.store = self._store().data_store(metadata.storage_data.save_id)
+        # chunks this rank reads only partly and another rank verifies whole (set by the load sequence)
+        self.verified_elsewhere: set = set()
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -321,5 +323,6 @@ class BlobStorageReader(StorageReader):
         from .reading import read_items
 
         read_items(self.store, self.metadata, plan, planner, self._checkpoint_id(),
-                   verify=self.verify_checksums, threads=self.thread_count or knobs.io_threads())
+                   verify=self.verify_checksums, threads=self.thread_count or knobs.io_threads(),
+                   verified_elsewhere=getattr(self, "verified_elsewhere", set()))
         return _done(None)

@@ -65,14 +65,16 @@ def _check_header(blob: BlobReader, info, save_id: str, here: str) -> None:
 
 
 def read_items(store: BlobStore, md: Metadata, plan: LoadPlan, planner: LoadPlanner, checkpoint_id: str,
-               *, verify: bool, threads: int) -> None:
+               *, verify: bool, threads: int, verified_elsewhere: set = frozenset()) -> None:
     """Read every item of ``plan``.
 
     Stored chunks that one read item needs whole, into a contiguous CPU
     destination of the same dtype, are read straight into the destination;
     adjacent ones are batched into one vectored read. Any other chunk is read
     once into a buffer (within the memory budget) and copied to every
-    destination that needs part of it.
+    destination that needs part of it: whole, to verify its checksum, unless
+    it is in ``verified_elsewhere`` (another rank of this load verifies it;
+    see shared_verification.py), in which case only the rows needed are read.
     """
     fsd: FileStorageData = md.storage_data
     where = f"checkpoint {checkpoint_id!r}"
@@ -131,9 +133,10 @@ def read_items(store: BlobStore, md: Metadata, plan: LoadPlan, planner: LoadPlan
         items = by_chunk[index]
         info = infos[index]
         blob = blobs[info.file]
+        check = verify and index not in verified_elsewhere
         if items[0].type == LoadItemType.BYTE_IO:
             data = _read_exact(blob, info.length, info.offset, here(index), info.file)
-            _check(verify, crc32c(data), info, here(index))
+            _check(check, crc32c(data), info, here(index))
             with lock:
                 planner.load_bytes(items[0], io.BytesIO(data))
             return
@@ -160,10 +163,14 @@ def read_items(store: BlobStore, md: Metadata, plan: LoadPlan, planner: LoadPlan
         with budget.hold(slab_rows * row_bytes):  # a buffer, or a mapped window of that size
             buf = None if mapped else slab_buffer(slab_rows * row_bytes)
             crc = 0
-            for a in range(0, rows, slab_rows):
-                b = min(rows, a + slab_rows)
+            first, end = 0, rows
+            if not check and shape:  # only the rows some item needs
+                first = min(item.storage_offsets[0] for item in items)
+                end = max(item.storage_offsets[0] + item.lengths[0] for item in items)
+            for a in range(first, end, slab_rows):
+                b = min(end, a + slab_rows)
                 wanted = [(item, dest) for item, dest in zip(items, dests) if _rows_meet(item, a, b, shape)]
-                if not wanted and not verify:
+                if not wanted and not check:
                     continue
                 n = (b - a) * row_bytes
                 if mapped:  # straight from the page cache: no copy into a buffer first
@@ -175,7 +182,8 @@ def read_items(store: BlobStore, md: Metadata, plan: LoadPlan, planner: LoadPlan
                     raw = memoryview(buf.numpy()).cast("B")[:n] if n else memoryview(bytearray(0))
                     _read_into(blob, raw, info.offset + a * row_bytes, here(index), info.file)
                 try:
-                    crc = crc32c(raw, crc)
+                    if check:
+                        crc = crc32c(raw, crc)
                     slab = data.view(dtype).reshape(((b - a),) + tuple(shape[1:])) if shape else data.view(dtype).reshape(())
                     for item, dest in wanted:
                         _copy_rows(item, dest, slab, a, b, shape)
@@ -183,7 +191,7 @@ def read_items(store: BlobStore, md: Metadata, plan: LoadPlan, planner: LoadPlan
                     if window is not None:
                         slab = data = raw = None
                         window.close()
-            _check(verify, crc, info, here(index))
+            _check(check, crc, info, here(index))
         with lock:
             for item, dest in zip(items, dests):
                 planner.commit_tensor(item, dest)

@@ -1,0 +1,104 @@
+"""Sharing checksum work between the ranks that read parts of one stored chunk.
+
+A chunk's CRC-32C covers the whole chunk, so a rank that needs only part of
+it (a load at another world size or sharding) would have to read all of it
+to verify it. Instead, during load planning every rank names the chunks it
+reads only partly; the coordinator picks one of each chunk's readers to read
+it whole and verify it (balancing the bytes each rank verifies), and the
+others read just the rows they need. A failed verification fails the load on
+every rank, because read failures are shared before load() returns.
+
+Chunks travel as ``(file number, byte offset, length)``: the file number is
+the file's position in the metadata's file table, the same on every rank.
+"""
+
+from __future__ import annotations
+
+import heapq
+import struct
+
+import numpy as np
+
+from ..errors import CorruptCheckpointError
+from ..format.records import FileStorageData
+from ..metadata import Metadata, MetadataIndex
+from ..planner import LoadItemType, LoadPlan
+
+__all__ = ["partial_chunks", "encode_chunks", "decode_chunks", "assign_verifiers", "verified_elsewhere"]
+
+_HEAD = struct.Struct("<Q")
+
+
+def partial_chunks(md: Metadata, plan: LoadPlan) -> list[MetadataIndex]:
+    """The stored tensor chunks that ``plan`` reads, but no single item of it reads whole."""
+    whole: dict[MetadataIndex, bool] = {}
+    for item in plan.items:
+        if item.type != LoadItemType.TENSOR:
+            continue
+        index = item.storage_index
+        covers = whole.get(index) is None and all(o == 0 for o in item.storage_offsets)
+        whole[index] = covers and tuple(item.lengths) == _chunk_sizes(md, index)
+    return [index for index, is_whole in whole.items() if not is_whole]
+
+
+def _chunk_sizes(md: Metadata, index: MetadataIndex) -> tuple:
+    entry = md.state_dict_metadata.get(index.fqn)
+    for c in getattr(entry, "chunks", ()):
+        if tuple(c.offsets) == tuple(index.offset or ()):
+            return tuple(c.sizes)
+    return ()
+
+
+def encode_chunks(md: Metadata, chunks: list[MetadataIndex]) -> bytes:
+    """``chunks`` as three little-endian int64 columns: file number, offset, length."""
+    fsd: FileStorageData = md.storage_data
+    file_no = {name: i for i, name in enumerate(fsd.files)}
+    table = np.empty((3, len(chunks)), dtype="<i8")
+    for j, index in enumerate(chunks):
+        info = fsd.items[index]
+        table[:, j] = (file_no[info.file], info.offset, info.length)
+    return _HEAD.pack(len(chunks)) + table.tobytes()
+
+
+def decode_chunks(raw: bytes) -> np.ndarray:
+    """The (3, n) table :func:`encode_chunks` wrote."""
+    if len(raw) < _HEAD.size:
+        raise CorruptCheckpointError("chunk list from a rank is truncated")
+    (n,) = _HEAD.unpack_from(raw)
+    if len(raw) != _HEAD.size + 24 * n:
+        raise CorruptCheckpointError("chunk list from a rank has the wrong length")
+    return np.frombuffer(raw, dtype="<i8", offset=_HEAD.size).reshape(3, n)
+
+
+def assign_verifiers(tables: list[np.ndarray]) -> list[bytes]:
+    """For each rank, one byte per chunk it listed: 1 where it is the rank that verifies that chunk.
+
+    Every chunk listed by any rank gets exactly one verifier among the ranks
+    that listed it; larger chunks are placed first, each on the reader that
+    has the fewest bytes to verify so far.
+    """
+    readers: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    length: dict[tuple[int, int], int] = {}
+    for rank, table in enumerate(tables):
+        for j in range(table.shape[1]):
+            key = (int(table[0, j]), int(table[1, j]))
+            readers.setdefault(key, []).append((rank, j))
+            length[key] = int(table[2, j])
+    masks = [np.zeros(t.shape[1], dtype=np.uint8) for t in tables]
+    load = [0] * len(tables)
+    for key in sorted(readers, key=lambda k: (-length[k], k)):
+        candidates = readers[key]
+        if len(candidates) == 1:
+            rank, j = candidates[0]
+        else:
+            _, rank, j = heapq.nsmallest(1, ((load[r], r, jj) for r, jj in candidates))[0]
+        masks[rank][j] = 1
+        load[rank] += length[key]
+    return [m.tobytes() for m in masks]
+
+
+def verified_elsewhere(chunks: list[MetadataIndex], mask: bytes) -> set[MetadataIndex]:
+    """The chunks of ``chunks`` that another rank verifies (mask byte 0)."""
+    if len(mask) != len(chunks):
+        raise CorruptCheckpointError("verifier assignment does not match this rank's chunk list")
+    return {index for index, mine in zip(chunks, mask) if not mine}
