@@ -277,3 +277,14 @@ def test_parts_upload_in_parallel_and_large_reads_come_back_in_pieces(bucket):
     assert back == raw.tobytes()
     tail = bytearray(100)
     assert blob.readinto(memoryview(tail), len(raw) - 50) == 50 and tail[:50] == raw[-50:].tobytes()
+
+
+def test_async_save_to_s3_writes_the_staged_state(bucket):
+    cid = f"s3://{bucket}/async/ckpt"
+    sd = _state()
+    staged = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in sd.items()}
+    handle = distckpt.async_save(sd, checkpoint_id=cid)
+    sd["big"].fill_(-1.0)  # training goes on while the upload runs
+    handle.result(timeout=120)
+    out = _load(cid)
+    assert torch.equal(out["big"], staged["big"]) and torch.equal(out["small"], staged["small"])
