@@ -20,6 +20,10 @@ __all__ = [
     "max_header_bytes",
     "collective_timeout_s",
     "allow_pickle_transport",
+    "progress_mode",
+    "s3_part_bytes",
+    "s3_upload_concurrency",
+    "s3_read_piece_bytes",
 ]
 
 
@@ -115,3 +119,14 @@ def allow_pickle_transport() -> bool:
     """Let planner/storage data that is not plain data travel between ranks pickled
     (DISTCKPT_ALLOW_PICKLE_TRANSPORT, default off). Only ranks of the same job see it."""
     return _bool("DISTCKPT_ALLOW_PICKLE_TRANSPORT", False)
+
+
+def progress_mode() -> str:
+    """How save and load report progress (DISTCKPT_PROGRESS): ``off`` (default), ``log`` (each
+    rank logs bytes done and rate to the ``distckpt`` logger at INFO, every few seconds and
+    at the end) or ``bar`` (a progress bar on standard error, on the coordinator rank)."""
+    mode = os.environ.get("DISTCKPT_PROGRESS", "off").strip().lower() or "off"
+    if mode not in ("off", "log", "bar"):
+        raise CheckpointError(f"DISTCKPT_PROGRESS={mode!r} is not one of off, log, bar")
+    return mode
+

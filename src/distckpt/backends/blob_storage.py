@@ -28,6 +28,7 @@ from ..format.records import FileInfo, FileStorageData, StorageInfo
 from ..metadata import Metadata, MetadataIndex, StorageMeta
 from ..planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner, WriteItemType
 from ..planning.resharding import volume
+from ..progress import Progress
 from ..storage import StorageReader, StorageWriter, WriteResult
 from .blobs import BlobStore
 from .budget import ByteBudget
@@ -94,7 +95,8 @@ class BlobStorageWriter(StorageWriter):
         staging = self.store.staging(self.save_id)
         staging.prepare()
         results = write_file(staging, sd["file"], sd["save_id"], sd["rank"], plan, planner,
-                             threads=self.thread_count or knobs.io_threads(), sync=self._sync())
+                             threads=self.thread_count or knobs.io_threads(), sync=self._sync(),
+                             is_coordinator=self.is_coordinator)
         return _done(results)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -132,7 +134,7 @@ _MIN_FILE_BYTES = 64 << 20
 
 
 def write_file(store: BlobStore, name: str, save_id: str, rank: int, plan: SavePlan, planner: SavePlanner,
-               *, threads: int, sync: bool) -> list[WriteResult]:
+               *, threads: int, sync: bool, is_coordinator: bool = True) -> list[WriteResult]:
     """Write one rank's items into data files; return a WriteResult per item, plus one per file.
 
     Items keep plan order and are split into up to ``threads`` contiguous runs
@@ -211,6 +213,7 @@ def write_file(store: BlobStore, name: str, save_id: str, rank: int, plan: SaveP
                         crcs[i] = crc32c(data)
                         views.append(data)
                     blob.pwritev(views, offsets[members[batch[0]]])
+                    progress.advance(sum(len(v) for v in views))
                 finally:
                     if held:
                         budget.release(held)
@@ -220,6 +223,7 @@ def write_file(store: BlobStore, name: str, save_id: str, rank: int, plan: SaveP
         blob.close(sync)
         return file_name, len(lead) + sum(entries[i].nbytes for i in members), crc32c(lead)
 
+    progress = Progress("save", sum(e.nbytes for e in entries), is_coordinator)
     groups = _split([e.nbytes for e in entries], max(1, min(threads, sum(e.nbytes for e in entries) // _MIN_FILE_BYTES)))
     stem = name[: -len(".safetensors")] if name.endswith(".safetensors") else name
     names = [name] + [f"{stem}-{g}.safetensors" for g in range(1, len(groups))]
@@ -229,6 +233,7 @@ def write_file(store: BlobStore, name: str, save_id: str, rank: int, plan: SaveP
         with ThreadPoolExecutor(len(groups), thread_name_prefix="distckpt-write") as pool:
             futures = [pool.submit(write_one_file, n, g) for n, g in zip(names, groups)]
             files.extend(f.result() for f in futures)
+    progress.close()
     results = [WriteResult(item.index, e.nbytes, StorageInfo(f, off, e.nbytes, c))
                for item, e, off, c, f in zip(plan.items, entries, offsets, crcs, item_file)]
     for file_name, size, lead_crc in files:
@@ -324,5 +329,5 @@ class BlobStorageReader(StorageReader):
 
         read_items(self.store, self.metadata, plan, planner, self._checkpoint_id(),
                    verify=self.verify_checksums, threads=self.thread_count or knobs.io_threads(),
-                   verified_elsewhere=getattr(self, "verified_elsewhere", set()))
+                   verified_elsewhere=getattr(self, "verified_elsewhere", set()), is_coordinator=self.is_coordinator)
         return _done(None)

@@ -15,6 +15,9 @@ from ..format.records import FileStorageData, StorageInfo
 from ..metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from ..planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from .. import knobs
+from ..format.dtypes import itemsize
+from ..planning.resharding import volume
+from ..progress import Progress
 from .blobs import BlobReader, BlobStore
 from .budget import ByteBudget
 from .tasks import run_tasks
@@ -65,7 +68,7 @@ def _check_header(blob: BlobReader, info, save_id: str, here: str) -> None:
 
 
 def read_items(store: BlobStore, md: Metadata, plan: LoadPlan, planner: LoadPlanner, checkpoint_id: str,
-               *, verify: bool, threads: int, verified_elsewhere: set = frozenset()) -> None:
+               *, verify: bool, threads: int, verified_elsewhere: set = frozenset(), is_coordinator: bool = True) -> None:
     """Read every item of ``plan``.
 
     Stored chunks that one read item needs whole, into a contiguous CPU
@@ -212,14 +215,38 @@ def read_items(store: BlobStore, md: Metadata, plan: LoadPlan, planner: LoadPlan
     if run:
         tasks.append((run_direct, run))
     tasks.extend((run_buffered, index) for index in buffered)
+    if knobs.progress_mode() != "off":
+        sizes = [sum(infos[index].length for index, _ in arg) if fn is run_direct else _item_bytes(md, by_chunk[arg], infos[arg])
+                 for fn, arg in tasks]
+        progress = Progress("load", sum(sizes), is_coordinator)
+        tasks = [(_counted(fn, progress, n), arg) for (fn, arg), n in zip(tasks, sizes)]
+    else:
+        progress = Progress("load", 0, is_coordinator)
     try:
-        run_tasks([(fn, arg, len(arg) if fn is run_direct else len(by_chunk[arg])) for fn, arg in tasks], threads, "distckpt-read")
+        run_tasks([(fn, arg, len(arg) if isinstance(arg, list) else len(by_chunk[arg])) for fn, arg in tasks], threads, "distckpt-read")
+        progress.close()
     finally:
         for b in blobs.values():
             b.close()
 
 
 _SLAB_BYTES = 32 << 20
+
+
+def _counted(fn, progress: Progress, n: int):
+    """``fn``, then ``n`` bytes more done."""
+    def run(arg) -> None:
+        fn(arg)
+        progress.advance(n)
+    return run
+
+
+def _item_bytes(md: Metadata, items: list, info: StorageInfo) -> int:
+    """Bytes the read items of one buffered chunk bring into their destinations."""
+    if items[0].type != LoadItemType.TENSOR:
+        return info.length
+    size = itemsize(md.state_dict_metadata[items[0].storage_index.fqn].properties.dtype)
+    return sum(volume(item.lengths) * size for item in items)
 
 
 def _rows_meet(item: ReadItem, a: int, b: int, shape: tuple) -> bool:

@@ -1,0 +1,73 @@
+"""Progress of the bytes a rank writes or reads, as the DISTCKPT_PROGRESS knob asks.
+
+The I/O engines call :meth:`Progress.advance` from their threads after each
+batch; reporting costs nothing when the knob is off (the default).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from . import knobs
+
+__all__ = ["Progress"]
+
+logger = logging.getLogger("distckpt")
+_LOG_EVERY_S = 5.0
+
+
+def _global_rank() -> int:
+    try:
+        import torch.distributed as dist
+
+        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    except (ImportError, RuntimeError, ValueError):
+        return 0
+
+
+class Progress:
+    """Bytes done out of ``total`` for one phase (``what``: "save" or "load") on this rank.
+
+    With ``bar``, only the coordinator draws one (many ranks sharing a terminal
+    would garble it); with ``log``, every rank logs.
+    """
+
+    def __init__(self, what: str, total: int, is_coordinator: bool = True):
+        mode = knobs.progress_mode()
+        self.rank = _global_rank() if mode != "off" else 0
+        self.what, self.total, self.done = what, total, 0
+        self.mode = mode if (mode != "bar" or is_coordinator) else "off"
+        self.lock = threading.Lock()
+        self.start = self.last_log = time.monotonic()
+        self.bar = None
+        if self.mode == "bar":
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"distckpt {what} (rank {self.rank})", leave=False)
+
+    def advance(self, n: int) -> None:
+        if self.mode == "off":
+            return
+        with self.lock:
+            self.done += n
+            if self.bar is not None:
+                self.bar.update(n)
+            elif time.monotonic() - self.last_log >= _LOG_EVERY_S:
+                self.last_log = time.monotonic()
+                self._log("so far")
+
+    def close(self) -> None:
+        if self.mode == "off":
+            return
+        with self.lock:
+            if self.bar is not None:
+                self.bar.close()
+                self.bar = None
+            self._log("done")
+
+    def _log(self, when: str) -> None:
+        elapsed = max(time.monotonic() - self.start, 1e-9)
+        pct = 100.0 * self.done / self.total if self.total else 100.0
+        logger.info("rank %d: %s %s: %.3f of %.3f GB (%.0f%%) in %.1f s, %.2f GB/s", self.rank, self.what, when,
+                    self.done / 1e9, self.total / 1e9, pct, elapsed, self.done / elapsed / 1e9)

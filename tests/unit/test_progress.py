@@ -1,0 +1,44 @@
+"""Save and load report progress as DISTCKPT_PROGRESS asks: log lines or a bar."""
+
+import logging
+
+import pytest
+import torch
+
+import distckpt
+
+
+def _state():
+    return {"a": torch.randn(1000, 100), "b": torch.arange(10), "step": 3}
+
+
+def test_log_mode_reports_every_byte_of_save_and_load(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("DISTCKPT_PROGRESS", "log")
+    sd = _state()
+    with caplog.at_level(logging.INFO, logger="distckpt"):
+        distckpt.save(sd, checkpoint_id=tmp_path / "ck")
+        out = {"a": torch.zeros(1000, 100), "b": torch.zeros(10, dtype=torch.int64), "step": 0}
+        distckpt.load(out, checkpoint_id=tmp_path / "ck")
+    lines = [r.getMessage() for r in caplog.records if r.name == "distckpt"]
+    tensor_bytes = 1000 * 100 * 4 + 10 * 8
+    save_done = [m for m in lines if m.startswith("rank 0: save done")]
+    load_done = [m for m in lines if m.startswith("rank 0: load done")]
+    assert save_done and load_done, lines
+    assert "(100%)" in save_done[0] and "(100%)" in load_done[0]
+    assert f"{tensor_bytes / 1e9:.3f}" in load_done[0]
+    assert torch.equal(out["a"], sd["a"])
+
+
+def test_bar_mode_draws_a_bar_and_off_is_silent(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("DISTCKPT_PROGRESS", "bar")
+    distckpt.save(_state(), checkpoint_id=tmp_path / "ck")
+    assert "distckpt save (rank 0)" in capsys.readouterr().err
+    monkeypatch.setenv("DISTCKPT_PROGRESS", "off")
+    distckpt.save(_state(), checkpoint_id=tmp_path / "ck2")
+    assert capsys.readouterr().err == ""
+
+
+def test_unknown_mode_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("DISTCKPT_PROGRESS", "loud")
+    with pytest.raises(distckpt.CheckpointError, match="DISTCKPT_PROGRESS='loud'"):
+        distckpt.save(_state(), checkpoint_id=tmp_path / "ck")
