@@ -143,7 +143,7 @@ def main(argv=None) -> dict:
         print(f"  blocking / memcpy: {rows['async|blocking']['wall_s'] / rows['memcpy|copy']['wall_s']:.2f}x;"
               f" total / sync save: {rows['async|total']['wall_s'] / rows['distckpt|save']['wall_s']:.2f}x", flush=True)
         print("\nplanning at scale (coordinator path, simulated):", flush=True)
-        results["planning"] = planning_scale.main(["--ranks", *map(str, a.planning_ranks)])
+        results["planning"] = planning_scale.main(["--ranks", *map(str, a.planning_ranks), "--repeat", str(a.repeat)])
     finally:
         shutil.rmtree(disk, ignore_errors=True)
         shutil.rmtree(tmpfs, ignore_errors=True)
