@@ -228,21 +228,25 @@ def _run_bucket(client, bucket):
     _RUN.update(client=client, bucket=bucket)
 
 
+def stray_objects(root, mgr):
+    """Objects under the run ``root`` that are not part of a committed checkpoint, and open uploads."""
+    client, bucket = _RUN["client"], _RUN["bucket"]
+    prefix = root.split("/", 3)[3]
+    live = {f"step-{s:010d}": distckpt.read_metadata(mgr.path(s)).storage_meta.save_id for s in mgr.all_steps()}
+    stray = []
+    for key in keys(client, bucket, prefix):
+        step, _, rest = key.partition("/")
+        if step not in live or not (rest == "metadata.json" or rest.startswith(f"saves/{live[step]}/")):
+            stray.append(key)
+    return stray + [u["Key"] for u in pending_uploads(client, bucket, prefix)]
+
+
 class S3ManagerMachine(ManagerMachine):
     def new_root(self):
         return f"s3://{_RUN['bucket']}/run-{uuid.uuid4().hex[:10]}"
 
     def leftovers(self):
-        """Objects under the run that are not part of a committed checkpoint, and open uploads."""
-        client, bucket = _RUN["client"], _RUN["bucket"]
-        prefix = self.root.split("/", 3)[3]
-        live = {f"step-{s:010d}": distckpt.read_metadata(self.mgr.path(s)).storage_meta.save_id for s in self.committed}
-        stray = []
-        for key in keys(client, bucket, prefix):
-            step, _, rest = key.partition("/")
-            if step not in live or not (rest == "metadata.json" or rest.startswith(f"saves/{live[step]}/")):
-                stray.append(key)
-        return stray + [u["Key"] for u in pending_uploads(client, bucket, prefix)]
+        return stray_objects(self.root, self.mgr)
 
     def remove_root(self):
         pass
@@ -288,3 +292,43 @@ def test_async_save_to_s3_writes_the_staged_state(bucket):
     handle.result(timeout=120)
     out = _load(cid)
     assert torch.equal(out["big"], staged["big"]) and torch.equal(out["small"], staged["small"])
+
+
+
+# ---- real SIGKILLs at every boundary of a 2-rank save to S3 (the sweep of tests/crash, on S3)
+
+def test_kill_a_rank_at_every_boundary_of_an_s3_save(bucket):
+    from ..crash import test_crash_consistency as crash
+    from ..crash import workers as crash_workers
+    from distckpt.testing import RankFailure
+
+    run = f"s3://{bucket}/kill-{uuid.uuid4().hex[:8]}"
+    points = run_ranks(crash_workers.record_points, 2, f"{run}/record", env=crash.ENV)
+    kinds = {k for rank_points in points for k, _ in rank_points}
+    assert {"write", "fsync", "rename", "collective"} <= kinds, kinds
+    outcomes = []
+    for rank in (0, 1):
+        for index in range(len(points[rank])):
+            root = f"{run}/k{rank}-{index}"
+            results = run_ranks(crash_workers.killed_save, 2, root, rank, index, env=crash.ENV, allow_failures=True,
+                                timeout_s=120)
+            assert isinstance(results[rank], RankFailure) and results[rank].exitcode == -9, results[rank]
+            for r, res in enumerate(results):
+                if r != rank:
+                    assert res["raised"] in (None, "RankFailuresError", "CheckpointError", "StorageIOError"), res
+            mgr = distckpt.CheckpointManager(root, keep_last=2, cleanup=False)
+            out = crash_workers.blank()
+            assert mgr.load(out, step=1) == 1 and distckpt.verify(mgr.path(1)).ok
+            if 2 in mgr.all_steps():
+                out = crash_workers.blank()
+                mgr.load(out, step=2)
+                want = crash_workers.state(2)
+                assert all(torch.equal(out[k], want[k]) for k in want if k != "meta")
+                outcomes.append("committed")
+            else:
+                with pytest.raises(distckpt.CheckpointNotFoundError):
+                    distckpt.verify(mgr.path(2))
+                outcomes.append("invisible")
+            restarted = distckpt.CheckpointManager(root, keep_last=2)  # cleans up after the crash
+            assert stray_objects(root, restarted) == [], (rank, index, points[rank][index])
+    assert "invisible" in outcomes and "committed" in outcomes

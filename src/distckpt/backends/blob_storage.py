@@ -120,10 +120,15 @@ class BlobStorageWriter(StorageWriter):
         staging = self.store.staging(self.save_id)
         staging.put_atomic(METADATA_FILE, document, self._sync())
         self.store.commit(staging, self.overwrite, self._sync())
+        self.committed_save_id = self.save_id
 
     def discard_incomplete(self) -> None:
-        """Remove this save's uncommitted data after a failed save (coordinator, best effort)."""
-        if getattr(self, "save_id", None):
+        """Remove this save's uncommitted data after a failed save (coordinator, best effort).
+
+        A save that failed after its commit (a rank lost in the last collective) keeps its data:
+        on stores without rename, the committed checkpoint's data is where the save wrote it.
+        """
+        if getattr(self, "save_id", None) and getattr(self, "committed_save_id", None) != self.save_id:
             try:
                 self.store.discard(self.store.staging(self.save_id))
             except OSError:

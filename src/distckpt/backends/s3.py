@@ -188,6 +188,8 @@ class S3Store(BlobStore):
 
     def discard(self, staging: BlobStore) -> None:
         assert isinstance(staging, S3Store)
+        if staging.prefix.rsplit("/", 1)[-1] == self._committed_save_id():
+            return  # that save committed: its objects are the checkpoint's data now
         prefix = staging.prefix + "/"
         try:
             uploads = self.client.list_multipart_uploads(Bucket=self.bucket, Prefix=prefix).get("Uploads", [])
