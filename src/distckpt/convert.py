@@ -76,10 +76,7 @@ def from_dcp(src: PathLike, dst: PathLike, *, trust_pickle: bool = False, allow_
     with warnings.catch_warnings():  # DCP warns that it runs in one process, which is the point here
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(state, checkpoint_id=os.fspath(src), no_dist=True)
-    if progress:
-        progress(f"writing distckpt checkpoint {dst}")
-    save(state, checkpoint_id=dst, planner=DefaultSavePlanner(allow_pickle=allow_pickle))
-    return len(state)
+    return _write_distckpt(state, dst, allow_pickle, progress)
 
 
 def to_dcp(src: PathLike, dst: PathLike, *, allow_pickle: bool = False,
@@ -92,11 +89,7 @@ def to_dcp(src: PathLike, dst: PathLike, *, allow_pickle: bool = False,
 
     if os.path.exists(dst) and os.listdir(dst):
         raise CheckpointError(f"{dst} exists and is not empty; convert into a new directory")
-    md = read_metadata(src)
-    state = _placeholders(md.state_dict_metadata, TensorStorageMetadata)
-    if progress:
-        progress(f"reading {len(state)} keys from distckpt checkpoint {src}")
-    load(state, checkpoint_id=src, planner=DefaultLoadPlanner(allow_pickle=allow_pickle))
+    state = _read_whole(src, allow_pickle, progress)
     if progress:
         progress(f"writing DCP checkpoint {dst}")
     with warnings.catch_warnings():
@@ -113,6 +106,14 @@ def _read_whole(src: PathLike, allow_pickle: bool, progress: Optional[Callable[[
         progress(f"reading {len(state)} keys from distckpt checkpoint {src}")
     load(state, checkpoint_id=src, planner=DefaultLoadPlanner(allow_pickle=allow_pickle))
     return state
+
+
+def _write_distckpt(state: dict, dst: PathLike, allow_pickle: bool, progress: Optional[Callable[[str], None]]) -> int:
+    """Save ``state`` as the new distckpt checkpoint ``dst`` (never over a committed one); return its count of keys."""
+    if progress:
+        progress(f"writing distckpt checkpoint {dst} ({len(state)} keys)")
+    save(state, checkpoint_id=dst, planner=DefaultSavePlanner(allow_pickle=allow_pickle))
+    return len(state)
 
 
 def _write_new_file(dst: PathLike, write: Callable[[str], None]) -> None:
@@ -175,10 +176,7 @@ def from_safetensors(src: PathLike, dst: PathLike, *, allow_pickle: bool = False
             if k in state:
                 raise CorruptCheckpointError(f"{where}: key {k!r} is both a tensor and a value")
             state[k] = from_data(v, allow_pickle=allow_pickle, where=f"{where}, key {k!r}")
-    if progress:
-        progress(f"writing distckpt checkpoint {dst} ({len(state)} keys)")
-    save(state, checkpoint_id=dst, planner=DefaultSavePlanner(allow_pickle=allow_pickle))
-    return len(state)
+    return _write_distckpt(state, dst, allow_pickle, progress)
 
 
 def to_torch_save(src: PathLike, dst: PathLike, *, allow_pickle: bool = False,
@@ -208,7 +206,4 @@ def from_torch_save(src: PathLike, dst: PathLike, *, progress: Optional[Callable
                               f"plain data, or is damaged): {str(exc).splitlines()[0]}") from exc
     if not isinstance(state, dict):
         raise CheckpointError(f"{where} holds a {type(state).__name__}, not a dict of keys to tensors and values")
-    if progress:
-        progress(f"writing distckpt checkpoint {dst}")
-    save(state, checkpoint_id=dst)
-    return len(state)
+    return _write_distckpt(state, dst, False, progress)
