@@ -60,9 +60,7 @@ class CheckpointManager:
 
     def path(self, step: int) -> str:
         """The checkpoint id of ``step``."""
-        if step < 0:
-            raise CheckpointError(f"steps are non-negative integers, got {step}")
-        name = f"step-{step:010d}"
+        name = _step_name(step)
         return f"{self.root.rstrip('/')}/{name}" if self._url else os.path.join(self.root, name)
 
     def all_steps(self) -> list[int]:
@@ -133,11 +131,17 @@ class CheckpointManager:
         return removed
 
     def _delete(self, step: int) -> None:
-        self._store.child(f"step-{step:010d}").remove()
+        self._store.child(_step_name(step)).remove()
 
     def remove_stale_temporaries(self) -> list[str]:
         """Remove what crashed saves and deletions left behind under ``root``; return what was removed."""
         return self._store.remove_incomplete_below("step-")
+
+
+def _step_name(step: int) -> str:
+    if step < 0:
+        raise CheckpointError(f"steps are non-negative integers, got {step}")
+    return f"step-{step:010d}"
 
 
 def _root_store(root: str) -> BlobStore:
