@@ -332,3 +332,22 @@ def test_kill_a_rank_at_every_boundary_of_an_s3_save(bucket):
             restarted = distckpt.CheckpointManager(root, keep_last=2)  # cleans up after the crash
             assert stray_objects(root, restarted) == [], (rank, index, points[rank][index])
     assert "invisible" in outcomes and "committed" in outcomes
+
+
+@pytest.mark.parametrize("save_id", ["../../elsewhere", "a/b", "", "x" * 65])
+def test_hostile_save_id_in_metadata_is_refused(client, bucket, save_id):
+    import json
+
+    from distckpt.format.checksum import crc32c
+
+    cid = f"s3://{bucket}/hostile-{uuid.uuid4().hex[:8]}"
+    prefix = cid.split("/", 3)[3]
+    distckpt.save({"w": torch.ones(3)}, checkpoint_id=cid)
+    raw = client.get_object(Bucket=bucket, Key=f"{prefix}/metadata.json")["Body"].read()
+    body = json.loads(raw[: raw.rindex(b',"crc32c":')] + b"}")
+    body["storage_data"]["$files"]["save_id"] = save_id
+    text = json.dumps(body, separators=(",", ":")).encode()[:-1]
+    client.put_object(Bucket=bucket, Key=f"{prefix}/metadata.json",
+                      Body=text + b',"crc32c":"' + f"{crc32c(text):08x}".encode() + b'"}\n')
+    with pytest.raises(CorruptCheckpointError, match="save id"):
+        distckpt.load({"w": torch.zeros(3)}, checkpoint_id=cid)
