@@ -8,7 +8,8 @@ import uuid
 from contextlib import contextmanager
 from typing import Iterator
 
-ENV = ("AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION", "AWS_DEFAULT_REGION")
+ENV = ("AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION", "AWS_DEFAULT_REGION",
+       "NO_PROXY", "no_proxy")
 
 
 @contextmanager
@@ -28,6 +29,8 @@ def s3_server() -> Iterator[str]:
     os.environ.update({"AWS_ENDPOINT_URL_S3": endpoint, "AWS_ACCESS_KEY_ID": "distckpt-test",
                        "AWS_SECRET_ACCESS_KEY": "distckpt-test", "AWS_REGION": "us-east-1",
                        "AWS_DEFAULT_REGION": "us-east-1"})
+    for var in ("NO_PROXY", "no_proxy"):  # a proxy configured for the machine must not catch loopback
+        os.environ[var] = ",".join(filter(None, [saved[var], "127.0.0.1", "localhost"]))
     try:
         yield endpoint
     finally:
