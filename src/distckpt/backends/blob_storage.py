@@ -32,7 +32,8 @@ from ..progress import Progress
 from ..storage import StorageReader, StorageWriter, WriteResult
 from .blobs import BlobStore
 from .budget import ByteBudget
-from .tensor_bytes import host_bytes, host_tensor
+from .device_copy import PendingCopies, to_host
+from .tensor_bytes import host_bytes
 
 FILE_RESULT_PREFIX = "__file__:"
 
@@ -167,8 +168,11 @@ def write_file(store: BlobStore, name: str, save_id: str, rank: int, plan: SaveP
     item_file = [""] * len(entries)
     budget = ByteBudget(knobs.memory_budget_bytes())
 
-    def item_bytes(i: int) -> tuple[memoryview, object, int]:
-        """The bytes of item ``i``, the object that owns them, and how many are a transient copy."""
+    def item_bytes(i: int, pending: PendingCopies) -> tuple[memoryview, object, int]:
+        """The bytes of item ``i``, the object that owns them, and how many are a transient copy.
+
+        A device tensor's bytes are only queued for copying into ``pending``: wait for it before reading them.
+        """
         if payloads[i] is not None:
             return memoryview(payloads[i]), None, 0
         item = plan.items[i]
@@ -181,7 +185,7 @@ def write_file(store: BlobStore, name: str, save_id: str, rank: int, plan: SaveP
             copied = entries[i].nbytes
             budget.acquire(copied)
             try:
-                tensor = host_tensor(tensor.to(dtype=want))
+                tensor = to_host(tensor, want, pending)
             except BaseException:
                 budget.release(copied)
                 raise
@@ -209,14 +213,16 @@ def write_file(store: BlobStore, name: str, save_id: str, rank: int, plan: SaveP
             blob.pwrite(memoryview(lead), 0)
             for batch in _batches([entries[i].nbytes for i in members], knobs.io_batch_bytes()):
                 views, owners, held = [], [], 0
+                pending = PendingCopies()
                 try:
-                    for j in batch:
-                        i = members[j]
-                        data, owner, copied = item_bytes(i)
+                    for j in batch:  # device-to-host copies of the whole batch are queued together
+                        data, owner, copied = item_bytes(members[j], pending)
                         held += copied
                         owners.append(owner)  # keeps the memory behind each view alive until written
-                        crcs[i] = crc32c(data)
                         views.append(data)
+                    pending.wait()
+                    for j, data in zip(batch, views):
+                        crcs[members[j]] = crc32c(data)
                     blob.pwritev(views, offsets[members[batch[0]]])
                     progress.advance(sum(len(v) for v in views))
                 finally:

@@ -20,6 +20,7 @@ from ..planning.resharding import volume
 from ..progress import Progress
 from .blobs import BlobReader, BlobStore
 from .budget import ByteBudget
+from .device_copy import PendingCopies, host_buffer, to_device, uses_pinned
 from .tasks import run_tasks
 from .tensor_bytes import writable_bytes
 
@@ -95,11 +96,16 @@ def read_items(store: BlobStore, md: Metadata, plan: LoadPlan, planner: LoadPlan
     budget = ByteBudget(knobs.memory_budget_bytes())
     per_thread = threading.local()
 
-    def slab_buffer(n: int) -> torch.Tensor:
-        """This thread's reusable read buffer: fresh pages for every chunk would cost page faults."""
-        buf = getattr(per_thread, "buf", None)
+    def slab_buffer(n: int, pinned: bool) -> torch.Tensor:
+        """This thread's reusable read buffer: fresh pages for every chunk would cost page faults.
+
+        Pinned when the bytes go on to a CUDA device, so that the copy there runs at the bus's speed.
+        """
+        name = "pinned" if pinned else "buf"
+        buf = getattr(per_thread, name, None)
         if buf is None or buf.numel() < n:
-            buf = per_thread.buf = torch.empty(n, dtype=torch.uint8)
+            buf = host_buffer(n, torch.device("cuda") if pinned else torch.device("cpu"))
+            setattr(per_thread, name, buf)
         return buf[:n]
     chunk_shapes = _chunk_shapes(md)
 
@@ -162,9 +168,12 @@ def read_items(store: BlobStore, md: Metadata, plan: LoadPlan, planner: LoadPlan
         # stream the chunk through one reused buffer, a slab of whole rows at a time:
         # every byte is read once, the checksum is computed on the way, memory stays bounded
         slab_rows = max(1, min(rows, min(_SLAB_BYTES, budget.limit) // max(1, row_bytes)))
-        mapped = getattr(blob, "map_range", None)
+        to_gpu = any(uses_pinned(dest.device) for dest in dests)
+        pending = PendingCopies() if to_gpu else None
+        # a mapped window of the page cache is ordinary pageable memory: a pinned buffer feeds a GPU faster
+        mapped = None if to_gpu else getattr(blob, "map_range", None)
         with budget.hold(slab_rows * row_bytes):  # a buffer, or a mapped window of that size
-            buf = None if mapped else slab_buffer(slab_rows * row_bytes)
+            buf = None if mapped else slab_buffer(slab_rows * row_bytes, to_gpu)
             crc = 0
             first, end = 0, rows
             if not check and shape:  # only the rows some item needs
@@ -189,8 +198,10 @@ def read_items(store: BlobStore, md: Metadata, plan: LoadPlan, planner: LoadPlan
                         crc = crc32c(raw, crc)
                     slab = data.view(dtype).reshape(((b - a),) + tuple(shape[1:])) if shape else data.view(dtype).reshape(())
                     for item, dest in wanted:
-                        _copy_rows(item, dest, slab, a, b, shape)
+                        _copy_rows(item, dest, slab, a, b, shape, pending)
                 finally:
+                    if pending:  # the next slab reuses the buffer
+                        pending.wait()
                     if window is not None:
                         slab = data = raw = None
                         window.close()
@@ -256,17 +267,28 @@ def _rows_meet(item: ReadItem, a: int, b: int, shape: tuple) -> bool:
     return max(a, r0) < min(b, r0 + item.lengths[0])
 
 
-def _copy_rows(item: ReadItem, dest: torch.Tensor, slab: torch.Tensor, a: int, b: int, shape: tuple) -> None:
-    """Copy the part of ``item`` that lies in rows [a, b) of its chunk from ``slab`` into ``dest``."""
+def _copy_rows(item: ReadItem, dest: torch.Tensor, slab: torch.Tensor, a: int, b: int, shape: tuple,
+               pending: PendingCopies | None) -> None:
+    """Copy the part of ``item`` that lies in rows [a, b) of its chunk from ``slab`` into ``dest``.
+
+    With ``pending``, a copy from a pinned slab to a device is only queued there.
+    """
     if not shape:
-        dest.copy_(slab)
+        _copy(dest, slab, pending)
         return
     r0 = item.storage_offsets[0]
     lo, hi = max(a, r0), min(b, r0 + item.lengths[0])
     src = slab.narrow(0, lo - a, hi - lo)
     for dim in range(1, len(shape)):
         src = src.narrow(dim, item.storage_offsets[dim], item.lengths[dim])
-    dest.narrow(0, lo - r0, hi - lo).copy_(src)
+    _copy(dest.narrow(0, lo - r0, hi - lo), src, pending)
+
+
+def _copy(dest: torch.Tensor, src: torch.Tensor, pending: PendingCopies | None) -> None:
+    if pending is None:
+        dest.copy_(src)
+    else:
+        to_device(dest, src, pending)
 
 
 def _chunk_shapes(md: Metadata) -> dict[MetadataIndex, tuple[int, ...]]:

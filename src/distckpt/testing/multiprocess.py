@@ -31,7 +31,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any, timeout_s: float, env: dict) -> None:
+def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any, timeout_s: float, env: dict,
+           backend: str) -> None:
     # what torchrun would set: every rank of the group runs on this host
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(world_size)})
@@ -41,7 +42,9 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
 
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+        if "nccl" in backend and torch.cuda.is_available():  # one device per rank, as torchrun users set it
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s))
         result = fn(rank, world_size, *args)
         # tensors cross as bytes: torch's shared-memory handles die with this process
@@ -59,17 +62,20 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
 
 
 def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.0,
-              collective_timeout_s: float = 60.0, env: Optional[dict] = None, allow_failures: bool = False) -> list[Any]:
+              collective_timeout_s: float = 60.0, env: Optional[dict] = None, allow_failures: bool = False,
+              backend: str = "gloo") -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes; return each rank's result.
 
     Raises RankError if any rank raised, exited abnormally, or did not finish
     within ``timeout_s`` (hung ranks are killed). With ``allow_failures``, a
-    failed rank's entry is a :class:`RankFailure` instead.
+    failed rank's entry is a :class:`RankFailure` instead. ``backend`` is the
+    process group's (``"nccl"`` needs one CUDA device per rank; with ``"gloo"``
+    the ranks may share a device, each selecting it themselves).
     """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, collective_timeout_s, dict(env or {})), daemon=True)
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, collective_timeout_s, dict(env or {}), backend), daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()

@@ -1,0 +1,121 @@
+"""Saves from and loads into CUDA memory; async staging through pinned buffers.
+
+Skipped where no CUDA device is present (CI); run on a GPU machine with
+``pytest tests/cuda``.
+"""
+
+import pytest
+import torch
+
+import distckpt
+from distckpt import staging
+from distckpt.testing import run_ranks
+
+from . import workers
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool, torch.float8_e4m3fn]
+
+
+def _state(device) -> dict:
+    g = torch.Generator().manual_seed(0)
+    sd = {}
+    for dt in DTYPES:
+        t = torch.randn(257, 33, generator=g)
+        sd[f"t_{str(dt)[6:]}"] = (t > 0 if dt == torch.bool else t.to(dt)).to(device)
+    sd["transposed"] = torch.randn(40, 24, generator=g).to(device).t()  # not contiguous
+    sd["scalar"] = torch.tensor(3.5, device=device)
+    sd["empty"] = torch.empty(0, 5, device=device)
+    sd["step"] = 11
+    return sd
+
+
+def _blank(sd: dict, device) -> dict:
+    return {k: torch.zeros_like(v, device=device) if isinstance(v, torch.Tensor) else 0 for k, v in sd.items()}
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a, b = a.cpu(), b.cpu()
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8))
+
+
+@pytest.mark.parametrize("save_on,load_on", [("cuda", "cuda"), ("cuda", "cpu"), ("cpu", "cuda")])
+def test_bit_exact_between_devices(tmp_path, save_on, load_on):
+    sd = _state(save_on)
+    distckpt.save(sd, checkpoint_id=tmp_path / "c")
+    out = _blank(sd, load_on)
+    distckpt.load(out, checkpoint_id=tmp_path / "c")
+    for k, v in sd.items():
+        if isinstance(v, torch.Tensor):
+            assert out[k].device.type == load_on, k
+            assert _same(out[k], v), k
+    assert out["step"] == 11
+    assert distckpt.verify(tmp_path / "c").ok
+
+
+def test_load_into_a_cuda_module_and_optimizer(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8)).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(3):
+        model(torch.randn(16, 32, device="cuda")).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    distckpt.save({"model": model, "optim": opt}, checkpoint_id=tmp_path / "c")
+
+    model2 = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8)).cuda()
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-3)
+    distckpt.init_optimizer_state(opt2)
+    distckpt.load({"model": model2, "optim": opt2}, checkpoint_id=tmp_path / "c")
+    for (k, a), b in zip(model.state_dict().items(), model2.state_dict().values()):
+        assert b.is_cuda and torch.equal(a, b), k
+    s1, s2 = opt.state_dict()["state"], opt2.state_dict()["state"]
+    for pid in s1:
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert s2[pid][name].is_cuda and torch.equal(s1[pid][name], s2[pid][name])
+
+
+def test_async_save_stages_in_stream_order_into_pinned_buffers(tmp_path):
+    n = 1 << 24  # 64 MiB of float32: the queued kernels below take a while
+    x = torch.zeros(n, device="cuda")
+    a = torch.randn(2048, 2048, device="cuda")
+    torch.cuda.synchronize()
+    for _ in range(20):  # queue work ahead of the final write to x
+        a = a @ a
+        a = a / a.norm()
+    x.fill_(2.0)  # still queued when async_save is called
+    handle = distckpt.async_save({"x": x}, checkpoint_id=tmp_path / "c")
+    assert handle.staged.done()
+    x.fill_(-1.0)  # after staging: must not reach the checkpoint
+    handle.result(timeout=120)
+    out = {"x": torch.empty(n)}
+    distckpt.load(out, checkpoint_id=tmp_path / "c")
+    assert torch.equal(out["x"], torch.full((n,), 2.0))
+    pools = staging._STATE.free_pools
+    assert pools and all(buf.is_pinned() for pool in pools for buf in pool.buffers.values())
+
+
+def test_async_save_reuses_its_pinned_buffers(tmp_path):
+    w = torch.zeros(1000, 10, device="cuda")
+    for i in range(3):
+        w.fill_(float(i))
+        distckpt.async_save({"w": w}, checkpoint_id=tmp_path / f"s{i}").result(timeout=60)
+        if i == 0:
+            first = {id(b) for pool in staging._STATE.free_pools for b in pool.buffers.values()}
+        else:
+            assert {id(b) for pool in staging._STATE.free_pools for b in pool.buffers.values()} == first
+    for i in range(3):
+        out = {"w": torch.empty(1000, 10, device="cuda")}
+        distckpt.load(out, checkpoint_id=tmp_path / f"s{i}")
+        assert torch.equal(out["w"], torch.full((1000, 10), float(i), device="cuda"))
+
+
+@pytest.mark.parametrize("use_async", [False, True])
+def test_cuda_dtensors_saved_at_two_ranks_load_resharded(tmp_path, use_async):
+    path = str(tmp_path / "c")
+    run_ranks(workers.save_sharded, 2, path, use_async, timeout_s=180)
+    for world in (1, 2, 3):
+        results = run_ranks(workers.load_resharded, world, path, timeout_s=180)
+        for r in results:
+            assert r == {"device": "cuda", "equal": True, "b": True, "step": 7}, (world, results)
