@@ -1,9 +1,9 @@
 """async_save(): copy the state out of device memory, then write it in the background.
 
 Training is blocked only while tensors are copied into host buffers. The
-buffers come from a pool reused across saves (pinned memory on CUDA, filled
-with non-blocking copies and one stream synchronisation), so steady-state
-saves allocate nothing. The background save runs the ordinary save sequence
+buffers come from a pool reused across saves (one page-locked arena on CUDA,
+filled with non-blocking copies and one stream synchronisation), so
+steady-state saves allocate nothing. The background save runs the ordinary save sequence
 over its own gloo process group, so its collectives never interleave with
 the training's.
 """
@@ -14,7 +14,7 @@ import copy
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 
@@ -53,20 +53,87 @@ class AsyncSaveHandle:
         return self.committed.done()
 
 
+_ALIGN = 64  # bytes: every buffer in an arena starts at a multiple, enough for any dtype
+
+
+class _Arena:
+    """One host allocation backing many staging buffers.
+
+    For CUDA sources it is page-locked as a whole with cudaHostRegister: one
+    call instead of one pinned allocation per tensor, and no rounding up (torch's
+    caching pinned allocator rounds each allocation to a power of two, which can
+    nearly double the pinned memory of a state).
+    """
+
+    def __init__(self, nbytes: int, pinned: bool):
+        self.base: Optional[torch.Tensor] = torch.empty(nbytes, dtype=torch.uint8)
+        self.users = 0
+        self.registered = False
+        if pinned and nbytes:
+            code = int(torch.cuda.cudart().cudaHostRegister(self.base.data_ptr(), nbytes, 1))  # 1: portable, pinned for every context
+            if code != 0:
+                raise CheckpointError(f"async_save could not pin {nbytes} bytes of host memory for staging "
+                                      f"(cudaHostRegister error {code}); free host memory or save synchronously")
+            self.registered = True
+
+    def view(self, offset: int, like: torch.Tensor) -> torch.Tensor:
+        n = like.numel() * like.element_size()
+        return self.base[offset:offset + n].view(like.dtype).reshape(like.shape)
+
+    def release(self) -> None:
+        """Unpin; the memory itself goes once no buffer refers to it."""
+        if self.registered:
+            torch.cuda.cudart().cudaHostUnregister(self.base.data_ptr())
+            self.registered = False
+        self.base = None
+
+
 class _BufferPool:
-    """Host buffers for staging, keyed by (key path, shape, dtype); reused across saves."""
+    """Host buffers for staging, keyed by (key path, shape, dtype) and reused across saves.
+
+    The buffers a staging lacks are allocated together in one arena. Buffers
+    unused by the latest two stagings are dropped, so a run alternating between
+    two state layouts reuses both and a changing layout does not grow the pool.
+    """
 
     def __init__(self) -> None:
-        self.buffers: dict[tuple, torch.Tensor] = {}
+        self.buffers: dict[tuple, tuple[torch.Tensor, _Arena, int]] = {}
+        self.generation = 0
 
-    def get(self, key: tuple, like: torch.Tensor) -> torch.Tensor:
-        full_key = (key, tuple(like.shape), like.dtype)
-        buf = self.buffers.get(full_key)
-        if buf is None:
-            pin = like.device.type == "cuda" and torch.cuda.is_available()
-            buf = torch.empty(like.shape, dtype=like.dtype, pin_memory=pin)
-            self.buffers[full_key] = buf
-        return buf
+    def buffers_for(self, leaves: list[tuple[tuple, torch.Tensor]]) -> list[torch.Tensor]:
+        self.generation += 1
+        gen = self.generation
+        out: list[Optional[torch.Tensor]] = [None] * len(leaves)
+        missing = []
+        for i, (path, t) in enumerate(leaves):
+            key = (path, tuple(t.shape), t.dtype)
+            hit = self.buffers.get(key)
+            if hit is None:
+                missing.append((i, key, t))
+            else:
+                self.buffers[key] = (hit[0], hit[1], gen)
+                out[i] = hit[0]
+        if missing:
+            offsets, total = [], 0
+            for _, _, t in missing:
+                offsets.append(total)
+                total += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+            pinned = torch.cuda.is_available() and any(t.device.type == "cuda" for _, _, t in missing)
+            arena = _Arena(total, pinned)
+            for (i, key, t), off in zip(missing, offsets):
+                buf = arena.view(off, t)
+                arena.users += 1
+                self.buffers[key] = (buf, arena, gen)
+                out[i] = buf
+        for key in [k for k, (_, _, g) in self.buffers.items() if g < gen - 1]:
+            _, arena, _ = self.buffers.pop(key)
+            arena.users -= 1
+            if arena.users == 0:
+                arena.release()
+        return out  # type: ignore[return-value]
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b, _, _ in self.buffers.values())
 
 
 class _AsyncState:
@@ -94,32 +161,61 @@ def _background_group(process_group: Any) -> Any:
     return group
 
 
-def _stage(obj: Any, pool: _BufferPool, path: tuple, streams_used: list) -> Any:
-    """A copy of ``obj`` whose tensors live in pool buffers on the host."""
+def _leaves(obj: Any, path: tuple, out: list) -> None:
+    """Every tensor in ``obj`` (a DTensor's local shard) with its key path, in traversal order."""
     if isinstance(obj, torch.Tensor):
+        out.append((path, obj.to_local() if is_dtensor(obj) else obj))
+    elif isinstance(obj, RankLocal):
+        _leaves(obj.value, path + ("$rank_local",), out)
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            _leaves(v, path + (k,), out)
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            _leaves(v, path + (i,), out)
+
+
+def _rebuild(obj: Any, buffers: Iterator[torch.Tensor]) -> Any:
+    """``obj`` with its tensors replaced, in :func:`_leaves` order, by ``buffers``."""
+    if isinstance(obj, torch.Tensor):
+        buf = next(buffers)
         if is_dtensor(obj):
             from torch.distributed.tensor import DTensor
 
-            local = _stage(obj.to_local(), pool, path, streams_used)
-            return DTensor.from_local(local, obj.device_mesh, obj.placements, run_check=False,
+            return DTensor.from_local(buf, obj.device_mesh, obj.placements, run_check=False,
                                       shape=obj.shape, stride=obj.stride())
-        buf = pool.get(path, obj)
-        src = obj.detach()
-        if src.device.type == "cuda":
-            buf.copy_(src, non_blocking=True)
-            streams_used.append(torch.cuda.current_stream(src.device))
-        else:
-            buf.copy_(src)
         return buf
     if isinstance(obj, RankLocal):
-        return RankLocal(_stage(obj.value, pool, path + ("$rank_local",), streams_used))
+        return RankLocal(_rebuild(obj.value, buffers))
     if isinstance(obj, dict):
-        return {k: _stage(v, pool, path + (k,), streams_used) for k, v in obj.items()}
+        return {k: _rebuild(v, buffers) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [_stage(v, pool, path + (i,), streams_used) for i, v in enumerate(obj)]
+        return [_rebuild(v, buffers) for v in obj]
     if isinstance(obj, tuple):
-        return tuple(_stage(v, pool, path + (i,), streams_used) for i, v in enumerate(obj))
+        return tuple(_rebuild(v, buffers) for v in obj)
     return copy.deepcopy(obj)
+
+
+def _stage(obj: Any, pool: _BufferPool) -> Any:
+    """A copy of ``obj`` whose tensors live in pool buffers on the host.
+
+    Copies from CUDA are queued without blocking on each device's current
+    stream (after the kernels that produced the tensors) and waited for once.
+    """
+    leaves: list = []
+    _leaves(obj, (), leaves)
+    buffers = pool.buffers_for(leaves)
+    streams = {}
+    for (_, src), buf in zip(leaves, buffers):
+        src = src.detach()
+        if src.device.type == "cuda":
+            buf.copy_(src, non_blocking=True)
+            streams.setdefault(src.device, torch.cuda.current_stream(src.device))
+        else:
+            buf.copy_(src)
+    for stream in streams.values():
+        stream.synchronize()
+    return _rebuild(obj, iter(buffers))
 
 
 def async_save(
@@ -175,10 +271,7 @@ def async_save(
         executor = _STATE.executor
     try:
         plain, _ = split_stateful(state_dict)
-        streams: list = []
-        staged = _stage(plain, pool, (), streams)
-        for stream in {id(s): s for s in streams}.values():
-            stream.synchronize()
+        staged = _stage(plain, pool)
     except BaseException as exc:
         with _STATE.lock:
             _STATE.free_pools.append(pool)

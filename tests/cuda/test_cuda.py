@@ -93,7 +93,22 @@ def test_async_save_stages_in_stream_order_into_pinned_buffers(tmp_path):
     distckpt.load(out, checkpoint_id=tmp_path / "c")
     assert torch.equal(out["x"], torch.full((n,), 2.0))
     pools = staging._STATE.free_pools
-    assert pools and all(buf.is_pinned() for pool in pools for buf in pool.buffers.values())
+    assert pools and all(buf.is_pinned() for pool in pools for buf, _, _ in pool.buffers.values())
+
+
+def test_staging_pins_one_arena_without_rounding_up(tmp_path):
+    # odd sizes: torch's caching pinned allocator would round each up to a power of two
+    sd = {f"t{i}": torch.randn(1000 + 37 * i, 129, device="cuda") for i in range(20)}
+    want = sum(t.numel() * t.element_size() for t in sd.values())
+    distckpt.async_save(sd, checkpoint_id=tmp_path / "c").result(timeout=60)
+    pool = staging._STATE.free_pools[-1]
+    arenas = {id(a): a for key, (_, a, _) in pool.buffers.items() if key[0][0] in sd}
+    assert len(arenas) == 1
+    arena = next(iter(arenas.values()))
+    assert arena.registered and want <= arena.base.numel() <= want + 64 * len(sd)
+    out = {k: torch.empty_like(v) for k, v in sd.items()}
+    distckpt.load(out, checkpoint_id=tmp_path / "c")
+    assert all(torch.equal(out[k], v) for k, v in sd.items())
 
 
 def test_async_save_reuses_its_pinned_buffers(tmp_path):
@@ -101,10 +116,12 @@ def test_async_save_reuses_its_pinned_buffers(tmp_path):
     for i in range(3):
         w.fill_(float(i))
         distckpt.async_save({"w": w}, checkpoint_id=tmp_path / f"s{i}").result(timeout=60)
+        pointers = {b.data_ptr() for pool in staging._STATE.free_pools for key, (b, _, _) in pool.buffers.items()
+                    if key[0] == ("w",)}
         if i == 0:
-            first = {id(b) for pool in staging._STATE.free_pools for b in pool.buffers.values()}
+            first = pointers
         else:
-            assert {id(b) for pool in staging._STATE.free_pools for b in pool.buffers.values()} == first
+            assert pointers == first
     for i in range(3):
         out = {"w": torch.empty(1000, 10, device="cuda")}
         distckpt.load(out, checkpoint_id=tmp_path / f"s{i}")

@@ -69,3 +69,24 @@ def test_manager_async_save_applies_retention_after_commit(tmp_path):
     for step in range(1, 5):
         mgr.async_save(step, {"w": torch.full((8,), float(step))}).result(timeout=60)
     assert mgr.all_steps() == [3, 4]
+
+
+def test_staging_pool_allocates_together_reuses_two_layouts_and_drops_older_ones():
+    from distckpt.staging import _BufferPool, _stage
+
+    pool = _BufferPool()
+    a = {"w": torch.arange(10.0), "opt": [torch.ones(3, 5, dtype=torch.bfloat16), torch.tensor(True)], "step": 4}
+    b = {"other": torch.arange(6, dtype=torch.int64).reshape(2, 3)}
+    staged = _stage(a, pool)
+    assert torch.equal(staged["w"], a["w"]) and torch.equal(staged["opt"][0], a["opt"][0]) and staged["opt"][1].item()
+    assert staged["step"] == 4 and staged["w"].data_ptr() != a["w"].data_ptr()
+    assert len({id(arena) for _, arena, _ in pool.buffers.values()}) == 1  # one allocation for the whole state
+    first = {k: buf.data_ptr() for k, (buf, _, _) in pool.buffers.items()}
+    _stage(b, pool)
+    again = _stage(a, pool)  # alternating between two layouts: no new allocation
+    assert {k: buf.data_ptr() for k, (buf, _, _) in pool.buffers.items() if k in first} == first
+    assert again["w"].data_ptr() == staged["w"].data_ptr()
+    c = {"w": torch.arange(12.0)}  # a changed shape is a new buffer; keys unused twice in a row go
+    _stage(c, pool)
+    _stage(c, pool)
+    assert [k[0] for k in pool.buffers] == [("w",)] and torch.equal(_stage(c, pool)["w"], torch.arange(12.0))
