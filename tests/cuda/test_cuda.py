@@ -76,6 +76,35 @@ def test_load_into_a_cuda_module_and_optimizer(tmp_path):
             assert s2[pid][name].is_cuda and torch.equal(s1[pid][name], s2[pid][name])
 
 
+def _slow_work() -> None:
+    a = torch.randn(2048, 2048, device="cuda")
+    for _ in range(30):
+        a = a @ a
+        a = a / a.norm()
+
+
+def test_save_and_load_under_a_side_stream_follow_its_order(tmp_path):
+    # the I/O threads copy on the caller's stream: work queued there before the call comes first
+    n = 1 << 24
+    x = torch.zeros(n, device="cuda")
+    side = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        _slow_work()
+        x.fill_(3.0)  # still queued on `side` when save is called
+        distckpt.save({"x": x}, checkpoint_id=tmp_path / "c")
+        y = torch.zeros(n, device="cuda")
+        _slow_work()
+        y.fill_(-1.0)  # queued before the load: the load's copies must land after it
+        distckpt.load({"x": y}, checkpoint_id=tmp_path / "c")
+        got = y.clone()
+    torch.cuda.synchronize()
+    out = {"x": torch.empty(n)}
+    distckpt.load(out, checkpoint_id=tmp_path / "c")
+    assert torch.equal(out["x"], torch.full((n,), 3.0))
+    assert torch.equal(got.cpu(), torch.full((n,), 3.0))
+
+
 def test_async_save_stages_in_stream_order_into_pinned_buffers(tmp_path):
     n = 1 << 24  # 64 MiB of float32: the queued kernels below take a while
     x = torch.zeros(n, device="cuda")
@@ -136,3 +165,13 @@ def test_cuda_dtensors_saved_at_two_ranks_load_resharded(tmp_path, use_async):
         results = run_ranks(workers.load_resharded, world, path, timeout_s=180)
         for r in results:
             assert r == {"device": "cuda", "equal": True, "b": True, "step": 7}, (world, results)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs one GPU per rank")
+@pytest.mark.parametrize("use_async", [False, True])
+def test_nccl_group_saves_and_loads_resharded(tmp_path, use_async):
+    # the coordinator's collectives then run on CUDA byte tensors; async_save adds a gloo group of its own
+    path = str(tmp_path / "c")
+    run_ranks(workers.save_sharded, 2, path, use_async, timeout_s=180, backend="nccl")
+    for r in run_ranks(workers.load_resharded, 2, path, timeout_s=180, backend="nccl"):
+        assert r == {"device": "cuda", "equal": True, "b": True, "step": 7}

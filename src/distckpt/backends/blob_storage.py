@@ -32,7 +32,7 @@ from ..progress import Progress
 from ..storage import StorageReader, StorageWriter, WriteResult
 from .blobs import BlobStore
 from .budget import ByteBudget
-from .device_copy import PendingCopies, to_host
+from .device_copy import PendingCopies, caller_streams, to_host
 from .tensor_bytes import host_bytes
 
 FILE_RESULT_PREFIX = "__file__:"
@@ -162,6 +162,7 @@ def write_file(store: BlobStore, name: str, save_id: str, rank: int, plan: SaveP
             shape = tuple(td.chunk.sizes) if code != "U8" or td.properties.dtype == torch.uint8 else (nbytes,)
             entries.append(Entry(entry_name(item.index.fqn, tuple(item.index.offset or ())), code, shape, nbytes))
             payloads.append(None)
+    streams = caller_streams()  # device copies happen in worker threads, ordered on the caller's stream
     crcs = [0] * len(entries)
     offsets = [0] * len(entries)
     files: list[tuple[str, int, int]] = []  # (name, size, header crc)
@@ -213,7 +214,7 @@ def write_file(store: BlobStore, name: str, save_id: str, rank: int, plan: SaveP
             blob.pwrite(memoryview(lead), 0)
             for batch in _batches([entries[i].nbytes for i in members], knobs.io_batch_bytes()):
                 views, owners, held = [], [], 0
-                pending = PendingCopies()
+                pending = PendingCopies(streams)
                 try:
                     for j in batch:  # device-to-host copies of the whole batch are queued together
                         data, owner, copied = item_bytes(members[j], pending)

@@ -6,14 +6,17 @@ pinned buffer runs at the bus's speed and can be queued without waiting
 driver and, on a fresh allocation, also pays for every first-touched page.
 Pinned buffers come from torch's caching host allocator, so repeated saves and
 loads reuse them instead of pinning memory again. Copies are queued on the
-calling thread's current stream, which orders them after the kernels already
-queued there (the ones that produced the tensors), and :class:`PendingCopies`
-waits for them before anyone reads or reuses the host bytes.
+stream that was current in the thread that called save or load, which orders
+them after the kernels already queued there (the ones that produced the
+tensors), and :class:`PendingCopies` waits for them before anyone reads or
+reuses the host bytes.
 
 Other accelerators take the plain synchronous path.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -23,23 +26,46 @@ def uses_pinned(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_available()
 
 
-class PendingCopies:
-    """Streams with queued copies between pinned host memory and a device; ``wait`` waits for them all."""
+def caller_streams() -> dict:
+    """The calling thread's current stream on its current CUDA device, for copies made on its behalf.
 
-    def __init__(self) -> None:
-        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+    The I/O engine copies in worker threads, whose current stream is the
+    device's default one. A caller working under another stream (``with
+    torch.cuda.stream(s): distckpt.save(...)``) has its tensors produced on
+    that stream, so the copies must be ordered on it, as they would be had
+    the caller made them itself.
+    """
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return {}
+    device = torch.device("cuda", torch.cuda.current_device())
+    return {device: torch.cuda.current_stream(device)}
+
+
+class PendingCopies:
+    """Copies between pinned host memory and devices, queued on streams; ``wait`` waits for them all.
+
+    ``streams`` maps a device to the stream its copies go on (see
+    :func:`caller_streams`); other devices use the thread's current stream.
+    """
+
+    def __init__(self, streams: Optional[dict] = None) -> None:
+        self._streams = streams or {}
+        self._used: dict[int, torch.cuda.Stream] = {}
 
     def __bool__(self) -> bool:
-        return bool(self._streams)
+        return bool(self._used)
 
-    def note(self, device: torch.device) -> None:
-        if device not in self._streams:
-            self._streams[device] = torch.cuda.current_stream(device)
+    def stream_for(self, device: torch.device) -> "torch.cuda.Stream":
+        stream = self._streams.get(device)
+        return stream if stream is not None else torch.cuda.current_stream(device)
+
+    def note(self, stream: "torch.cuda.Stream") -> None:
+        self._used.setdefault(id(stream), stream)
 
     def wait(self) -> None:
-        for stream in self._streams.values():
+        for stream in self._used.values():
             stream.synchronize()
-        self._streams.clear()
+        self._used.clear()
 
 
 def to_host(tensor: torch.Tensor, dtype: torch.dtype, pending: PendingCopies) -> torch.Tensor:
@@ -51,8 +77,10 @@ def to_host(tensor: torch.Tensor, dtype: torch.dtype, pending: PendingCopies) ->
     src = tensor.detach()
     if uses_pinned(src.device):
         out = torch.empty(src.shape, dtype=dtype, pin_memory=True)
-        out.copy_(src, non_blocking=True)  # converts dtype and layout on the way
-        pending.note(src.device)
+        stream = pending.stream_for(src.device)
+        with torch.cuda.stream(stream):
+            out.copy_(src, non_blocking=True)  # converts dtype and layout on the way
+        pending.note(stream)
         return out
     return src.to(device="cpu", dtype=dtype).contiguous()
 
@@ -65,7 +93,9 @@ def host_buffer(nbytes: int, for_device: torch.device) -> torch.Tensor:
 def to_device(dest: torch.Tensor, src: torch.Tensor, pending: PendingCopies) -> None:
     """Copy host tensor ``src`` into device tensor ``dest``; queued when ``src`` is pinned."""
     if uses_pinned(dest.device) and src.is_pinned():
-        dest.copy_(src, non_blocking=True)
-        pending.note(dest.device)
+        stream = pending.stream_for(dest.device)
+        with torch.cuda.stream(stream):
+            dest.copy_(src, non_blocking=True)
+        pending.note(stream)
     else:
         dest.copy_(src)

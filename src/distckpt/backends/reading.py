@@ -20,7 +20,7 @@ from ..planning.resharding import volume
 from ..progress import Progress
 from .blobs import BlobReader, BlobStore
 from .budget import ByteBudget
-from .device_copy import PendingCopies, host_buffer, to_device, uses_pinned
+from .device_copy import PendingCopies, caller_streams, host_buffer, to_device, uses_pinned
 from .tasks import run_tasks
 from .tensor_bytes import writable_bytes
 
@@ -82,6 +82,7 @@ def read_items(store: BlobStore, md: Metadata, plan: LoadPlan, planner: LoadPlan
     """
     fsd: FileStorageData = md.storage_data
     where = f"checkpoint {checkpoint_id!r}"
+    streams = caller_streams()  # copies to a device happen in worker threads, ordered on the caller's stream
     by_chunk: dict[MetadataIndex, list[ReadItem]] = defaultdict(list)
     for item in plan.items:
         by_chunk[item.storage_index].append(item)
@@ -169,7 +170,7 @@ def read_items(store: BlobStore, md: Metadata, plan: LoadPlan, planner: LoadPlan
         # every byte is read once, the checksum is computed on the way, memory stays bounded
         slab_rows = max(1, min(rows, min(_SLAB_BYTES, budget.limit) // max(1, row_bytes)))
         to_gpu = any(uses_pinned(dest.device) for dest in dests)
-        pending = PendingCopies() if to_gpu else None
+        pending = PendingCopies(streams) if to_gpu else None
         # a mapped window of the page cache is ordinary pageable memory: a pinned buffer feeds a GPU faster
         mapped = None if to_gpu else getattr(blob, "map_range", None)
         with budget.hold(slab_rows * row_bytes):  # a buffer, or a mapped window of that size
