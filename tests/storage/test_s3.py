@@ -181,6 +181,41 @@ def test_object_replaced_while_open_is_an_error(client, bucket):
         blob.pread(10, 5)
 
 
+class _MeanwhilePlanner(distckpt.DefaultLoadPlanner):
+    """Runs ``meanwhile`` after the load has read the metadata, before it reads any data."""
+
+    def __init__(self, meanwhile):
+        super().__init__()
+        self.meanwhile = meanwhile
+
+    def create_local_plan(self):
+        plan = super().create_local_plan()
+        self.meanwhile()
+        return plan
+
+
+def test_checkpoint_overwritten_or_removed_during_a_load_is_named_as_such(bucket):
+    cid = f"s3://{bucket}/during/ckpt"
+    distckpt.save({"w": torch.ones(4)}, checkpoint_id=cid)
+    new = []
+
+    def overwrite():
+        md = distckpt.save({"w": torch.zeros(4)}, checkpoint_id=cid, storage_writer=S3Writer(overwrite=True))
+        new.append(md.storage_meta.save_id)
+
+    with pytest.raises(CorruptCheckpointError, match="was overwritten by save") as info:
+        distckpt.load({"w": torch.zeros(4)}, checkpoint_id=cid, planner=_MeanwhilePlanner(overwrite))
+    assert new[0] in str(info.value) and "Load again" in str(info.value)
+    out = {"w": torch.full((4,), 9.0)}
+    distckpt.load(out, checkpoint_id=cid)  # loading again reads the new checkpoint
+    assert torch.equal(out["w"], torch.zeros(4))
+
+    gone = f"s3://{bucket}/during/gone"
+    distckpt.save({"w": torch.ones(4)}, checkpoint_id=gone)
+    with pytest.raises(CheckpointNotFoundError, match="was removed while this load read it"):  # as retention does
+        distckpt.load({"w": torch.zeros(4)}, checkpoint_id=gone, planner=_MeanwhilePlanner(S3Store(bucket, "during/gone").remove))
+
+
 def test_writes_must_come_in_order(bucket):
     w = S3Store(bucket, "order").create("blob")
     w.pwrite(memoryview(b"x" * 10), 0)

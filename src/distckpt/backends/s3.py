@@ -148,7 +148,27 @@ class S3Store(BlobStore):
         return self._sub(f"{self.prefix}/{SAVES}/{_checked_save_id(save_id, self.describe())}")
 
     def data_store(self, save_id: str) -> "S3Store":
-        return self.staging(save_id)
+        store = self.staging(save_id)
+        store._checkpoint, store._save_id = self, save_id  # to explain objects that vanish during a load
+        return store
+
+    def missing(self, name: str, exc: BaseException) -> CheckpointError:
+        """The error for data object ``name``, found missing while a load reads this save's objects.
+
+        If the checkpoint's metadata now names another save (or none), the
+        checkpoint was overwritten or removed after this load read its metadata.
+        """
+        checkpoint = getattr(self, "_checkpoint", None)
+        if checkpoint is not None:
+            now = checkpoint._committed_save_id()
+            if now is None:
+                return CheckpointNotFoundError(
+                    f"{self.describe(name)} is gone: checkpoint {checkpoint.describe()!r} was removed while this load read it")
+            if now != self._save_id:
+                return CorruptCheckpointError(
+                    f"{self.describe(name)} is gone: checkpoint {checkpoint.describe()!r} was overwritten by save {now} "
+                    f"while this load read save {self._save_id}. Load again to read the new checkpoint.")
+        return s3_error("reading", self.describe(name), exc)
 
     def commit(self, staging: BlobStore, overwrite: bool, sync: bool) -> None:
         assert isinstance(staging, S3Store)

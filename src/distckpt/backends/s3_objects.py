@@ -215,7 +215,10 @@ class ObjectReader(BlobReader):
         try:
             head = store.client.head_object(Bucket=store.bucket, Key=self.key)
         except s3_failures() as exc:
+            if error_code(exc) in NOT_FOUND:
+                raise store.missing(name, exc) from exc
             raise s3_error("opening", self.where, exc) from exc
+        self.name = name
         self.size = int(head["ContentLength"])
         self.etag = head.get("ETag")
 
@@ -257,5 +260,7 @@ class ObjectReader(BlobReader):
             if error_code(exc) in LOST_RACE:
                 raise CorruptCheckpointError(f"{self.where} changed while it was being read (its ETag no longer "
                                              "matches); another save replaced this checkpoint. Load again.") from exc
+            if error_code(exc) in NOT_FOUND:
+                raise self.store.missing(self.name, exc) from exc
             raise s3_error("reading", self.where, exc) from exc
         return total
