@@ -5,6 +5,7 @@
     distckpt verify PATH [--quiet]     check every byte against its checksums
     distckpt convert --to FORMAT SRC DST      distckpt -> dcp | safetensors | torch-save
     distckpt convert --from FORMAT SRC DST    dcp (with --trust-pickle) | safetensors | torch-save -> distckpt
+    distckpt steps ROOT [--json] [--clean]    a training run's committed steps; --clean removes crash leftovers
 
 Exit codes: 0 success, 1 the checkpoint is damaged or incomplete, 2 usage errors.
 """
@@ -146,3 +147,46 @@ def convert(src: str, dst: str, from_format: Optional[str], to_format: Optional[
 
 if __name__ == "__main__":  # pragma: no cover
     main()
+
+
+@main.command()
+@click.argument("root")
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+@click.option("--clean", is_flag=True, help="also remove what crashed saves and deletions left behind")
+def steps(root: str, as_json: bool, clean: bool) -> None:
+    """List the committed steps of the training run at ROOT (a CheckpointManager root).
+
+    Each line shows a step, its checkpoint id and its size. Saves that never
+    committed are not steps; --clean removes their leftovers (do not run it
+    while a save to ROOT is in progress).
+    """
+    import os
+
+    from .manager import CheckpointManager
+
+    if "://" not in root and not os.path.isdir(root):  # listing must not create the directory
+        click.echo(f"error: {root!r} is not a directory", err=True)
+        sys.exit(1)
+    try:
+        mgr = CheckpointManager(root, cleanup=False)
+        removed = mgr.remove_stale_temporaries() if clean else []
+        rows = []
+        for step in mgr.all_steps():
+            md = read_metadata(mgr.path(step))
+            files = getattr(md.storage_data, "files", {})
+            rows.append({"step": step, "checkpoint": mgr.path(step), "bytes": sum(f.size for f in files.values()),
+                         "entries": len(md.state_dict_metadata)})
+    except CheckpointError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(1)
+    if as_json:
+        click.echo(json.dumps({"root": root, "steps": rows, "removed": removed}, indent=1))
+        return
+    for path in removed:
+        click.echo(f"removed leftover {path}")
+    if not rows:
+        click.echo(f"no committed steps under {root}")
+        return
+    for r in rows:
+        newest = "  (newest)" if r is rows[-1] else ""
+        click.echo(f"step {r['step']:>10}  {_human(r['bytes']):>10}  {r['entries']} entries  {r['checkpoint']}{newest}")

@@ -243,6 +243,13 @@ def test_cli_inspects_an_s3_checkpoint(bucket):
     assert result.exit_code == 0, result.output
     assert "big" in result.output and "small" in result.output
     assert CliRunner().invoke(cli, ["verify", cid]).exit_code == 0
+    run = f"s3://{bucket}/cli/run"
+    mgr = distckpt.CheckpointManager(run)
+    mgr.save(3, {"w": torch.ones(8)})
+    mgr.save(5, {"w": torch.ones(8)})
+    result = CliRunner().invoke(cli, ["steps", run])
+    assert result.exit_code == 0, result.output
+    assert [line.split()[1] for line in result.output.splitlines()] == ["3", "5"] and mgr.path(5) in result.output
 
 
 def test_two_ranks_save_and_three_load_resharded(bucket):

@@ -38,3 +38,32 @@ def test_verify_exit_codes_for_damage_and_absence(tmp_path):
     assert res.exit_code == 1
     res = runner.invoke(main, ["frobnicate"])
     assert res.exit_code == 2
+
+
+def test_steps_lists_a_run_and_cleans_crash_leftovers(tmp_path):
+    from distckpt.backends.filesystem import FsStore
+
+    root = str(tmp_path / "run")
+    mgr = distckpt.CheckpointManager(root)
+    for step in (10, 20):
+        mgr.save(step, {"w": torch.ones(256), "step": step})
+    leftover = FsStore(os.path.join(root, "step-30")).staging("crashed")  # where a save killed mid-way writes
+    leftover.prepare()
+    hidden = [n for n in os.listdir(root) if n.startswith(".")]
+    assert hidden
+    runner = CliRunner()
+    res = runner.invoke(main, ["steps", root])
+    assert res.exit_code == 0, res.output
+    lines = res.output.splitlines()
+    assert [line.split()[1] for line in lines] == ["10", "20"] and lines[-1].endswith("(newest)")
+    assert "1.0 KiB" in lines[0] or "KiB" in lines[0]
+    assert [n for n in os.listdir(root) if n.startswith(".")] == hidden  # listing removes nothing
+    res = runner.invoke(main, ["steps", root, "--clean", "--json"])
+    doc = json.loads(res.output)
+    assert [s["step"] for s in doc["steps"]] == [10, 20] and doc["steps"][0]["entries"] == 2
+    assert len(doc["removed"]) == len(hidden) and not [n for n in os.listdir(root) if n.startswith(".")]
+    os.mkdir(tmp_path / "empty")
+    res = runner.invoke(main, ["steps", str(tmp_path / "empty")])
+    assert res.exit_code == 0 and "no committed steps" in res.output
+    res = runner.invoke(main, ["steps", str(tmp_path / "nope")])
+    assert res.exit_code == 1 and "not a directory" in res.output and not (tmp_path / "nope").exists()
