@@ -189,4 +189,4 @@ def steps(root: str, as_json: bool, clean: bool) -> None:
         return
     for r in rows:
         newest = "  (newest)" if r is rows[-1] else ""
-        click.echo(f"step {r['step']:>10}  {_human(r['bytes']):>10}  {r['entries']} entries  {r['checkpoint']}{newest}")
+        click.echo(f"step {r['step']:>10}  {_human(r['bytes']):>10}  {r['entries']} key(s)  {r['checkpoint']}{newest}")
