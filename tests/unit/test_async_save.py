@@ -2,6 +2,8 @@
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import distckpt
 from distckpt import faults
@@ -90,3 +92,34 @@ def test_staging_pool_allocates_together_reuses_two_layouts_and_drops_older_ones
     _stage(c, pool)
     _stage(c, pool)
     assert [k[0] for k in pool.buffers] == [("w",)] and torch.equal(_stage(c, pool)["w"], torch.arange(12.0))
+
+
+_SHAPES = [(), (0,), (3,), (2, 5), (7, 1, 3)]
+_DTYPES = [torch.float32, torch.bfloat16, torch.bool, torch.int64, torch.uint8]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.dictionaries(st.sampled_from(["a", "b", "c", "d"]),
+                                st.tuples(st.sampled_from(_SHAPES), st.sampled_from(_DTYPES)), min_size=1),
+                min_size=1, max_size=8))
+def test_staging_pool_stages_exact_copies_in_disjoint_buffers_and_keeps_two_layouts(layouts):
+    from distckpt.staging import _BufferPool, _stage
+
+    pool = _BufferPool()
+    seen: list[set] = []
+    for n, layout in enumerate(layouts):
+        state = {k: (torch.arange(torch.Size(shape).numel()) % 7 + n).to(dtype).reshape(shape)
+                 for k, (shape, dtype) in layout.items()}
+        staged = _stage(state, pool)
+        spans = []
+        for k, t in state.items():
+            s = staged[k]
+            assert s.dtype == t.dtype and s.shape == t.shape and torch.equal(s, t)
+            if s.numel():
+                assert s.data_ptr() != t.data_ptr()
+                spans.append((s.data_ptr(), s.data_ptr() + s.numel() * s.element_size()))
+        spans.sort()
+        assert all(e0 <= b1 for (_, e0), (b1, _) in zip(spans, spans[1:]))  # no two buffers share bytes
+        keys = {(("%s" % k,), tuple(shape), dtype) for k, (shape, dtype) in layout.items()}
+        seen.append(keys)
+        assert set(pool.buffers) == set().union(*seen[-2:])  # exactly the last two stagings' buffers
