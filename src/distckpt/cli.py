@@ -13,6 +13,7 @@ Exit codes: 0 success, 1 the checkpoint is damaged or incomplete, 2 usage errors
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Optional
 
@@ -145,9 +146,6 @@ def convert(src: str, dst: str, from_format: Optional[str], to_format: Optional[
     click.echo(f"ok: {n} keys converted into {dst}")
 
 
-if __name__ == "__main__":  # pragma: no cover
-    main()
-
 
 @main.command()
 @click.argument("root")
@@ -160,8 +158,6 @@ def steps(root: str, as_json: bool, clean: bool) -> None:
     committed are not steps; --clean removes their leftovers (do not run it
     while a save to ROOT is in progress).
     """
-    import os
-
     from .manager import CheckpointManager
 
     if "://" not in root and not os.path.isdir(root):  # listing must not create the directory
@@ -190,3 +186,7 @@ def steps(root: str, as_json: bool, clean: bool) -> None:
     for r in rows:
         newest = "  (newest)" if r is rows[-1] else ""
         click.echo(f"step {r['step']:>10}  {_human(r['bytes']):>10}  {r['entries']} key(s)  {r['checkpoint']}{newest}")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

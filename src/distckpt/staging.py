@@ -3,9 +3,9 @@
 Training is blocked only while tensors are copied into host buffers. The
 buffers come from a pool reused across saves (one page-locked arena on CUDA,
 filled with non-blocking copies and one stream synchronisation), so
-steady-state saves allocate nothing. The background save runs the ordinary save sequence
-over its own gloo process group, so its collectives never interleave with
-the training's.
+steady-state saves allocate nothing. The background save runs the ordinary
+save sequence over its own gloo process group, so its collectives never
+interleave with the training's.
 """
 
 from __future__ import annotations
@@ -131,9 +131,6 @@ class _BufferPool:
             if arena.users == 0:
                 arena.release()
         return out  # type: ignore[return-value]
-
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b, _, _ in self.buffers.values())
 
 
 class _AsyncState:

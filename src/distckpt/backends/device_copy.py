@@ -85,9 +85,9 @@ def to_host(tensor: torch.Tensor, dtype: torch.dtype, pending: PendingCopies) ->
     return src.to(device="cpu", dtype=dtype).contiguous()
 
 
-def host_buffer(nbytes: int, for_device: torch.device) -> torch.Tensor:
-    """A host byte buffer for reading data that goes to ``for_device`` (pinned for CUDA)."""
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=uses_pinned(for_device))
+def host_buffer(nbytes: int, pinned: bool) -> torch.Tensor:
+    """A host byte buffer, pinned for data on its way to a CUDA device."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
 
 
 def to_device(dest: torch.Tensor, src: torch.Tensor, pending: PendingCopies) -> None:

@@ -105,7 +105,7 @@ def read_items(store: BlobStore, md: Metadata, plan: LoadPlan, planner: LoadPlan
         name = "pinned" if pinned else "buf"
         buf = getattr(per_thread, name, None)
         if buf is None or buf.numel() < n:
-            buf = host_buffer(n, torch.device("cuda") if pinned else torch.device("cpu"))
+            buf = host_buffer(n, pinned)
             setattr(per_thread, name, buf)
         return buf[:n]
     chunk_shapes = _chunk_shapes(md)
