@@ -75,7 +75,9 @@ def memory_budget_bytes() -> int:
     """Most bytes of transient buffers one rank holds at once: host copies of device or
     non-contiguous tensors on save, read buffers for partially needed chunks on load
     (DISTCKPT_MEMORY_BUDGET_BYTES, default 1 GiB). Async-save staging is a full copy of the
-    state by nature and is not counted."""
+    state by nature and is not counted. Host copies of CUDA tensors are pinned, and torch's
+    caching host allocator keeps them for the next save (rounded up to powers of two, so up to
+    about twice this budget); ``torch.accelerator.empty_host_cache()`` (recent torch) gives them back."""
     return _int("DISTCKPT_MEMORY_BUDGET_BYTES", 1 << 30, minimum=1)
 
 
