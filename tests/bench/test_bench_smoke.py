@@ -15,19 +15,19 @@ def test_bench_suite_runs_every_peer_at_a_tiny_size(tmp_path, capsys):
     assert (tmp_path / "r.json").exists()
 
 
-def test_cuda_bench_reports_recorded_results_and_refuses_without_a_gpu(capsys):
+def test_gpu_bench_reports_recorded_results_and_refuses_without_a_gpu(capsys):
     import json
     from pathlib import Path
 
     import pytest
     import torch
 
-    from bench import cuda
+    from bench import gpu
 
-    recorded = json.loads((Path(cuda.__file__).parent / "results" / "cuda-h100-2gib.json").read_text())
-    lines = cuda.report(recorded)
+    recorded = json.loads((Path(gpu.__file__).parent / "results" / "cuda-h100-2gib.json").read_text())
+    lines = gpu.report(recorded)
     assert any(line.strip().startswith("dcp|save") and line.rstrip().endswith("x") for line in lines)
     assert any("train slowdown" in line for line in lines)
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="needs a CUDA device"):
-            cuda.main(["--gib", "0.01"])
+            gpu.main(["--gib", "0.01"])

@@ -1,6 +1,6 @@
 """Checkpointing a state that lives in GPU memory: distckpt beside DCP, torch.save and safetensors.
 
-    python -m bench.cuda --gib 4 --dir /dev/shm --dir /tmp     # on a machine with a CUDA device
+    python -m bench.gpu --gib 4 --dir /dev/shm --dir /tmp     # on a machine with a CUDA device
 
 For each location it measures, best of ``--repeat``:
 - the floors: one copy of the state into preallocated pinned host buffers (device to host)
@@ -189,7 +189,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        sys.exit("bench.cuda needs a CUDA device")
+        sys.exit("bench.gpu needs a CUDA device")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_port()}", rank=0, world_size=1,
                             timeout=timedelta(minutes=10))
     sd = gpt_like_cuda(int(args.gib * (1 << 30)))
