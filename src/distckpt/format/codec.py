@@ -440,25 +440,11 @@ def _parse_metadata(raw: bytes, where: str) -> Metadata:
         total_chunks += len(chunks_raw)
         if total_chunks > MAX_CHUNKS:
             raise CorruptCheckpointError(f"{where}: more than {MAX_CHUNKS} chunks")
-        chunks = []
         width = itemsize(props.dtype)
-        ndim = len(size)
-        for c in chunks_raw:
-            if fsd is None:
-                chunk = _dec_chunk(c, here)
-            else:
-                if type(c) is not list or len(c) != 5:
-                    raise CorruptCheckpointError(f"{here}: malformed chunk {c!r:.200}")
-                chunk = ChunkStorageMetadata(_ints(c[0], here), _ints(c[1], here))
-            offsets, sizes = chunk.offsets, chunk.sizes
-            if len(offsets) != ndim or len(sizes) != ndim:
-                raise CorruptCheckpointError(f"{here}: chunk {list(offsets)}+{list(sizes)} does not have the tensor's {ndim} dimensions")
-            for o, n, d in zip(offsets, sizes, size):
-                if o + n > d:
-                    raise CorruptCheckpointError(f"{here}: chunk {list(offsets)}+{list(sizes)} lies outside tensor of size {list(size)}")
-            if fsd is not None:
-                _add_item(fsd, file_list, MetadataIndex(fqn, offsets), c[2], c[3], math.prod(sizes) * width, c[4], here)
-            chunks.append(chunk)
+        if fsd is None:
+            chunks = [_checked_chunk(_dec_chunk(c, here), size, here) for c in chunks_raw]
+        else:
+            chunks = _inline_chunks(chunks_raw, fqn, size, width, fsd, file_list, here)
         sdm[fqn] = TensorStorageMetadata(props, size, chunks)
     sm_raw = body.get("storage_meta")
     sm = None
@@ -483,6 +469,77 @@ def _parse_metadata(raw: bytes, where: str) -> Metadata:
         # In 2.x each location sits in its chunk, with the length the chunk implies.
         _cross_check(md, md.storage_data, where)
     return md
+
+
+def _checked_chunk(chunk: ChunkStorageMetadata, size: torch.Size, here: str) -> ChunkStorageMetadata:
+    """``chunk``, once its box is known to lie inside a tensor of ``size``."""
+    offsets, sizes, ndim = chunk.offsets, chunk.sizes, len(size)
+    if len(offsets) != ndim or len(sizes) != ndim:
+        raise CorruptCheckpointError(f"{here}: chunk {list(offsets)}+{list(sizes)} does not have the tensor's {ndim} dimensions")
+    for o, n, d in zip(offsets, sizes, size):
+        if o + n > d:
+            raise CorruptCheckpointError(f"{here}: chunk {list(offsets)}+{list(sizes)} lies outside tensor of size {list(size)}")
+    return chunk
+
+
+def _inline_chunk(c: Any, fqn: str, size: torch.Size, width: int, fsd: FileStorageData, file_list: list,
+                  here: str) -> ChunkStorageMetadata:
+    """One format-2.x chunk ``[offsets, sizes, file, begin, crc]``, checked field by field: the reference
+    for :func:`_inline_chunks`, and what names the fault when its fast checks fail."""
+    if type(c) is not list or len(c) != 5:
+        raise CorruptCheckpointError(f"{here}: malformed chunk {c!r:.200}")
+    chunk = _checked_chunk(ChunkStorageMetadata(_ints(c[0], here), _ints(c[1], here)), size, here)
+    _add_item(fsd, file_list, MetadataIndex(fqn, chunk.offsets), c[2], c[3], math.prod(chunk.sizes) * width, c[4], here)
+    return chunk
+
+
+_new = object.__new__
+
+
+def _inline_chunks(chunks_raw: list, fqn: str, size: torch.Size, width: int, fsd: FileStorageData, file_list: list,
+                   here: str) -> list:
+    """The chunks of one tensor entry, their locations added to ``fsd.items``.
+
+    The hot loop of decoding metadata at thousands of ranks: the checks of
+    :func:`_inline_chunk`, fused, and objects built without their
+    constructors' per-field work. Anything the fast checks do not accept
+    goes through :func:`_inline_chunk`, which raises the precise error.
+    """
+    ndim = len(size)
+    dims = tuple(size)
+    items = fsd.items
+    nfiles = len(file_list)
+    chunks = []
+    for c in chunks_raw:
+        if type(c) is list and len(c) == 5:
+            o_raw, s_raw, file_no, begin, crc = c
+            if type(o_raw) is list and type(s_raw) is list and len(o_raw) == ndim and len(s_raw) == ndim:
+                nbytes = width
+                for o, n, d in zip(o_raw, s_raw, dims):
+                    # d <= _MAX_INT was checked with the size, so o + n <= d bounds o and n too
+                    if type(o) is not int or type(n) is not int or o < 0 or n < 0 or o + n > d:
+                        break
+                    nbytes *= n
+                else:
+                    if (type(file_no) is int and 0 <= file_no < nfiles and type(begin) is int and 0 <= begin
+                            and type(crc) is int and 0 <= crc <= 0xFFFFFFFF):
+                        name, info = file_list[file_no]
+                        if begin + nbytes <= info.size:
+                            offsets = torch.Size(o_raw)
+                            chunk = _new(ChunkStorageMetadata)
+                            chunk.__dict__.update(offsets=offsets, sizes=torch.Size(s_raw))
+                            index = _new(MetadataIndex)
+                            index.__dict__.update(fqn=fqn, offset=offsets, index=None)
+                            si = _new(StorageInfo)
+                            si.__dict__.update(file=name, offset=begin, length=nbytes, crc32c=crc)
+                            count = len(items)
+                            items[index] = si
+                            if len(items) == count:
+                                raise CorruptCheckpointError(f"{here}: chunk {list(offsets)} is listed twice")
+                            chunks.append(chunk)
+                            continue
+        chunks.append(_inline_chunk(c, fqn, size, width, fsd, file_list, here))  # raises the precise error
+    return chunks
 
 
 def _dec_file_table(data: Any, where: str) -> FileStorageData:
