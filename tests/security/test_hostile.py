@@ -258,3 +258,70 @@ def test_overlapping_locations_are_refused(good):
     b[2], b[3] = a[2], a[3]
     with pytest.raises(CorruptCheckpointError, match="overlap"):
         parse_metadata(_doc(body), "test")
+
+
+_field = st.sampled_from([-1, -3, True, None, 2**32, 2**63, "x", [1], [1, 2, 3], 1.5, 7, 65, 201])  # as _HOSTILE
+
+
+@st.composite
+def _chunk_rows(draw):
+    """A plausible format-2.x chunk row, often with one field made hostile."""
+    row = [[draw(st.integers(0, 10)), draw(st.integers(0, 6))], [draw(st.integers(0, 10)), draw(st.integers(0, 6))],
+           draw(st.integers(0, 1)), draw(st.integers(0, 200)), draw(st.integers(0, 2**32 - 1))]
+    if draw(st.booleans()):
+        where = draw(st.sampled_from([(0,), (1,), (0, 0), (0, 1), (1, 0), (1, 1), (2,), (3,), (4,)]))
+        node = row
+        for i in where[:-1]:
+            node = node[i]
+        node[where[-1]] = draw(_field)
+    if draw(st.integers(0, 9)) == 0:
+        return draw(st.one_of(_field, st.just(row[:4]), st.just(row + [0])))
+    return row
+
+
+def _fast_and_reference_agree(chunks_raw) -> None:
+    """The hot loop of metadata decoding accepts, builds and refuses exactly what the careful path does."""
+    from distckpt.format.codec import _inline_chunk, _inline_chunks
+    from distckpt.format.records import FileInfo, FileStorageData
+
+    size = torch.Size([10, 6])
+    files = {"a.safetensors": FileInfo(200, 0, 0), "b.safetensors": FileInfo(64, 1, 0)}
+
+    def run(decode):
+        fsd = FileStorageData("s", dict(files), {})
+        try:
+            return decode(fsd), fsd.items, None
+        except CorruptCheckpointError as exc:
+            return None, None, str(exc)
+
+    fast = run(lambda fsd: _inline_chunks(chunks_raw, "w", size, 4, fsd, list(fsd.files.items()), "here"))
+    ref = run(lambda fsd: [_inline_chunk(c, "w", size, 4, fsd, list(fsd.files.items()), "here") for c in chunks_raw])
+    assert fast[2] == ref[2], chunks_raw
+    if fast[2] is None:
+        assert fast[0] == ref[0] and fast[1] == ref[1]
+        assert all(type(c.offsets) is torch.Size and type(c.sizes) is torch.Size for c in fast[0])
+        assert [hash(k) for k in fast[1]] == [hash(k) for k in ref[1]]
+
+
+_HOSTILE = [-1, -3, True, None, 2**32, 2**63, "x", [1], [1, 2, 3], 1.5, 7, 65, 201]
+
+
+def test_fast_chunk_decoding_agrees_with_the_reference_on_every_single_hostile_field():
+    _fast_and_reference_agree([[[2, 1], [3, 4], 0, 8, 5], [[5, 0], [5, 6], 1, 0, 7]])  # valid: both build
+    for where in [(0,), (1,), (0, 0), (0, 1), (1, 0), (1, 1), (2,), (3,), (4,)]:
+        for value in _HOSTILE:
+            row = [[2, 1], [3, 4], 0, 8, 5]
+            node = row
+            for i in where[:-1]:
+                node = node[i]
+            node[where[-1]] = value
+            _fast_and_reference_agree([[[0, 0], [1, 1], 1, 0, 0], row])
+    for row in ([[2, 1], [3, 4], 0, 8], [[2, 1], [3, 4], 0, 8, 5, 0], "x", None, [[2, 1], [3, 4], 0, 190, 5]):
+        _fast_and_reference_agree([row])
+    _fast_and_reference_agree([[[2, 1], [3, 4], 0, 8, 5], [[2, 1], [1, 1], 1, 0, 0]])  # the same chunk twice
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_chunk_rows(), max_size=6))
+def test_fast_chunk_decoding_agrees_with_the_field_by_field_reference(chunks_raw):
+    _fast_and_reference_agree(chunks_raw)
