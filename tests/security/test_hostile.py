@@ -281,7 +281,7 @@ def _chunk_rows(draw):
 
 def _fast_and_reference_agree(chunks_raw) -> None:
     """The hot loop of metadata decoding accepts, builds and refuses exactly what the careful path does."""
-    from distckpt.format.codec import _inline_chunk, _inline_chunks
+    from distckpt.format.locations import inline_chunk, inline_chunks
     from distckpt.format.records import FileInfo, FileStorageData
 
     size = torch.Size([10, 6])
@@ -294,8 +294,8 @@ def _fast_and_reference_agree(chunks_raw) -> None:
         except CorruptCheckpointError as exc:
             return None, None, str(exc)
 
-    fast = run(lambda fsd: _inline_chunks(chunks_raw, "w", size, 4, fsd, list(fsd.files.items()), "here"))
-    ref = run(lambda fsd: [_inline_chunk(c, "w", size, 4, fsd, list(fsd.files.items()), "here") for c in chunks_raw])
+    fast = run(lambda fsd: inline_chunks(chunks_raw, "w", size, 4, fsd, list(fsd.files.items()), "here"))
+    ref = run(lambda fsd: [inline_chunk(c, "w", size, 4, fsd, list(fsd.files.items()), "here") for c in chunks_raw])
     assert fast[2] == ref[2], chunks_raw
     if fast[2] is None:
         assert fast[0] == ref[0] and fast[1] == ref[1]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import re
 from typing import Any, Optional
 
@@ -40,27 +39,15 @@ from ..storage import WriteResult
 from . import FORMAT_NAME, FORMAT_VERSION_STR
 from .checksum import crc32c, format_crc
 from .dtypes import dtype_from_name, dtype_name, itemsize
+from .fields import MAX_INT as _MAX_INT, ints as _ints
+from .locations import add_item, check_no_overlap, checked_chunk, cross_check, decode_file_table, inline_chunks
 from .records import FileInfo, FileStorageData, StorageInfo
 from .values import from_data, to_data
 
-MAX_DIMS = 64
 MAX_KEYS = 10_000_000
 MAX_CHUNKS = 10_000_000
-_MAX_INT = (1 << 63) - 1
 
 # ---------------------------------------------------------------- small parts
-
-
-def _ints(value: Any, where: str, *, allow_none: bool = False) -> Optional[torch.Size]:
-    if value is None and allow_none:
-        return None
-    if type(value) is list and len(value) <= MAX_DIMS:
-        for x in value:
-            if type(x) is not int or x < 0 or x > _MAX_INT:
-                break
-        else:
-            return torch.Size(value)
-    raise CorruptCheckpointError(f"{where}: expected a list of at most {MAX_DIMS} non-negative integers, got {value!r:.200}")
 
 
 def _enc_index(index: MetadataIndex) -> list:
@@ -237,7 +224,7 @@ def _dec_file_storage(data: Any, where: str) -> FileStorageData:
         if index in items:
             raise CorruptCheckpointError(f"{where}: storage item {fqn!r} {entry[1]} is listed twice")
         items[index] = StorageInfo(fname, begin, length, _crc_field(crc, f"{where}: storage item {fqn!r}"))
-    _check_no_overlap(items, files, where)
+    check_no_overlap(items, files, where)
     return FileStorageData(save_id, files, items)
 
 
@@ -245,17 +232,6 @@ def _crc_field(value: Any, where: str) -> int:
     if isinstance(value, str) and re.fullmatch(r"[0-9a-f]{8}", value):
         return int(value, 16)
     raise CorruptCheckpointError(f"{where}: malformed checksum {value!r:.20}")
-
-
-def _check_no_overlap(items: dict, files: dict, where: str) -> None:
-    spans: dict[str, list] = {name: [] for name in files}
-    for index, si in items.items():
-        spans[si.file].append((si.offset, si.offset + si.length, index.fqn))
-    for name, lst in spans.items():
-        lst.sort()
-        for (b0, e0, k0), (b1, _, k1) in zip(lst, lst[1:]):
-            if b1 < e0:
-                raise CorruptCheckpointError(f"{where}: items {k0!r} and {k1!r} overlap in data file {name!r}")
 
 
 # ---------------------------------------------------------------- metadata document
@@ -416,7 +392,7 @@ def _parse_metadata(raw: bytes, where: str) -> Metadata:
         raise CorruptCheckpointError(f"{where}: more than {MAX_KEYS} keys")
     storage_raw = body.get("storage_data")
     inline = major >= 2 and isinstance(storage_raw, dict) and set(storage_raw) == {"$files"}
-    fsd = _dec_file_table(storage_raw["$files"], where) if inline else None
+    fsd = decode_file_table(storage_raw["$files"], where) if inline else None
     file_list = list(fsd.files.items()) if fsd is not None else []
     sdm: dict = {}
     total_chunks = 0
@@ -430,7 +406,7 @@ def _parse_metadata(raw: bytes, where: str) -> Metadata:
                 at = entry.get("at")
                 if not isinstance(at, list) or len(at) != 4:
                     raise CorruptCheckpointError(f"{here}: value has no valid location")
-                _add_item(fsd, file_list, MetadataIndex(fqn), at[0], at[1], at[2], at[3], here)
+                add_item(fsd, file_list, MetadataIndex(fqn), at[0], at[1], at[2], at[3], here)
             continue
         size = _ints(entry.get("size"), here)
         props = _dec_props(entry.get("properties"), here)
@@ -442,9 +418,9 @@ def _parse_metadata(raw: bytes, where: str) -> Metadata:
             raise CorruptCheckpointError(f"{where}: more than {MAX_CHUNKS} chunks")
         width = itemsize(props.dtype)
         if fsd is None:
-            chunks = [_checked_chunk(_dec_chunk(c, here), size, here) for c in chunks_raw]
+            chunks = [checked_chunk(_dec_chunk(c, here), size, here) for c in chunks_raw]
         else:
-            chunks = _inline_chunks(chunks_raw, fqn, size, width, fsd, file_list, here)
+            chunks = inline_chunks(chunks_raw, fqn, size, width, fsd, file_list, here)
         sdm[fqn] = TensorStorageMetadata(props, size, chunks)
     sm_raw = body.get("storage_meta")
     sm = None
@@ -454,7 +430,7 @@ def _parse_metadata(raw: bytes, where: str) -> Metadata:
         sm = StorageMeta(sm_raw.get("checkpoint_id"), sm_raw.get("save_id"), sm_raw.get("load_id"), list(sm_raw.get("modules") or []))
     if fsd is not None:
         storage_data: Any = fsd
-        _check_no_overlap(fsd.items, fsd.files, where)
+        check_no_overlap(fsd.items, fsd.files, where)
     else:
         storage_data = _opaque_from(storage_raw, f"{where}: storage_data", False)
     md = Metadata(
@@ -467,142 +443,7 @@ def _parse_metadata(raw: bytes, where: str) -> Metadata:
     if isinstance(md.storage_data, FileStorageData) and fsd is None:
         # format 1.x lists locations apart from the entries: check they match one to one.
         # In 2.x each location sits in its chunk, with the length the chunk implies.
-        _cross_check(md, md.storage_data, where)
+        cross_check(md, md.storage_data, where)
     return md
 
 
-def _checked_chunk(chunk: ChunkStorageMetadata, size: torch.Size, here: str) -> ChunkStorageMetadata:
-    """``chunk``, once its box is known to lie inside a tensor of ``size``."""
-    offsets, sizes, ndim = chunk.offsets, chunk.sizes, len(size)
-    if len(offsets) != ndim or len(sizes) != ndim:
-        raise CorruptCheckpointError(f"{here}: chunk {list(offsets)}+{list(sizes)} does not have the tensor's {ndim} dimensions")
-    for o, n, d in zip(offsets, sizes, size):
-        if o + n > d:
-            raise CorruptCheckpointError(f"{here}: chunk {list(offsets)}+{list(sizes)} lies outside tensor of size {list(size)}")
-    return chunk
-
-
-def _inline_chunk(c: Any, fqn: str, size: torch.Size, width: int, fsd: FileStorageData, file_list: list,
-                  here: str) -> ChunkStorageMetadata:
-    """One format-2.x chunk ``[offsets, sizes, file, begin, crc]``, checked field by field: the reference
-    for :func:`_inline_chunks`, and what names the fault when its fast checks fail."""
-    if type(c) is not list or len(c) != 5:
-        raise CorruptCheckpointError(f"{here}: malformed chunk {c!r:.200}")
-    chunk = _checked_chunk(ChunkStorageMetadata(_ints(c[0], here), _ints(c[1], here)), size, here)
-    _add_item(fsd, file_list, MetadataIndex(fqn, chunk.offsets), c[2], c[3], math.prod(chunk.sizes) * width, c[4], here)
-    return chunk
-
-
-_new = object.__new__
-
-
-def _inline_chunks(chunks_raw: list, fqn: str, size: torch.Size, width: int, fsd: FileStorageData, file_list: list,
-                   here: str) -> list:
-    """The chunks of one tensor entry, their locations added to ``fsd.items``.
-
-    The hot loop of decoding metadata at thousands of ranks: the checks of
-    :func:`_inline_chunk`, fused, and objects built without their
-    constructors' per-field work. Anything the fast checks do not accept
-    goes through :func:`_inline_chunk`, which raises the precise error.
-    """
-    ndim = len(size)
-    dims = tuple(size)
-    items = fsd.items
-    nfiles = len(file_list)
-    chunks = []
-    for c in chunks_raw:
-        if type(c) is list and len(c) == 5:
-            o_raw, s_raw, file_no, begin, crc = c
-            if type(o_raw) is list and type(s_raw) is list and len(o_raw) == ndim and len(s_raw) == ndim:
-                nbytes = width
-                for o, n, d in zip(o_raw, s_raw, dims):
-                    # d <= _MAX_INT was checked with the size, so o + n <= d bounds o and n too
-                    if type(o) is not int or type(n) is not int or o < 0 or n < 0 or o + n > d:
-                        break
-                    nbytes *= n
-                else:
-                    if (type(file_no) is int and 0 <= file_no < nfiles and type(begin) is int and 0 <= begin
-                            and type(crc) is int and 0 <= crc <= 0xFFFFFFFF):
-                        name, info = file_list[file_no]
-                        if begin + nbytes <= info.size:
-                            offsets = torch.Size(o_raw)
-                            chunk = _new(ChunkStorageMetadata)
-                            chunk.__dict__.update(offsets=offsets, sizes=torch.Size(s_raw))
-                            index = _new(MetadataIndex)
-                            index.__dict__.update(fqn=fqn, offset=offsets, index=None)
-                            si = _new(StorageInfo)
-                            si.__dict__.update(file=name, offset=begin, length=nbytes, crc32c=crc)
-                            count = len(items)
-                            items[index] = si
-                            if len(items) == count:
-                                raise CorruptCheckpointError(f"{here}: chunk {list(offsets)} is listed twice")
-                            chunks.append(chunk)
-                            continue
-        chunks.append(_inline_chunk(c, fqn, size, width, fsd, file_list, here))  # raises the precise error
-    return chunks
-
-
-def _dec_file_table(data: Any, where: str) -> FileStorageData:
-    """The ``$files`` member of format 2.x: save id and data-file table, items filled in from the entries."""
-    from .names import check_file_name
-
-    if not isinstance(data, dict) or set(data) != {"save_id", "files"}:
-        raise CorruptCheckpointError(f"{where}: malformed storage data")
-    save_id, files_raw = data["save_id"], data["files"]
-    if not isinstance(save_id, str) or not isinstance(files_raw, list):
-        raise CorruptCheckpointError(f"{where}: malformed storage data")
-    files = {}
-    for info in files_raw:
-        if not (isinstance(info, list) and len(info) == 4):
-            raise CorruptCheckpointError(f"{where}: malformed data-file entry {info!r:.200}")
-        name = check_file_name(info[0], where)
-        if not (all(type(x) is int and 0 <= x <= _MAX_INT for x in info[1:3]) and _is_crc(info[3])):
-            raise CorruptCheckpointError(f"{where}: malformed entry for data file {name!r}")
-        if name in files:
-            raise CorruptCheckpointError(f"{where}: data file {name!r} is listed twice")
-        files[name] = FileInfo(info[1], info[2], info[3])
-    return FileStorageData(save_id, files, {})
-
-
-def _is_crc(value: Any) -> bool:
-    return type(value) is int and 0 <= value <= 0xFFFFFFFF
-
-
-def _add_item(fsd: FileStorageData, file_list: list, index: MetadataIndex, file_no: Any, begin: Any, length: int,
-              crc: Any, where: str) -> None:
-    if type(file_no) is not int or not 0 <= file_no < len(file_list):
-        raise CorruptCheckpointError(f"{where}: location names data file #{file_no!r:.20}, which the file table lacks")
-    name, info = file_list[file_no]
-    if not (type(begin) is int and type(length) is int and 0 <= begin <= _MAX_INT and 0 <= length and begin + length <= info.size):
-        raise CorruptCheckpointError(f"{where}: stored bytes {begin!r:.20}+{length} lie outside data file {name!r}")
-    if type(crc) is not int or not 0 <= crc <= 0xFFFFFFFF:
-        raise CorruptCheckpointError(f"{where}: malformed checksum {crc!r:.20}")
-    items = fsd.items
-    count = len(items)
-    items[index] = StorageInfo(name, begin, length, crc)
-    if len(items) == count:
-        raise CorruptCheckpointError(f"{where}: chunk {list(index.offset or [])} is listed twice")
-
-
-def _cross_check(md: Metadata, fsd: FileStorageData, where: str) -> None:
-    """Every stored chunk and value has exactly one storage item of the right length."""
-    expected = 0
-    for fqn, entry in md.state_dict_metadata.items():
-        if isinstance(entry, TensorStorageMetadata):
-            size = itemsize(entry.properties.dtype)
-            for c in entry.chunks:
-                si = fsd.items.get(MetadataIndex(fqn, c.offsets))
-                if si is None:
-                    raise CorruptCheckpointError(f"{where}: key {fqn!r} chunk {list(c.offsets)} has no storage item")
-                want = math.prod(c.sizes) * size
-                if si.length != want:
-                    raise CorruptCheckpointError(
-                        f"{where}: key {fqn!r} chunk {list(c.offsets)}: {si.length} bytes stored, shape {list(c.sizes)} "
-                        f"of {entry.properties.dtype} needs {want}")
-                expected += 1
-        else:
-            if MetadataIndex(fqn) not in fsd.items:
-                raise CorruptCheckpointError(f"{where}: value {fqn!r} has no storage item")
-            expected += 1
-    if expected != len(fsd.items):
-        raise CorruptCheckpointError(f"{where}: {len(fsd.items)} storage items for {expected} chunks and values")
