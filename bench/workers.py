@@ -11,7 +11,7 @@ import torch.distributed as dist
 from .measure import best, drop_cache, measure
 from .states import gpt_like, many_small, nbytes
 
-PEERS = ("distckpt", "dcp", "torch.save", "safetensors")
+PEERS = ("distckpt", "dcp", "torch.save", "safetensors", "raw")
 
 
 def _local_state(total: int, world_size: int, rank: int, sharded: bool):
@@ -60,8 +60,52 @@ def _fsync_file(path: str) -> None:
     os.close(dfd)
 
 
+def _raw_views(tensors: dict) -> list[memoryview]:
+    return [memoryview(t.detach().contiguous().view(-1).view(torch.uint8).numpy()) for t in tensors.values()]
+
+
+def _raw_io(local: dict, path: str, rank: int, write: bool) -> None:
+    """The floor: this rank's tensor bytes written to (or read into) one file with positioned vectored
+    I/O from as many threads as distckpt uses, and nothing else: no format, checksum or metadata."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import distckpt.knobs as knobs
+
+    views = _raw_views(local)
+    offsets, pos = [], 0
+    for v in views:
+        offsets.append(pos)
+        pos += len(v)
+    f = os.path.join(path, f"rank{rank}.raw")
+    if write:
+        os.makedirs(path, exist_ok=True)
+    fd = os.open(f, (os.O_WRONLY | os.O_CREAT | os.O_TRUNC) if write else os.O_RDONLY, 0o644)
+    try:
+        threads = knobs.io_threads()
+        parts = [list(range(i, len(views), threads)) for i in range(threads)]
+
+        def run(part):
+            for i in part:
+                done, n = 0, len(views[i])
+                while done < n:
+                    piece = views[i][done:done + (1 << 30)]
+                    got = (os.pwrite if write else os.preadv)(fd, piece if write else [piece], offsets[i] + done)
+                    if got <= 0:
+                        raise OSError(f"short {'write' if write else 'read'} in {f}")
+                    done += got
+
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(run, parts))
+        if write and knobs.fsync_enabled():
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _save(peer, sd, local, path, rank):
-    if peer == "distckpt":
+    if peer == "raw":
+        _raw_io(local, path, rank, write=True)
+    elif peer == "distckpt":
         import distckpt
 
         distckpt.save(sd, checkpoint_id=path)
@@ -83,7 +127,9 @@ def _save(peer, sd, local, path, rank):
 
 
 def _load(peer, dest, dest_local, path, rank):
-    if peer == "distckpt":
+    if peer == "raw":
+        _raw_io(dest_local, path, rank, write=False)
+    elif peer == "distckpt":
         import distckpt
 
         distckpt.load(dest, checkpoint_id=path)
