@@ -35,9 +35,16 @@ class BlobWriter(abc.ABC):
 
 
 class BlobReader(abc.ABC):
-    """A blob being read: its size and positional reads from any thread."""
+    """A blob being read: its size and positional reads from any thread.
+
+    ``small_reads_are_cheap`` is a capability flag: a read of a few MiB costs
+    about what its bytes cost (a system call, a memory copy), not a request
+    round trip. Readers with it get reads in cache-sized windows, so that
+    checksums run on bytes still in the CPU cache.
+    """
 
     size: int
+    small_reads_are_cheap: bool = False
 
     @abc.abstractmethod
     def readinto(self, buf: memoryview, offset: int) -> int:

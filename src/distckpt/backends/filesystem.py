@@ -70,6 +70,8 @@ class _FdWriter(BlobWriter):
 
 
 class _FdReader(BlobReader):
+    small_reads_are_cheap = True
+
     def __init__(self, path: str):
         self.path = path
         try:

@@ -49,6 +49,8 @@ class _MemWriter(BlobWriter):
 
 
 class _MemReader(BlobReader):
+    small_reads_are_cheap = True
+
     def __init__(self, buf: bytearray):
         self.buf = buf
         self.size = len(buf)

@@ -129,13 +129,23 @@ def read_items(store: BlobStore, md: Metadata, plan: LoadPlan, planner: LoadPlan
 
     def run_direct(batch: list[tuple[MetadataIndex, torch.Tensor]]) -> None:
         first = infos[batch[0][0]]
+        blob = blobs[first.file]
         views = [writable_bytes(dest) for _, dest in batch]  # `batch` holds the destinations alive
-        got = blobs[first.file].readv(views, first.offset)
-        want = sum(len(v) for v in views)
-        if got != want:
-            raise CorruptCheckpointError(f"{here(batch[0][0])}: file {first.file!r} ends at {first.offset + got}, before offset {first.offset + want}; it is truncated")
-        for (index, dest), view in zip(batch, views):
-            _check(verify, crc32c(view), infos[index], here(index))
+        crcs = [0] * len(views)
+        # where reads are cheap, read a cache-sized window and checksum it while it is still in cache
+        window = _FUSED_WINDOW_BYTES if verify and blob.small_reads_are_cheap else sum(len(v) for v in views)
+        position = first.offset
+        for pieces in _windows(views, window):
+            want = sum(len(piece) for _, piece in pieces)
+            got = blob.readv([piece for _, piece in pieces], position)
+            if got != want:
+                raise CorruptCheckpointError(f"{here(batch[0][0])}: file {first.file!r} ends at {position + got}, before offset {position + want}; it is truncated")
+            if verify:
+                for j, piece in pieces:
+                    crcs[j] = crc32c(piece, crcs[j])
+            position += want
+        for (index, dest), crc in zip(batch, crcs):
+            _check(verify, crc, infos[index], here(index))
             with lock:
                 planner.commit_tensor(by_chunk[index][0], dest)
 
@@ -195,11 +205,17 @@ def read_items(store: BlobStore, md: Metadata, plan: LoadPlan, planner: LoadPlan
                     raw = memoryview(buf.numpy()).cast("B")[:n] if n else memoryview(bytearray(0))
                     _read_into(blob, raw, info.offset + a * row_bytes, here(index), info.file)
                 try:
-                    if check:
-                        crc = crc32c(raw, crc)
                     slab = data.view(dtype).reshape(((b - a),) + tuple(shape[1:])) if shape else data.view(dtype).reshape(())
-                    for item, dest in wanted:
-                        _copy_rows(item, dest, slab, a, b, shape, pending)
+                    # checksum a cache-sized run of rows, then copy from it while it is still in cache
+                    step = max(1, _FUSED_WINDOW_BYTES // max(1, row_bytes)) if check and shape else b - a
+                    for c in range(a, b, step):
+                        d = min(b, c + step)
+                        if check:
+                            crc = crc32c(raw[(c - a) * row_bytes:(d - a) * row_bytes], crc)
+                        part = slab.narrow(0, c - a, d - c) if shape else slab
+                        for item, dest in wanted:
+                            if _rows_meet(item, c, d, shape):
+                                _copy_rows(item, dest, part, c, d, shape, pending)
                 finally:
                     if pending:  # the next slab reuses the buffer
                         pending.wait()
@@ -243,6 +259,26 @@ def read_items(store: BlobStore, md: Metadata, plan: LoadPlan, planner: LoadPlan
 
 
 _SLAB_BYTES = 32 << 20
+_FUSED_WINDOW_BYTES = 2 << 20  # a few MiB: read, then checksummed from cache (measured: 2 MiB best of 0.25-4)
+
+
+def _windows(views: list[memoryview], size: int):
+    """``views`` (back to back in a file) in consecutive windows of about ``size`` bytes: each a list of
+    (index into views, piece of that view). A view larger than a window is split across windows."""
+    out: list[tuple[int, memoryview]] = []
+    room = size
+    for j, view in enumerate(views):
+        start = 0
+        while start < len(view) or (not len(view) and start == 0):
+            piece = view[start:start + room]
+            out.append((j, piece))
+            start += max(1, len(piece))
+            room -= len(piece)
+            if room <= 0:
+                yield out
+                out, room = [], size
+    if out:
+        yield out
 
 
 def _counted(fn, progress: Progress, n: int):
