@@ -34,6 +34,7 @@ from .blobs import BlobStore
 from .budget import ByteBudget
 from .device_copy import PendingCopies, caller_streams, to_host
 from .tensor_bytes import host_bytes
+from .windows import windows
 
 FILE_RESULT_PREFIX = "__file__:"
 
@@ -222,9 +223,12 @@ def write_file(store: BlobStore, name: str, save_id: str, rank: int, plan: SaveP
                         owners.append(owner)  # keeps the memory behind each view alive until written
                         views.append(data)
                     pending.wait()
-                    for j, data in zip(batch, views):
-                        crcs[members[j]] = crc32c(data)
-                    blob.pwritev(views, offsets[members[batch[0]]])
+                    position = offsets[members[batch[0]]]
+                    for pieces in windows(views):  # checksum each window just written, from cache
+                        blob.pwritev([piece for _, piece in pieces], position)
+                        for j, piece in pieces:
+                            crcs[members[batch[j]]] = crc32c(piece, crcs[members[batch[j]]])
+                        position += sum(len(piece) for _, piece in pieces)
                     progress.advance(sum(len(v) for v in views))
                 finally:
                     if held:

@@ -23,6 +23,7 @@ from .budget import ByteBudget
 from .device_copy import PendingCopies, caller_streams, host_buffer, to_device, uses_pinned
 from .tasks import run_tasks
 from .tensor_bytes import writable_bytes
+from .windows import WINDOW_BYTES, windows
 
 
 def open_and_validate(store: BlobStore, fsd: FileStorageData, names, where: str) -> dict[str, BlobReader]:
@@ -133,9 +134,9 @@ def read_items(store: BlobStore, md: Metadata, plan: LoadPlan, planner: LoadPlan
         views = [writable_bytes(dest) for _, dest in batch]  # `batch` holds the destinations alive
         crcs = [0] * len(views)
         # where reads are cheap, read a cache-sized window and checksum it while it is still in cache
-        window = _FUSED_WINDOW_BYTES if verify and blob.small_reads_are_cheap else sum(len(v) for v in views)
+        window = WINDOW_BYTES if verify and blob.small_reads_are_cheap else sum(len(v) for v in views)
         position = first.offset
-        for pieces in _windows(views, window):
+        for pieces in windows(views, window):
             want = sum(len(piece) for _, piece in pieces)
             got = blob.readv([piece for _, piece in pieces], position)
             if got != want:
@@ -207,7 +208,7 @@ def read_items(store: BlobStore, md: Metadata, plan: LoadPlan, planner: LoadPlan
                 try:
                     slab = data.view(dtype).reshape(((b - a),) + tuple(shape[1:])) if shape else data.view(dtype).reshape(())
                     # checksum a cache-sized run of rows, then copy from it while it is still in cache
-                    step = max(1, _FUSED_WINDOW_BYTES // max(1, row_bytes)) if check and shape else b - a
+                    step = max(1, WINDOW_BYTES // max(1, row_bytes)) if check and shape else b - a
                     for c in range(a, b, step):
                         d = min(b, c + step)
                         if check:
@@ -259,26 +260,6 @@ def read_items(store: BlobStore, md: Metadata, plan: LoadPlan, planner: LoadPlan
 
 
 _SLAB_BYTES = 32 << 20
-_FUSED_WINDOW_BYTES = 2 << 20  # a few MiB: read, then checksummed from cache (measured: 2 MiB best of 0.25-4)
-
-
-def _windows(views: list[memoryview], size: int):
-    """``views`` (back to back in a file) in consecutive windows of about ``size`` bytes: each a list of
-    (index into views, piece of that view). A view larger than a window is split across windows."""
-    out: list[tuple[int, memoryview]] = []
-    room = size
-    for j, view in enumerate(views):
-        start = 0
-        while start < len(view) or (not len(view) and start == 0):
-            piece = view[start:start + room]
-            out.append((j, piece))
-            start += max(1, len(piece))
-            room -= len(piece)
-            if room <= 0:
-                yield out
-                out, room = [], size
-    if out:
-        yield out
 
 
 def _counted(fn, progress: Progress, n: int):

@@ -1,4 +1,4 @@
-"""Reads in cache-sized windows: every byte lands where it belongs and is checksummed exactly once."""
+"""I/O in cache-sized windows: every byte lands where it belongs and is checksummed exactly once."""
 
 import os
 
@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 import distckpt
 from distckpt.backends import reading
+from distckpt.backends.windows import windows
 from distckpt.errors import CorruptCheckpointError
 from distckpt.format.checksum import crc32c
 
@@ -17,12 +18,13 @@ from distckpt.format.checksum import crc32c
 @given(st.lists(st.integers(0, 50), max_size=8), st.integers(1, 40))
 def test_windows_cover_each_view_in_order_and_fill_every_window_but_the_last(sizes, size):
     views = [memoryview(bytes(range(n))) for n in sizes]
-    windows = list(reading._windows(views, size))
+    got = list(windows(views, size))
     for j, view in enumerate(views):
-        assert b"".join(bytes(p) for w in windows for i, p in w if i == j) == bytes(view)
-    lengths = [sum(len(p) for _, p in w) for w in windows]
+        assert b"".join(bytes(p) for w in got for i, p in w if i == j) == bytes(view)
+        assert any(i == j for w in got for i, _ in w)  # even an empty view is seen
+    lengths = [sum(len(p) for _, p in w) for w in got]
     assert all(n == size for n in lengths[:-1]) and (not lengths or lengths[-1] <= size)
-    order = [i for w in windows for i, p in w if len(p)]
+    order = [i for w in got for i, p in w if len(p)]
     assert order == sorted(order)
 
 
@@ -32,7 +34,7 @@ def _state():
             "small": torch.randn(100, generator=g), "ids": torch.arange(1000)}
 
 
-def test_load_across_windows_is_exact_and_a_flip_in_a_later_window_is_caught(tmp_path):
+def test_save_and_load_across_windows_are_exact_and_a_flip_in_a_later_window_is_caught(tmp_path):
     sd = _state()
     ck = str(tmp_path / "ck")
     distckpt.save(sd, checkpoint_id=ck)
@@ -41,6 +43,8 @@ def test_load_across_windows_is_exact_and_a_flip_in_a_later_window_is_caught(tmp
     assert all(torch.equal(out[k], sd[k]) for k in sd)
 
     info = distckpt.read_metadata(ck).storage_data.items[distckpt.metadata.MetadataIndex("big", [0])]
+    assert info.crc32c == crc32c(sd["big"].numpy().tobytes())  # the save checksummed its windows in order
+    distckpt.verify(ck)
     path = os.path.join(ck, info.file)
     with open(path, "r+b") as f:
         f.seek(info.offset + (3 << 20) + 5)
