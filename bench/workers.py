@@ -277,4 +277,34 @@ def async_round(rank, world_size, total, location, repeat=1):
     out["async|total"] = best(totals).as_dict()
     for p in (path, path + "-sync"):
         shutil.rmtree(p, ignore_errors=True)
+    out["train"] = _train_during_write(sd, path + "-train")
     return out
+
+
+def _train_during_write(sd, path):
+    """Steps per second of a compute loop on every core, alone and while an async save's write runs."""
+    import time
+
+    import distckpt
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)
+    a = torch.randn(512, 512)
+
+    def rate(stop):
+        n, t0 = 0, time.perf_counter()
+        while not stop(t0):
+            a @ a
+            n += 1
+        return n / (time.perf_counter() - t0)
+    try:
+        alone = rate(lambda t0: time.perf_counter() - t0 > 2.0)
+        t0 = time.perf_counter()
+        handle = distckpt.async_save(sd, checkpoint_id=path)
+        during = rate(lambda _: handle.done())
+        write = time.perf_counter() - t0
+        handle.result()
+    finally:
+        torch.set_num_threads(threads)
+        shutil.rmtree(path, ignore_errors=True)
+    return {"alone_steps_per_s": alone, "during_steps_per_s": during, "write_s": write}

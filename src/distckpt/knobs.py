@@ -20,6 +20,7 @@ __all__ = [
     "max_header_bytes",
     "collective_timeout_s",
     "allow_pickle_transport",
+    "async_write_nice",
     "progress_mode",
     "s3_part_bytes",
     "s3_upload_concurrency",
@@ -115,6 +116,13 @@ def max_header_bytes() -> int:
 def collective_timeout_s() -> float:
     """Seconds a rank waits on the others in one checkpoint phase (DISTCKPT_TIMEOUT_S, default 600)."""
     return float(_int("DISTCKPT_TIMEOUT_S", 600, minimum=1))
+
+
+def async_write_nice() -> int:
+    """How much lower the CPU priority of async_save's background write is than the caller's
+    (DISTCKPT_ASYNC_NICE, default 10, Linux; 0 keeps it equal). Training threads and the
+    staging copy come first; the write takes what CPU they leave."""
+    return _int("DISTCKPT_ASYNC_NICE", 10, minimum=0)
 
 
 def allow_pickle_transport() -> bool:

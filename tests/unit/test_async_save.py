@@ -1,5 +1,9 @@
 """async_save: the bytes on disk are the state at staging time; errors surface on the handle."""
 
+import os
+import sys
+import threading
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -123,3 +127,15 @@ def test_staging_pool_stages_exact_copies_in_disjoint_buffers_and_keeps_two_layo
         keys = {(("%s" % k,), tuple(shape), dtype) for k, (shape, dtype) in layout.items()}
         seen.append(keys)
         assert set(pool.buffers) == set().union(*seen[-2:])  # exactly the last two stagings' buffers
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux")
+def test_the_background_write_runs_at_a_lower_cpu_priority_than_the_caller(tmp_path):
+    seen = []
+    tid = threading.get_native_id()
+    mine = os.getpriority(os.PRIO_PROCESS, tid)
+    h = distckpt.async_save({"w": torch.ones(8)}, checkpoint_id=tmp_path / "a",
+                            on_commit=lambda md: seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+    h.result(timeout=60)
+    assert os.getpriority(os.PRIO_PROCESS, tid) == mine  # the caller's threads keep theirs
+    assert seen == [min(19, mine + distckpt.knobs.async_write_nice())]
