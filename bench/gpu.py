@@ -77,10 +77,14 @@ def _train_steps(n: int) -> float:
     return time.perf_counter() - t0
 
 
+# The CPU tables' "raw" row moves host memory; from GPU memory the floors are the pinned copies above.
+SYNC_PEERS = tuple(p for p in workers.PEERS if p != "raw")
+
+
 def peers(sd: dict, location: str, repeat: int) -> dict:
     size = nbytes(sd)
     out = {}
-    for peer in workers.PEERS:
+    for peer in SYNC_PEERS:
         path = os.path.join(location, f"cuda-{peer}")
         saves, loads = [], []
         dest = {k: torch.zeros_like(v) for k, v in sd.items()}
