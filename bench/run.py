@@ -6,7 +6,7 @@ side by side in one run, with ratios to distckpt.
 
 Ratios are peer time / distckpt time: above 1 means distckpt is faster. The
 ``raw`` row is the floor of each table: the same bytes moved with positioned
-vectored I/O from as many threads as distckpt uses, with no format, checksum
+vectored I/O from as many threads as distckpt uses, one file each, with no format, checksum
 or metadata. A target that asks for less time than ``raw`` cannot be met on
 that machine by any checkpoint format.
 """

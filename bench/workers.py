@@ -65,41 +65,44 @@ def _raw_views(tensors: dict) -> list[memoryview]:
 
 
 def _raw_io(local: dict, path: str, rank: int, write: bool) -> None:
-    """The floor: this rank's tensor bytes written to (or read into) one file with positioned vectored
-    I/O from as many threads as distckpt uses, and nothing else: no format, checksum or metadata."""
+    """The floor: this rank's tensor bytes written to (or read into) files with vectored I/O from as
+    many threads as distckpt uses, one file per thread (tmpfs and many file systems serialise
+    writes to one file), and nothing else: no format, checksum or metadata."""
     from concurrent.futures import ThreadPoolExecutor
 
     import distckpt.knobs as knobs
 
-    views = _raw_views(local)
-    offsets, pos = [], 0
+    views = [v for v in _raw_views(local) if len(v)]
+    threads = max(1, min(knobs.io_threads(), len(views)))
+    # contiguous runs of tensors, about equal in bytes, one per thread and file
+    total, parts, acc = sum(len(v) for v in views), [[] for _ in range(threads)], 0
     for v in views:
-        offsets.append(pos)
-        pos += len(v)
-    f = os.path.join(path, f"rank{rank}.raw")
+        parts[min(threads - 1, acc * threads // max(1, total))].append(v)
+        acc += len(v)
     if write:
         os.makedirs(path, exist_ok=True)
-    fd = os.open(f, (os.O_WRONLY | os.O_CREAT | os.O_TRUNC) if write else os.O_RDONLY, 0o644)
-    try:
-        threads = knobs.io_threads()
-        parts = [list(range(i, len(views), threads)) for i in range(threads)]
 
-        def run(part):
-            for i in part:
-                done, n = 0, len(views[i])
-                while done < n:
-                    piece = views[i][done:done + (1 << 30)]
-                    got = (os.pwrite if write else os.preadv)(fd, piece if write else [piece], offsets[i] + done)
+    def run(t: int) -> None:
+        f = os.path.join(path, f"rank{rank}.{t}.raw")
+        fd = os.open(f, (os.O_WRONLY | os.O_CREAT | os.O_TRUNC) if write else os.O_RDONLY, 0o644)
+        try:
+            pos = 0
+            for v in parts[t]:
+                done = 0
+                while done < len(v):
+                    piece = v[done:done + (1 << 30)]
+                    got = os.pwrite(fd, piece, pos) if write else os.preadv(fd, [piece], pos)
                     if got <= 0:
                         raise OSError(f"short {'write' if write else 'read'} in {f}")
                     done += got
+                    pos += got
+            if write and knobs.fsync_enabled():
+                os.fsync(fd)
+        finally:
+            os.close(fd)
 
-        with ThreadPoolExecutor(threads) as pool:
-            list(pool.map(run, parts))
-        if write and knobs.fsync_enabled():
-            os.fsync(fd)
-    finally:
-        os.close(fd)
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(run, range(threads)))
 
 
 def _save(peer, sd, local, path, rank):
