@@ -9,7 +9,7 @@ def test_bench_suite_runs_every_peer_at_a_tiny_size(tmp_path, capsys):
     out = capsys.readouterr().out
     for peer in ("distckpt", "dcp", "torch.save", "safetensors", "raw"):
         assert f"{peer}|save" in results["disk/1"] and f"{peer}|load" in results["tmpfs/2"]
-    assert "time vs distckpt" in out and "blocking / memcpy" in out and "training on every core while the write runs" in out
+    assert "time vs distckpt" in out and "blocking / memcpy" in out and "(copy + save: " in out and "training on every core while the write runs" in out
     assert {r["peer"] for r in results["planning"]} == {"distckpt", "dcp"}
     assert results["baselines"]["write_fsync_gbps"] > 0
     assert (tmp_path / "r.json").exists()
