@@ -71,14 +71,13 @@ def _raw_io(local: dict, path: str, rank: int, write: bool) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     import distckpt.knobs as knobs
+    from distckpt.backends.blob_storage import _MIN_FILE_BYTES, _split
 
-    views = [v for v in _raw_views(local) if len(v)]
-    threads = max(1, min(knobs.io_threads(), len(views)))
-    # contiguous runs of tensors, about equal in bytes, one per thread and file
-    total, parts, acc = sum(len(v) for v in views), [[] for _ in range(threads)], 0
-    for v in views:
-        parts[min(threads - 1, acc * threads // max(1, total))].append(v)
-        acc += len(v)
+    views = _raw_views(local)
+    # the same contiguous runs of tensors, one per thread and file, as distckpt's writer makes
+    total = sum(len(v) for v in views)
+    parts = [[views[i] for i in group] for group in _split([len(v) for v in views], max(1, min(knobs.io_threads(), total // _MIN_FILE_BYTES)))]
+    threads = len(parts)
     if write:
         os.makedirs(path, exist_ok=True)
 
