@@ -169,6 +169,8 @@ def test_large_rank_state_is_split_over_files_written_in_parallel(tmp_path, monk
     for name in files:
         with safe_open(str(tmp_path / "ck" / name), framework="pt") as f:
             assert len(list(f.keys())) == 2
+        with open(tmp_path / "ck" / name, "rb") as f:  # the data section starts on a page boundary
+            assert (8 + int.from_bytes(f.read(8), "little")) % 4096 == 0
     assert distckpt.verify(tmp_path / "ck").items == 6
     out = {k: torch.zeros_like(v) for k, v in sd.items()}
     distckpt.load(out, checkpoint_id=tmp_path / "ck")
