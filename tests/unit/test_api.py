@@ -177,6 +177,21 @@ def test_large_rank_state_is_split_over_files_written_in_parallel(tmp_path, monk
     assert all(torch.equal(out[k], sd[k]) for k in sd)
 
 
+def test_odd_sized_items_do_not_misalign_the_items_after_them(tmp_path):
+    # optimizer state interleaves 4-byte step counters with large tensors
+    sd = {}
+    for i in range(4):
+        sd[f"state.{i}.step"] = torch.tensor(float(i))
+        sd[f"state.{i}.exp_avg"] = torch.randn(64, 33)
+        sd[f"state.{i}.note"] = torch.arange(3, dtype=torch.int16)  # 6 bytes
+    md = distckpt.save(sd, checkpoint_id=tmp_path / "ck")
+    offsets = {index.fqn: info.offset for index, info in md.storage_data.items.items()}
+    assert all(offsets[f"state.{i}.exp_avg"] % 64 == 0 for i in range(4)), offsets
+    out = {k: torch.zeros_like(v) for k, v in sd.items()}
+    distckpt.load(out, checkpoint_id=tmp_path / "ck")
+    assert all(torch.equal(out[k], sd[k]) for k in sd)
+
+
 def test_metadata_returned_by_save_decodes_on_first_use_and_behaves_as_metadata(tmp_path):
     import copy
     import dataclasses
