@@ -83,17 +83,13 @@ class WriteItem:
         """
         if self.tensor_data is None:
             return None
-        return math.prod(self.tensor_data.size) * _itemsize(self.tensor_data.properties.dtype)
+        return math.prod(self.tensor_data.size) * self.tensor_data.properties.dtype.itemsize
 
     def chunk_storage_size(self) -> Optional[int]:
         """Bytes of this item's chunk as stored, or None for a non-tensor write."""
         if self.tensor_data is None:
             return None
-        return math.prod(self.tensor_data.chunk.sizes) * _itemsize(self.tensor_data.properties.dtype)
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+        return math.prod(self.tensor_data.chunk.sizes) * self.tensor_data.properties.dtype.itemsize
 
 
 @dataclass(frozen=True)

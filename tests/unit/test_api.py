@@ -177,6 +177,24 @@ def test_large_rank_state_is_split_over_files_written_in_parallel(tmp_path, monk
     assert all(torch.equal(out[k], sd[k]) for k in sd)
 
 
+def test_conjugate_and_negative_views_save_and_load_their_values(tmp_path):
+    # their memory holds the un-conjugated (un-negated) values: raw bytes would be the wrong numbers
+    a = torch.randn(4, 3, dtype=torch.complex64)
+    b = torch.randn(5)
+    sd = {"conj": a.conj(), "neg": torch._neg_view(b), "plain": torch.arange(3.0)}
+    assert sd["conj"].is_conj() and sd["conj"].is_contiguous() and sd["neg"].is_neg()
+    distckpt.save(sd, checkpoint_id=tmp_path / "ck")
+    out = {"conj": torch.zeros(4, 3, dtype=torch.complex64), "neg": torch.zeros(5), "plain": torch.zeros(3)}
+    distckpt.load(out, checkpoint_id=tmp_path / "ck")
+    assert torch.equal(out["conj"], a.conj().resolve_conj()) and torch.equal(out["neg"], -b)
+    # and loading into such views sets the values they show
+    base_c, base_n = torch.zeros(4, 3, dtype=torch.complex64), torch.zeros(5)
+    into = {"conj": base_c.conj(), "neg": torch._neg_view(base_n), "plain": torch.zeros(3)}
+    distckpt.load(into, checkpoint_id=tmp_path / "ck")
+    assert torch.equal(into["conj"].resolve_conj(), a.conj().resolve_conj()) and torch.equal(base_c, a)
+    assert torch.equal(into["neg"].resolve_neg(), -b) and torch.equal(base_n, b)
+
+
 def test_odd_sized_items_do_not_misalign_the_items_after_them(tmp_path):
     # optimizer state interleaves 4-byte step counters with large tensors
     sd = {}

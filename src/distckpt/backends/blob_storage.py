@@ -33,7 +33,7 @@ from ..storage import StorageReader, StorageWriter, WriteResult
 from .blobs import BlobStore
 from .budget import ByteBudget
 from .device_copy import PendingCopies, caller_streams, to_host
-from .tensor_bytes import host_bytes
+from .tensor_bytes import host_bytes, is_lazy_view
 from .windows import windows
 
 FILE_RESULT_PREFIX = "__file__:"
@@ -184,7 +184,7 @@ def write_file(store: BlobStore, name: str, save_id: str, rank: int, plan: SaveP
             raise CheckpointError(f"resolve_data for tensor item {item.index.fqn!r} returned {type(tensor).__name__}")
         copied = 0
         want = item.tensor_data.properties.dtype
-        if tensor.dtype != want or tensor.device.type != "cpu" or not tensor.is_contiguous():
+        if tensor.dtype != want or tensor.device.type != "cpu" or not tensor.is_contiguous() or is_lazy_view(tensor):
             copied = entries[i].nbytes
             budget.acquire(copied)
             try:

@@ -55,4 +55,4 @@ def safetensors_code(dtype: torch.dtype) -> str:
 
 
 def itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
