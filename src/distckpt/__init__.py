@@ -18,6 +18,7 @@ from .errors import (
     ShapeMismatchError,
     StorageIOError,
     UnsafeValueError,
+    UnsupportedTensorError,
 )
 from .loading import load, read_metadata
 from .manager import CheckpointManager
@@ -58,6 +59,7 @@ __all__ = [
     "ShapeMismatchError",
     "StorageIOError",
     "UnsafeValueError",
+    "UnsupportedTensorError",
     "metadata",
     "planner",
     "storage",

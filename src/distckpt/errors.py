@@ -17,6 +17,7 @@ __all__ = [
     "ShapeMismatchError",
     "DTypeMismatchError",
     "UnsafeValueError",
+    "UnsupportedTensorError",
     "CorruptCheckpointError",
     "FormatVersionError",
     "RankFailuresError",
@@ -49,6 +50,10 @@ class DTypeMismatchError(CheckpointError, TypeError):
 
 class UnsafeValueError(CheckpointError, TypeError):
     """A non-tensor value cannot be stored without pickle, and pickling was not allowed."""
+
+
+class UnsupportedTensorError(CheckpointError, TypeError):
+    """A tensor in the state dict cannot be stored: its dtype, layout or device has no stored form."""
 
 
 class CorruptCheckpointError(CheckpointError, ValueError):

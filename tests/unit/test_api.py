@@ -177,6 +177,30 @@ def test_large_rank_state_is_split_over_files_written_in_parallel(tmp_path, monk
     assert all(torch.equal(out[k], sd[k]) for k in sd)
 
 
+@pytest.mark.parametrize("name, make, says", [
+    ("sparse", lambda: torch.eye(3).to_sparse(), "to_dense"),
+    ("nested", lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), "unbind"),
+    ("quantized", lambda: torch.quantize_per_tensor(torch.ones(4), 0.1, 0, torch.qint8), "int_repr"),
+    ("meta", lambda: torch.empty(3, device="meta"), "to_empty"),
+    ("complex32", lambda: torch.zeros(3, dtype=torch.complex32), "convert the tensor"),
+])
+def test_a_tensor_with_no_stored_form_is_refused_by_key_and_nothing_is_written(tmp_path, name, make, says):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # nested tensors warn that they are a prototype
+        bad = make()
+    with pytest.raises(distckpt.UnsupportedTensorError, match=rf"'weights\.{name}'.*{says}"):
+        distckpt.save({"ok": torch.ones(2), f"weights.{name}": bad}, checkpoint_id=tmp_path / "ck")
+    assert not (tmp_path / "ck" / "metadata.json").exists()
+
+
+def test_loading_into_a_meta_tensor_is_refused_by_key(tmp_path):
+    distckpt.save({"w": torch.ones(3)}, checkpoint_id=tmp_path / "ck")
+    with pytest.raises(distckpt.UnsupportedTensorError, match=r"'w'.*meta device.*to_empty"):
+        distckpt.load({"w": torch.empty(3, device="meta")}, checkpoint_id=tmp_path / "ck")
+
+
 def test_conjugate_and_negative_views_save_and_load_their_values(tmp_path):
     # their memory holds the un-conjugated (un-negated) values: raw bytes would be the wrong numbers
     a = torch.randn(4, 3, dtype=torch.complex64)

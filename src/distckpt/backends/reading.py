@@ -8,7 +8,7 @@ from collections import defaultdict
 
 import torch
 
-from ..errors import CheckpointError, CorruptCheckpointError
+from ..errors import CheckpointError, CorruptCheckpointError, UnsupportedTensorError
 from ..format.checksum import crc32c
 from ..format.datafile import read_header
 from ..format.records import FileStorageData, StorageInfo
@@ -171,6 +171,10 @@ def read_items(store: BlobStore, md: Metadata, plan: LoadPlan, planner: LoadPlan
                     planner.commit_tensor(item, dest)
             return
         for item, dest in zip(items, dests):
+            if dest.device.type == "meta":  # planning with meta tensors is fine; loading into one would drop the data
+                raise UnsupportedTensorError(
+                    f"{here(index)}: the destination is on the meta device and has no memory to load into; materialise "
+                    "it first (for a module: .to_empty(device=...)), or return a real tensor from resolve_tensor")
             if tuple(dest.shape) != tuple(item.lengths):
                 raise CheckpointError(f"{here(index)}: resolve_tensor returned shape {tuple(dest.shape)}, the read item needs {tuple(item.lengths)}")
         if not shape or info.length == 0:

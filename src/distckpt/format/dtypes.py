@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError, UnsupportedTensorError
 
 # name on disk -> (torch dtype, safetensors dtype code or None when stored as raw U8)
 _TABLE: dict[str, tuple[torch.dtype, str | None]] = {
@@ -40,7 +40,7 @@ def dtype_name(dtype: torch.dtype) -> str:
     try:
         return _BY_DTYPE[dtype]
     except KeyError:
-        raise CorruptCheckpointError(f"dtype {dtype} cannot be stored by distckpt; convert the tensor to a supported dtype") from None
+        raise UnsupportedTensorError(f"dtype {dtype} cannot be stored by distckpt; convert the tensor to one of {sorted(_TABLE)}") from None
 
 
 def dtype_from_name(name: object, where: str = "metadata") -> torch.dtype:

@@ -7,7 +7,8 @@ from typing import Any, Optional, Union
 
 import torch
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, UnsupportedTensorError
+from ..format.dtypes import dtype_name
 from ..format.values import encode_value
 from ..metadata import (
     STATE_DICT_TYPE,
@@ -26,6 +27,25 @@ from .resharding import volume
 from .tensors import is_dtensor, local_view
 
 __all__ = ["DefaultSavePlanner"]
+
+
+def _check_storable(fqn: str, tensor: torch.Tensor) -> None:
+    """Raise UnsupportedTensorError, naming the key and the fix, for a tensor with no stored form."""
+    where = f"state dict key {fqn!r}"
+    if tensor.is_nested:
+        raise UnsupportedTensorError(f"{where}: nested tensors cannot be saved; save their components (.unbind()) instead")
+    if tensor.is_quantized:
+        raise UnsupportedTensorError(f"{where}: quantized tensors ({tensor.dtype}) cannot be saved; save .int_repr() "
+                                     "with the scale and zero point, or .dequantize()")
+    if tensor.is_sparse or (not is_dtensor(tensor) and tensor.layout != torch.strided):
+        raise UnsupportedTensorError(f"{where}: only strided (dense) tensors can be saved; call .to_dense() first")
+    if tensor.device.type == "meta":
+        raise UnsupportedTensorError(f"{where}: the tensor is on the meta device and has no data; materialise it "
+                                     "(for a module: .to_empty(device=...) and initialise) before saving")
+    try:
+        dtype_name(tensor.dtype)
+    except UnsupportedTensorError as exc:
+        raise UnsupportedTensorError(f"{where}: {exc}") from None
 
 
 class DefaultSavePlanner(SavePlanner):
@@ -92,8 +112,7 @@ class DefaultSavePlanner(SavePlanner):
         return plan
 
     def _tensor_item(self, fqn: str, tensor: torch.Tensor) -> WriteItem:
-        if tensor.is_sparse or (not is_dtensor(tensor) and tensor.layout != torch.strided):
-            raise CheckpointError(f"state dict key {fqn!r}: only strided (dense) tensors can be saved; call .to_dense() first")
+        _check_storable(fqn, tensor)
         _, global_size, offsets, sizes = local_view(fqn, tensor)
         props = TensorProperties(dtype=tensor.dtype, requires_grad=tensor.requires_grad)
         data = TensorWriteData(ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)), props, torch.Size(global_size))
