@@ -116,22 +116,23 @@ def read_items(store: BlobStore, md: Metadata, plan: LoadPlan, planner: LoadPlan
         return f"{where}: key {index.fqn!r}{chunk}"
 
     # decide, in file order, which chunks go straight into their destination
-    direct: list[tuple[MetadataIndex, torch.Tensor]] = []
+    direct: list[tuple[MetadataIndex, torch.Tensor, memoryview]] = []  # and the destination's bytes
     buffered: list[MetadataIndex] = []
     for index in sorted(by_chunk, key=lambda ix: (infos[ix].file, infos[ix].offset)):
         items = by_chunk[index]
         if items[0].type == LoadItemType.TENSOR and len(items) == 1 and tuple(items[0].lengths) == chunk_shapes[index]:
             dest = planner.resolve_tensor(items[0])
             entry = md.state_dict_metadata[index.fqn]
-            if dest.dtype == entry.properties.dtype and tuple(dest.shape) == chunk_shapes[index] and writable_bytes(dest) is not None:
-                direct.append((index, dest))
+            view = writable_bytes(dest) if dest.dtype == entry.properties.dtype and tuple(dest.shape) == chunk_shapes[index] else None
+            if view is not None:
+                direct.append((index, dest, view))
                 continue
         buffered.append(index)
 
-    def run_direct(batch: list[tuple[MetadataIndex, torch.Tensor]]) -> None:
+    def run_direct(batch: list[tuple[MetadataIndex, torch.Tensor, memoryview]]) -> None:
         first = infos[batch[0][0]]
         blob = blobs[first.file]
-        views = [writable_bytes(dest) for _, dest in batch]  # `batch` holds the destinations alive
+        views = [view for _, _, view in batch]
         crcs = [0] * len(views)
         # where reads are cheap, read a cache-sized window and checksum it while it is still in cache
         window = WINDOW_BYTES if verify and blob.small_reads_are_cheap else sum(len(v) for v in views)
@@ -145,7 +146,7 @@ def read_items(store: BlobStore, md: Metadata, plan: LoadPlan, planner: LoadPlan
                 for j, piece in pieces:
                     crcs[j] = crc32c(piece, crcs[j])
             position += want
-        for (index, dest), crc in zip(batch, crcs):
+        for (index, dest, _), crc in zip(batch, crcs):
             _check(verify, crc, infos[index], here(index))
             with lock:
                 planner.commit_tensor(by_chunk[index][0], dest)
@@ -238,20 +239,21 @@ def read_items(store: BlobStore, md: Metadata, plan: LoadPlan, planner: LoadPlan
     limit = knobs.io_batch_bytes()
     run: list = []
     total = 0
-    for index, dest in direct:
+    for job in direct:
+        index = job[0]
         info = infos[index]
         if run:
             prev = infos[run[-1][0]]
             if prev.file != info.file or prev.offset + prev.length != info.offset or total + info.length > limit:
                 tasks.append((run_direct, run))
                 run, total = [], 0
-        run.append((index, dest))
+        run.append(job)
         total += info.length
     if run:
         tasks.append((run_direct, run))
     tasks.extend((run_buffered, index) for index in buffered)
     if knobs.progress_mode() != "off":
-        sizes = [sum(infos[index].length for index, _ in arg) if fn is run_direct else _item_bytes(md, by_chunk[arg], infos[arg])
+        sizes = [sum(infos[index].length for index, _, _ in arg) if fn is run_direct else _item_bytes(md, by_chunk[arg], infos[arg])
                  for fn, arg in tasks]
         progress = Progress("load", sum(sizes), is_coordinator)
         tasks = [(_counted(fn, progress, n), arg) for (fn, arg), n in zip(tasks, sizes)]
