@@ -26,7 +26,7 @@ from .errors import CheckpointError
 from .metadata import STATE_DICT_TYPE, Metadata
 from .planner import SavePlanner
 from .planning import DefaultSavePlanner, RankLocal
-from .planning.tensors import is_dtensor
+from .planning.tensors import is_dtensor, local_tensor
 from .saving import run_save
 from .storage import StorageWriter
 
@@ -163,7 +163,7 @@ def _background_group(process_group: Any) -> Any:
 def _leaves(obj: Any, path: tuple, out: list) -> None:
     """Every tensor in ``obj`` (a DTensor's local shard) with its key path, in traversal order."""
     if isinstance(obj, torch.Tensor):
-        out.append((path, obj.to_local() if is_dtensor(obj) else obj))
+        out.append((path, local_tensor(obj)))
     elif isinstance(obj, RankLocal):
         _leaves(obj.value, path + ("$rank_local",), out)
     elif isinstance(obj, dict):

@@ -31,5 +31,9 @@ def test_inconsistent_replicas_are_an_error_not_a_silent_pick(tmp_path):
         assert text is not None and "RankLocal" in text and "'w'" in text
 
 
+def test_sharded_parameters_with_gradients_save_and_load_in_place(tmp_path):
+    assert run_ranks(workers.dtensor_parameters_with_grads, 2, str(tmp_path / "ck")) == [[True, True, True]] * 2
+
+
 def test_async_save_across_ranks_with_training_collectives(tmp_path):
     assert run_ranks(workers.async_sharded_save, 2, str(tmp_path / "ck")) == [True, True]

@@ -151,6 +151,25 @@ def async_sharded_save(rank, world_size, path):
     return torch.equal(out["dt"].full_tensor(), full)
 
 
+def dtensor_parameters_with_grads(rank, world_size, path):
+    """Sharded parameters that require grad and hold a gradient: saved (sync and async) and loaded in place."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    full = torch.arange(48.0).reshape(8, 6)
+    p = torch.nn.Parameter(distribute_tensor(full.clone(), mesh, [Shard(0)]))
+    (p * 2).sum().backward()
+    distckpt.save({"p": p}, checkpoint_id=path)
+    distckpt.async_save({"p": p}, checkpoint_id=path + "-async").result(timeout=60)
+    loaded = []
+    for source, placement in ((path, Shard(1)), (path + "-async", Shard(0))):
+        dest = torch.nn.Parameter(distribute_tensor(torch.zeros(8, 6), mesh, [placement]))
+        distckpt.load({"p": dest}, checkpoint_id=source)
+        loaded.append(torch.equal(dest.full_tensor(), full) and dest.requires_grad and dest.grad is None)
+    return loaded + [p.grad is not None and torch.equal(p.grad.full_tensor(), torch.full((8, 6), 2.0))]
+
+
 @contextlib.contextmanager
 def counting_column_plans():
     """Record each time the coordinator plans on columns (distckpt.saving.plan_columns), in a list."""

@@ -13,7 +13,7 @@ from ..metadata import STATE_DICT_TYPE, BytesStorageMetadata, Metadata, Metadata
 from ..planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from .flatten import flatten_state_dict, set_element
 from .resharding import overlaps
-from .tensors import is_dtensor, local_view
+from .tensors import local_tensor, local_view
 
 __all__ = ["DefaultLoadPlanner"]
 
@@ -161,7 +161,7 @@ class DefaultLoadPlanner(LoadPlanner):
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         """The destination tensor behind ``index`` (the local shard, for a DTensor)."""
         obj = self.state_dict[index.fqn]
-        return obj.to_local() if is_dtensor(obj) else obj
+        return local_tensor(obj)
 
     def transform_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> torch.Tensor:
         """The region of ``tensor`` that ``read_item`` fills."""

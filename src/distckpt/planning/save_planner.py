@@ -24,7 +24,7 @@ from ..planner import BytesIOWriteData, SavePlan, SavePlanner, TensorWriteData, 
 from .dedup import dedup_and_balance
 from .flatten import flatten_state_dict
 from .resharding import volume
-from .tensors import is_dtensor, local_view
+from .tensors import is_dtensor, local_tensor, local_view
 
 __all__ = ["DefaultSavePlanner"]
 
@@ -139,7 +139,7 @@ class DefaultSavePlanner(SavePlanner):
         except KeyError:
             raise CheckpointError(f"planner has no state dict entry {index.fqn!r}") from None
         if isinstance(obj, torch.Tensor):
-            return obj.to_local() if is_dtensor(obj) else obj
+            return local_tensor(obj)
         return obj
 
     def transform_object(self, write_item: WriteItem, obj: Any) -> Any:

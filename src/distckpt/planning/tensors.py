@@ -14,11 +14,24 @@ try:  # DTensor ships with torch.distributed, which some builds lack
 except ImportError:  # pragma: no cover - torch without distributed
     DTensor = None  # type: ignore[assignment,misc]
 
-__all__ = ["is_dtensor", "local_view"]
+__all__ = ["is_dtensor", "local_tensor", "local_view"]
 
 
 def is_dtensor(obj: Any) -> bool:
     return DTensor is not None and isinstance(obj, DTensor)
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor whose memory holds this rank's data: a DTensor's local shard, else ``tensor`` itself.
+
+    Taken with autograd off: ``to_local()`` then skips building a graph node
+    (0.1 us instead of 6 us, which adds up over tens of thousands of sharded
+    optimizer-state tensors), and writes into the result land in the shard.
+    """
+    if not is_dtensor(tensor):
+        return tensor
+    with torch.no_grad():
+        return tensor.to_local()
 
 
 def local_view(fqn: str, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Size, tuple[int, ...], tuple[int, ...]]:
@@ -40,7 +53,7 @@ def local_view(fqn: str, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Size
             placements.append(("replicate",))
         else:
             simple = False
-    local = tensor.to_local()
+    local = local_tensor(tensor)
     if simple:
         offsets, sizes = local_box(tuple(tensor.shape), tuple(mesh.shape), tuple(coord), placements)
     else:  # strided and other composite shardings: torch's own arithmetic
