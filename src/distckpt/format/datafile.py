@@ -2,9 +2,9 @@
 
 Layout: 8-byte little-endian header length N, N bytes of JSON header (padded
 with spaces so that the data section starts at a multiple of DATA_ALIGN),
-then the items back to back. The header is
-written first, from the plan, so items can be written in parallel at known
-offsets. ``__metadata__`` binds the file to its save (``save_id``).
+then the items back to back. The header is written first, from the plan, so
+items can be written in parallel at known offsets. ``__metadata__`` binds the
+file to its save (``save_id``).
 """
 
 from __future__ import annotations
