@@ -25,7 +25,7 @@ import torch
 
 from distckpt.testing import run_ranks
 
-from . import planning_scale, workers
+from . import planning_scale, targets, workers
 from .measure import drop_cache
 
 
@@ -153,6 +153,9 @@ def main(argv=None) -> dict:
               f" of its speed alone; the save took {train['write_s']:.2f} s (DISTCKPT_ASYNC_NICE={os.environ.get('DISTCKPT_ASYNC_NICE', 10)})", flush=True)
         print("\nplanning at scale (coordinator path, simulated):", flush=True)
         results["planning"] = planning_scale.main(["--ranks", *map(str, a.planning_ranks), "--repeat", str(a.repeat)])
+        checked = targets.evaluate(results)
+        results["targets"] = [{"name": t.name, "measured": t.measured, "goal": t.goal, "met": t.met, "floor": t.floor} for t in checked]
+        print("\n".join(targets.report(checked)), flush=True)
     finally:
         shutil.rmtree(disk, ignore_errors=True)
         shutil.rmtree(tmpfs, ignore_errors=True)

@@ -12,6 +12,7 @@ def test_bench_suite_runs_every_peer_at_a_tiny_size(tmp_path, capsys):
     assert "time vs distckpt" in out and "blocking / memcpy" in out and "(copy + save: " in out and "training on every core while the write runs" in out
     assert {r["peer"] for r in results["planning"]} == {"distckpt", "dcp"}
     assert results["baselines"]["write_fsync_gbps"] > 0
+    assert "targets (issue 5), this run:" in out and len(results["targets"]) == 20
     assert (tmp_path / "r.json").exists()
 
 
@@ -31,3 +32,41 @@ def test_gpu_bench_reports_recorded_results_and_refuses_without_a_gpu(capsys):
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="needs a CUDA device"):
             gpu.main(["--gib", "0.01"])
+
+
+def _row(wall, cpu_per_gb=1.0, rss=0.0, nbytes=2 << 30):
+    return {"wall_s": wall, "cpu_s_per_gb": cpu_per_gb, "peak_rss_delta_mb": rss, "nbytes": nbytes, "gbps": nbytes / wall / 1e9}
+
+
+def test_targets_are_ratios_within_one_run_with_the_raw_floor_beside_them():
+    from bench import targets
+
+    gb = (2 << 30) / 1e9  # the rows' 2 GiB, in GB
+    results = {
+        "baselines": {"write_fsync_gbps": gb, "read_cold_gbps": 2 * gb},
+        # disk: save at the baseline bandwidth (met), load at half of it (missed)
+        "disk/1": {"distckpt|save": _row(1.0), "distckpt|load": _row(1.0), "raw|save": _row(0.9), "raw|load": _row(0.5)},
+        "tmpfs/1": {"distckpt|save": _row(1.0, 0.3, rss=300.0), "dcp|save": _row(3.5, 1.0), "raw|save": _row(0.8, 0.25),
+                    "distckpt|load": _row(1.0, 0.5), "dcp|load": _row(2.0, 1.0), "raw|load": _row(0.5, 0.4)},
+        "async": {"memcpy|copy": _row(0.2), "distckpt|save": _row(1.0), "async|blocking": _row(0.25), "async|total": _row(1.25)},
+        "planning": [{"ranks": 8, "peer": "distckpt", "total_s": 1.0, "gathered_bytes": 10, "metadata_bytes": 60},
+                     {"ranks": 8, "peer": "dcp", "total_s": 9.0, "gathered_bytes": 100, "metadata_bytes": 100}],
+    }
+    got = {t.name: t for t in targets.evaluate(results)}
+    assert len(got) == 12
+    save, load = got["disk 1 rank save vs raw write+fsync bandwidth"], got["disk 1 rank load vs raw cold read bandwidth"]
+    assert save.met and abs(save.measured - 1.0) < 1e-9 and abs(save.floor - 1 / 0.9) < 1e-9
+    assert not load.met and abs(load.measured - 0.5) < 1e-9 and abs(load.floor - 1.0) < 1e-9
+    tsave = got["tmpfs 1 rank(s) save: DCP time / distckpt"]
+    assert tsave.met and tsave.measured == 3.5 and tsave.floor == 3.5 / 0.8
+    assert not got["tmpfs 1 rank(s) load: DCP time / distckpt"].met  # 2x
+    assert got["tmpfs 1 rank(s) save: CPU s/GB vs DCP's"].met and not got["tmpfs 1 rank(s) load: CPU s/GB vs DCP's"].met
+    assert not got["async_save blocking / one memcpy"].met  # 1.25x
+    total = got["async_save total / sync save"]
+    assert not total.met and total.floor == 1.2  # without overlap: copy + save
+    assert got["peak RSS / (state + 256 MiB), worst table"].met
+    assert not got["planning 8 ranks: DCP time / distckpt"].met  # 9x
+    assert got["planning 8 ranks: gathered bytes vs DCP's"].met and not got["planning 8 ranks: metadata bytes vs DCP's"].met
+    lines = targets.report(list(got.values()))
+    assert lines[0].endswith("5 of 12 met")
+    assert any(line.lstrip().startswith("MISSED tmpfs 1 rank(s) load: DCP") and "raw floor 4.00" in line for line in lines)

@@ -1,0 +1,121 @@
+"""The speed targets of issue 5, checked against one run of ``bench.run``.
+
+    python -m bench.targets results.json    # a run saved with bench.run --json
+
+Each target is a ratio taken within that run. Where the same table has a
+``raw`` row (the bytes moved with no format, checksum or metadata), the
+ratio the raw row reaches is shown beside it as the floor: a target the
+floor misses cannot be met on that machine by any checkpoint format.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from typing import Optional
+
+_MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    measured: float
+    goal: float
+    higher_is_better: bool
+    floor: Optional[float] = None  # what the raw row reaches on the same measure
+    floor_label: str = "raw floor"
+
+    @property
+    def met(self) -> bool:
+        return self.measured >= self.goal if self.higher_is_better else self.measured <= self.goal
+
+    def line(self) -> str:
+        sign = ">=" if self.higher_is_better else "<="
+        floor = f"   {self.floor_label} {self.floor:.2f}" if self.floor is not None else ""
+        return f"  {'met   ' if self.met else 'MISSED'} {self.name:<44} {self.measured:7.2f}  (goal {sign} {self.goal:.3g}){floor}"
+
+
+def _time_ratio(rows: dict, op: str, peer: str, base: str) -> Optional[float]:
+    a, b = rows.get(f"{peer}|{op}"), rows.get(f"{base}|{op}")
+    return a["wall_s"] / b["wall_s"] if a and b else None
+
+
+def _cpu_ratio(rows: dict, op: str, peer: str, base: str) -> Optional[float]:
+    a, b = rows.get(f"{peer}|{op}"), rows.get(f"{base}|{op}")
+    return a["cpu_s_per_gb"] / b["cpu_s_per_gb"] if a and b else None
+
+
+def evaluate(results: dict) -> list[Target]:
+    """Every target the run has the figures for, in the issue's order."""
+    out: list[Target] = []
+    base = results.get("baselines", {})
+    disk = results.get("disk/1")
+    if disk and base:
+        for op, key, what in (("save", "write_fsync_gbps", "raw write+fsync"), ("load", "read_cold_gbps", "raw cold read")):
+            raw = disk.get(f"raw|{op}")
+            out.append(Target(f"disk 1 rank {op} vs {what} bandwidth", disk[f"distckpt|{op}"]["gbps"] / base[key], 0.95, True,
+                              raw["gbps"] / base[key] if raw else None))
+    for ranks in (1, 2):
+        rows = results.get(f"tmpfs/{ranks}")
+        if not rows:
+            continue
+        for op in ("save", "load"):
+            out.append(Target(f"tmpfs {ranks} rank(s) {op}: DCP time / distckpt", _time_ratio(rows, op, "dcp", "distckpt"), 3.0, True,
+                              _time_ratio(rows, op, "dcp", "raw")))
+        for op in ("save", "load"):
+            out.append(Target(f"tmpfs {ranks} rank(s) {op}: CPU s/GB vs DCP's", _cpu_ratio(rows, op, "distckpt", "dcp"), 1 / 3, False,
+                              _cpu_ratio(rows, op, "raw", "dcp")))
+    small = results.get("small")
+    if small:
+        for op in ("save", "load"):
+            out.append(Target(f"small tensors {op}: DCP time / distckpt", _time_ratio(small, op, "dcp", "distckpt"), 5.0, True))
+    for ranks in (1, 2):
+        rows = results.get(f"reshard/{ranks}")
+        if rows:
+            out.append(Target(f"reshard 2 -> {ranks} load: DCP time / distckpt", _time_ratio(rows, "load", "dcp", "distckpt"), 3.0, True))
+    a = results.get("async")
+    if a:
+        copy, sync = a["memcpy|copy"]["wall_s"], a["distckpt|save"]["wall_s"]
+        out.append(Target("async_save blocking / one memcpy", a["async|blocking"]["wall_s"] / copy, 1.2, False))
+        # without overlapping the copy with the write the total is copy + save: that bound is the floor
+        out.append(Target("async_save total / sync save", a["async|total"]["wall_s"] / sync, 1.1, False, 1 + copy / sync, "bound"))
+    worst = None
+    for key, rows in results.items():
+        if key.split("/")[0] in ("disk", "tmpfs") and isinstance(rows, dict):
+            for op in ("save", "load"):
+                r = rows.get(f"distckpt|{op}")
+                if r:  # peak RSS above the baseline, as a fraction of the allowance S + 256 MiB
+                    share = r["peak_rss_delta_mb"] / (r["nbytes"] / _MIB + 256)
+                    worst = share if worst is None else max(worst, share)
+    if worst is not None:
+        out.append(Target("peak RSS / (state + 256 MiB), worst table", worst, 1.0, False))
+    plans = results.get("planning") or []
+    for ranks in sorted({r["ranks"] for r in plans}):
+        ours = next((r for r in plans if r["ranks"] == ranks and r["peer"] == "distckpt"), None)
+        dcp = next((r for r in plans if r["ranks"] == ranks and r["peer"] == "dcp"), None)
+        if ours and dcp:
+            out.append(Target(f"planning {ranks} ranks: DCP time / distckpt", dcp["total_s"] / ours["total_s"], 10.0, True))
+            out.append(Target(f"planning {ranks} ranks: gathered bytes vs DCP's", ours["gathered_bytes"] / dcp["gathered_bytes"], 0.5, False))
+            out.append(Target(f"planning {ranks} ranks: metadata bytes vs DCP's", ours["metadata_bytes"] / dcp["metadata_bytes"], 0.5, False))
+    return out
+
+
+def report(targets: list[Target]) -> list[str]:
+    met = sum(t.met for t in targets)
+    return [f"\ntargets (issue 5), this run: {met} of {len(targets)} met"] + [t.line() for t in targets]
+
+
+def main(argv=None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print(__doc__.strip().splitlines()[2].strip(), file=sys.stderr)
+        return 2
+    with open(args[0]) as f:
+        print("\n".join(report(evaluate(json.load(f)))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
