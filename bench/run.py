@@ -14,6 +14,7 @@ that machine by any checkpoint format.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -154,7 +155,7 @@ def main(argv=None) -> dict:
         print("\nplanning at scale (coordinator path, simulated):", flush=True)
         results["planning"] = planning_scale.main(["--ranks", *map(str, a.planning_ranks), "--repeat", str(a.repeat)])
         checked = targets.evaluate(results)
-        results["targets"] = [{"name": t.name, "measured": t.measured, "goal": t.goal, "met": t.met, "floor": t.floor} for t in checked]
+        results["targets"] = [dataclasses.asdict(t) | {"met": t.met} for t in checked]
         print("\n".join(targets.report(checked)), flush=True)
     finally:
         shutil.rmtree(disk, ignore_errors=True)
