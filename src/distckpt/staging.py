@@ -14,6 +14,7 @@ import copy
 import os
 import sys
 import threading
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterator, Optional, Union
 
@@ -21,6 +22,7 @@ import torch
 
 from . import knobs
 from ._sequence import pick_storage, split_stateful, tell_rank
+from .backends.device_copy import pin_in_place, unpin_in_place
 from .distributed import Coordinator, dist
 from .errors import CheckpointError
 from .metadata import STATE_DICT_TYPE, Metadata
@@ -64,19 +66,20 @@ class _Arena:
     For CUDA sources it is page-locked as a whole with cudaHostRegister: one
     call instead of one pinned allocation per tensor, and no rounding up (torch's
     caching pinned allocator rounds each allocation to a power of two, which can
-    nearly double the pinned memory of a state).
+    nearly double the pinned memory of a state). Where the driver refuses, the
+    arena stays pageable, with a warning: the save still happens, its copy out
+    of device memory just blocks longer.
     """
 
     def __init__(self, nbytes: int, pinned: bool):
         self.base: Optional[torch.Tensor] = torch.empty(nbytes, dtype=torch.uint8)
         self.users = 0
-        self.registered = False
-        if pinned and nbytes:
-            code = int(torch.cuda.cudart().cudaHostRegister(self.base.data_ptr(), nbytes, 1))  # 1: portable, pinned for every context
-            if code != 0:
-                raise CheckpointError(f"async_save could not pin {nbytes} bytes of host memory for staging "
-                                      f"(cudaHostRegister error {code}); free host memory or save synchronously")
-            self.registered = True
+        self.registered = bool(pinned and nbytes) and pin_in_place(self.base)
+        if pinned and nbytes and not self.registered:
+            warnings.warn(f"async_save could not page-lock {nbytes} bytes of host memory for staging (cudaHostRegister "
+                          "refused); staging into pageable memory instead, which blocks training longer. Free host "
+                          "memory, or raise the container's locked-memory limit, to stage at the bus's speed.",
+                          RuntimeWarning)
 
     def view(self, offset: int, like: torch.Tensor) -> torch.Tensor:
         n = like.numel() * like.element_size()
@@ -85,7 +88,7 @@ class _Arena:
     def release(self) -> None:
         """Unpin; the memory itself goes once no buffer refers to it."""
         if self.registered:
-            torch.cuda.cudart().cudaHostUnregister(self.base.data_ptr())
+            unpin_in_place(self.base)
             self.registered = False
         self.base = None
 

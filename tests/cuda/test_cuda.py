@@ -140,6 +140,35 @@ def test_staging_pins_one_arena_without_rounding_up(tmp_path):
     assert all(torch.equal(out[k], v) for k, v in sd.items())
 
 
+def test_a_refused_pin_leaves_no_cuda_error_for_the_training_code():
+    from distckpt.backends.device_copy import pin_in_place, unpin_in_place
+
+    buf = torch.empty(1 << 20, dtype=torch.uint8)
+    assert pin_in_place(buf)
+    try:
+        assert not pin_in_place(buf)  # registered already: the driver refuses
+        assert torch.ones(4, device="cuda").sum().item() == 4  # the next launch finds no stale error
+        # why it matters: through torch's binding alone the refusal stays behind for the next launch
+        assert int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 1)) != 0
+        with pytest.raises(RuntimeError):
+            torch.ones(1, device="cuda")
+    finally:
+        unpin_in_place(buf)
+
+
+def test_async_save_stages_into_pageable_memory_when_pinning_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(staging, "pin_in_place", lambda buf: False)
+    x = torch.randn(1000, 33, device="cuda")
+    want = x.cpu()
+    with pytest.warns(RuntimeWarning, match="could not page-lock"):
+        handle = distckpt.async_save({"pageable_x": x}, checkpoint_id=tmp_path / "c")
+    x.fill_(0.0)
+    handle.result(timeout=60)
+    out = {"pageable_x": torch.empty(1000, 33)}
+    distckpt.load(out, checkpoint_id=tmp_path / "c")
+    assert torch.equal(out["pageable_x"], want)
+
+
 def test_async_save_reuses_its_pinned_buffers(tmp_path):
     w = torch.zeros(1000, 10, device="cuda")
     for i in range(3):

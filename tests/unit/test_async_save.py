@@ -98,6 +98,26 @@ def test_staging_pool_allocates_together_reuses_two_layouts_and_drops_older_ones
     assert [k[0] for k in pool.buffers] == [("w",)] and torch.equal(_stage(c, pool)["w"], torch.arange(12.0))
 
 
+def test_staging_stays_pageable_with_a_warning_when_pinning_is_refused(monkeypatch):
+    from distckpt import staging
+
+    def refuse(buf):
+        return False
+
+    def must_not_unpin(buf):
+        raise AssertionError("unpinned memory that was never pinned")
+
+    monkeypatch.setattr(staging, "pin_in_place", refuse)
+    monkeypatch.setattr(staging, "unpin_in_place", must_not_unpin)
+    with pytest.warns(RuntimeWarning, match="could not page-lock 4096 bytes"):
+        arena = staging._Arena(4096, pinned=True)
+    assert not arena.registered
+    view = arena.view(64, torch.empty(4, 8))
+    view.copy_(torch.arange(32.0).reshape(4, 8))
+    assert torch.equal(arena.view(64, torch.empty(4, 8)), torch.arange(32.0).reshape(4, 8))
+    arena.release()
+
+
 _SHAPES = [(), (0,), (3,), (2, 5), (7, 1, 3)]
 _DTYPES = [torch.float32, torch.bfloat16, torch.bool, torch.int64, torch.uint8]
 

@@ -99,3 +99,35 @@ def to_device(dest: torch.Tensor, src: torch.Tensor, pending: PendingCopies) -> 
         pending.note(stream)
     else:
         dest.copy_(src)
+
+
+def pin_in_place(buffer: torch.Tensor) -> bool:
+    """Page-lock ``buffer``'s memory where it lies (cudaHostRegister); False if the driver refuses.
+
+    A refusal leaves nothing behind: see :func:`_clear_cuda_error`.
+    """
+    code = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel() * buffer.element_size(), 1))  # 1: portable, for every context
+    if code != 0:
+        _clear_cuda_error()
+    return code == 0
+
+
+def unpin_in_place(buffer: torch.Tensor) -> None:
+    """Undo :func:`pin_in_place`."""
+    if int(torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())) != 0:
+        _clear_cuda_error()
+
+
+def _clear_cuda_error() -> None:
+    """Reset the calling thread's CUDA "last error" after a runtime call failed.
+
+    torch's bindings of cudaHostRegister/Unregister hand back the failure's
+    code but leave the runtime's per-thread last error set, so the check after
+    the next kernel launch in this thread, anywhere in the training code, would
+    raise it. That check reads and resets the last error; one small kernel
+    launched here takes the stale error with it, and its exception is dropped.
+    """
+    try:
+        torch.ones(1, device="cuda")
+    except RuntimeError:
+        pass
