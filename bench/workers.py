@@ -157,54 +157,51 @@ def _barrier():
 
 
 def peers_round(rank, world_size, total, location, cold, repeat=1):
-    """Save and load the GPT-like state with every peer, ``repeat`` times each; the fastest of each (peer, op)."""
+    """Save and load the GPT-like state with every peer, ``repeat`` rounds; the fastest of each (peer, op).
+
+    Each round runs every peer once, so a slow spell of the machine (see docs/performance.md) falls on
+    all peers alike instead of on whichever ran through it.
+    """
     sd, local = _local_state(total, world_size, rank, sharded=True)
     size = nbytes(local)
-    out = {}
-    for peer in PEERS:
-        path = os.path.join(location, f"{peer}-{world_size}")
-        saves, loads = [], []
-        for _ in range(repeat):
-            if rank == 0 and os.path.exists(path):
-                shutil.rmtree(path)
+    runs: dict = {}
+    for _ in range(repeat):
+        for peer in PEERS:
+            path = os.path.join(location, f"{peer}-{world_size}")
             _barrier()
             os.sync()  # start from a quiet disk: no write-back of the previous peer's files
             _barrier()
-            saves.append(measure(lambda: _save(peer, sd, local, path, rank), size))
+            runs.setdefault((peer, "save"), []).append(measure(lambda: _save(peer, sd, local, path, rank), size))
             _barrier()
             dest = _blank(sd)
             dest_local = {k: (v.to_local() if hasattr(v, "to_local") else v) for k, v in dest.items()}
             if cold and rank == 0:
                 drop_cache(path)
             _barrier()
-            loads.append(measure(lambda: _load(peer, dest, dest_local, path, rank), size))
+            runs.setdefault((peer, "load"), []).append(measure(lambda: _load(peer, dest, dest_local, path, rank), size))
             ok = all(torch.equal(dest_local[k], local[k]) for k in local)
             assert ok, f"{peer} loaded wrong data"
             dest = dest_local = None  # free before the next run
             _barrier()
-        out[(peer, "save")] = best(saves).as_dict()
-        out[(peer, "load")] = best(loads).as_dict()
-        if rank == 0:
-            shutil.rmtree(path, ignore_errors=True)
-    return {f"{p}|{o}": v for (p, o), v in out.items()}
+            if rank == 0:  # one peer's files at a time
+                shutil.rmtree(path, ignore_errors=True)
+    return {f"{p}|{o}": best(v).as_dict() for (p, o), v in runs.items()}
 
 
 def small_round(rank, world_size, count, location, repeat=1):
     sd = many_small(count)
     size = nbytes(sd)
-    out = {}
-    for peer in ("distckpt", "dcp"):
-        path = os.path.join(location, f"small-{peer}")
-        saves, loads = [], []
-        for _ in range(repeat):
+    runs: dict = {}
+    for _ in range(repeat):
+        for peer in ("distckpt", "dcp"):  # alternating, as in peers_round
+            path = os.path.join(location, f"small-{peer}")
             shutil.rmtree(path, ignore_errors=True)
-            saves.append(measure(lambda: _save(peer, sd, sd, path, rank), size))
+            runs.setdefault(f"{peer}|save", []).append(measure(lambda: _save(peer, sd, sd, path, rank), size))
             dest = {k: torch.zeros_like(v) for k, v in sd.items()}
-            loads.append(measure(lambda: _load(peer, dest, dest, path, rank), size))
+            runs.setdefault(f"{peer}|load", []).append(measure(lambda: _load(peer, dest, dest, path, rank), size))
             assert all(torch.equal(dest[k], sd[k]) for k in sd)
-        out[f"{peer}|save"], out[f"{peer}|load"] = best(saves).as_dict(), best(loads).as_dict()
-        shutil.rmtree(path, ignore_errors=True)
-    return out
+            shutil.rmtree(path, ignore_errors=True)
+    return {k: best(v).as_dict() for k, v in runs.items()}
 
 
 def reshard_save(rank, world_size, total, location):
@@ -232,11 +229,12 @@ def reshard_load(rank, world_size, total, location, saved_world, repeat=1):
         mesh = init_device_mesh("cpu", (world_size,))
         dest = {k: distribute_tensor(torch.zeros(s), mesh, [Shard(1) if len(s) > 1 else Shard(0)]) for k, s in full_shapes.items()}
     size = sum(v.numel() * v.element_size() for v in dest.values()) // world_size
-    out = {}
-    for peer in ("distckpt", "dcp"):
-        runs = [measure(lambda: _load(peer, dest, None, os.path.join(location, f"reshard-{peer}"), rank), size) for _ in range(repeat)]
-        out[f"{peer}|load"] = best(runs).as_dict()
-    return out
+    runs: dict = {}
+    for _ in range(repeat):
+        for peer in ("distckpt", "dcp"):  # alternating, as in peers_round
+            runs.setdefault(f"{peer}|load", []).append(
+                measure(lambda: _load(peer, dest, None, os.path.join(location, f"reshard-{peer}"), rank), size))
+    return {k: best(v).as_dict() for k, v in runs.items()}
 
 
 def async_round(rank, world_size, total, location, repeat=1):
