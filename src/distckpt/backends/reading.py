@@ -88,11 +88,15 @@ def read_items(store: BlobStore, md: Metadata, plan: LoadPlan, planner: LoadPlan
     for item in plan.items:
         by_chunk[item.storage_index].append(item)
     infos: dict[MetadataIndex, StorageInfo] = {}
-    for index in by_chunk:
+    shapes = ChunkShapes(md)
+    chunk_shapes: dict[MetadataIndex, tuple[int, ...]] = {}
+    for index, items in by_chunk.items():
         info = fsd.items.get(index)
-        if info is None:
+        shape = shapes.get(index) if items[0].type == LoadItemType.TENSOR else ()
+        if info is None or shape is None:
             raise CorruptCheckpointError(f"{where}: key {index.fqn!r} chunk {list(index.offset or [])} has no storage entry in the metadata")
         infos[index] = info
+        chunk_shapes[index] = shape
     blobs = open_and_validate(store, fsd, {i.file for i in infos.values()}, where)
     lock = threading.Lock()
     budget = ByteBudget(knobs.memory_budget_bytes())
@@ -109,7 +113,6 @@ def read_items(store: BlobStore, md: Metadata, plan: LoadPlan, planner: LoadPlan
             buf = host_buffer(n, pinned)
             setattr(per_thread, name, buf)
         return buf[:n]
-    chunk_shapes = _chunk_shapes(md)
 
     def here(index: MetadataIndex) -> str:
         chunk = f", chunk {list(index.offset)}" if index.offset is not None else ""
@@ -317,13 +320,33 @@ def _copy(dest: torch.Tensor, src: torch.Tensor, pending: PendingCopies | None) 
         to_device(dest, src, pending)
 
 
-def _chunk_shapes(md: Metadata) -> dict[MetadataIndex, tuple[int, ...]]:
-    out = {}
-    for fqn, entry in md.state_dict_metadata.items():
-        if isinstance(entry, TensorStorageMetadata):
-            for c in entry.chunks:
-                out[MetadataIndex(fqn, c.offsets)] = tuple(c.sizes)
-    return out
+class ChunkShapes:
+    """Shapes of stored chunks, looked up by MetadataIndex.
+
+    The ``index`` hint of a MetadataIndex (set by the load planners) finds the
+    chunk directly; a key's chunks are scanned into a table only when a hint
+    is missing or stale. So a load touches the metadata of the chunks it reads,
+    not of every chunk of the checkpoint (at 1,024 ranks a table of all chunks
+    took longer than decoding the metadata).
+    """
+
+    def __init__(self, md: Metadata) -> None:
+        self.md = md
+        self.tables: dict[str, dict] = {}
+
+    def get(self, index: MetadataIndex) -> tuple[int, ...] | None:
+        """The chunk's shape, or None if the metadata has no such chunk."""
+        entry = self.md.state_dict_metadata.get(index.fqn)
+        chunks = entry.chunks if isinstance(entry, TensorStorageMetadata) else None
+        if not chunks:
+            return None
+        hint = index.index
+        if hint is not None and 0 <= hint < len(chunks) and chunks[hint].offsets == index.offset:
+            return tuple(chunks[hint].sizes)
+        table = self.tables.get(index.fqn)
+        if table is None:
+            table = self.tables[index.fqn] = {tuple(c.offsets): tuple(c.sizes) for c in chunks}
+        return table.get(tuple(index.offset or ()))
 
 
 def _check(verify: bool, got: int, info: StorageInfo, here: str) -> None:

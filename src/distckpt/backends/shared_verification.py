@@ -23,6 +23,7 @@ from ..errors import CorruptCheckpointError
 from ..format.records import FileStorageData
 from ..metadata import Metadata, MetadataIndex
 from ..planner import LoadItemType, LoadPlan
+from .reading import ChunkShapes
 
 __all__ = ["partial_chunks", "encode_chunks", "decode_chunks", "assign_verifiers", "verified_elsewhere"]
 
@@ -31,22 +32,15 @@ _HEAD = struct.Struct("<Q")
 
 def partial_chunks(md: Metadata, plan: LoadPlan) -> list[MetadataIndex]:
     """The stored tensor chunks that ``plan`` reads, but no single item of it reads whole."""
+    shapes = ChunkShapes(md)
     whole: dict[MetadataIndex, bool] = {}
     for item in plan.items:
         if item.type != LoadItemType.TENSOR:
             continue
         index = item.storage_index
         covers = whole.get(index) is None and all(o == 0 for o in item.storage_offsets)
-        whole[index] = covers and tuple(item.lengths) == _chunk_sizes(md, index)
+        whole[index] = covers and tuple(item.lengths) == (shapes.get(index) or ())
     return [index for index, is_whole in whole.items() if not is_whole]
-
-
-def _chunk_sizes(md: Metadata, index: MetadataIndex) -> tuple:
-    entry = md.state_dict_metadata.get(index.fqn)
-    for c in getattr(entry, "chunks", ()):
-        if tuple(c.offsets) == tuple(index.offset or ()):
-            return tuple(c.sizes)
-    return ()
 
 
 def encode_chunks(md: Metadata, chunks: list[MetadataIndex]) -> bytes:
