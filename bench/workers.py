@@ -12,6 +12,9 @@ from .measure import best, drop_cache, measure
 from .states import gpt_like, many_small, nbytes
 
 PEERS = ("distckpt", "dcp", "torch.save", "safetensors", "raw")
+# On disk, the disk's own sequential bandwidth, taken between the peers' rounds (the disk drifts: see docs/performance.md)
+DISK_PEERS = PEERS + ("seq",)
+_SEQ_PIECE = 64 << 20
 
 
 def _local_state(total: int, world_size: int, rank: int, sharded: bool):
@@ -64,10 +67,13 @@ def _raw_views(tensors: dict) -> list[memoryview]:
     return [memoryview(t.detach().contiguous().view(-1).view(torch.uint8).numpy()) for t in tensors.values()]
 
 
-def _raw_io(local: dict, path: str, rank: int, write: bool) -> None:
+def _raw_io(local: dict, path: str, rank: int, write: bool, sequential: bool = False) -> None:
     """The floor: this rank's tensor bytes written to (or read into) files with vectored I/O from as
     many threads as distckpt uses, one file per thread (tmpfs and many file systems serialise
-    writes to one file), and nothing else: no format, checksum or metadata."""
+    writes to one file), and nothing else: no format, checksum or metadata.
+
+    ``sequential``: the disk's sequential bandwidth instead, as people measure it with dd: one
+    thread, one file, 64 MiB at a time."""
     from concurrent.futures import ThreadPoolExecutor
 
     import distckpt.knobs as knobs
@@ -77,19 +83,22 @@ def _raw_io(local: dict, path: str, rank: int, write: bool) -> None:
     # the same contiguous runs of tensors, one per thread and file, as distckpt's writer makes
     total = sum(len(v) for v in views)
     parts = [[views[i] for i in group] for group in _split([len(v) for v in views], max(1, min(knobs.io_threads(), total // _MIN_FILE_BYTES)))]
+    if sequential:
+        parts = [views]
+    piece_bytes = _SEQ_PIECE if sequential else 1 << 30
     threads = len(parts)
     if write:
         os.makedirs(path, exist_ok=True)
 
     def run(t: int) -> None:
-        f = os.path.join(path, f"rank{rank}.{t}.raw")
+        f = os.path.join(path, f"rank{rank}.{t}.{'seq' if sequential else 'raw'}")
         fd = os.open(f, (os.O_WRONLY | os.O_CREAT | os.O_TRUNC) if write else os.O_RDONLY, 0o644)
         try:
             pos = 0
             for v in parts[t]:
                 done = 0
                 while done < len(v):
-                    piece = v[done:done + (1 << 30)]
+                    piece = v[done:done + piece_bytes]
                     got = os.pwrite(fd, piece, pos) if write else os.preadv(fd, [piece], pos)
                     if got <= 0:
                         raise OSError(f"short {'write' if write else 'read'} in {f}")
@@ -105,8 +114,8 @@ def _raw_io(local: dict, path: str, rank: int, write: bool) -> None:
 
 
 def _save(peer, sd, local, path, rank):
-    if peer == "raw":
-        _raw_io(local, path, rank, write=True)
+    if peer in ("raw", "seq"):
+        _raw_io(local, path, rank, write=True, sequential=peer == "seq")
     elif peer == "distckpt":
         import distckpt
 
@@ -129,8 +138,8 @@ def _save(peer, sd, local, path, rank):
 
 
 def _load(peer, dest, dest_local, path, rank):
-    if peer == "raw":
-        _raw_io(dest_local, path, rank, write=False)
+    if peer in ("raw", "seq"):
+        _raw_io(dest_local, path, rank, write=False, sequential=peer == "seq")
     elif peer == "distckpt":
         import distckpt
 
@@ -166,7 +175,7 @@ def peers_round(rank, world_size, total, location, cold, repeat=1):
     size = nbytes(local)
     runs: dict = {}
     for _ in range(repeat):
-        for peer in PEERS:
+        for peer in DISK_PEERS if cold else PEERS:
             path = os.path.join(location, f"{peer}-{world_size}")
             _barrier()
             os.sync()  # start from a quiet disk: no write-back of the previous peer's files

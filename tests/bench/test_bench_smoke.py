@@ -9,6 +9,8 @@ def test_bench_suite_runs_every_peer_at_a_tiny_size(tmp_path, capsys):
     out = capsys.readouterr().out
     for peer in ("distckpt", "dcp", "torch.save", "safetensors", "raw"):
         assert f"{peer}|save" in results["disk/1"] and f"{peer}|load" in results["tmpfs/2"]
+    # the disk's sequential bandwidth, taken between the rounds, on disk only
+    assert "seq|save" in results["disk/2"] and "seq|load" in results["disk/1"] and "seq|load" not in results["tmpfs/1"]
     assert "time vs distckpt" in out and "blocking / memcpy" in out and "(copy + save: " in out and "training on every core while the write runs" in out
     assert {r["peer"] for r in results["planning"]} == {"distckpt", "dcp"}
     assert results["baselines"]["write_fsync_gbps"] > 0
@@ -69,4 +71,10 @@ def test_targets_are_ratios_within_one_run_with_the_raw_floor_beside_them():
     assert got["planning 8 ranks: gathered bytes vs DCP's"].met and not got["planning 8 ranks: metadata bytes vs DCP's"].met
     lines = targets.report(list(got.values()))
     assert lines[0].endswith("5 of 12 met")
+    # a sequential row taken between the rounds is the bandwidth the disk targets are read against
+    results["disk/1"] |= {"seq|save": _row(0.8), "seq|load": _row(0.96)}
+    got = {t.name: t for t in targets.evaluate(results)}
+    save, load = got["disk 1 rank save vs raw write+fsync bandwidth"], got["disk 1 rank load vs raw cold read bandwidth"]
+    assert not save.met and abs(save.measured - 0.8) < 1e-9 and abs(save.floor - 0.8 / 0.9) < 1e-9
+    assert load.met and abs(load.measured - 0.96) < 1e-9 and abs(load.floor - 1.92) < 1e-9
     assert any(line.lstrip().startswith("MISSED tmpfs 1 rank(s) load: DCP") and "raw floor 4.00" in line for line in lines)
