@@ -281,24 +281,24 @@ def _chunk_rows(draw):
 
 def _fast_and_reference_agree(chunks_raw) -> None:
     """The hot loop of metadata decoding accepts, builds and refuses exactly what the careful path does."""
-    from distckpt.format.locations import inline_chunk, inline_chunks
-    from distckpt.format.records import FileInfo, FileStorageData
+    from distckpt.format.locations import ChunkLocations, inline_chunk, inline_chunks
+    from distckpt.format.records import FileInfo
 
     size = torch.Size([10, 6])
     files = {"a.safetensors": FileInfo(200, 0, 0), "b.safetensors": FileInfo(64, 1, 0)}
 
     def run(decode):
-        fsd = FileStorageData("s", dict(files), {})
+        locations = ChunkLocations(list(files.items()))
         try:
-            return decode(fsd), fsd.items, None
+            return decode(locations), locations, None
         except CorruptCheckpointError as exc:
             return None, None, str(exc)
 
-    fast = run(lambda fsd: inline_chunks(chunks_raw, "w", size, 4, fsd, list(fsd.files.items()), "here"))
-    ref = run(lambda fsd: [inline_chunk(c, "w", size, 4, fsd, list(fsd.files.items()), "here") for c in chunks_raw])
+    fast = run(lambda locations: inline_chunks(chunks_raw, "w", size, 4, locations, "here"))
+    ref = run(lambda locations: [inline_chunk(c, "w", size, 4, locations, "here") for c in chunks_raw])
     assert fast[2] == ref[2], chunks_raw
     if fast[2] is None:
-        assert fast[0] == ref[0] and fast[1] == ref[1]
+        assert fast[0] == ref[0] and fast[1] == ref[1] and dict(fast[1].items()) == dict(ref[1].items())
         assert all(type(c.offsets) is torch.Size and type(c.sizes) is torch.Size for c in fast[0])
         assert [hash(k) for k in fast[1]] == [hash(k) for k in ref[1]]
 

@@ -393,7 +393,7 @@ def _parse_metadata(raw: bytes, where: str) -> Metadata:
     storage_raw = body.get("storage_data")
     inline = major >= 2 and isinstance(storage_raw, dict) and set(storage_raw) == {"$files"}
     fsd = decode_file_table(storage_raw["$files"], where) if inline else None
-    file_list = list(fsd.files.items()) if fsd is not None else []
+    locations = fsd.items if fsd is not None else None
     sdm: dict = {}
     total_chunks = 0
     for fqn, entry in sdm_raw.items():
@@ -406,7 +406,7 @@ def _parse_metadata(raw: bytes, where: str) -> Metadata:
                 at = entry.get("at")
                 if not isinstance(at, list) or len(at) != 4:
                     raise CorruptCheckpointError(f"{here}: value has no valid location")
-                add_item(fsd, file_list, MetadataIndex(fqn), at[0], at[1], at[2], at[3], here)
+                add_item(locations, fqn, None, at[0], at[1], at[2], at[3], here)
             continue
         size = _ints(entry.get("size"), here)
         props = _dec_props(entry.get("properties"), here)
@@ -420,7 +420,7 @@ def _parse_metadata(raw: bytes, where: str) -> Metadata:
         if fsd is None:
             chunks = [checked_chunk(_dec_chunk(c, here), size, here) for c in chunks_raw]
         else:
-            chunks = inline_chunks(chunks_raw, fqn, size, width, fsd, file_list, here)
+            chunks = inline_chunks(chunks_raw, fqn, size, width, locations, here)
         sdm[fqn] = TensorStorageMetadata(props, size, chunks)
     sm_raw = body.get("storage_meta")
     sm = None
@@ -430,7 +430,7 @@ def _parse_metadata(raw: bytes, where: str) -> Metadata:
         sm = StorageMeta(sm_raw.get("checkpoint_id"), sm_raw.get("save_id"), sm_raw.get("load_id"), list(sm_raw.get("modules") or []))
     if fsd is not None:
         storage_data: Any = fsd
-        check_no_overlap(fsd.items, fsd.files, where)
+        locations.check_no_overlap(where)
     else:
         storage_data = _opaque_from(storage_raw, f"{where}: storage_data", False)
     md = Metadata(

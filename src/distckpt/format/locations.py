@@ -10,8 +10,10 @@ that breaks any of these is a CorruptCheckpointError naming the key.
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Iterator, Mapping
+from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from ..errors import CorruptCheckpointError
@@ -32,33 +34,141 @@ def checked_chunk(chunk: ChunkStorageMetadata, size: torch.Size, here: str) -> C
     return chunk
 
 
-def inline_chunk(c: Any, fqn: str, size: torch.Size, width: int, fsd: FileStorageData, file_list: list,
-                  here: str) -> ChunkStorageMetadata:
+class ChunkLocations(Mapping):
+    """``FileStorageData.items`` of a decoded format-2.x document: MetadataIndex -> StorageInfo.
+
+    A document at thousands of ranks lists millions of chunks, and a load
+    looks up only those it reads. So locations are kept as columns (file,
+    begin, length, checksum; one row per chunk or value, in document order)
+    with a table per key from chunk offsets to row, and a StorageInfo is
+    built when asked for. Read-only; compares equal to the dict it stands for.
+    """
+
+    def __init__(self, file_list: list) -> None:
+        self.file_list = file_list  # [(name, FileInfo)], in the document's order
+        self.file_sizes = [info.size for _, info in file_list]
+        self.keys_: dict[str, tuple[int, Optional[dict]]] = {}  # fqn -> (first row, chunk offsets -> row - first) or None for values
+        self.file_no: list[int] = []
+        self.begin: list[int] = []
+        self.length: list[int] = []
+        self.crc: list[int] = []
+
+    def tensor_rows(self, fqn: str, here: str) -> dict:
+        """The offsets table of tensor ``fqn``, whose chunks are then appended to the columns in order."""
+        entry = self.keys_.get(fqn)
+        if entry is None:
+            entry = self.keys_[fqn] = (len(self.begin), {})
+        elif entry[1] is None or entry[0] + len(entry[1]) != len(self.begin):
+            raise CorruptCheckpointError(f"{here}: key is listed twice")
+        return entry[1]
+
+    def add(self, fqn: str, offsets: Optional[torch.Size], file_no: int, begin: int, length: int, crc: int, here: str) -> None:
+        """One location whose fields are already checked: a chunk of ``fqn`` at ``offsets``, or its value if None."""
+        if offsets is None:
+            if fqn in self.keys_:
+                raise CorruptCheckpointError(f"{here}: key is listed twice")
+            self.keys_[fqn] = (len(self.begin), None)
+        else:
+            rows = self.tensor_rows(fqn, here)
+            count = len(rows)
+            rows[offsets] = count
+            if len(rows) == count:
+                raise CorruptCheckpointError(f"{here}: chunk {list(offsets)} is listed twice")
+        self.file_no.append(file_no)
+        self.begin.append(begin)
+        self.length.append(length)
+        self.crc.append(crc)
+
+    def _row(self, index: Any) -> int:
+        entry = self.keys_.get(getattr(index, "fqn", None))
+        if entry is not None:
+            first, rows = entry
+            offset = index.offset
+            if rows is None:
+                if offset is None:
+                    return first
+            elif offset is not None:
+                at = rows.get(offset)
+                if at is not None:
+                    return first + at
+        raise KeyError(index)
+
+    def __getitem__(self, index: MetadataIndex) -> StorageInfo:
+        i = self._row(index)
+        return StorageInfo(self.file_list[self.file_no[i]][0], self.begin[i], self.length[i], self.crc[i])
+
+    def __contains__(self, index: object) -> bool:
+        try:
+            self._row(index)
+        except KeyError:
+            return False
+        return True
+
+    def __iter__(self) -> Iterator[MetadataIndex]:
+        for fqn, (_, rows) in self.keys_.items():
+            if rows is None:
+                yield MetadataIndex(fqn)
+            else:
+                for offsets in rows:
+                    yield MetadataIndex(fqn, offsets)
+
+    def __len__(self) -> int:
+        return len(self.begin)
+
+    def __repr__(self) -> str:
+        return f"ChunkLocations({len(self)} items in {len(self.file_list)} files)"
+
+    def check_no_overlap(self, where: str) -> None:
+        """No two locations share a byte of a data file (zero-length ones included, as :func:`check_no_overlap`)."""
+        n = len(self.begin)
+        if n < 2:
+            return
+        f = np.array(self.file_no, dtype=np.int64)
+        b = np.array(self.begin, dtype=np.int64)  # begin + length <= a file size <= MAX_INT: no overflow
+        e = b + np.array(self.length, dtype=np.int64)
+        order = np.lexsort((e, b, f))
+        f, b, e = f[order], b[order], e[order]
+        bad = np.flatnonzero((f[1:] == f[:-1]) & (b[1:] < e[:-1]))
+        if bad.size:
+            i = int(bad[0])
+            k0, k1 = self._fqn_of_row(int(order[i])), self._fqn_of_row(int(order[i + 1]))
+            raise CorruptCheckpointError(f"{where}: items {k0!r} and {k1!r} overlap in data file {self.file_list[int(f[i])][0]!r}")
+
+    def _fqn_of_row(self, row: int) -> str:
+        for fqn, (first, rows) in self.keys_.items():
+            if first <= row < first + (1 if rows is None else len(rows)):
+                return fqn
+        raise IndexError(row)
+
+
+def inline_chunk(c: Any, fqn: str, size: torch.Size, width: int, locations: ChunkLocations, here: str) -> ChunkStorageMetadata:
     """One format-2.x chunk ``[offsets, sizes, file, begin, crc]``, checked field by field: the reference
     for :func:`inline_chunks`, and what names the fault when its fast checks fail."""
     if type(c) is not list or len(c) != 5:
         raise CorruptCheckpointError(f"{here}: malformed chunk {c!r:.200}")
     chunk = checked_chunk(ChunkStorageMetadata(ints(c[0], here), ints(c[1], here)), size, here)
-    add_item(fsd, file_list, MetadataIndex(fqn, chunk.offsets), c[2], c[3], math.prod(chunk.sizes) * width, c[4], here)
+    add_item(locations, fqn, chunk.offsets, c[2], c[3], math.prod(chunk.sizes) * width, c[4], here)
     return chunk
 
 
 _new = object.__new__
 
 
-def inline_chunks(chunks_raw: list, fqn: str, size: torch.Size, width: int, fsd: FileStorageData, file_list: list,
-                   here: str) -> list:
-    """The chunks of one tensor entry, their locations added to ``fsd.items``.
+def inline_chunks(chunks_raw: list, fqn: str, size: torch.Size, width: int, locations: ChunkLocations, here: str) -> list:
+    """The chunks of one tensor entry, their locations appended to ``locations``.
 
     The hot loop of decoding metadata at thousands of ranks: the checks of
-    :func:`inline_chunk`, fused, and objects built without their
-    constructors' per-field work. Anything the fast checks do not accept
-    goes through :func:`inline_chunk`, which raises the precise error.
+    :func:`inline_chunk`, fused, and chunks built without their constructor's
+    per-field work. Anything the fast checks do not accept goes through
+    :func:`inline_chunk`, which raises the precise error.
     """
     ndim = len(size)
     dims = tuple(size)
-    items = fsd.items
-    nfiles = len(file_list)
+    file_sizes = locations.file_sizes
+    nfiles = len(file_sizes)
+    rows = locations.tensor_rows(fqn, here)
+    add_file, add_begin, add_length, add_crc = (locations.file_no.append, locations.begin.append, locations.length.append,
+                                                locations.crc.append)
     chunks = []
     for c in chunks_raw:
         if type(c) is list and len(c) == 5:
@@ -72,28 +182,27 @@ def inline_chunks(chunks_raw: list, fqn: str, size: torch.Size, width: int, fsd:
                     nbytes *= n
                 else:
                     if (type(file_no) is int and 0 <= file_no < nfiles and type(begin) is int and 0 <= begin
-                            and type(crc) is int and 0 <= crc <= 0xFFFFFFFF):
-                        name, info = file_list[file_no]
-                        if begin + nbytes <= info.size:
-                            offsets = torch.Size(o_raw)
-                            chunk = _new(ChunkStorageMetadata)
-                            chunk.__dict__.update(offsets=offsets, sizes=torch.Size(s_raw))
-                            index = _new(MetadataIndex)
-                            index.__dict__.update(fqn=fqn, offset=offsets, index=None)
-                            si = _new(StorageInfo)
-                            si.__dict__.update(file=name, offset=begin, length=nbytes, crc32c=crc)
-                            count = len(items)
-                            items[index] = si
-                            if len(items) == count:
-                                raise CorruptCheckpointError(f"{here}: chunk {list(offsets)} is listed twice")
-                            chunks.append(chunk)
-                            continue
-        chunks.append(inline_chunk(c, fqn, size, width, fsd, file_list, here))  # raises the precise error
+                            and type(crc) is int and 0 <= crc <= 0xFFFFFFFF and begin + nbytes <= file_sizes[file_no]):
+                        offsets = torch.Size(o_raw)
+                        chunk = _new(ChunkStorageMetadata)
+                        chunk.__dict__.update(offsets=offsets, sizes=torch.Size(s_raw))
+                        count = len(rows)
+                        rows[offsets] = count
+                        if len(rows) == count:
+                            raise CorruptCheckpointError(f"{here}: chunk {list(offsets)} is listed twice")
+                        add_file(file_no)
+                        add_begin(begin)
+                        add_length(nbytes)
+                        add_crc(crc)
+                        chunks.append(chunk)
+                        continue
+        chunks.append(inline_chunk(c, fqn, size, width, locations, here))  # raises the precise error
     return chunks
 
 
 def decode_file_table(data: Any, where: str) -> FileStorageData:
-    """The ``$files`` member of format 2.x: save id and data-file table, items filled in from the entries."""
+    """The ``$files`` member of format 2.x: save id and data-file table; ``items`` is an empty
+    :class:`ChunkLocations` that the entries fill in."""
     from .names import check_file_name
 
     if not isinstance(data, dict) or set(data) != {"save_id", "files"}:
@@ -111,15 +220,17 @@ def decode_file_table(data: Any, where: str) -> FileStorageData:
         if name in files:
             raise CorruptCheckpointError(f"{where}: data file {name!r} is listed twice")
         files[name] = FileInfo(info[1], info[2], info[3])
-    return FileStorageData(save_id, files, {})
+    return FileStorageData(save_id, files, ChunkLocations(list(files.items())))
 
 
 def is_crc(value: Any) -> bool:
     return type(value) is int and 0 <= value <= 0xFFFFFFFF
 
 
-def add_item(fsd: FileStorageData, file_list: list, index: MetadataIndex, file_no: Any, begin: Any, length: int,
-              crc: Any, where: str) -> None:
+def add_item(locations: ChunkLocations, fqn: str, offsets: Optional[torch.Size], file_no: Any, begin: Any, length: int,
+             crc: Any, where: str) -> None:
+    """Check one location's fields and add it: a chunk of ``fqn`` at ``offsets``, or its value if None."""
+    file_list = locations.file_list
     if type(file_no) is not int or not 0 <= file_no < len(file_list):
         raise CorruptCheckpointError(f"{where}: location names data file #{file_no!r:.20}, which the file table lacks")
     name, info = file_list[file_no]
@@ -127,11 +238,7 @@ def add_item(fsd: FileStorageData, file_list: list, index: MetadataIndex, file_n
         raise CorruptCheckpointError(f"{where}: stored bytes {begin!r:.20}+{length} lie outside data file {name!r}")
     if type(crc) is not int or not 0 <= crc <= 0xFFFFFFFF:
         raise CorruptCheckpointError(f"{where}: malformed checksum {crc!r:.20}")
-    items = fsd.items
-    count = len(items)
-    items[index] = StorageInfo(name, begin, length, crc)
-    if len(items) == count:
-        raise CorruptCheckpointError(f"{where}: chunk {list(index.offset or [])} is listed twice")
+    locations.add(fqn, offsets, file_no, begin, length, crc, where)
 
 
 def cross_check(md: Metadata, fsd: FileStorageData, where: str) -> None:
