@@ -7,7 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from distckpt.planning.resharding import intersect, local_box, overlaps, shard_extent
+from distckpt.metadata import ChunkStorageMetadata
+from distckpt.planning.resharding import ChunkIndex, intersect, local_box, overlaps, shard_extent
 
 
 @given(st.integers(0, 50), st.integers(1, 9))
@@ -88,3 +89,41 @@ def test_intersect_is_symmetric_and_contained(a, b):
     if r1 is not None:
         for lo, l, o1, s1, o2, s2 in zip(*r1, ao, asz, bo, bsz):
             assert o1 <= lo and lo + l <= o1 + s1 and o2 <= lo and lo + l <= o2 + s2 and l > 0
+
+
+@st.composite
+def chunks_and_box(draw):
+    ndim = draw(st.integers(0, 3))
+    extent = st.integers(0, 12)
+    box = st.tuples(st.tuples(*[extent] * ndim), st.tuples(*[st.integers(0, 6)] * ndim))
+    # a grid cut along one dimension (as saves make them), or boxes anywhere, in any order
+    if ndim and draw(st.booleans()):
+        d = draw(st.integers(0, ndim - 1))
+        cuts = sorted(set(draw(st.lists(st.integers(0, 30), min_size=1, max_size=20))))
+        saved = [(tuple(a if i == d else 0 for i in range(ndim)), tuple(b - a if i == d else 4 for i in range(ndim)))
+                 for a, b in zip([0] + cuts, cuts)]
+        if draw(st.booleans()):
+            saved = draw(st.permutations(saved))
+    else:
+        saved = draw(st.lists(box, max_size=20))
+    return saved, draw(box)
+
+
+@settings(max_examples=400, deadline=None)
+@given(chunks_and_box())
+def test_the_chunk_index_finds_exactly_what_a_scan_finds(c):
+    saved, (off, size) = c
+    chunks = [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in saved]
+    assert ChunkIndex(chunks).overlaps(off, size) == overlaps(saved, off, size)
+
+
+def test_the_chunk_index_bisects_row_shards_in_order_or_not():
+    rows = [ChunkStorageMetadata(torch.Size([16 * r, 0]), torch.Size([16, 64])) for r in range(4096)]
+    for chunks in (rows, rows[::-1]):
+        index = ChunkIndex(chunks)
+        assert index.dim == 0 and (index.order is None) == (chunks is rows)
+        got = index.overlaps((100, 8), (20, 8))
+        assert [ov.chunk_index for ov in got] == sorted(chunks.index(rows[r]) for r in (6, 7))
+        assert got == overlaps([(c.offsets, c.sizes) for c in chunks], (100, 8), (20, 8))
+    columns = [ChunkStorageMetadata(torch.Size([0, 8 * r]), torch.Size([4, 8])) for r in range(10)]
+    assert ChunkIndex(columns).dim == 1

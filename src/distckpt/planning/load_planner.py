@@ -12,7 +12,7 @@ from ..format.values import decode_value
 from ..metadata import STATE_DICT_TYPE, BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 from ..planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from .flatten import flatten_state_dict, set_element
-from .resharding import overlaps
+from .resharding import ChunkIndex
 from .tensors import local_tensor, local_view
 
 __all__ = ["DefaultLoadPlanner"]
@@ -127,8 +127,7 @@ class DefaultLoadPlanner(LoadPlanner):
                 f"key {fqn!r}: your tensor has dtype {tensor.dtype} but {self._checkpoint_name()} stores "
                 f"{md.properties.dtype}; pass planner=DefaultLoadPlanner(allow_dtype_conversion=True) to convert")
         reads = []
-        chunks = [(c.offsets, c.sizes) for c in md.chunks]
-        for ov in overlaps(chunks, offsets, sizes):
+        for ov in ChunkIndex(md.chunks).overlaps(offsets, sizes):
             chunk = md.chunks[ov.chunk_index]
             reads.append(ReadItem(
                 LoadItemType.TENSOR,
