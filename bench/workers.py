@@ -249,15 +249,16 @@ def reshard_load(rank, world_size, total, location, saved_world, repeat=1):
 def async_round(rank, world_size, total, location, repeat=1):
     """async_save's blocking time against one in-memory copy, and its total time against a sync save.
 
-    Sync and async saves alternate, ``repeat`` times, so both see the same disk state; the fastest runs are reported.
+    Sync and async saves alternate, ``repeat`` times, so both see the same disk state; the in-memory copy is
+    taken in each round right before the async save, under the same conditions; the fastest runs are reported.
     """
     import distckpt
 
     sd = gpt_like(total)
     size = nbytes(sd)
     copies = {k: torch.empty_like(v).fill_(0) for k, v in sd.items()}  # preallocated, as the staging pool is
-    out = {"memcpy|copy": best([measure(lambda: [copies[k].copy_(v) for k, v in sd.items()], size) for _ in range(repeat)]).as_dict()}
-    copies = None
+    memcpys = []
+    out = {}
     path = os.path.join(location, "async")
     # the first async save allocates the staging pool; the measured ones show the steady state
     distckpt.async_save(sd, checkpoint_id=path + "-warm").result()
@@ -269,6 +270,7 @@ def async_round(rank, world_size, total, location, repeat=1):
 
     def run_async():
         os.sync()
+        memcpys.append(measure(lambda: [copies[k].copy_(v) for k, v in sd.items()], size))
         handle = []
         blocking = measure(lambda: handle.append(distckpt.async_save(sd, checkpoint_id=path)), size)
         rest = measure(lambda: handle[0].result(), size)
@@ -281,6 +283,8 @@ def async_round(rank, world_size, total, location, repeat=1):
             shutil.rmtree(p, ignore_errors=True)
         for step in ((run_sync, run_async) if i % 2 == 0 else (run_async, run_sync)):
             step()
+    copies = None
+    out["memcpy|copy"] = best(memcpys).as_dict()
     out["distckpt|save"] = best(syncs).as_dict()
     out["async|blocking"] = best(blocks).as_dict()
     out["async|total"] = best(totals).as_dict()
