@@ -11,7 +11,11 @@ torch.distributed.checkpoint on the same plans, is the whole coordinator path:
 decoding the gathered local plans, global planning (dedup, balancing,
 metadata), encoding the plans scattered back, decoding the write results and
 building and encoding the metadata. The last columns time what every rank
-does with that metadata on load: decode it (DCP: unpickle it).
+does with that metadata on load: decode it (DCP: unpickle it), and plan its
+reads with the default load planner, for a rank in the middle of the world
+whose state dict holds the same items (the sharded ones as DTensors on a
+simulated process group of that size: torch's "fake" backend, in a
+subprocess).
 
 python bench/planning_scale.py [--ranks 512 4096] [--items 500] [--no-dcp] [--repeat N]
 """
@@ -20,7 +24,12 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
+import os
 import pickle
+import subprocess
+import sys
+import tempfile
 import time
 
 import torch
@@ -145,11 +154,70 @@ def dcp_path(world: int, items: int) -> dict:
             "scattered_bytes": sum(map(len, replies)), "metadata_bytes": len(buf.getvalue()), "load_decode_s": t_decode}
 
 
+def _load_plan_worker(world: int, items: int, doc_path: str, peer: str) -> float:
+    """Seconds the default load planner of ``peer`` takes to plan a middle rank's reads (run in a subprocess)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    rank = world // 2
+    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+    mesh = init_device_mesh("cpu", (world,))
+    state = {}
+    for i in range(items):
+        fqn, off, size, glob = _tensor_item_args(rank, i // 2, world, i % 2 == 0)
+        if i % 2 == 0:
+            state[fqn] = torch.zeros(size)
+        else:
+            state[fqn] = DTensor.from_local(torch.zeros(size), mesh, [Shard(0)], run_check=False, shape=torch.Size(glob),
+                                            stride=(glob[1], 1))
+    raw = open(doc_path, "rb").read()
+    if peer == "distckpt":
+        from distckpt.format.codec import parse_metadata
+        from distckpt.planning import DefaultLoadPlanner
+
+        md = parse_metadata(raw, "bench")
+        planner = DefaultLoadPlanner()
+        planner.rank = rank
+    else:
+        from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner as DcpLoadPlanner
+
+        md = pickle.loads(raw)
+        planner = DcpLoadPlanner()
+    gc.disable()  # distckpt's load() pauses the collector; DCP's does not, but here both peers plan without it
+    t0 = time.perf_counter()
+    planner.set_up_planner(state, md, False)
+    plan = planner.create_local_plan()
+    elapsed = time.perf_counter() - t0
+    if len(plan.items) != items:
+        raise AssertionError(f"{peer}: {len(plan.items)} read items for {items} items")
+    return elapsed
+
+
+def load_plan_seconds(world: int, items: int, peer: str) -> float | None:
+    """_load_plan_worker in a fresh interpreter, on the document the peer's path built last; None if it cannot run."""
+    with tempfile.TemporaryDirectory() as tmp:
+        doc = os.path.join(tmp, "metadata")
+        with open(doc, "wb") as f:
+            f.write(LAST_DOCUMENTS[peer])
+        code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import planning_scale as ps; "
+                "print(json.dumps(ps._load_plan_worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])))")
+        done = subprocess.run([sys.executable, "-c", code, os.path.dirname(os.path.abspath(__file__)), str(world), str(items), doc, peer],
+                              capture_output=True, text=True)
+    if done.returncode != 0:
+        print(f"  ({peer} load planning not measured: {done.stderr.strip().splitlines()[-1:]})", file=sys.stderr)
+        return None
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def _fastest(path, world: int, items: int, repeat: int) -> dict:
     """The run with the smallest total of ``repeat`` runs, with the fastest load decode among them."""
     runs = [path(world, items) for _ in range(max(1, repeat))]
     best = dict(min(runs, key=lambda r: r["total_s"]))
     best["load_decode_s"] = min(r["load_decode_s"] for r in runs)
+    peer = "distckpt" if path is distckpt_path else "dcp"
+    best["load_plan_s"] = load_plan_seconds(world, items, peer)
     return best
 
 
@@ -162,7 +230,7 @@ def main(argv=None) -> list[dict]:
     a = p.parse_args(argv)
     rows = []
     print(f"{'ranks':>6} {'peer':>9} {'plan s':>8} {'meta s':>8} {'total s':>8} {'gathered MB':>12} {'metadata MB':>12} {'DCP/distckpt':>13}"
-          f" {'load decode s':>14} {'DCP/distckpt':>13}")
+          f" {'load decode s':>14} {'DCP/distckpt':>13} {'load plan s':>12} {'DCP/distckpt':>13}")
     for world in a.ranks:
         ours = _fastest(distckpt_path, world, a.items, a.repeat)
         theirs = None if a.no_dcp else _fastest(dcp_path, world, a.items, a.repeat)
@@ -171,9 +239,12 @@ def main(argv=None) -> list[dict]:
                 continue
             ratio = "" if name == "distckpt" else f"{r['total_s'] / ours['total_s']:.1f}x"
             decode_ratio = "" if name == "distckpt" else f"{r['load_decode_s'] / ours['load_decode_s']:.1f}x"
+            plan = "n/a" if r["load_plan_s"] is None else f"{r['load_plan_s']:.3f}"
+            plan_ratio = "" if name == "distckpt" or r["load_plan_s"] is None or not ours["load_plan_s"] else \
+                f"{r['load_plan_s'] / ours['load_plan_s']:.1f}x"
             print(f"{world:>6} {name:>9} {r['plan_s']:8.2f} {r['metadata_s']:8.2f} {r['total_s']:8.2f} "
                   f"{r['gathered_bytes'] / 1e6:12.1f} {r['metadata_bytes'] / 1e6:12.1f} {ratio:>13}"
-                  f" {r['load_decode_s']:14.2f} {decode_ratio:>13}", flush=True)
+                  f" {r['load_decode_s']:14.2f} {decode_ratio:>13} {plan:>12} {plan_ratio:>13}", flush=True)
             rows.append({"ranks": world, "peer": name, **r})
     return rows
 

@@ -13,6 +13,7 @@ def test_bench_suite_runs_every_peer_at_a_tiny_size(tmp_path, capsys):
     assert "seq|save" in results["disk/2"] and "seq|load" in results["disk/1"] and "seq|load" not in results["tmpfs/1"]
     assert "time vs distckpt" in out and "blocking / memcpy" in out and "(copy + save: " in out and "training on every core while the write runs" in out
     assert {r["peer"] for r in results["planning"]} == {"distckpt", "dcp"}
+    assert all(r["load_plan_s"] is not None and r["load_plan_s"] > 0 for r in results["planning"])  # DTensors on a simulated world
     assert results["baselines"]["write_fsync_gbps"] > 0
     assert "targets (issue 5), this run:" in out and len(results["targets"]) == 20
     assert (tmp_path / "r.json").exists()
