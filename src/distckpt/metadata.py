@@ -29,9 +29,14 @@ __all__ = [
 STATE_DICT_TYPE = dict[str, Any]
 
 
-@dataclass
+@dataclass(slots=True)
 class ChunkStorageMetadata:
-    """A box of a tensor: its offsets in the global tensor and its sizes."""
+    """A box of a tensor: its offsets in the global tensor and its sizes.
+
+    Slotted: a checkpoint of thousands of ranks lists millions of chunks, and
+    an instance without a ``__dict__`` is a third of the memory and one object
+    fewer for the garbage collector to walk.
+    """
 
     offsets: torch.Size
     sizes: torch.Size

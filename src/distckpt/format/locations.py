@@ -10,6 +10,7 @@ that breaks any of these is a CorruptCheckpointError naming the key.
 from __future__ import annotations
 
 import math
+from array import array
 from collections.abc import Iterator, Mapping
 from typing import Any, Optional
 
@@ -48,10 +49,11 @@ class ChunkLocations(Mapping):
         self.file_list = file_list  # [(name, FileInfo)], in the document's order
         self.file_sizes = [info.size for _, info in file_list]
         self.keys_: dict[str, tuple[int, Optional[dict]]] = {}  # fqn -> (first row, chunk offsets -> row - first) or None for values
-        self.file_no: list[int] = []
-        self.begin: list[int] = []
-        self.length: list[int] = []
-        self.crc: list[int] = []
+        # signed 64-bit columns: every value is checked to lie in [0, MAX_INT] before it is appended
+        self.file_no = array("q")
+        self.begin = array("q")
+        self.length = array("q")
+        self.crc = array("q")
 
     def tensor_rows(self, fqn: str, here: str) -> dict:
         """The offsets table of tensor ``fqn``, whose chunks are then appended to the columns in order."""
@@ -123,9 +125,9 @@ class ChunkLocations(Mapping):
         n = len(self.begin)
         if n < 2:
             return
-        f = np.array(self.file_no, dtype=np.int64)
-        b = np.array(self.begin, dtype=np.int64)  # begin + length <= a file size <= MAX_INT: no overflow
-        e = b + np.array(self.length, dtype=np.int64)
+        f = np.frombuffer(self.file_no, dtype=np.int64)
+        b = np.frombuffer(self.begin, dtype=np.int64)  # begin + length <= a file size <= MAX_INT: no overflow
+        e = b + np.frombuffer(self.length, dtype=np.int64)
         order = np.lexsort((e, b, f))
         f, b, e = f[order], b[order], e[order]
         bad = np.flatnonzero((f[1:] == f[:-1]) & (b[1:] < e[:-1]))
@@ -159,7 +161,7 @@ def inline_chunks(chunks_raw: list, fqn: str, size: torch.Size, width: int, loca
 
     The hot loop of decoding metadata at thousands of ranks: the checks of
     :func:`inline_chunk`, fused, and chunks built without their constructor's
-    per-field work. Anything the fast checks do not accept goes through
+    call. Anything the fast checks do not accept goes through
     :func:`inline_chunk`, which raises the precise error.
     """
     ndim = len(size)
@@ -185,7 +187,8 @@ def inline_chunks(chunks_raw: list, fqn: str, size: torch.Size, width: int, loca
                             and type(crc) is int and 0 <= crc <= 0xFFFFFFFF and begin + nbytes <= file_sizes[file_no]):
                         offsets = torch.Size(o_raw)
                         chunk = _new(ChunkStorageMetadata)
-                        chunk.__dict__.update(offsets=offsets, sizes=torch.Size(s_raw))
+                        chunk.offsets = offsets
+                        chunk.sizes = torch.Size(s_raw)
                         count = len(rows)
                         rows[offsets] = count
                         if len(rows) == count:
