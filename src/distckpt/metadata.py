@@ -34,7 +34,7 @@ class ChunkStorageMetadata:
     """A box of a tensor: its offsets in the global tensor and its sizes.
 
     Slotted: a checkpoint of thousands of ranks lists millions of chunks, and
-    an instance without a ``__dict__`` is a third of the memory and one object
+    an instance without a ``__dict__`` takes less memory and is one object
     fewer for the garbage collector to walk.
     """
 
