@@ -77,7 +77,8 @@ def evaluate(results: dict) -> list[Target]:
     for ranks in (1, 2):
         rows = results.get(f"reshard/{ranks}")
         if rows:
-            out.append(Target(f"reshard 2 -> {ranks} load: DCP time / distckpt", _time_ratio(rows, "load", "dcp", "distckpt"), 3.0, True))
+            out.append(Target(f"reshard 2 -> {ranks} load: DCP time / distckpt", _time_ratio(rows, "load", "dcp", "distckpt"), 3.0, True,
+                              _time_ratio(rows, "load", "dcp", "raw")))
     a = results.get("async")
     if a:
         copy, sync = a["memcpy|copy"]["wall_s"], a["distckpt|save"]["wall_s"]

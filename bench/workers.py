@@ -213,15 +213,86 @@ def small_round(rank, world_size, count, location, repeat=1):
     return {k: best(v).as_dict() for k, v in runs.items()}
 
 
+RESHARD_PEERS = ("distckpt", "dcp", "raw")
+
+
 def reshard_save(rank, world_size, total, location):
-    sd, _ = _local_state(total, world_size, rank, sharded=True)
-    for peer in ("distckpt", "dcp"):
+    sd, local = _local_state(total, world_size, rank, sharded=True)
+    for peer in RESHARD_PEERS:
         path = os.path.join(location, f"reshard-{peer}")
         if rank == 0:
             shutil.rmtree(path, ignore_errors=True)
         _barrier()
-        _save(peer, sd, sd, path, rank)
+        if peer == "raw":  # each rank's shards back to back in one file, in key order
+            os.makedirs(path, exist_ok=True)
+            with open(os.path.join(path, f"rank{rank}.raw"), "wb") as f:
+                for v in _raw_views(local):
+                    f.write(v)
+        else:
+            _save(peer, sd, sd, path, rank)
     return nbytes({k: v.to_local() for k, v in sd.items()})
+
+
+def _raw_reshard_load(dest: dict, path: str, rank: int, world_size: int, saved_world: int) -> None:
+    """The floor of a reshard load: the same bytes moved with no format, checksum, metadata or planning.
+
+    The checkpoint is ``saved_world`` files of equal row shards (Shard(0)), back to back in key order.
+    Where a destination takes whole rows of a saved shard, they are read straight into it (``preadv``);
+    where it takes part of every row (Shard(1)), the saved file is mapped and the columns copied out of
+    the page cache, which is what any reader does with rows narrower than a page.
+    """
+    import mmap
+    from concurrent.futures import ThreadPoolExecutor
+
+    import distckpt.knobs as knobs
+
+    fds = [os.open(os.path.join(path, f"rank{s}.raw"), os.O_RDONLY) for s in range(saved_world)]
+    maps = [mmap.mmap(fd, 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE) for fd in fds]
+    jobs = []
+    offset = 0
+    src = None
+    for k, d in dest.items():
+        full = tuple(d.shape)
+        local = d.to_local() if hasattr(d, "to_local") else d
+        rows = full[0] // saved_world
+        nbytes_shard = rows * int(torch.Size(full[1:]).numel()) * local.element_size()
+        if world_size == 1 or local.dim() == 1:  # whole rows: dest rows [r0, r0 + n) of the full tensor
+            r0 = rank * local.shape[0] if world_size > 1 else 0
+            for s in range(saved_world):
+                a, b = max(r0, s * rows), min(r0 + local.shape[0], (s + 1) * rows)
+                if a < b:
+                    row_bytes = nbytes_shard // rows
+                    view = memoryview(local.narrow(0, a - r0, b - a).view(-1).view(torch.uint8).numpy())
+                    jobs.append(("read", fds[s], view, offset + (a - s * rows) * row_bytes))
+        else:  # Shard(1): columns [c0, c0 + n) of every row
+            c0 = rank * local.shape[1]
+            for s in range(saved_world):
+                src = torch.frombuffer(maps[s], dtype=local.dtype, count=nbytes_shard // local.element_size(),
+                                       offset=offset).view(rows, *full[1:])
+                jobs.append(("copy", local.narrow(0, s * rows, rows), src.narrow(1, c0, local.shape[1]), None))
+        offset += nbytes_shard
+
+    def run(job):
+        kind, a, b, at = job
+        if kind == "read":
+            done = 0
+            while done < len(b):
+                got = os.preadv(a, [b[done:]], at + done)
+                if got <= 0:
+                    raise OSError(f"short read in {path}")
+                done += got
+        else:
+            a.copy_(b)
+
+    try:
+        with ThreadPoolExecutor(knobs.io_threads()) as pool:
+            list(pool.map(run, jobs))
+    finally:
+        jobs = src = None  # views of the mappings, which cannot close while they live
+        for m in maps:
+            m.close()
+        for fd in fds:
+            os.close(fd)
 
 
 def reshard_load(rank, world_size, total, location, saved_world, repeat=1):
@@ -239,11 +310,35 @@ def reshard_load(rank, world_size, total, location, saved_world, repeat=1):
         dest = {k: distribute_tensor(torch.zeros(s), mesh, [Shard(1) if len(s) > 1 else Shard(0)]) for k, s in full_shapes.items()}
     size = sum(v.numel() * v.element_size() for v in dest.values()) // world_size
     runs: dict = {}
+    expected = _reshard_expected(dest, total, saved_world, rank, world_size)
     for _ in range(repeat):
-        for peer in ("distckpt", "dcp"):  # alternating, as in peers_round
-            runs.setdefault(f"{peer}|load", []).append(
-                measure(lambda: _load(peer, dest, None, os.path.join(location, f"reshard-{peer}"), rank), size))
+        for peer in RESHARD_PEERS:  # alternating, as in peers_round
+            for v in dest.values():
+                (v.to_local() if hasattr(v, "to_local") else v).zero_()
+            path = os.path.join(location, f"reshard-{peer}")
+            if peer == "raw":
+                run = measure(lambda: _raw_reshard_load(dest, path, rank, world_size, saved_world), size)
+            else:
+                run = measure(lambda: _load(peer, dest, None, path, rank), size)
+            runs.setdefault(f"{peer}|load", []).append(run)
+            got = {k: (v.to_local() if hasattr(v, "to_local") else v) for k, v in dest.items()}
+            assert all(torch.equal(got[k], expected[k]) for k in got), f"{peer} resharded wrong data"
     return {k: best(v).as_dict() for k, v in runs.items()}
+
+
+def _reshard_expected(dest: dict, total: int, saved_world: int, rank: int, world_size: int) -> dict:
+    """What this rank's part of each tensor must hold after the reshard load (from the saved ranks' seeds)."""
+    shards = [gpt_like(total // saved_world, seed=s) for s in range(saved_world)]
+    out = {}
+    for k, d in dest.items():
+        full = torch.cat([sh[k] for sh in shards])
+        if world_size == 1:
+            out[k] = full
+        else:
+            local = d.to_local()
+            dim = 1 if full.dim() > 1 else 0
+            out[k] = full.narrow(dim, rank * local.shape[dim], local.shape[dim]).clone()
+    return out
 
 
 def async_round(rank, world_size, total, location, repeat=1):

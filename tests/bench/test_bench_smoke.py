@@ -12,6 +12,8 @@ def test_bench_suite_runs_every_peer_at_a_tiny_size(tmp_path, capsys):
     # the disk's sequential bandwidth, taken between the rounds, on disk only
     assert "seq|save" in results["disk/2"] and "seq|load" in results["disk/1"] and "seq|load" not in results["tmpfs/1"]
     assert "time vs distckpt" in out and "blocking / memcpy" in out and "(copy + save: " in out and "training on every core while the write runs" in out
+    # the reshard tables have their floor too (the loads check what they resharded)
+    assert set(results["reshard/1"]) == set(results["reshard/2"]) == {"distckpt|load", "dcp|load", "raw|load"}
     assert {r["peer"] for r in results["planning"]} == {"distckpt", "dcp"}
     assert all(r["load_plan_s"] is not None and r["load_plan_s"] > 0 for r in results["planning"])  # DTensors on a simulated world
     assert results["baselines"]["write_fsync_gbps"] > 0
@@ -51,12 +53,13 @@ def test_targets_are_ratios_within_one_run_with_the_raw_floor_beside_them():
         "disk/1": {"distckpt|save": _row(1.0), "distckpt|load": _row(1.0), "raw|save": _row(0.9), "raw|load": _row(0.5)},
         "tmpfs/1": {"distckpt|save": _row(1.0, 0.3, rss=300.0), "dcp|save": _row(3.5, 1.0), "raw|save": _row(0.8, 0.25),
                     "distckpt|load": _row(1.0, 0.5), "dcp|load": _row(2.0, 1.0), "raw|load": _row(0.5, 0.4)},
+        "reshard/2": {"distckpt|load": _row(0.4), "dcp|load": _row(0.64), "raw|load": _row(0.3)},
         "async": {"memcpy|copy": _row(0.2), "distckpt|save": _row(1.0), "async|blocking": _row(0.25), "async|total": _row(1.25)},
         "planning": [{"ranks": 8, "peer": "distckpt", "total_s": 1.0, "gathered_bytes": 10, "metadata_bytes": 60},
                      {"ranks": 8, "peer": "dcp", "total_s": 9.0, "gathered_bytes": 100, "metadata_bytes": 100}],
     }
     got = {t.name: t for t in targets.evaluate(results)}
-    assert len(got) == 12
+    assert len(got) == 13
     save, load = got["disk 1 rank save vs raw write+fsync bandwidth"], got["disk 1 rank load vs raw cold read bandwidth"]
     assert save.met and abs(save.measured - 1.0) < 1e-9 and abs(save.floor - 1 / 0.9) < 1e-9
     assert not load.met and abs(load.measured - 0.5) < 1e-9 and abs(load.floor - 1.0) < 1e-9
@@ -71,7 +74,9 @@ def test_targets_are_ratios_within_one_run_with_the_raw_floor_beside_them():
     assert not got["planning 8 ranks: DCP time / distckpt"].met  # 9x
     assert got["planning 8 ranks: gathered bytes vs DCP's"].met and not got["planning 8 ranks: metadata bytes vs DCP's"].met
     lines = targets.report(list(got.values()))
-    assert lines[0].endswith("5 of 12 met")
+    reshard = got["reshard 2 -> 2 load: DCP time / distckpt"]
+    assert not reshard.met and abs(reshard.measured - 1.6) < 1e-9 and abs(reshard.floor - 0.64 / 0.3) < 1e-9
+    assert lines[0].endswith("5 of 13 met")
     # a sequential row taken between the rounds is the bandwidth the disk targets are read against
     results["disk/1"] |= {"seq|save": _row(0.8), "seq|load": _row(0.96)}
     got = {t.name: t for t in targets.evaluate(results)}
