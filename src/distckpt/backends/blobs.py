@@ -8,7 +8,7 @@ says how to create, read, commit and list blobs.
 from __future__ import annotations
 
 import abc
-from typing import Iterable
+from typing import Iterable, Optional
 
 from ..errors import CheckpointError
 
@@ -59,6 +59,12 @@ class BlobReader(abc.ABC):
             if got < len(v):
                 break
         return total
+
+    def readv_cached(self, views: list, offset: int) -> Optional[int]:
+        """Like readv, but only what can be read without waiting for a device (what is in the page
+        cache): the bytes read, fewer than asked (0 included) where the rest would have to wait.
+        None where the reader cannot tell; then readv is the way to read."""
+        return None
 
     def pread(self, n: int, offset: int) -> bytes:
         buf = bytearray(n)

@@ -7,7 +7,7 @@ import mmap
 import os
 import uuid
 from pathlib import Path
-from typing import Iterable, Union
+from typing import Iterable, Optional, Union
 
 from .. import faults
 from ..errors import CheckpointError, CheckpointNotFoundError, StorageIOError
@@ -71,6 +71,7 @@ class _FdWriter(BlobWriter):
 
 class _FdReader(BlobReader):
     small_reads_are_cheap = True
+    nowait_refused = False
 
     def __init__(self, path: str):
         self.path = path
@@ -108,8 +109,30 @@ class _FdReader(BlobReader):
         except (OSError, ValueError) as exc:
             raise _io_error("mapping", self.path, OSError(str(exc))) from exc
 
+    def readv_cached(self, views: list, offset: int) -> Optional[int]:
+        if _NOWAIT is None or self.nowait_refused:
+            return None
+        try:
+            return _vectored(_preadv_nowait, self.fd, views, offset)
+        except OSError as exc:
+            if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):  # tmpfs and some file systems: they never wait anyway
+                self.nowait_refused = True
+                return None
+            raise _io_error("reading", self.path, exc) from exc
+
     def close(self) -> None:
         os.close(self.fd)
+
+
+_NOWAIT = getattr(os, "RWF_NOWAIT", None)
+
+
+def _preadv_nowait(fd: int, views: list, offset: int) -> int:
+    """preadv that stops (returns 0) where the next byte is not in the page cache."""
+    try:
+        return os.preadv(fd, views, offset, _NOWAIT)
+    except BlockingIOError:
+        return 0
 
 
 class _Mapping:
