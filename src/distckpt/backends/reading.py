@@ -143,21 +143,23 @@ def read_items(store: BlobStore, md: Metadata, plan: LoadPlan, planner: LoadPlan
         views = [view for _, _, view in batch]
         crcs = [0] * len(views)
         # where reads are cheap, read a cache-sized window and checksum it while it is still in cache;
-        # once a window is not in the page cache, the rest of the batch is one read: small reads
-        # that each wait for the disk leave it idle in between (2 GiB cold, 2 threads: 0.65 s
-        # against 0.71-0.90 s in 2 MiB windows; see docs/performance.md)
-        window = WINDOW_BYTES if verify and blob.small_reads_are_cheap else sum(len(v) for v in views)
+        # but where a lane's file is not in the page cache, each batch is one read: small reads that
+        # each wait for the disk leave it idle in between (see docs/performance.md). Whether it is
+        # cached is asked once per lane: a non-blocking read starts read-ahead of its own, and one
+        # per window or per batch cost more than it saved at 2 ranks.
+        total = sum(len(v) for v in views)
+        window = WINDOW_BYTES if verify and blob.small_reads_are_cheap else total
         position = first.offset
-        pending = windows(views, window)
-        for pieces in pending:
+        if window == WINDOW_BYTES:
+            if getattr(per_thread, "cached", None) is None:
+                probe = [piece for _, piece in next(windows(views, window))]
+                got = blob.readv_cached(probe, position)
+                per_thread.cached = got is None or got == sum(len(p) for p in probe)
+            if not per_thread.cached:
+                window = total
+        for pieces in windows(views, window):
             want = sum(len(piece) for _, piece in pieces)
-            got = blob.readv_cached([piece for _, piece in pieces], position) if window == WINDOW_BYTES else None
-            if got is not None and got < want:  # not cached: read everything left at once
-                pieces = pieces + [piece for rest in pending for piece in rest]
-                want = sum(len(piece) for _, piece in pieces)
-                got = None
-            if got is None:
-                got = blob.readv([piece for _, piece in pieces], position)
+            got = blob.readv([piece for _, piece in pieces], position)
             if got != want:
                 raise CorruptCheckpointError(f"{here(batch[0][0])}: file {first.file!r} ends at {position + got}, before offset {position + want}; it is truncated")
             if verify:
@@ -292,7 +294,7 @@ def read_items(store: BlobStore, md: Metadata, plan: LoadPlan, planner: LoadPlan
     extra: list[BlobReader] = []
 
     def start_lane(i: int) -> None:
-        per_thread.readers = None
+        per_thread.readers = per_thread.cached = None
         if own_reader[i]:
             name = lanes[i][0]
             blob = store.open(name)
