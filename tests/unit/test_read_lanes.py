@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import distckpt
+from bench.measure import drop_cache
 from distckpt.backends import blob_storage, filesystem, reading
 from distckpt.backends.reading import split_lanes
 from distckpt.errors import CorruptCheckpointError
@@ -86,16 +87,6 @@ def test_each_lane_reads_its_file_front_to_back_with_a_reader_of_its_own(tmp_pat
     assert len(readers) == max(len(files), min(load_threads, 12))
 
 
-def _drop_from_page_cache(ck):
-    for name in os.listdir(ck):
-        fd = os.open(os.path.join(ck, name), os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 def _cached_reads_refused(monkeypatch, cached_bytes):
     """Simulate a page cache that holds only the first ``cached_bytes`` of each read (where the file
     system cannot answer, as tmpfs, the real one would say None)."""
@@ -132,42 +123,37 @@ def test_data_not_in_the_page_cache_is_read_in_one_request_per_batch(tmp_path, m
     assert distckpt.verify(ck).ok
 
 
-def test_a_flip_in_data_read_cold_is_caught_and_named(tmp_path, monkeypatch):
-    g = torch.Generator().manual_seed(3)
-    sd = {"big": torch.randn(3 << 20, generator=g)}
+def _saved_big(tmp_path, seed):
+    sd = {"big": torch.randn(3 << 20, generator=torch.Generator().manual_seed(seed))}
     ck = str(tmp_path / "ck")
     distckpt.save(sd, checkpoint_id=ck)
-    info = distckpt.read_metadata(ck).storage_data.items[distckpt.metadata.MetadataIndex("big", [0])]
+    return sd, ck, distckpt.read_metadata(ck).storage_data.items[distckpt.metadata.MetadataIndex("big", [0])]
+
+
+def test_a_flip_in_data_read_cold_is_caught_and_named(tmp_path, monkeypatch):
+    sd, ck, info = _saved_big(tmp_path, 3)
     with open(os.path.join(ck, info.file), "r+b") as f:
         f.seek(info.offset + (9 << 20) + 7)
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0x10]))
-    _drop_from_page_cache(ck)
+    _cached_reads_refused(monkeypatch, 0)
     with pytest.raises(CorruptCheckpointError, match=rf"'big'.*{info.file}"):
         distckpt.load({"big": torch.zeros_like(sd["big"])}, checkpoint_id=ck)
 
 
+def _open_without_checks(store, fsd, names, where):
+    """The size check before reading catches truncation first; a test of the read's own check skips it."""
+    return {name: store.open(name) for name in names}
+
+
 def test_a_truncated_file_read_cold_is_reported_as_truncated(tmp_path, monkeypatch):
-    g = torch.Generator().manual_seed(4)
-    sd = {"big": torch.randn(3 << 20, generator=g)}
-    ck = str(tmp_path / "ck")
-    distckpt.save(sd, checkpoint_id=ck)
-    info = distckpt.read_metadata(ck).storage_data.items[distckpt.metadata.MetadataIndex("big", [0])]
+    sd, ck, info = _saved_big(tmp_path, 4)
     _cached_reads_refused(monkeypatch, 0)
-    _record_reads(monkeypatch)
-    monkeypatch.setattr(reading, "open_and_validate", _skip_size_check(reading.open_and_validate))
-    path = os.path.join(ck, info.file)
-    os.truncate(path, info.offset + (5 << 20))
+    monkeypatch.setattr(reading, "open_and_validate", _open_without_checks)
+    os.truncate(os.path.join(ck, info.file), info.offset + (5 << 20))
     with pytest.raises(CorruptCheckpointError, match="truncated"):
         distckpt.load({"big": torch.zeros_like(sd["big"])}, checkpoint_id=ck)
-
-
-def _skip_size_check(real):
-    """The size check before reading catches truncation first; this test wants the read's own check."""
-    def open_only(store, fsd, names, where):
-        return {name: store.open(name) for name in names}
-    return open_only
 
 
 def test_the_real_page_cache_probe_on_this_file_system(tmp_path):
@@ -182,7 +168,7 @@ def test_the_real_page_cache_probe_on_this_file_system(tmp_path):
         if first is None:
             pytest.skip("this file system does not answer non-blocking reads (tmpfs)")
         assert first == 1 << 20
-        _drop_from_page_cache(str(tmp_path))
+        drop_cache(str(tmp_path))
         assert reader.readv_cached([memoryview(bytearray(1 << 20))], 0) < 1 << 20
     finally:
         reader.close()
