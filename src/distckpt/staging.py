@@ -58,6 +58,9 @@ class AsyncSaveHandle:
 
 
 _ALIGN = 64  # bytes: every buffer in an arena starts at a multiple, enough for any dtype
+# buffers of at least _PAGE_MIN bytes start on a page, so that direct I/O can write them without a copy
+# (backends/direct_io.py); the padding costs under 1/16 of such a buffer
+_PAGE, _PAGE_MIN = 4096, 64 << 10
 
 
 class _Arena:
@@ -72,7 +75,9 @@ class _Arena:
     """
 
     def __init__(self, nbytes: int, pinned: bool):
-        self.base: Optional[torch.Tensor] = torch.empty(nbytes, dtype=torch.uint8)
+        raw = torch.empty(nbytes + _PAGE, dtype=torch.uint8)
+        start = -raw.data_ptr() % _PAGE  # the arena starts on a page
+        self.base: Optional[torch.Tensor] = raw[start:start + nbytes]
         self.users = 0
         self.registered = bool(pinned and nbytes) and pin_in_place(self.base)
         if pinned and nbytes and not self.registered:
@@ -121,8 +126,11 @@ class _BufferPool:
         if missing:
             offsets, total = [], 0
             for _, _, t in missing:
+                n = t.numel() * t.element_size()
+                align = _PAGE if n >= _PAGE_MIN else _ALIGN
+                total = -(-total // align) * align
                 offsets.append(total)
-                total += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+                total += n
             pinned = torch.cuda.is_available() and any(t.device.type == "cuda" for _, _, t in missing)
             arena = _Arena(total, pinned)
             for (i, key, t), off in zip(missing, offsets):

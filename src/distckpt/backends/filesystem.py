@@ -13,6 +13,7 @@ from .. import faults
 from ..errors import CheckpointError, CheckpointNotFoundError, StorageIOError
 from .blob_storage import BlobStorageReader, BlobStorageWriter
 from .blobs import BlobReader, BlobStore, BlobWriter
+from .direct_io import DirectWriter, direct_io_wanted
 from .rename import exchange, rename_noreplace
 
 TMP_MARK = ".distckpt-tmp-"
@@ -190,6 +191,7 @@ class FsStore(BlobStore):
 
     def __init__(self, root: Union[str, os.PathLike]):
         self.root = os.fspath(root)
+        self._direct: Optional[bool] = None  # data files written with O_DIRECT: asked once, on the first file
 
     def _p(self, name: str) -> str:
         return os.path.join(self.root, name)
@@ -201,6 +203,10 @@ class FsStore(BlobStore):
             raise _io_error("creating directory", self.root, exc) from exc
 
     def create(self, name: str) -> BlobWriter:
+        if self._direct is None:
+            self._direct = direct_io_wanted(self.root)
+        if self._direct:
+            return DirectWriter(self._p(name), _io_error)
         return _FdWriter(self._p(name))
 
     def open(self, name: str) -> BlobReader:

@@ -1,0 +1,276 @@
+"""Data files written around the page cache (O_DIRECT) through bounce buffers: the bytes on disk are
+exactly the bytes written, whatever the sizes, order or the kernel's answers."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import random
+import tempfile
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import distckpt
+from distckpt.backends import direct_io
+from distckpt.backends.direct_io import DirectWriter, direct_io_wanted
+from distckpt.backends.filesystem import FsStore, _io_error
+from distckpt.errors import CheckpointError
+
+pytestmark = pytest.mark.skipif(not getattr(os, "O_DIRECT", 0), reason="no O_DIRECT on this platform")
+SMALL = 8192  # a bounce buffer of two blocks, so that tests cross many buffer boundaries
+
+
+def _is_direct(writer: DirectWriter) -> bool:
+    return bool(fcntl.fcntl(writer.fd, fcntl.F_GETFL) & os.O_DIRECT)
+
+
+def _writer(path: str) -> DirectWriter:
+    w = DirectWriter(path, _io_error)
+    if not w.direct:
+        w.abort()
+        pytest.skip(f"the file system of {path} refuses O_DIRECT")
+    return w
+
+
+@pytest.fixture(autouse=True)
+def _small_buffers(monkeypatch):
+    monkeypatch.setenv("DISTCKPT_DIRECT_IO_BUFFER_BYTES", str(SMALL))
+
+
+@settings(max_examples=40, deadline=None)
+@given(sizes=st.lists(st.integers(0, 3 * SMALL + 5), max_size=12), group=st.integers(1, 4), seed=st.integers(0, 2**16))
+def test_writes_in_file_order_land_exactly(sizes, group, seed):
+    rng = random.Random(seed)
+    pieces = [bytes(rng.getrandbits(8) for _ in range(n)) for n in sizes]
+    with tempfile.TemporaryDirectory(dir=os.getcwd()) as d:
+        path = os.path.join(d, "f")
+        w = _writer(path)
+        offset = 0
+        for i in range(0, len(pieces), group):
+            batch = pieces[i:i + group]
+            w.pwritev([memoryview(p) for p in batch], offset)
+            offset += sum(len(p) for p in batch)
+        assert w.direct and _is_direct(w), "in-order writes stay direct"
+        w.close(sync=True)
+        with open(path, "rb") as f:
+            assert f.read() == b"".join(pieces)
+
+
+def test_a_write_out_of_order_goes_on_buffered(tmp_path):
+    data = os.urandom(5 * SMALL + 123)
+    head = 4096
+    w = _writer(str(tmp_path / "f"))
+    w.pwrite(memoryview(data)[head:head + 3 * SMALL + 7], head)  # the data first, as if the header came last
+    w.pwrite(memoryview(data)[head + 3 * SMALL + 7:], head + 3 * SMALL + 7)
+    w.pwrite(memoryview(data)[:head], 0)
+    assert not w.direct and not _is_direct(w)
+    w.close(sync=True)
+    assert (tmp_path / "f").read_bytes() == data
+
+
+def test_a_refused_direct_write_goes_on_buffered(tmp_path, monkeypatch):
+    real = os.pwrite
+    calls = []
+
+    def refuse_second(fd, data, offset):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            calls.append(offset)
+            if len(calls) == 2:
+                raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(direct_io.os, "pwrite", refuse_second)
+    data = os.urandom(4 * SMALL + 99)
+    w = _writer(str(tmp_path / "f"))
+    w.pwritev([memoryview(data)[:SMALL + 1], memoryview(data)[SMALL + 1:]], 0)
+    assert calls == [0, SMALL] and not w.direct
+    w.close(sync=True)
+    assert (tmp_path / "f").read_bytes() == data
+
+
+def test_a_short_direct_write_goes_on_buffered(tmp_path, monkeypatch):
+    real = os.pwrite
+
+    def short(fd, data, offset):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT and len(data) > 4096:
+            return real(fd, memoryview(data)[:4096], offset) - 4000  # a short write leaving the rest misaligned
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(direct_io.os, "pwrite", short)
+    data = os.urandom(3 * SMALL + 5)
+    w = _writer(str(tmp_path / "f"))
+    w.pwrite(memoryview(data), 0)
+    w.close(sync=False)
+    assert (tmp_path / "f").read_bytes() == data
+
+
+def test_a_file_system_without_direct_io_gets_buffered_writes(tmp_path, monkeypatch):
+    real = os.open
+
+    def no_direct(path, flags, *args):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(path, flags, *args)
+
+    monkeypatch.setattr(direct_io.os, "open", no_direct)
+    w = DirectWriter(str(tmp_path / "f"), _io_error)
+    assert not w.direct
+    data = os.urandom(SMALL + 3)
+    w.pwrite(memoryview(data), 0)
+    w.close(sync=True)
+    assert (tmp_path / "f").read_bytes() == data
+
+
+def test_the_knob(monkeypatch, tmp_path):
+    monkeypatch.setenv("DISTCKPT_DIRECT_IO", "off")
+    assert not direct_io_wanted(str(tmp_path))
+    monkeypatch.setenv("DISTCKPT_DIRECT_IO", "on")
+    assert direct_io_wanted(str(tmp_path))
+    monkeypatch.setenv("DISTCKPT_DIRECT_IO", "sometimes")
+    with pytest.raises(CheckpointError, match="DISTCKPT_DIRECT_IO"):
+        direct_io_wanted(str(tmp_path))
+    monkeypatch.setenv("DISTCKPT_DIRECT_IO", "auto")
+    if os.path.isdir("/dev/shm") and direct_io._file_system_type("/dev/shm") == 0x01021994:
+        assert not direct_io_wanted("/dev/shm"), "tmpfs is memory: no direct I/O there"
+    kind = direct_io._file_system_type(str(tmp_path))
+    assert direct_io_wanted(str(tmp_path)) == (kind in direct_io.LOCAL_BLOCK_FILE_SYSTEMS)
+    monkeypatch.setenv("DISTCKPT_DIRECT_IO_BUFFER_BYTES", "5000")
+    with pytest.raises(CheckpointError, match="multiple of 4096"):
+        DirectWriter(str(tmp_path / "g"), _io_error)
+
+
+def test_save_and_load_with_direct_writes(tmp_path, monkeypatch):
+    """End to end through the public API: odd sizes, values and two data files, written directly."""
+    monkeypatch.setenv("DISTCKPT_DIRECT_IO", "on")
+    monkeypatch.setenv("DISTCKPT_IO_THREADS", "2")
+    monkeypatch.setattr("distckpt.backends.blob_storage._MIN_FILE_BYTES", 1 << 20)  # two files for this small state
+    writers = []
+    real_create = FsStore.create
+
+    def spy(self, name):
+        w = real_create(self, name)
+        writers.append(w)
+        return w
+
+    monkeypatch.setattr(FsStore, "create", spy)
+    g = torch.Generator().manual_seed(0)
+    state = {
+        "w": torch.randn(513, 1021, generator=g),
+        "b": torch.randn(3, generator=g).to(torch.bfloat16),
+        "step": torch.tensor(7),
+        "mask": torch.rand(100003, generator=g) > 0.5,
+        "meta": {"epoch": 3, "name": "run"},
+        "blob": b"\x00\x01" * 3000,
+    }
+    path = tmp_path / "ck"
+    distckpt.save(state, checkpoint_id=str(path))
+    assert len(writers) == 2 and all(isinstance(w, DirectWriter) for w in writers)
+    if not all(w.base > 0 for w in writers):
+        pytest.skip("the file system refused O_DIRECT; buffered writes were used")
+    dest = {"w": torch.zeros(513, 1021), "b": torch.zeros(3, dtype=torch.bfloat16), "step": torch.tensor(0),
+            "mask": torch.zeros(100003, dtype=torch.bool), "meta": {"epoch": 0, "name": ""}, "blob": b""}
+    distckpt.load(dest, checkpoint_id=str(path))
+    for k in ("w", "b", "step", "mask"):
+        assert torch.equal(dest[k], state[k]), k
+    assert dest["meta"] == state["meta"] and dest["blob"] == state["blob"]
+    report = distckpt.verify(str(path))
+    assert not report.problems
+    md = distckpt.read_metadata(str(path))
+    assert md is not None
+
+
+def _aligned_source(data: bytes):
+    """``data`` in page-aligned memory, as async_save's staging arena holds large tensors."""
+    import mmap
+
+    m = mmap.mmap(-1, max(len(data), 1))
+    m[:len(data)] = data
+    return m
+
+
+def test_aligned_memory_is_written_in_place(tmp_path, monkeypatch):
+    rng = random.Random(5)
+    head, big, rest = (bytes(rng.getrandbits(8) for _ in range(n)) for n in (4096, 3 * 65536 + 5, 2 * 65536))
+    in_place = []
+    real = DirectWriter._write_in_place
+
+    def spy(self, view):
+        n = real(self, view)
+        in_place.append(n)
+        return n
+
+    monkeypatch.setattr(DirectWriter, "_write_in_place", spy)
+    w = _writer(str(tmp_path / "f"))
+    w.pwrite(memoryview(head), 0)  # bytes at no particular address: copied into the buffer
+    w.pwrite(memoryview(_aligned_source(big))[:len(big)], len(head))  # its whole blocks go in place, after the buffer
+    w.pwrite(memoryview(_aligned_source(rest)), len(head) + len(big))  # 5 bytes into a block: copied
+    w.close(sync=True)
+    assert (tmp_path / "f").read_bytes() == head + big + rest
+    assert in_place == [3 * 65536]
+
+
+def test_in_place_writes_refused_fall_back_to_the_buffer(tmp_path, monkeypatch):
+    import numpy as np
+
+    real = os.pwrite
+    refused = []
+    w = _writer(str(tmp_path / "f"))
+    lo = w.array.ctypes.data
+    hi = lo + len(w.array)
+
+    def only_from_buffer(fd, data, offset):
+        addr = np.frombuffer(data, dtype=np.uint8).ctypes.data
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT and not lo <= addr < hi:
+            refused.append(offset)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(direct_io.os, "pwrite", only_from_buffer)
+    data = os.urandom(5 * 65536 + 11)
+    w.pwrite(memoryview(_aligned_source(data))[:len(data)], 0)
+    assert refused == [0] and w.direct and not w.zero_copy
+    w.close(sync=True)
+    assert (tmp_path / "f").read_bytes() == data
+
+
+def test_async_save_stages_large_tensors_on_pages(tmp_path):
+    from distckpt.staging import _BufferPool
+
+    leaves = [(("a",), torch.zeros(3)), (("b",), torch.zeros(70000)), (("c",), torch.zeros(5, dtype=torch.int8)),
+              (("d",), torch.zeros(16384 + 1))]
+    bufs = _BufferPool().buffers_for(leaves)
+    assert [b.data_ptr() % 4096 == 0 for b in bufs][1::2] == [True, True]
+    assert all(b.data_ptr() % 64 == 0 for b in bufs)
+    ends = sorted((b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()) for b in bufs)
+    assert all(e <= s for (_, e), (s, _) in zip(ends, ends[1:])), "buffers do not overlap"
+
+
+def test_async_save_writes_its_staging_buffers_in_place(tmp_path, monkeypatch):
+    monkeypatch.setenv("DISTCKPT_DIRECT_IO", "on")
+    in_place = []
+    real = DirectWriter._write_in_place
+
+    def spy(self, view):
+        n = real(self, view)
+        in_place.append(n)
+        return n
+
+    monkeypatch.setattr(DirectWriter, "_write_in_place", spy)
+    g = torch.Generator().manual_seed(1)
+    # layer sizes are whole pages, as a model's usually are; the odd-sized step counter is written last
+    state = {f"layer{i}": torch.randn(256, 64 * (i + 1), generator=g) for i in range(6)} | {"step": torch.tensor(3)}
+    expected = {k: v.clone() for k, v in state.items()}
+    handle = distckpt.async_save(state, checkpoint_id=str(tmp_path / "ck"))
+    for v in state.values():
+        v.add_(1)  # after staging: must not reach the file
+    handle.result()
+    if not in_place:
+        pytest.skip("the file system refused O_DIRECT")
+    assert sum(in_place) == sum(v.numel() * 4 for k, v in expected.items() if k != "step")
+    dest = {k: torch.zeros_like(v) for k, v in expected.items()}
+    distckpt.load(dest, checkpoint_id=str(tmp_path / "ck"))
+    assert all(torch.equal(dest[k], expected[k]) for k in expected)
