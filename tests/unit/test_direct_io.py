@@ -213,18 +213,17 @@ def test_aligned_memory_is_written_in_place(tmp_path, monkeypatch):
     assert in_place == [3 * 65536]
 
 
-def test_in_place_writes_refused_fall_back_to_the_buffer(tmp_path, monkeypatch):
+def test_in_place_writes_refused_go_on_buffered(tmp_path, monkeypatch):
     import numpy as np
 
     real = os.pwrite
     refused = []
     w = _writer(str(tmp_path / "f"))
-    lo = w.array.ctypes.data
-    hi = lo + len(w.array)
+    bounds = [(a.ctypes.data, a.ctypes.data + len(a)) for a in (np.frombuffer(b, dtype=np.uint8) for b in w.buffers)]
 
     def only_from_buffer(fd, data, offset):
         addr = np.frombuffer(data, dtype=np.uint8).ctypes.data
-        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT and not lo <= addr < hi:
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT and not any(lo <= addr < hi for lo, hi in bounds):
             refused.append(offset)
             raise OSError(errno.EINVAL, "Invalid argument")
         return real(fd, data, offset)
@@ -232,7 +231,7 @@ def test_in_place_writes_refused_fall_back_to_the_buffer(tmp_path, monkeypatch):
     monkeypatch.setattr(direct_io.os, "pwrite", only_from_buffer)
     data = os.urandom(5 * 65536 + 11)
     w.pwrite(memoryview(_aligned_source(data))[:len(data)], 0)
-    assert refused == [0] and w.direct and not w.zero_copy
+    assert refused == [0] and not w.direct and not _is_direct(w)
     w.close(sync=True)
     assert (tmp_path / "f").read_bytes() == data
 
@@ -274,3 +273,24 @@ def test_async_save_writes_its_staging_buffers_in_place(tmp_path, monkeypatch):
     dest = {k: torch.zeros_like(v) for k, v in expected.items()}
     distckpt.load(dest, checkpoint_id=str(tmp_path / "ck"))
     assert all(torch.equal(dest[k], expected[k]) for k in expected)
+
+
+def test_a_failed_write_in_the_background_surfaces_on_the_writer(tmp_path, monkeypatch):
+    from distckpt.errors import StorageIOError
+
+    real = os.pwrite
+
+    def full_disk(fd, data, offset):
+        if offset >= SMALL:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(direct_io.os, "pwrite", full_disk)
+    w = _writer(str(tmp_path / "f"))
+    with pytest.raises(StorageIOError, match="free disk space"):
+        try:
+            w.pwrite(memoryview(os.urandom(4 * SMALL)), 0)  # the second buffer's write fails in a flusher
+            w.close(sync=True)
+        except StorageIOError:
+            w.abort()
+            raise

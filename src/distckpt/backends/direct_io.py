@@ -29,6 +29,7 @@ import errno
 import mmap
 import os
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Optional
 
 import numpy as np
@@ -97,7 +98,7 @@ class _BouncePool:
                 buf = self.free.pop()
                 if len(buf) == size:
                     return buf
-                buf.close()
+                _close(buf)
         return mmap.mmap(-1, size)  # anonymous mappings are page-aligned
 
     def give(self, buf: mmap.mmap) -> None:
@@ -105,28 +106,55 @@ class _BouncePool:
             if len(self.free) < self.keep:
                 self.free.append(buf)
                 return
+        _close(buf)
+
+
+def _close(buf: mmap.mmap) -> None:
+    try:
         buf.close()
+    except BufferError:  # a view of it is still alive somewhere: the collector unmaps it later
+        pass
 
 
 _POOL = _BouncePool()
 
 
-class DirectWriter(BlobWriter):
-    """A file written with ``O_DIRECT`` from a bounce buffer, for writes that arrive in file order.
+_FLUSHERS: Optional[ThreadPoolExecutor] = None
+_FLUSHERS_LOCK = threading.Lock()
 
-    A write at any other offset (or a refusal by the kernel) switches the
-    file to buffered writes for the rest of its life, after writing out what
-    the buffer holds; the bytes written stay the same either way.
+
+def _flushers() -> ThreadPoolExecutor:
+    """Threads that write full buffers while their writers fill the next (they only wait on the device)."""
+    global _FLUSHERS
+    with _FLUSHERS_LOCK:
+        if _FLUSHERS is None:
+            _FLUSHERS = ThreadPoolExecutor(16, thread_name_prefix="distckpt-direct")
+        return _FLUSHERS
+
+
+class DirectWriter(BlobWriter):
+    """A file written with ``O_DIRECT``, for writes that arrive in file order.
+
+    Bytes are copied into one of two page-aligned buffers; a full buffer is
+    written by a flusher thread while the other fills, so the device always
+    has work. Aligned source memory of whole blocks is written in place.
+    A write at any other offset ends direct I/O for the file, after what the
+    buffer holds is written. If the kernel refuses a direct write (a file
+    system without direct I/O, a device with larger blocks, a short write
+    that leaves the rest misaligned), the file goes on with buffered writes.
+    The bytes in the file are the same either way.
     """
 
     def __init__(self, path: str, io_error):
         self.path = path
         self._io_error = io_error  # (action, path, OSError) -> StorageIOError
-        self.lock = threading.Lock()
-        self.buf: Optional[mmap.mmap] = None
-        self.base = 0  # file offset of the buffer's first byte
-        self.fill = 0  # bytes of the buffer holding data
-        self.zero_copy = True  # write aligned source memory in place, not through the buffer
+        self.lock = threading.Lock()  # held by the writing thread
+        self.flag_lock = threading.Lock()  # taken by whichever thread drops O_DIRECT
+        self.buffers: list[mmap.mmap] = []
+        self.pending: Optional[Future] = None  # the flusher's write of the other buffer
+        self.base = 0  # file offset of the current buffer's first byte
+        self.fill = 0  # bytes of the current buffer holding data
+        self.zero_copy = True  # write aligned source memory in place, not through a buffer
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
         try:
             try:
@@ -140,9 +168,14 @@ class DirectWriter(BlobWriter):
         except OSError as exc:
             raise io_error("creating", path, exc) from exc
         if self.direct:
-            self.buf = _POOL.take(knobs.direct_io_buffer_bytes())
-            self.view = memoryview(self.buf)
-            self.array = np.frombuffer(self.buf, dtype=np.uint8)
+            size = knobs.direct_io_buffer_bytes()
+            self.buffers = [_POOL.take(size), _POOL.take(size)]
+            self._use(0)
+
+    def _use(self, i: int) -> None:
+        self.current = i
+        self.view = memoryview(self.buffers[i])
+        self.array = np.frombuffer(self.buffers[i], dtype=np.uint8)
 
     # writes
 
@@ -154,31 +187,25 @@ class DirectWriter(BlobWriter):
         try:
             faults.point("write", self.path)
             with self.lock:
-                if self.direct and offset == self.base + self.fill:
-                    for k, view in enumerate(views):
-                        done = self._append(view)
-                        if not self.direct:  # the kernel refused: the rest goes the buffered way
-                            _write_all(self.fd, [view[done:]] + views[k + 1:], self.base)
-                            return
+                if self.buffers and offset == self.base + self.fill:
+                    for view in views:
+                        self._append(view)
                     return
-                if self.direct:
+                if self.buffers:
                     self._go_buffered()
             _write_all(self.fd, views, offset)
         except OSError as exc:
             raise self._io_error("writing", self.path, exc) from exc
 
-    def _append(self, view: memoryview) -> int:
+    def _append(self, view: memoryview) -> None:
         """Write ``view`` at the end of the file so far: straight from its memory where that is aligned,
-        else copied into the buffer, which is written whenever full. Returns the bytes taken (all,
-        unless direct I/O ended)."""
-        cap = len(self.buf)
+        else copied into the current buffer, which goes to a flusher whenever full."""
+        cap = len(self.view)
         done = 0
         while done < len(view):
             if self.zero_copy and self.fill % ALIGN == 0 and len(view) - done >= _ZERO_COPY_MIN and _aligned(view[done:]):
                 if self.fill:  # what the buffer holds goes first
-                    self._flush(self.fill)
-                    if not self.direct:
-                        break
+                    self._hand_over()
                 done += self._write_in_place(view[done:])
                 if done == len(view):
                     break
@@ -190,100 +217,86 @@ class DirectWriter(BlobWriter):
             self.fill += n
             done += n
             if self.fill == cap:
-                self._flush(cap)
-                if not self.direct:
-                    break
-        return done
+                self._hand_over()
+
+    def _hand_over(self) -> None:
+        """Give the current buffer's bytes (whole blocks) to a flusher and go on in the other buffer."""
+        self._wait()  # the other buffer is free once its write is done
+        view, offset = self.view[:self.fill], self.base
+        self.pending = _flushers().submit(self._write_direct, view, offset)
+        self.base += self.fill
+        self.fill = 0
+        self._use(1 - self.current)
+
+    def _wait(self) -> None:
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            pending.result()
 
     def _write_in_place(self, view: memoryview) -> int:
         """Write the longest whole-block prefix of aligned ``view`` from its own memory (as that of
         async_save's staging buffers is); the bytes written."""
         length = len(view) - len(view) % ALIGN
-        written = 0
-        while written < length:
-            try:
-                n = os.pwrite(self.fd, view[written:length], self.base)
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise
-                n = 0
-            if n <= 0 or n % ALIGN:  # the kernel wants more of the memory than this: copy from now on
-                self.zero_copy = False
-                if n > 0:  # a short write that left the rest misaligned: the bytes past the block are rewritten
-                    n -= n % ALIGN
-                    written += n
-                    self.base += n
-                return written
-            written += n
-            self.base += n
-        return written
-
-    def _flush(self, length: int) -> None:
-        """Write the buffer's first ``length`` bytes (a multiple of ALIGN) directly at ``base``.
-
-        If the kernel refuses, the buffer's bytes go out buffered and direct I/O ends;
-        ``base`` is then the offset after them.
-        """
-        written = 0
-        while written < length:
-            try:
-                n = os.pwrite(self.fd, self.view[written:length], self.base + written)
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise
-                n = 0
-            if n <= 0:  # refused (also after a short write that left the rest misaligned)
-                self._leave_direct(written)
-                return
-            written += n
+        self._write_direct(view[:length], self.base)
         self.base += length
-        self.fill -= length
-        if self.fill:  # only when called with a partial buffer
-            self.view[:self.fill] = self.view[length:length + self.fill]
+        return length
+
+    def _write_direct(self, view: memoryview, offset: int) -> None:
+        """pwrite all of ``view`` at ``offset``; where the kernel refuses direct I/O, the file leaves it."""
+        while len(view):
+            try:
+                n = os.pwrite(self.fd, view, offset)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL or not self._drop_direct_flag():
+                    raise
+                continue  # again, through the page cache
+            view = view[n:]
+            offset += n
+
+    def _drop_direct_flag(self) -> bool:
+        """Clear O_DIRECT on the file; False if it was clear already."""
+        import fcntl  # POSIX only, as O_DIRECT is
+
+        with self.flag_lock:
+            flags = fcntl.fcntl(self.fd, fcntl.F_GETFL)
+            if not flags & _O_DIRECT:
+                return False
+            fcntl.fcntl(self.fd, fcntl.F_SETFL, flags & ~_O_DIRECT)
+            self.direct = False
+            return True
 
     def _go_buffered(self) -> None:
         """Leave direct I/O: write out what the buffer holds, then write through the page cache."""
-        whole = self.fill - self.fill % ALIGN
-        if whole:
-            self._flush(whole)
-        if self.direct:
-            self._leave_direct(0)
-
-    def _leave_direct(self, written: int) -> None:
-        """Write the buffer's bytes from ``written`` on through the page cache, and stay there."""
-        import fcntl  # POSIX only, as O_DIRECT is
-
-        flags = fcntl.fcntl(self.fd, fcntl.F_GETFL)
-        fcntl.fcntl(self.fd, fcntl.F_SETFL, flags & ~_O_DIRECT)
-        self.direct = False
-        rest = self.view[written:self.fill]
-        _write_all(self.fd, [rest], self.base + written)
+        self._wait()
+        self._drop_direct_flag()
+        _write_all(self.fd, [self.view[:self.fill]], self.base)
         self.base += self.fill
         self.fill = 0
-        rest.release()
         self._release()
 
     def _release(self) -> None:
-        if self.buf is not None:
+        if self.buffers:
             self.array = None
             self.view.release()
-            _POOL.give(self.buf)
-            self.buf = None
+            for buf in self.buffers:
+                _POOL.give(buf)
+            self.buffers = []
 
     # the end
 
     def close(self, sync: bool) -> None:
         try:
-            if self.direct and self.fill:  # the last block, padded; then the file cut to its length
-                size = self.base + self.fill
-                padded = -(-self.fill // ALIGN) * ALIGN
-                self.view[self.fill:padded] = bytes(padded - self.fill)
-                self.fill = padded
-                try:
-                    self._flush(padded)
-                    os.ftruncate(self.fd, size)
-                except OSError as exc:
-                    raise self._io_error("writing", self.path, exc) from exc
+            try:
+                if self.buffers:
+                    self._wait()
+                    if self.fill:  # the last block, padded; then the file cut to its length
+                        size = self.base + self.fill
+                        padded = -(-self.fill // ALIGN) * ALIGN
+                        self.view[self.fill:padded] = bytes(padded - self.fill)
+                        self._write_direct(self.view[:padded], self.base)
+                        os.ftruncate(self.fd, size)
+            except OSError as exc:
+                raise self._io_error("writing", self.path, exc) from exc
             if sync:
                 try:
                     faults.point("fsync", self.path)
@@ -291,12 +304,22 @@ class DirectWriter(BlobWriter):
                 except OSError as exc:
                     raise self._io_error("fsync of", self.path, exc) from exc
         finally:
-            self._release()
-            os.close(self.fd)
+            self._abandon()
 
     def abort(self) -> None:
-        self._release()
-        os.close(self.fd)
+        self._abandon()
+
+    def _abandon(self) -> None:
+        if self.fd < 0:
+            return
+        try:
+            if self.pending is not None:
+                self.pending.exception()  # the buffer is busy until its write ends
+        finally:
+            self.pending = None
+            self._release()
+            fd, self.fd = self.fd, -1
+            os.close(fd)
 
 
 def _aligned(view: memoryview) -> bool:
