@@ -158,6 +158,15 @@ class _AsyncState:
 _STATE = _AsyncState()
 
 
+def _fresh_state_in_child() -> None:
+    global _STATE
+    _STATE = _AsyncState()  # a forked child has none of the parent's threads, and none of its saves are its own
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_fresh_state_in_child)
+
+
 def _background_group(process_group: Any) -> Any:
     """A gloo group with the same ranks as ``process_group``, for the background save's collectives."""
     if not (dist is not None and dist.is_available() and dist.is_initialized()):

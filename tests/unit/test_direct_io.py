@@ -294,3 +294,32 @@ def test_a_failed_write_in_the_background_surfaces_on_the_writer(tmp_path, monke
         except StorageIOError:
             w.abort()
             raise
+
+
+def _write_in_child(path: str, q) -> None:
+    try:
+        data = bytes(range(256)) * (5 * SMALL // 256)
+        w = DirectWriter(path, _io_error)
+        w.pwrite(memoryview(data), 0)  # hands buffers to flusher threads
+        w.close(sync=False)
+        q.put(open(path, "rb").read() == data)
+    except BaseException as exc:  # noqa: BLE001
+        q.put(repr(exc))
+
+
+def test_a_forked_child_gets_flusher_threads_of_its_own(tmp_path):
+    """A process forked after direct writes (a data loader's workers) can still write directly."""
+    import multiprocessing
+
+    w = _writer(str(tmp_path / "parent"))
+    w.pwrite(memoryview(os.urandom(3 * SMALL)), 0)  # the flusher threads exist in this process now
+    w.close(sync=False)
+    ctx = multiprocessing.get_context("fork")
+    q = ctx.Queue()
+    child = ctx.Process(target=_write_in_child, args=(str(tmp_path / "child"), q))
+    child.start()
+    child.join(60)
+    if child.is_alive():
+        child.kill()
+        pytest.fail("the forked child hung waiting for flusher threads it does not have")
+    assert q.get(timeout=5) is True

@@ -123,6 +123,16 @@ _FLUSHERS: Optional[ThreadPoolExecutor] = None
 _FLUSHERS_LOCK = threading.Lock()
 
 
+def _forget_flushers() -> None:
+    global _FLUSHERS, _FLUSHERS_LOCK
+    _FLUSHERS = None  # a forked child has none of the parent's threads
+    _FLUSHERS_LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_flushers)
+
+
 def _flushers() -> ThreadPoolExecutor:
     """Threads that write full buffers while their writers fill the next (they only wait on the device)."""
     global _FLUSHERS
@@ -154,7 +164,6 @@ class DirectWriter(BlobWriter):
         self.pending: Optional[Future] = None  # the flusher's write of the other buffer
         self.base = 0  # file offset of the current buffer's first byte
         self.fill = 0  # bytes of the current buffer holding data
-        self.zero_copy = True  # write aligned source memory in place, not through a buffer
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
         try:
             try:
@@ -203,7 +212,7 @@ class DirectWriter(BlobWriter):
         cap = len(self.view)
         done = 0
         while done < len(view):
-            if self.zero_copy and self.fill % ALIGN == 0 and len(view) - done >= _ZERO_COPY_MIN and _aligned(view[done:]):
+            if self.fill % ALIGN == 0 and len(view) - done >= _ZERO_COPY_MIN and _aligned(view[done:]):
                 if self.fill:  # what the buffer holds goes first
                     self._hand_over()
                 done += self._write_in_place(view[done:])
@@ -250,6 +259,8 @@ class DirectWriter(BlobWriter):
                 if exc.errno != errno.EINVAL or not self._drop_direct_flag():
                     raise
                 continue  # again, through the page cache
+            if n <= 0:
+                raise OSError(errno.EIO, "the write made no progress")
             view = view[n:]
             offset += n
 
