@@ -120,8 +120,10 @@ def direct_io_mode() -> str:
 
 
 def direct_io_buffer_bytes() -> int:
-    """Size of each page-aligned bounce buffer of a direct write, one per file being written
-    (DISTCKPT_DIRECT_IO_BUFFER_BYTES, default 16 MiB, a multiple of 4 KiB)."""
+    """Size of each page-aligned bounce buffer of a direct write (DISTCKPT_DIRECT_IO_BUFFER_BYTES,
+    default 16 MiB, a multiple of 4 KiB). Each file being written has two, one filling while the
+    other is written; up to eight stay allocated for the next save (touching fresh memory costs
+    more than the copy). They are not counted in the memory budget."""
     value = _int("DISTCKPT_DIRECT_IO_BUFFER_BYTES", 16 << 20, minimum=4096)
     if value % 4096:
         raise CheckpointError(f"DISTCKPT_DIRECT_IO_BUFFER_BYTES={value} must be a multiple of 4096")
