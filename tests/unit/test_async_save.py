@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 import distckpt
 from distckpt import faults
+from tests.forking import run_in_fork
 
 
 def test_mutation_after_staging_does_not_reach_the_disk(tmp_path):
@@ -161,30 +162,18 @@ def test_the_background_write_runs_at_a_lower_cpu_priority_than_the_caller(tmp_p
     assert seen == [min(19, mine + distckpt.knobs.async_write_nice())]
 
 
-def _async_save_in_child(path: str, q) -> None:
-    try:
-        state = {"w": torch.arange(1000.0)}
-        distckpt.async_save(state, checkpoint_id=path).result(timeout=60)
-        dest = {"w": torch.zeros(1000)}
-        distckpt.load(dest, checkpoint_id=path)
-        q.put(torch.equal(dest["w"], state["w"]))
-    except BaseException as exc:  # noqa: BLE001
-        q.put(repr(exc))
+def _async_save_in_child(path: str) -> bool:
+    state = {"w": torch.arange(1000.0)}
+    distckpt.async_save(state, checkpoint_id=path).result(timeout=60)
+    dest = {"w": torch.zeros(1000)}
+    distckpt.load(dest, checkpoint_id=path)
+    return torch.equal(dest["w"], state["w"])
 
 
 @pytest.mark.skipif(not hasattr(os, "register_at_fork"), reason="no fork here")
 def test_a_process_forked_after_async_saves_can_save_asynchronously(tmp_path):
     """A child forked after the parent's async saves (a data loader's worker) has no background thread of the
     parent's: its own async_save must not wait on one."""
-    import multiprocessing
-
     distckpt.async_save({"w": torch.ones(10)}, checkpoint_id=str(tmp_path / "parent"))  # still in flight, maybe
-    ctx = multiprocessing.get_context("fork")
-    q = ctx.Queue()
-    child = ctx.Process(target=_async_save_in_child, args=(str(tmp_path / "child"), q))
-    child.start()
-    child.join(90)
-    if child.is_alive():
-        child.kill()
-        pytest.fail("async_save in a forked child hung on the parent's background threads")
-    assert q.get(timeout=5) is True
+    assert run_in_fork(_async_save_in_child, str(tmp_path / "child"), timeout_s=90,
+                       hang="async_save in a forked child hung on the parent's background threads") is True

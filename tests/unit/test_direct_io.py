@@ -19,6 +19,7 @@ from distckpt.backends import direct_io
 from distckpt.backends.direct_io import DirectWriter, direct_io_wanted
 from distckpt.backends.filesystem import FsStore, _io_error
 from distckpt.errors import CheckpointError
+from tests.forking import run_in_fork
 
 pytestmark = pytest.mark.skipif(not getattr(os, "O_DIRECT", 0), reason="no O_DIRECT on this platform")
 SMALL = 8192  # a bounce buffer of two blocks, so that tests cross many buffer boundaries
@@ -39,6 +40,26 @@ def _writer(path: str) -> DirectWriter:
 @pytest.fixture(autouse=True)
 def _small_buffers(monkeypatch):
     monkeypatch.setenv("DISTCKPT_DIRECT_IO_BUFFER_BYTES", str(SMALL))
+
+
+def _record(monkeypatch, cls, method: str) -> list:
+    """What ``cls.method`` returns from now on, call by call."""
+    results: list = []
+    real = getattr(cls, method)
+
+    def spy(self, *args):
+        out = real(self, *args)
+        results.append(out)
+        return out
+
+    monkeypatch.setattr(cls, method, spy)
+    return results
+
+
+@pytest.fixture
+def in_place(monkeypatch) -> list:
+    """The byte counts of the writes made straight from the source's memory, as they happen."""
+    return _record(monkeypatch, DirectWriter, "_write_in_place")
 
 
 @settings(max_examples=40, deadline=None)
@@ -148,15 +169,7 @@ def test_save_and_load_with_direct_writes(tmp_path, monkeypatch):
     monkeypatch.setenv("DISTCKPT_DIRECT_IO", "on")
     monkeypatch.setenv("DISTCKPT_IO_THREADS", "2")
     monkeypatch.setattr("distckpt.backends.blob_storage._MIN_FILE_BYTES", 1 << 20)  # two files for this small state
-    writers = []
-    real_create = FsStore.create
-
-    def spy(self, name):
-        w = real_create(self, name)
-        writers.append(w)
-        return w
-
-    monkeypatch.setattr(FsStore, "create", spy)
+    writers = _record(monkeypatch, FsStore, "create")
     g = torch.Generator().manual_seed(0)
     state = {
         "w": torch.randn(513, 1021, generator=g),
@@ -192,18 +205,9 @@ def _aligned_source(data: bytes):
     return m
 
 
-def test_aligned_memory_is_written_in_place(tmp_path, monkeypatch):
+def test_aligned_memory_is_written_in_place(tmp_path, in_place):
     rng = random.Random(5)
     head, big, rest = (bytes(rng.getrandbits(8) for _ in range(n)) for n in (4096, 3 * 65536 + 5, 2 * 65536))
-    in_place = []
-    real = DirectWriter._write_in_place
-
-    def spy(self, view):
-        n = real(self, view)
-        in_place.append(n)
-        return n
-
-    monkeypatch.setattr(DirectWriter, "_write_in_place", spy)
     w = _writer(str(tmp_path / "f"))
     w.pwrite(memoryview(head), 0)  # bytes at no particular address: copied into the buffer
     w.pwrite(memoryview(_aligned_source(big))[:len(big)], len(head))  # its whole blocks go in place, after the buffer
@@ -248,17 +252,8 @@ def test_async_save_stages_large_tensors_on_pages(tmp_path):
     assert all(e <= s for (_, e), (s, _) in zip(ends, ends[1:])), "buffers do not overlap"
 
 
-def test_async_save_writes_its_staging_buffers_in_place(tmp_path, monkeypatch):
+def test_async_save_writes_its_staging_buffers_in_place(tmp_path, monkeypatch, in_place):
     monkeypatch.setenv("DISTCKPT_DIRECT_IO", "on")
-    in_place = []
-    real = DirectWriter._write_in_place
-
-    def spy(self, view):
-        n = real(self, view)
-        in_place.append(n)
-        return n
-
-    monkeypatch.setattr(DirectWriter, "_write_in_place", spy)
     g = torch.Generator().manual_seed(1)
     # layer sizes are whole pages, as a model's usually are; the odd-sized step counter is written last
     state = {f"layer{i}": torch.randn(256, 64 * (i + 1), generator=g) for i in range(6)} | {"step": torch.tensor(3)}
@@ -296,30 +291,19 @@ def test_a_failed_write_in_the_background_surfaces_on_the_writer(tmp_path, monke
             raise
 
 
-def _write_in_child(path: str, q) -> None:
-    try:
-        data = bytes(range(256)) * (5 * SMALL // 256)
-        w = DirectWriter(path, _io_error)
-        w.pwrite(memoryview(data), 0)  # hands buffers to flusher threads
-        w.close(sync=False)
-        q.put(open(path, "rb").read() == data)
-    except BaseException as exc:  # noqa: BLE001
-        q.put(repr(exc))
+def _write_in_child(path: str) -> bool:
+    data = bytes(range(256)) * (5 * SMALL // 256)
+    w = DirectWriter(path, _io_error)
+    w.pwrite(memoryview(data), 0)  # hands buffers to flusher threads
+    w.close(sync=False)
+    with open(path, "rb") as f:
+        return f.read() == data
 
 
 def test_a_forked_child_gets_flusher_threads_of_its_own(tmp_path):
     """A process forked after direct writes (a data loader's workers) can still write directly."""
-    import multiprocessing
-
     w = _writer(str(tmp_path / "parent"))
     w.pwrite(memoryview(os.urandom(3 * SMALL)), 0)  # the flusher threads exist in this process now
     w.close(sync=False)
-    ctx = multiprocessing.get_context("fork")
-    q = ctx.Queue()
-    child = ctx.Process(target=_write_in_child, args=(str(tmp_path / "child"), q))
-    child.start()
-    child.join(60)
-    if child.is_alive():
-        child.kill()
-        pytest.fail("the forked child hung waiting for flusher threads it does not have")
-    assert q.get(timeout=5) is True
+    assert run_in_fork(_write_in_child, str(tmp_path / "child"),
+                       hang="the forked child hung waiting for flusher threads it does not have") is True
