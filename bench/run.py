@@ -27,7 +27,7 @@ import torch
 from distckpt.testing import run_ranks
 
 from . import planning_scale, targets, workers
-from .measure import drop_cache
+from .measure import drop_cache, warm_memory
 
 
 def disk_baselines(location: str, nbytes: int) -> dict:
@@ -57,16 +57,6 @@ def disk_baselines(location: str, nbytes: int) -> dict:
     dst.copy_(src)
     memcpy = src.numel() / (time.perf_counter() - t0) / 1e9
     return {"write_fsync_gbps": write, "read_cold_gbps": read, "memcpy_gbps": memcpy}
-
-
-def warm_memory(gib: float) -> None:
-    """Touch memory once before measuring. On a virtual machine the host may back guest memory
-    lazily; the first touch of a page is then many times slower than any later one, and whichever
-    peer ran first would pay for it (seen here: tmpfs writes at 0.6 GB/s cold, 2.2 GB/s warm)."""
-    if gib <= 0:
-        return
-    block = torch.ones(int(gib * (1 << 30)), dtype=torch.uint8)
-    del block
 
 
 def table(title: str, rows: dict, base_peer: str = "distckpt") -> list[str]:

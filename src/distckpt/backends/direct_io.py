@@ -24,7 +24,6 @@ larger blocks), the writer goes on with buffered writes: never a failed save.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import mmap
 import os
@@ -60,7 +59,7 @@ def _file_system_type(path: str) -> Optional[int]:
     global _libc
     try:
         if _libc is None:
-            _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+            _libc = ctypes.CDLL(None, use_errno=True)  # the process's own symbols, libc's among them
         buf = _StatFs()
         if _libc.statfs(os.fsencode(path), ctypes.byref(buf)) != 0:
             return None
