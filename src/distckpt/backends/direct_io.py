@@ -203,7 +203,7 @@ class DirectWriter(BlobWriter):
                     return
                 if self.buffers:
                     self._go_buffered()
-            _write_all(self.fd, views, offset)
+            pwrite_all(self.fd, views, offset)
         except OSError as exc:
             raise self._io_error("writing", self.path, exc) from exc
 
@@ -281,7 +281,7 @@ class DirectWriter(BlobWriter):
         """Leave direct I/O: write out what the buffer holds, then write through the page cache."""
         self._wait()
         self._drop_direct_flag()
-        _write_all(self.fd, [self.view[:self.fill]], self.base)
+        pwrite_all(self.fd, [self.view[:self.fill]], self.base)
         self.base += self.fill
         self.fill = 0
         self._release()
@@ -338,7 +338,8 @@ def _aligned(view: memoryview) -> bool:
     return np.frombuffer(view, dtype=np.uint8).ctypes.data % ALIGN == 0
 
 
-def _write_all(fd: int, views: list, offset: int) -> None:
+def pwrite_all(fd: int, views: list, offset: int) -> None:
+    """Write ``views`` back to back from ``offset`` with plain pwrite, however many calls that takes."""
     for view in views:
         while len(view):
             n = os.pwrite(fd, view, offset)

@@ -13,7 +13,7 @@ from .. import faults
 from ..errors import CheckpointError, CheckpointNotFoundError, StorageIOError
 from .blob_storage import BlobStorageReader, BlobStorageWriter
 from .blobs import BlobReader, BlobStore, BlobWriter
-from .direct_io import DirectWriter, direct_io_wanted
+from .direct_io import DirectWriter, direct_io_wanted, pwrite_all
 from .rename import exchange, rename_noreplace
 
 TMP_MARK = ".distckpt-tmp-"
@@ -43,10 +43,7 @@ class _FdWriter(BlobWriter):
         view = memoryview(data).cast("B")
         try:
             faults.point("write", self.path)
-            while len(view):
-                n = os.pwrite(self.fd, view, offset)
-                view = view[n:]
-                offset += n
+            pwrite_all(self.fd, [view], offset)
         except OSError as exc:
             raise _io_error("writing", self.path, exc) from exc
 
