@@ -173,7 +173,8 @@ def _async_save_in_child(path: str) -> bool:
 @pytest.mark.skipif(not hasattr(os, "register_at_fork"), reason="no fork here")
 def test_a_process_forked_after_async_saves_can_save_asynchronously(tmp_path):
     """A child forked after the parent's async saves (a data loader's worker) has no background thread of the
-    parent's: its own async_save must not wait on one."""
+    parent's: its own async_save must not wait on one, nor share a buffer with one."""
+    distckpt.save({"w": torch.ones(10)}, checkpoint_id=str(tmp_path / "before"))  # leaves spare buffers to share
     distckpt.async_save({"w": torch.ones(10)}, checkpoint_id=str(tmp_path / "parent"))  # still in flight, maybe
     assert run_in_fork(_async_save_in_child, str(tmp_path / "child"), timeout_s=90,
                        hang="async_save in a forked child hung on the parent's background threads") is True

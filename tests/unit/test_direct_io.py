@@ -305,3 +305,30 @@ def test_a_forked_child_gets_flusher_threads_of_its_own(tmp_path):
     w.close(sync=False)
     assert run_in_fork(_write_in_child, str(tmp_path / "child"),
                        hang="the forked child hung waiting for flusher threads it does not have") is True
+
+
+def _scribble(buf) -> bool:
+    buf[:4] = b"kid!"  # the child's own copy of the parent's buffer, if the buffer is private
+    return True
+
+
+def test_bounce_buffers_are_not_shared_with_a_forked_child():
+    """A child forked while the parent's writers hold bounce buffers (an async save in flight when a data loader
+    forks its workers) must not write into the parent's bytes, nor the parent into the child's."""
+    buf = direct_io._POOL.take(direct_io.ALIGN)
+    try:
+        buf[:4] = b"mine"
+        assert run_in_fork(_scribble, buf) is True
+        assert buf[:4] == b"mine"
+    finally:
+        direct_io._POOL.give(buf)
+
+
+def _pool_is_fresh(parent_pool_id: int) -> bool:
+    return id(direct_io._POOL) != parent_pool_id and direct_io._POOL.free == []
+
+
+def test_a_forked_child_starts_with_an_empty_bounce_pool():
+    buf = direct_io._POOL.take(direct_io.ALIGN)
+    direct_io._POOL.give(buf)  # the parent keeps one
+    assert run_in_fork(_pool_is_fresh, id(direct_io._POOL)) is True

@@ -100,7 +100,9 @@ class _BouncePool:
                 if len(buf) == size:
                     return buf
                 _close(buf)
-        return mmap.mmap(-1, size)  # anonymous mappings are page-aligned
+        # Private: Python's anonymous mmap is MAP_SHARED by default, and a shared buffer stays shared with every
+        # process forked later, so a parent's write would land in its child's bytes (and the other way round).
+        return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # page-aligned
 
     def give(self, buf: mmap.mmap) -> None:
         with self.lock:
@@ -124,14 +126,15 @@ _FLUSHERS: Optional[ThreadPoolExecutor] = None
 _FLUSHERS_LOCK = threading.Lock()
 
 
-def _forget_flushers() -> None:
-    global _FLUSHERS, _FLUSHERS_LOCK
+def _fresh_state_in_child() -> None:
+    global _FLUSHERS, _FLUSHERS_LOCK, _POOL
     _FLUSHERS = None  # a forked child has none of the parent's threads
     _FLUSHERS_LOCK = threading.Lock()
+    _POOL = _BouncePool()  # nor its locks, held or not, nor its buffers
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_flushers)
+    os.register_at_fork(after_in_child=_fresh_state_in_child)
 
 
 def _flushers() -> ThreadPoolExecutor:
