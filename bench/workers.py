@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import shutil
 
 import torch
@@ -230,14 +231,17 @@ def _barrier():
 def peers_round(rank, world_size, total, location, cold, repeat=1):
     """Save and load the GPT-like state with every peer, ``repeat`` rounds; the fastest of each (peer, op).
 
-    Each round runs every peer once, so a slow spell of the machine (see docs/performance.md) falls on
-    all peers alike instead of on whichever ran through it.
+    Each round runs every peer once, in an order shuffled anew for each round (the same on every rank), so
+    a slow spell of the machine (see docs/performance.md) falls on all peers alike instead of on
+    whichever sits at a fixed place in the round.
     """
     sd, local = _local_state(total, world_size, rank, sharded=True)
     size = nbytes(local)
     runs: dict = {}
-    for _ in range(repeat):
-        for peer in DISK_PEERS if cold else PEERS:
+    for round_index in range(repeat):
+        order = list(DISK_PEERS if cold else PEERS)
+        random.Random(round_index).shuffle(order)
+        for peer in order:
             path = os.path.join(location, f"{peer}-{world_size}")
             _barrier()
             os.sync()  # start from a quiet disk: no write-back of the previous peer's files
