@@ -393,3 +393,23 @@ def test_hostile_save_id_in_metadata_is_refused(client, bucket, save_id):
                       Body=text + b',"crc32c":"' + f"{crc32c(text):08x}".encode() + b'"}\n')
     with pytest.raises(CorruptCheckpointError, match="save id"):
         distckpt.load({"w": torch.zeros(3)}, checkpoint_id=cid)
+
+
+def _client_in_child() -> bool:
+    from distckpt.backends.s3_objects import client_for
+
+    return client_for("http://127.0.0.1:9", "us-east-1") is not None
+
+
+def test_a_process_forked_while_another_thread_makes_a_client_can_make_its_own():
+    """The client cache's lock, held by a parent's thread at the fork, must not hang the child."""
+    import os
+
+    from distckpt.backends import s3_objects
+    from tests.forking import run_in_fork
+
+    if not hasattr(os, "register_at_fork"):
+        pytest.skip("no fork here")
+    with s3_objects._CLIENTS_LOCK:  # as if another thread were creating a client right now
+        assert run_in_fork(_client_in_child, timeout_s=60,
+                           hang="the forked child hung on the client cache's lock its parent held") is True

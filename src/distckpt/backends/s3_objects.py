@@ -28,6 +28,15 @@ _CLIENTS: dict[tuple, Any] = {}
 _CLIENTS_LOCK = threading.Lock()
 
 
+def _fresh_lock_in_child() -> None:
+    global _CLIENTS_LOCK
+    _CLIENTS_LOCK = threading.Lock()  # a parent's thread may have held it at the fork; the child has no such thread
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_fresh_lock_in_child)
+
+
 def client_for(endpoint_url: Optional[str], region_name: Optional[str]):
     key = (os.getpid(), endpoint_url, region_name)
     with _CLIENTS_LOCK:
