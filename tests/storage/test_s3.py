@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import uuid
 
 import pytest
@@ -11,7 +12,7 @@ from hypothesis import settings
 
 import distckpt
 from distckpt import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StorageIOError
-from distckpt.backends import S3Reader, S3Writer
+from distckpt.backends import S3Reader, S3Writer, s3_objects
 from distckpt.backends.s3 import S3Store
 from distckpt.cli import main as cli
 from distckpt.faults import Fault, inject
@@ -20,6 +21,7 @@ from distckpt.testing.storage_suite import StorageSuite
 
 from ..crash.test_manager import ManagerMachine
 from ..distributed import workers
+from ..forking import run_in_fork
 from .s3_server import new_bucket, s3_server
 
 
@@ -396,20 +398,12 @@ def test_hostile_save_id_in_metadata_is_refused(client, bucket, save_id):
 
 
 def _client_in_child() -> bool:
-    from distckpt.backends.s3_objects import client_for
-
-    return client_for("http://127.0.0.1:9", "us-east-1") is not None
+    return s3_objects.client_for("http://127.0.0.1:9", "us-east-1") is not None
 
 
+@pytest.mark.skipif(not hasattr(os, "register_at_fork"), reason="no fork here")
 def test_a_process_forked_while_another_thread_makes_a_client_can_make_its_own():
     """The client cache's lock, held by a parent's thread at the fork, must not hang the child."""
-    import os
-
-    from distckpt.backends import s3_objects
-    from tests.forking import run_in_fork
-
-    if not hasattr(os, "register_at_fork"):
-        pytest.skip("no fork here")
     with s3_objects._CLIENTS_LOCK:  # as if another thread were creating a client right now
         assert run_in_fork(_client_in_child, timeout_s=60,
                            hang="the forked child hung on the client cache's lock its parent held") is True
