@@ -75,10 +75,13 @@ def io_batch_bytes() -> int:
 
 
 def memory_budget_bytes() -> int:
-    """Most bytes of transient buffers one rank holds at once: host copies of device or
-    non-contiguous tensors on save, read buffers for partially needed chunks on load
-    (DISTCKPT_MEMORY_BUDGET_BYTES, default 1 GiB). Async-save staging is a full copy of the
-    state by nature and is not counted. Host copies of CUDA tensors are pinned, and torch's
+    """Most bytes of transient buffers one rank holds at once: on save, the writers' buffers
+    (direct I/O's bounce buffers, an object store's upload parts: together at most half the
+    budget, split between the files written at once) and host copies of device or
+    non-contiguous tensors (the rest); on load, read buffers for partially needed chunks
+    (DISTCKPT_MEMORY_BUDGET_BYTES, default 1 GiB). One request larger than the budget goes
+    through alone, and an object store's parts are never below S3's 5 MiB minimum.
+    Async-save staging is a full copy of the state by nature and is not counted. Host copies of CUDA tensors are pinned, and torch's
     caching host allocator keeps them for the next save (rounded up to powers of two, so up to
     about twice this budget); ``torch.accelerator.empty_host_cache()`` (recent torch) gives them back."""
     return _int("DISTCKPT_MEMORY_BUDGET_BYTES", 1 << 30, minimum=1)
@@ -122,8 +125,8 @@ def direct_io_mode() -> str:
 def direct_io_buffer_bytes() -> int:
     """Size of each page-aligned bounce buffer of a direct write (DISTCKPT_DIRECT_IO_BUFFER_BYTES,
     default 16 MiB, a multiple of 4 KiB). Each file being written has two, one filling while the
-    other is written; up to eight stay allocated for the next save (touching fresh memory costs
-    more than the copy). They are not counted in the memory budget."""
+    other is written, smaller where they would not fit in the file's share of the memory budget;
+    up to eight stay allocated for the next save (touching fresh memory costs more than the copy)."""
     value = _int("DISTCKPT_DIRECT_IO_BUFFER_BYTES", 16 << 20, minimum=4096)
     if value % 4096:
         raise CheckpointError(f"DISTCKPT_DIRECT_IO_BUFFER_BYTES={value} must be a multiple of 4096")

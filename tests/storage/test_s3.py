@@ -327,6 +327,26 @@ def test_parts_upload_in_parallel_and_large_reads_come_back_in_pieces(bucket):
     assert blob.readinto(memoryview(tail), len(raw) - 50) == 50 and tail[:50] == raw[-50:].tobytes()
 
 
+def test_parts_in_flight_fit_the_writers_share_of_the_memory_budget(client, bucket, monkeypatch):
+    """A data file's upload holds the part that fills plus those in flight, within its share of the budget."""
+    store = S3Store(bucket, "parts", part_size=5 << 20, upload_concurrency=4)
+    assert store.write_buffer_bytes() == 5 * (5 << 20)  # four uploading, one filling
+    assert store.write_buffer_bytes(12 << 20) == 2 * (5 << 20)
+    assert store.write_buffer_bytes(1) == 2 * (5 << 20)  # never fewer than one part in flight
+    writers = []
+    real = S3Store.create
+    monkeypatch.setattr(S3Store, "create", lambda self, name, share=None: writers.append(real(self, name, share)) or writers[-1])
+    monkeypatch.setenv("DISTCKPT_MEMORY_BUDGET_BYTES", str(24 << 20))  # one file: a share of 12 MiB
+    cid = f"s3://{bucket}/budget/ckpt"
+    sd = _state()
+    distckpt.save(sd, checkpoint_id=cid, storage_writer=S3Writer(part_size=5 << 20, thread_count=1))
+    assert [w.concurrency for w in writers] == [1]
+    head = client.head_object(Bucket=bucket, Key=f"budget/ckpt/{keys(client, bucket, 'budget/ckpt')[1]}")
+    assert "-" in head["ETag"]  # still a multipart upload
+    out = _load(cid)
+    assert torch.equal(out["big"], sd["big"]) and torch.equal(out["small"], sd["small"])
+
+
 def test_async_save_to_s3_writes_the_staged_state(bucket):
     cid = f"s3://{bucket}/async/ckpt"
     sd = _state()

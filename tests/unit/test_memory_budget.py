@@ -1,9 +1,10 @@
 """Transient buffers stay within DISTCKPT_MEMORY_BUDGET_BYTES."""
 
+import pytest
 import torch
 
 import distckpt
-from distckpt.backends import blob_storage, budget, reading
+from distckpt.backends import blob_storage, budget, direct_io, reading
 
 
 class Recording(budget.ByteBudget):
@@ -55,3 +56,26 @@ def test_budget_lets_an_oversized_request_through_alone():
     b.acquire(4)
     b.acquire(6)
     assert b.high_water == 100 and b.held == 10
+
+
+def test_direct_write_buffers_take_their_share_of_the_budget(tmp_path, monkeypatch):
+    """On local disk the data files' bounce buffers fit in half the budget, split between the files written at
+    once; host copies of tensors get the other half."""
+    _patch(monkeypatch)
+    assert direct_io.bounce_buffer_bytes() == 16 << 20 == direct_io.bounce_buffer_bytes((1 << 30) // 2 // 4)
+    monkeypatch.setenv("DISTCKPT_DIRECT_IO", "on")
+    monkeypatch.setenv("DISTCKPT_MEMORY_BUDGET_BYTES", str(1 << 20))
+    monkeypatch.setenv("DISTCKPT_IO_THREADS", "2")
+    monkeypatch.setattr(blob_storage, "_MIN_FILE_BYTES", 1 << 20)  # two files for this small state
+    taken = []
+    real = direct_io._BouncePool.take
+    monkeypatch.setattr(direct_io._BouncePool, "take", lambda self, size: taken.append(size) or real(self, size))
+    sd = {f"w{i}": torch.randn(1024, 256) for i in range(4)}  # 1 MiB each
+    distckpt.save(sd, checkpoint_id=tmp_path / "ck")
+    if not taken:
+        pytest.skip(f"the file system of {tmp_path} refuses O_DIRECT")
+    assert taken == [128 << 10] * 4  # two files, each with two buffers in its 256 KiB share
+    assert Recording.seen[0].limit == 512 << 10
+    out = {k: torch.zeros(1024, 256) for k in sd}
+    distckpt.load(out, checkpoint_id=tmp_path / "ck")
+    assert all(torch.equal(out[k], sd[k]) for k in sd)

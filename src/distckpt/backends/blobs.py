@@ -89,7 +89,17 @@ class BlobStore(abc.ABC):
         """Create the checkpoint's location if needed (called on every rank)."""
 
     @abc.abstractmethod
-    def create(self, name: str) -> BlobWriter: ...
+    def create(self, name: str, buffer_bytes: Optional[int] = None) -> BlobWriter:
+        """Start writing blob ``name``; it is visible only once the writer is closed.
+
+        ``buffer_bytes`` is the writer's share of the memory budget: the most
+        bytes of buffers it may hold (None: the store's default). A store
+        whose writers need buffers sizes them to fit, as far as it can.
+        """
+
+    def write_buffer_bytes(self, buffer_bytes: Optional[int] = None) -> int:
+        """The most bytes of buffers one writer from ``create(name, buffer_bytes)`` holds (0: none)."""
+        return 0
 
     @abc.abstractmethod
     def open(self, name: str) -> BlobReader:

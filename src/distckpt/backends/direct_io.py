@@ -85,6 +85,15 @@ def direct_io_wanted(directory: str) -> bool:
     return _file_system_type(directory) in LOCAL_BLOCK_FILE_SYSTEMS
 
 
+def bounce_buffer_bytes(budget: Optional[int] = None) -> int:
+    """The size of each of a direct writer's two bounce buffers: ``DISTCKPT_DIRECT_IO_BUFFER_BYTES``, or less so
+    that both fit in ``budget`` bytes (whole blocks, at least one each)."""
+    size = knobs.direct_io_buffer_bytes()
+    if budget is not None:
+        size = min(size, max(ALIGN, budget // 2 // ALIGN * ALIGN))
+    return size
+
+
 class _BouncePool:
     """Page-aligned buffers reused across writers and saves (touching fresh memory costs more than the copy)."""
 
@@ -149,7 +158,8 @@ def _flushers() -> ThreadPoolExecutor:
 class DirectWriter(BlobWriter):
     """A file written with ``O_DIRECT``, for writes that arrive in file order.
 
-    Bytes are copied into one of two page-aligned buffers; a full buffer is
+    Bytes are copied into one of two page-aligned buffers of ``buffer_bytes``
+    each (default: :func:`bounce_buffer_bytes`); a full buffer is
     written by a flusher thread while the other fills, so the device always
     has work. Aligned source memory of whole blocks is written in place.
     A write at any other offset ends direct I/O for the file, after what the
@@ -159,7 +169,7 @@ class DirectWriter(BlobWriter):
     The bytes in the file are the same either way.
     """
 
-    def __init__(self, path: str, io_error):
+    def __init__(self, path: str, io_error, buffer_bytes: Optional[int] = None):
         self.path = path
         self._io_error = io_error  # (action, path, OSError) -> StorageIOError
         self.lock = threading.Lock()  # held by the writing thread
@@ -181,7 +191,7 @@ class DirectWriter(BlobWriter):
         except OSError as exc:
             raise io_error("creating", path, exc) from exc
         if self.direct:
-            size = knobs.direct_io_buffer_bytes()
+            size = buffer_bytes if buffer_bytes is not None else bounce_buffer_bytes()
             self.buffers = [_POOL.take(size), _POOL.take(size)]
             self._use(0)
 

@@ -13,7 +13,7 @@ from .. import faults
 from ..errors import CheckpointError, CheckpointNotFoundError, StorageIOError
 from .blob_storage import BlobStorageReader, BlobStorageWriter
 from .blobs import BlobReader, BlobStore, BlobWriter
-from .direct_io import DirectWriter, direct_io_wanted, pwrite_all
+from .direct_io import DirectWriter, bounce_buffer_bytes, direct_io_wanted, pwrite_all
 from .rename import exchange, rename_noreplace
 
 TMP_MARK = ".distckpt-tmp-"
@@ -199,12 +199,18 @@ class FsStore(BlobStore):
         except OSError as exc:
             raise _io_error("creating directory", self.root, exc) from exc
 
-    def create(self, name: str) -> BlobWriter:
+    def _writes_directly(self) -> bool:
         if self._direct is None:
             self._direct = direct_io_wanted(self.root)
-        if self._direct:
-            return DirectWriter(self._p(name), _io_error)
+        return self._direct
+
+    def create(self, name: str, buffer_bytes: Optional[int] = None) -> BlobWriter:
+        if self._writes_directly():
+            return DirectWriter(self._p(name), _io_error, bounce_buffer_bytes(buffer_bytes))
         return _FdWriter(self._p(name))
+
+    def write_buffer_bytes(self, buffer_bytes: Optional[int] = None) -> int:
+        return 2 * bounce_buffer_bytes(buffer_bytes) if self._writes_directly() else 0
 
     def open(self, name: str) -> BlobReader:
         path = self._p(name)

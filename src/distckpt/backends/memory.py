@@ -7,7 +7,7 @@ example of a backend. Data lives until :func:`clear_memory_store` or exit.
 from __future__ import annotations
 
 import threading
-from typing import Iterable, Union
+from typing import Iterable, Optional, Union
 
 from .. import faults
 from ..errors import CheckpointError, CheckpointNotFoundError
@@ -75,7 +75,7 @@ class MemoryStore(BlobStore):
     def prepare(self) -> None:
         self._blobs()
 
-    def create(self, name: str) -> BlobWriter:
+    def create(self, name: str, buffer_bytes: Optional[int] = None) -> BlobWriter:
         return _MemWriter(self._blobs(), name)
 
     def open(self, name: str) -> BlobReader:

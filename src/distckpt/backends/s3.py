@@ -33,7 +33,7 @@ from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpoint
 from ..format import METADATA_FILE
 from .blob_storage import BlobStorageReader, BlobStorageWriter
 from .blobs import BlobReader, BlobStore, BlobWriter
-from .s3_objects import LOST_RACE, NOT_FOUND, ObjectReader, ObjectWriter, client_for, error_code, s3_error, s3_failures
+from .s3_objects import LOST_RACE, MIN_PART_BYTES, NOT_FOUND, ObjectReader, ObjectWriter, client_for, error_code, s3_error, s3_failures
 
 __all__ = ["S3Writer", "S3Reader", "S3Store"]
 
@@ -91,10 +91,21 @@ class S3Store(BlobStore):
                 raise StorageIOError(f"bucket {self.bucket!r} of {self.describe()} does not exist; create it first") from exc
             raise s3_error("checking the bucket of", self.describe(), exc) from exc
 
-    def create(self, name: str) -> BlobWriter:
-        part = knobs.s3_part_bytes() if self.part_size is None else self.part_size
+    def _parts(self, buffer_bytes: Optional[int]) -> tuple[int, int]:
+        """Part size, and parts uploading at once: within ``buffer_bytes`` with the part that fills,
+        but always at least one (S3's parts are at least 5 MiB, so a tiny budget is exceeded)."""
+        part = max(MIN_PART_BYTES, knobs.s3_part_bytes() if self.part_size is None else self.part_size)
         concurrency = knobs.s3_upload_concurrency() if self.upload_concurrency is None else self.upload_concurrency
-        return ObjectWriter(self, name, part, concurrency)
+        if buffer_bytes is not None:
+            concurrency = max(1, min(concurrency, buffer_bytes // part - 1))
+        return part, concurrency
+
+    def create(self, name: str, buffer_bytes: Optional[int] = None) -> BlobWriter:
+        return ObjectWriter(self, name, *self._parts(buffer_bytes))
+
+    def write_buffer_bytes(self, buffer_bytes: Optional[int] = None) -> int:
+        part, concurrency = self._parts(buffer_bytes)
+        return (concurrency + 1) * part
 
     def open(self, name: str) -> BlobReader:
         return ObjectReader(self, name)

@@ -15,7 +15,7 @@ from .. import faults, knobs
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StorageIOError
 from .blobs import BlobReader, BlobWriter
 
-_MIN_PART = 5 << 20  # S3's smallest part, except the last
+MIN_PART_BYTES = 5 << 20  # S3's smallest part, except the last
 _MAX_PARTS = 10_000
 _POOL_THREADS = 32
 NOT_FOUND = {"404", "NoSuchKey", "NotFound"}
@@ -107,7 +107,7 @@ class ObjectWriter(BlobWriter):
         self.store = store
         self.key = store.key(name)
         self.where = store.describe(name)
-        self.part_size = max(_MIN_PART, part_size)
+        self.part_size = max(MIN_PART_BYTES, part_size)
         self.concurrency = max(1, concurrency)
         self.buf = bytearray()
         self.pos = 0
