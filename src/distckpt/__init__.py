@@ -25,7 +25,7 @@ from .manager import CheckpointManager
 from .optim import init_optimizer_state
 from .planning import DefaultLoadPlanner, DefaultSavePlanner, RankLocal
 from .saving import save
-from .staging import AsyncSaveHandle, async_save
+from .staging import AsyncSaveHandle, async_save, release_buffers
 from .stateful import Stateful
 from .verification import VerifyReport, verify
 
@@ -35,6 +35,7 @@ __all__ = [
     "save",
     "async_save",
     "AsyncSaveHandle",
+    "release_buffers",
     "load",
     "read_metadata",
     "CheckpointManager",

@@ -23,6 +23,7 @@ import torch
 from . import knobs
 from ._sequence import pick_storage, split_stateful, tell_rank
 from .backends.device_copy import pin_in_place, unpin_in_place
+from .backends.direct_io import release_bounce_buffers
 from .distributed import Coordinator, dist
 from .errors import CheckpointError
 from .metadata import STATE_DICT_TYPE, Metadata
@@ -32,7 +33,7 @@ from .planning.tensors import is_dtensor, local_tensor
 from .saving import run_save
 from .storage import StorageWriter
 
-__all__ = ["async_save", "AsyncSaveHandle"]
+__all__ = ["async_save", "AsyncSaveHandle", "release_buffers"]
 
 
 class AsyncSaveHandle:
@@ -75,6 +76,7 @@ class _Arena:
     """
 
     def __init__(self, nbytes: int, pinned: bool):
+        self.nbytes = nbytes
         raw = torch.empty(nbytes + _PAGE, dtype=torch.uint8)
         start = -raw.data_ptr() % _PAGE  # the arena starts on a page
         self.base: Optional[torch.Tensor] = raw[start:start + nbytes]
@@ -144,6 +146,14 @@ class _BufferPool:
             if arena.users == 0:
                 arena.release()
         return out  # type: ignore[return-value]
+
+    def clear(self) -> int:
+        """Drop every buffer and release their arenas; the arenas' bytes."""
+        arenas = {id(arena): arena for _, arena, _ in self.buffers.values()}
+        self.buffers.clear()
+        for arena in arenas.values():
+            arena.release()
+        return sum(arena.nbytes for arena in arenas.values())
 
 
 class _AsyncState:
@@ -237,6 +247,32 @@ def _stage(obj: Any, pool: _BufferPool) -> Any:
     return _rebuild(obj, iter(buffers))
 
 
+def release_buffers() -> int:
+    """Free the host memory distckpt keeps for the next save; return how many bytes that was.
+
+    async_save keeps its staging buffers (a copy of the state, page-locked
+    when it came from a GPU) and direct writes to local disk keep a few
+    bounce buffers, so that steady-state saves allocate nothing. Call this
+    when no save is coming soon, for example after training and before an
+    evaluation that needs the memory. It first waits for the async saves in
+    flight; the next save allocates its buffers again. Buffers still
+    referenced elsewhere (a planner reused with plan caching keeps the last
+    staged state) are freed only once that reference goes.
+    """
+    while True:
+        with _STATE.lock:
+            pending = [h for h in _STATE.in_flight if not h.done()]
+            if not pending:
+                pools, _STATE.free_pools = _STATE.free_pools, []
+                break
+        for handle in pending:
+            try:
+                handle.committed.exception()  # its error stays on its own handle
+            except BaseException:  # noqa: BLE001 - cancelled futures
+                pass
+    return sum(pool.clear() for pool in pools) + release_bounce_buffers()
+
+
 _NICED = threading.local()
 
 
@@ -322,17 +358,22 @@ def async_save(
     handle.staged.set_result(None)
 
     def background() -> None:
+        md: Optional[Metadata] = None
+        error: Optional[BaseException] = None
         try:
             _lower_priority()
             md = run_save(staged, storage_writer, planner, coord)
             if on_commit is not None:
                 on_commit(md)
-            handle.committed.set_result(md)
         except BaseException as exc:  # noqa: BLE001 - delivered on the handle
-            handle.committed.set_exception(exc)
+            error = exc
         finally:
-            with _STATE.lock:
+            with _STATE.lock:  # back before the handle resolves: the next save, or release_buffers, finds it
                 _STATE.free_pools.append(pool)
+        if error is not None:
+            handle.committed.set_exception(error)
+        else:
+            handle.committed.set_result(md)
 
     executor.submit(background)
     return handle

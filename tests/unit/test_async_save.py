@@ -178,3 +178,42 @@ def test_a_process_forked_after_async_saves_can_save_asynchronously(tmp_path):
     distckpt.async_save({"w": torch.ones(10)}, checkpoint_id=str(tmp_path / "parent"))  # still in flight, maybe
     assert run_in_fork(_async_save_in_child, str(tmp_path / "child"), timeout_s=90,
                        hang="async_save in a forked child hung on the parent's background threads") is True
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads RSS from /proc")
+def test_release_buffers_gives_the_memory_back_and_saves_go_on(tmp_path):
+    state = {"w": torch.randn(16 << 20)}  # 64 MiB: its staging arena is a mapping of its own
+    distckpt.async_save(state, checkpoint_id=tmp_path / "a").result(timeout=60)
+    before = _rss_bytes()
+    assert distckpt.release_buffers() >= 64 << 20
+    assert _rss_bytes() <= before - (48 << 20), "the staging copy went back to the system"
+    assert distckpt.release_buffers() == 0  # nothing kept any more
+    state["w"].add_(1.0)
+    distckpt.async_save(state, checkpoint_id=tmp_path / "b").result(timeout=60)  # allocates its buffers again
+    out = {"w": torch.zeros(16 << 20)}
+    distckpt.load(out, checkpoint_id=tmp_path / "b")
+    assert torch.equal(out["w"], state["w"])
+
+
+def test_release_buffers_waits_for_the_save_in_flight(tmp_path, monkeypatch):
+    from distckpt import staging
+
+    started, go = threading.Event(), threading.Event()
+    real = staging.run_save
+
+    def held_back(*args, **kwargs):
+        started.set()
+        go.wait(60)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(staging, "run_save", held_back)
+    handle = distckpt.async_save({"w": torch.ones(1 << 20)}, checkpoint_id=tmp_path / "a")
+    assert started.wait(60) and not handle.done()
+    threading.Timer(0.2, go.set).start()
+    assert distckpt.release_buffers() >= 4 << 20  # returns only after the commit, with that save's buffers
+    assert handle.done() and handle.result().state_dict_metadata["w"].size == torch.Size([1 << 20])

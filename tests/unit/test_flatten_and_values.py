@@ -72,3 +72,27 @@ def test_decoding_garbage_gives_only_typed_errors(raw):
         decode_value(b"DCKV1\n" + raw)
     except CheckpointError:
         pass
+
+
+def test_flattening_leaves_no_reference_cycle_holding_the_values():
+    """Values are freed when the caller drops them, not at the next garbage collection (async_save's staging
+    buffers are among them: release_buffers must be able to give their memory back at once)."""
+    import gc
+    import weakref
+
+    class Box:
+        pass
+
+    box = Box()
+    ref = weakref.ref(box)
+    state = {"a": {"b": [torch.ones(1), box]}, "c": 1}
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        flat, mappings = flatten_state_dict(state)
+        assert flat["a.b.1"] is box and mappings["a.b.1"] == ("a", "b", 1)
+        del flat, mappings, state, box
+        assert ref() is None
+    finally:
+        if was_enabled:
+            gc.enable()

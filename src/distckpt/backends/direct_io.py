@@ -121,6 +121,17 @@ class _BouncePool:
         _close(buf)
 
 
+def release_bounce_buffers() -> int:
+    """Unmap the bounce buffers kept for the next direct write; their bytes."""
+    pool = _POOL
+    with pool.lock:
+        free, pool.free = pool.free, []
+    freed = sum(len(buf) for buf in free)
+    for buf in free:
+        _close(buf)
+    return freed
+
+
 def _close(buf: mmap.mmap) -> None:
     try:
         buf.close()

@@ -51,35 +51,38 @@ def flatten_state_dict(state_dict: dict, rank: int = 0) -> tuple[dict[str, Any],
     """Return ``(flat, mappings)``: dotted key -> value, and dotted key -> path into ``state_dict``."""
     flat: dict[str, Any] = {}
     mappings: dict[str, Path] = {}
-
-    def visit(obj: Any, path: Path) -> None:
-        if isinstance(obj, RankLocal):
-            key = rank_local_key(".".join(str(p) for p in path), rank)
-            add(key, obj.value, path + ("$rank_local",))
-        elif isinstance(obj, dict) and obj and not isinstance(obj, torch.Tensor):
-            for k, v in obj.items():
-                if not isinstance(k, (str, int)):
-                    raise CheckpointError(f"state dict key {k!r} at {'.'.join(map(str, path)) or '<root>'} must be a str or int")
-                visit(v, path + (k,))
-        elif isinstance(obj, (list, tuple)) and _has_tensor(obj):
-            for i, v in enumerate(obj):
-                visit(v, path + (i,))
-        else:
-            add(".".join(str(p) for p in path), obj, path)
-
-    def add(key: str, value: Any, path: Path) -> None:
-        if key in flat:
-            raise CheckpointError(
-                f"two entries of the state dict flatten to the same key {key!r} ({mappings[key]} and {path}); rename one of them"
-            )
-        flat[key] = value
-        mappings[key] = path
-
     for k, v in state_dict.items():
         if not isinstance(k, str):
             raise CheckpointError(f"top-level state dict key {k!r} must be a str")
-        visit(v, (k,))
+        _visit(v, (k,), rank, flat, mappings)
     return flat, mappings
+
+
+# module-level functions, not closures: a recursive closure is a reference cycle that would keep the
+# flattened tensors (an async save's staging buffers among them) alive until the garbage collector runs
+def _visit(obj: Any, path: Path, rank: int, flat: dict[str, Any], mappings: dict[str, Path]) -> None:
+    if isinstance(obj, RankLocal):
+        key = rank_local_key(".".join(str(p) for p in path), rank)
+        _add(key, obj.value, path + ("$rank_local",), flat, mappings)
+    elif isinstance(obj, dict) and obj and not isinstance(obj, torch.Tensor):
+        for k, v in obj.items():
+            if not isinstance(k, (str, int)):
+                raise CheckpointError(f"state dict key {k!r} at {'.'.join(map(str, path)) or '<root>'} must be a str or int")
+            _visit(v, path + (k,), rank, flat, mappings)
+    elif isinstance(obj, (list, tuple)) and _has_tensor(obj):
+        for i, v in enumerate(obj):
+            _visit(v, path + (i,), rank, flat, mappings)
+    else:
+        _add(".".join(str(p) for p in path), obj, path, flat, mappings)
+
+
+def _add(key: str, value: Any, path: Path, flat: dict[str, Any], mappings: dict[str, Path]) -> None:
+    if key in flat:
+        raise CheckpointError(
+            f"two entries of the state dict flatten to the same key {key!r} ({mappings[key]} and {path}); rename one of them"
+        )
+    flat[key] = value
+    mappings[key] = path
 
 
 def get_element(root: Any, path: Path) -> Any:
