@@ -257,7 +257,9 @@ def release_buffers() -> int:
     evaluation that needs the memory. It first waits for the async saves in
     flight; the next save allocates its buffers again. Buffers still
     referenced elsewhere (a planner reused with plan caching keeps the last
-    staged state) are freed only once that reference goes.
+    staged state) are freed only once that reference goes. Pinned copies
+    made by sync saves and loads of GPU tensors live in torch's caching host
+    allocator instead: ``torch.accelerator.empty_host_cache()`` frees those.
     """
     while True:
         with _STATE.lock:
