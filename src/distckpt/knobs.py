@@ -81,9 +81,10 @@ def memory_budget_bytes() -> int:
     non-contiguous tensors (the rest); on load, read buffers for partially needed chunks
     (DISTCKPT_MEMORY_BUDGET_BYTES, default 1 GiB). One request larger than the budget goes
     through alone, and an object store's parts are never below S3's 5 MiB minimum.
-    Async-save staging is a full copy of the state by nature and is not counted. Host copies of CUDA tensors are pinned, and torch's
-    caching host allocator keeps them for the next save (rounded up to powers of two, so up to
-    about twice this budget); ``torch.accelerator.empty_host_cache()`` (recent torch) gives them back."""
+    Async-save staging is a full copy of the state by nature and is not counted. Host copies
+    of CUDA tensors are pinned, and torch's caching host allocator keeps them for the next
+    save (rounded up to powers of two, so up to about twice this budget);
+    ``torch.accelerator.empty_host_cache()`` (recent torch) gives them back."""
     return _int("DISTCKPT_MEMORY_BUDGET_BYTES", 1 << 30, minimum=1)
 
 

@@ -247,6 +247,14 @@ def _stage(obj: Any, pool: _BufferPool) -> Any:
     return _rebuild(obj, iter(buffers))
 
 
+def _wait_for(handle: AsyncSaveHandle) -> None:
+    """Wait until ``handle``'s save ends; its error stays on the handle."""
+    try:
+        handle.committed.exception()
+    except BaseException:  # noqa: BLE001 - cancelled futures
+        pass
+
+
 def release_buffers() -> int:
     """Free the host memory distckpt keeps for the next save; return how many bytes that was.
 
@@ -268,10 +276,7 @@ def release_buffers() -> int:
                 pools, _STATE.free_pools = _STATE.free_pools, []
                 break
         for handle in pending:
-            try:
-                handle.committed.exception()  # its error stays on its own handle
-            except BaseException:  # noqa: BLE001 - cancelled futures
-                pass
+            _wait_for(handle)
     return sum(pool.clear() for pool in pools) + release_bounce_buffers()
 
 
@@ -330,10 +335,7 @@ def async_save(
             raise CheckpointError(
                 f"an async save of {str(oldest.checkpoint_id)!r} is still in flight; wait for handle.result() "
                 "or pass wait_for_previous=True or a larger max_in_flight")
-        try:
-            oldest.committed.exception()  # its error stays on its own handle
-        except BaseException:  # noqa: BLE001 - cancelled futures
-            pass
+        _wait_for(oldest)
 
     storage_writer = pick_storage("writer", checkpoint_id, storage_writer)
     planner = planner if planner is not None else DefaultSavePlanner()
