@@ -169,6 +169,12 @@ def write_file(store: BlobStore, name: str, save_id: str, rank: int, plan: SaveP
     offsets = [0] * len(entries)
     files: list[tuple[str, int, int]] = []  # (name, size, header crc)
     item_file = [""] * len(entries)
+    groups = _split([e.nbytes for e in entries], max(1, min(threads, sum(e.nbytes for e in entries) // _MIN_FILE_BYTES)))
+    # the files' writers split half the memory budget for their buffers (direct I/O's bounce buffers, an object
+    # store's parts); host copies of tensors get what the writers leave
+    limit = knobs.memory_budget_bytes()
+    share = limit // (2 * len(groups))
+    budget = ByteBudget(limit - len(groups) * store.write_buffer_bytes(share))
 
     def item_bytes(i: int, pending: PendingCopies) -> tuple[memoryview, object, int]:
         """The bytes of item ``i``, the object that owns them, and how many are a transient copy.
@@ -243,12 +249,6 @@ def write_file(store: BlobStore, name: str, save_id: str, rank: int, plan: SaveP
         return file_name, len(lead) + sum(entries[i].nbytes for i in members), crc32c(lead)
 
     progress = Progress("save", sum(e.nbytes for e in entries), is_coordinator)
-    groups = _split([e.nbytes for e in entries], max(1, min(threads, sum(e.nbytes for e in entries) // _MIN_FILE_BYTES)))
-    # the files' writers split half the memory budget for their buffers (direct I/O's bounce buffers, an object
-    # store's parts); host copies of tensors get what the writers leave
-    limit = knobs.memory_budget_bytes()
-    share = limit // (2 * len(groups))
-    budget = ByteBudget(limit - len(groups) * store.write_buffer_bytes(share))
     stem = name[: -len(".safetensors")] if name.endswith(".safetensors") else name
     names = [name] + [f"{stem}-{g}.safetensors" for g in range(1, len(groups))]
     if len(groups) == 1:
