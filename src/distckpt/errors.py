@@ -22,6 +22,8 @@ __all__ = [
     "FormatVersionError",
     "RankFailuresError",
     "StorageIOError",
+    "InvalidStepError",
+    "NotRegularFileError",
 ]
 
 
@@ -92,3 +94,11 @@ class StorageIOError(CheckpointError, OSError):
 
     def __str__(self) -> str:
         return str(self.args[0])
+
+
+class InvalidStepError(CheckpointError, ValueError):
+    """A CheckpointManager step that is not an integer from 0 to 10**19 - 1."""
+
+
+class NotRegularFileError(CorruptCheckpointError):
+    """A file of a checkpoint is a symbolic link, FIFO, socket or device node; distckpt reads only regular files."""

@@ -24,6 +24,8 @@ __all__ = [
     "allow_pickle_transport",
     "async_write_nice",
     "progress_mode",
+    "lease_stale_s",
+    "lease_renew_s",
     "s3_part_bytes",
     "s3_upload_concurrency",
     "s3_read_piece_bytes",
@@ -171,3 +173,18 @@ def progress_mode() -> str:
         raise CheckpointError(f"DISTCKPT_PROGRESS={mode!r} is not one of off, log, bar")
     return mode
 
+
+
+def lease_stale_s() -> float:
+    """Seconds after which a save's lease that was not renewed counts as its holder's death
+    (DISTCKPT_LEASE_STALE_S, default 600). Only for holders on another host: on the same host
+    a dead holder is known at once from its process. Also how old a staging area with no
+    lease must be before it is removed. Keep it well above the renewal interval and any
+    clock difference between hosts."""
+    return float(_int("DISTCKPT_LEASE_STALE_S", 600, minimum=1))
+
+
+def lease_renew_s() -> float:
+    """Seconds between renewals of the leases this process holds on saves in flight
+    (DISTCKPT_LEASE_RENEW_S, default 30)."""
+    return float(_int("DISTCKPT_LEASE_RENEW_S", 30, minimum=1))

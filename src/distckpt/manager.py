@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import numbers
 import os
 import re
 from typing import Any, Optional, Union
@@ -9,14 +11,16 @@ from typing import Any, Optional, Union
 from . import backends
 from .backends.blobs import BlobStore
 from .distributed import Coordinator
-from .errors import CheckpointError, CheckpointNotFoundError
+from .errors import CheckpointError, CheckpointNotFoundError, InvalidStepError
 from .loading import load
 from .metadata import STATE_DICT_TYPE, Metadata
 from .saving import save
 
 __all__ = ["CheckpointManager"]
 
-_STEP = re.compile(r"step-(\d{1,19})\Z")
+_STEP = re.compile(r"step-(\d{10,19})\Z")
+MAX_STEP = 10**19 - 1
+log = logging.getLogger("distckpt")
 
 
 class CheckpointManager:
@@ -29,18 +33,36 @@ class CheckpointManager:
         keep_last: keep the newest N committed checkpoints (None: all).
         keep_every: also keep every checkpoint whose step is a multiple of K.
         process_group, coordinator_rank: as for :func:`distckpt.save`.
-        cleanup: remove temporaries left by crashed saves when the manager starts.
+        cleanup: remove what crashed saves left behind when the manager starts
+            (only saves proven dead; see below).
+        read_only: open the run to list and load only: nothing is created,
+            cleaned or deleted, and ``save`` raises. For evaluation jobs and
+            read-only media.
 
     Every rank constructs the manager and calls ``save``/``load`` together.
     Only committed checkpoints count: a save that crashed is invisible to
     ``all_steps``, never counts toward ``keep_last``, and its temporaries are
-    removed by the next manager. The newest committed checkpoint is never
+    removed by a later manager. The newest committed checkpoint is never
     deleted. Deletion renames a checkpoint to a hidden name first, so a
     reader never sees half of one.
+
+    Several processes may share a root: a trainer saving, evaluation jobs
+    listing and loading (best with ``read_only=True``), a restarted trainer,
+    even two trainers saving different steps. A save holds a lease (its
+    process and host, renewed while it runs) from before its first byte until
+    it commits; cleanup removes a save's leftovers only when that process is
+    gone (on this host) or its lease went unrenewed for
+    ``DISTCKPT_LEASE_STALE_S`` (elsewhere). A commit checks that its data
+    files are all there first. Retention by several managers at once deletes
+    each step at most once, and never one newer than every other committed
+    step. Two saves of the same step race: exactly one commits.
+    Only directories named ``step-<N>`` with N written in ten or more digits
+    (as :meth:`path` names them) are steps; links are never steps and never
+    followed.
     """
 
     def __init__(self, root: Union[str, os.PathLike], *, keep_last: Optional[int] = None, keep_every: Optional[int] = None,
-                 process_group: Any = None, coordinator_rank: int = 0, cleanup: bool = True):
+                 process_group: Any = None, coordinator_rank: int = 0, cleanup: bool = True, read_only: bool = False):
         if keep_last is not None and keep_last < 1:
             raise CheckpointError(f"keep_last must be at least 1, got {keep_last}")
         if keep_every is not None and keep_every < 1:
@@ -53,10 +75,14 @@ class CheckpointManager:
         self.process_group = process_group
         self.coordinator_rank = coordinator_rank
         self._coord = Coordinator(process_group, coordinator_rank)
-        if self._coord.is_coordinator:
+        self.read_only = read_only
+        if self._coord.is_coordinator and not read_only:
             self._store.prepare()
             if cleanup:
-                self.remove_stale_temporaries()
+                try:
+                    self.remove_stale_temporaries()
+                except (OSError, CheckpointError) as exc:  # read-only media, another cleaner: loading must still work
+                    log.warning("distckpt: could not clean up crashed saves under %s: %s", self.root, exc)
 
     def path(self, step: int) -> str:
         """The checkpoint id of ``step``."""
@@ -68,7 +94,7 @@ class CheckpointManager:
         steps = []
         for name in self._store.children():
             m = _STEP.match(name)
-            if m and self._store.child(name).is_committed():
+            if m and name == _step_name(int(m.group(1))) and self._store.child(name).is_committed():
                 steps.append(int(m.group(1)))
         return sorted(steps)
 
@@ -78,21 +104,36 @@ class CheckpointManager:
         return steps[-1] if steps else None
 
     def save(self, step: int, state_dict: STATE_DICT_TYPE, **kwargs: Any) -> Metadata:
-        """Save ``state_dict`` as checkpoint ``step`` on every rank, then apply retention."""
-        md = save(state_dict, checkpoint_id=self.path(step), process_group=self.process_group,
+        """Save ``state_dict`` as checkpoint ``step`` on every rank, then apply retention.
+
+        Once the checkpoint is committed the save succeeds: a failure of retention after it is logged, not raised.
+        """
+        path = self._writable_path(step)
+        md = save(state_dict, checkpoint_id=path, process_group=self.process_group,
                   coordinator_rank=self.coordinator_rank, **kwargs)
         if self._coord.is_coordinator:
-            self.apply_retention()
+            self._retain_after_commit()
         return md
+
+    def _writable_path(self, step: int) -> str:
+        if self.read_only:
+            raise CheckpointError(f"CheckpointManager({self.root!r}, read_only=True) does not save; open it without read_only")
+        return self.path(step)
+
+    def _retain_after_commit(self) -> None:
+        try:
+            self.apply_retention()
+        except (OSError, CheckpointError) as exc:
+            log.warning("distckpt: retention under %s failed after a committed save (the save stands): %s", self.root, exc)
 
     def async_save(self, step: int, state_dict: STATE_DICT_TYPE, **kwargs: Any):
         """Like :meth:`save`, but returns after staging; retention runs after the commit."""
         from .staging import async_save
 
         is_coordinator = self._coord.is_coordinator
-        return async_save(state_dict, checkpoint_id=self.path(step), process_group=self.process_group,
+        return async_save(state_dict, checkpoint_id=self._writable_path(step), process_group=self.process_group,
                           coordinator_rank=self.coordinator_rank,
-                          on_commit=(lambda _md: self.apply_retention()) if is_coordinator else None, **kwargs)
+                          on_commit=(lambda _md: self._retain_after_commit()) if is_coordinator else None, **kwargs)
 
     def load(self, state_dict: STATE_DICT_TYPE, step: Optional[int] = None, **kwargs: Any) -> int:
         """Load checkpoint ``step`` (default: the newest committed) into ``state_dict``; return the step."""
@@ -100,7 +141,7 @@ class CheckpointManager:
             step = self.latest_step()
             if step is None:
                 raise CheckpointNotFoundError(f"no committed checkpoint under {self.root!r}; nothing to resume from")
-        elif step not in self.all_steps():
+        elif _step_name(step) and step not in self.all_steps():
             raise CheckpointNotFoundError(
                 f"no committed checkpoint of step {step} under {self.root!r}; committed steps: {self.all_steps()}")
         load(state_dict, checkpoint_id=self.path(step), process_group=self.process_group,
@@ -120,7 +161,13 @@ class CheckpointManager:
         return keep
 
     def apply_retention(self) -> list[int]:
-        """Delete committed checkpoints the policy does not keep; return their steps."""
+        """Delete committed checkpoints the policy does not keep; return their steps.
+
+        Only what this call saw committed is considered, and the newest of it is kept: with
+        several managers on one root, a step is deleted only where a newer one is committed.
+        """
+        if self.read_only:
+            raise CheckpointError(f"CheckpointManager({self.root!r}, read_only=True) does not delete checkpoints")
         steps = self.all_steps()
         keep = self.steps_to_keep(steps)
         removed = []
@@ -134,14 +181,21 @@ class CheckpointManager:
         self._store.child(_step_name(step)).remove()
 
     def remove_stale_temporaries(self) -> list[str]:
-        """Remove what crashed saves and deletions left behind under ``root``; return what was removed."""
+        """Remove what crashed saves and deletions left behind under ``root``; return what was removed.
+
+        A save in flight, in this process or any other, is left alone (see the class text).
+        """
+        if self.read_only:
+            raise CheckpointError(f"CheckpointManager({self.root!r}, read_only=True) does not clean up")
         return self._store.remove_incomplete_below("step-")
 
 
-def _step_name(step: int) -> str:
-    if step < 0:
-        raise CheckpointError(f"steps are non-negative integers, got {step}")
-    return f"step-{step:010d}"
+def _step_name(step: Any) -> str:
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral):
+        raise InvalidStepError(f"a step is an int, got {type(step).__name__} {step!r:.40}; pass int(step)")
+    if not 0 <= step <= MAX_STEP:
+        raise InvalidStepError(f"steps are integers from 0 to {MAX_STEP}, got {step}")
+    return f"step-{int(step):010d}"
 
 
 def _root_store(root: str) -> BlobStore:

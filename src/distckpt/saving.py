@@ -189,7 +189,11 @@ def run_save(state_dict: STATE_DICT_TYPE, writer: StorageWriter, planner: SavePl
             return decode_keep(b, local_plan[-1])
         return decode_save_plan(loads(b, "save plan"))
 
-    central_plan = coord.reduce_scatter("save planning", local_step, global_step, enc_plan, dec_plan, enc_reply, dec_reply)
+    try:
+        central_plan = coord.reduce_scatter("save planning", local_step, global_step, enc_plan, dec_plan, enc_reply, dec_reply)
+    except BaseException:
+        _discard(writer, coord)  # the coordinator may have taken the save's lease already
+        raise
     if cache is not None:
         if central_plan.usable:
             cache["central"] = replace(central_plan, storage_data=None)
@@ -245,13 +249,17 @@ def run_save(state_dict: STATE_DICT_TYPE, writer: StorageWriter, planner: SavePl
         )
     except CheckpointError:
         # every rank has left write_data by now: the coordinator removes the uncommitted files
-        discard = getattr(writer, "discard_incomplete", None)
-        if coord.is_coordinator and discard is not None:
-            discard()
+        _discard(writer, coord)
         raise
     if fast:
         planner.metadata = metadata
     return metadata
+
+
+def _discard(writer: StorageWriter, coord: Coordinator) -> None:
+    discard = getattr(writer, "discard_incomplete", None)
+    if coord.is_coordinator and discard is not None:
+        discard()
 
 
 def _as_results(plan: ColumnarPlan, rank: int, results):

@@ -10,6 +10,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 import distckpt
 from distckpt import faults
+from distckpt.backends.leases import simulate_process_death
 
 
 class SimulatedCrash(BaseException):
@@ -81,6 +82,7 @@ class ManagerMachine(RuleBasedStateMachine):
             with faults.inject(faults.Fault("call", index=at, callback=crash)):
                 self.mgr.save(self.step, self._state(self.step))
                 raise SimulatedCrash()  # the save finished before the crash point: crash right after
+        simulate_process_death()  # what the crashed process held (a lease on its save) died with it
         if self.is_committed(self.step):
             # it committed before the crash point: it counts, and retention may not have run
             self.committed.append(self.step)

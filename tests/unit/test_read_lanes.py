@@ -160,7 +160,7 @@ def test_the_real_page_cache_probe_on_this_file_system(tmp_path):
     # on a disk file system a dropped file is not cached, a fresh read is; tmpfs cannot tell (None)
     path = tmp_path / "f.bin"
     path.write_bytes(os.urandom(1 << 20))
-    reader = filesystem._FdReader(str(path))
+    reader = filesystem.FsStore(str(tmp_path)).open("f.bin")
     try:
         buf = bytearray(1 << 20)
         reader.readv([memoryview(buf)], 0)

@@ -21,7 +21,7 @@ from .. import knobs
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ..format import FORMAT_VERSION_STR, METADATA_FILE
 from ..format.checksum import crc32c
-from ..format.codec import encode_metadata, parse_metadata
+from ..format.codec import encode_metadata, parse_metadata, stored_file_sizes
 from ..format.datafile import Entry, build_header, entry_name
 from ..format.dtypes import itemsize, safetensors_code
 from ..format.records import FileInfo, FileStorageData, StorageInfo
@@ -32,6 +32,7 @@ from ..progress import Progress
 from ..storage import StorageReader, StorageWriter, WriteResult
 from .blobs import BlobStore
 from .budget import ByteBudget
+from .leases import Lease
 from .device_copy import PendingCopies, caller_streams, to_host
 from .tensor_bytes import host_bytes, is_lazy_view
 from .windows import windows
@@ -80,12 +81,17 @@ class BlobStorageWriter(StorageWriter):
                 f"checkpoint {self._checkpoint_id()!r} already exists and is committed; distckpt does not replace it "
                 "unless asked. Save to a new checkpoint_id, or pass overwrite=True to the storage writer "
                 "(the old checkpoint stays intact until the new one commits).")
+        if self.overwrite and is_coordinator:
+            self.store.check_replaceable()
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         save_id = self.save_id = uuid.uuid4().hex
+        # before any rank can write a byte of this save: a cleaner must see it is alive (see leases.py)
+        self._release_lease()
+        self._lease = Lease(self.store, save_id)
         return [replace(p, storage_data={"file": f"data-{i:05d}.safetensors", "save_id": save_id, "rank": i})
                 for i, p in enumerate(plans)]
 
@@ -118,11 +124,32 @@ class BlobStorageWriter(StorageWriter):
         self.commit_document(encode_metadata(metadata))
 
     def commit_document(self, document: bytes) -> None:
-        """Write the metadata document of this save and commit the checkpoint (coordinator)."""
+        """Write the metadata document of this save and commit the checkpoint (coordinator).
+
+        The data files the document lists are checked first, by name and size: a commit never
+        publishes metadata whose files are missing, whatever else ran on the storage meanwhile.
+        """
         staging = self.store.staging(self.save_id)
+        found = staging.sizes()
+        for name, size in stored_file_sizes(document).items():
+            if found.get(name) != size:
+                raise CorruptCheckpointError(
+                    f"{staging.describe(name)} is {'missing' if name not in found else f'{found[name]} bytes, not {size}'} "
+                    f"just before commit of checkpoint {self._checkpoint_id()!r}; something else removed or changed this "
+                    "save's files. Nothing was committed: save again.")
         staging.put_atomic(METADATA_FILE, document, self._sync())
         self.store.commit(staging, self.overwrite, self._sync())
         self.committed_save_id = self.save_id
+        self._release_lease()
+
+    def _release_lease(self) -> None:
+        lease = getattr(self, "_lease", None)
+        if lease is not None:
+            self._lease = None
+            try:
+                lease.release()
+            except (OSError, CheckpointError):
+                pass  # a lease left behind names a process that will be seen dead
 
     def discard_incomplete(self) -> None:
         """Remove this save's uncommitted data after a failed save (coordinator, best effort).
@@ -133,8 +160,9 @@ class BlobStorageWriter(StorageWriter):
         if getattr(self, "save_id", None) and getattr(self, "committed_save_id", None) != self.save_id:
             try:
                 self.store.discard(self.store.staging(self.save_id))
-            except OSError:
+            except (OSError, CheckpointError):
                 pass
+        self._release_lease()
 
 
 _MIN_FILE_BYTES = 64 << 20

@@ -167,6 +167,33 @@ class BlobStore(abc.ABC):
 
     def remove_incomplete_below(self, prefix: str = "") -> list[str]:
         """Remove what uncommitted saves left of the checkpoints directly under this location whose
-        names start with ``prefix``; describe what was removed."""
+        names start with ``prefix``, where those saves are proven dead (see :mod:`.leases`); describe
+        what was removed. A save still running, here or on another host, is never touched."""
         raise CheckpointError(f"{type(self).__name__} cannot clean up a run of checkpoints")
+
+    # ---- leases: which saves in flight are alive (see leases.py); kept beside the staging stores
+
+    @abc.abstractmethod
+    def put_lease(self, save_id: str, record: bytes) -> None:
+        """Record the lease of save ``save_id`` (a new one: fail if it exists)."""
+
+    @abc.abstractmethod
+    def renew_lease(self, save_id: str) -> None:
+        """Mark the lease of ``save_id`` as renewed now."""
+
+    @abc.abstractmethod
+    def read_lease(self, save_id: str) -> Optional[tuple[bytes, Optional[float]]]:
+        """The lease record of ``save_id`` and the seconds since its last renewal (None if unknown), or None."""
+
+    @abc.abstractmethod
+    def drop_lease(self, save_id: str) -> None:
+        """Remove the lease of ``save_id`` (no error if it is gone)."""
+
+    @abc.abstractmethod
+    def sizes(self) -> dict[str, int]:
+        """The blobs of this store and their sizes: what a commit checks its data files against."""
+
+    def check_replaceable(self) -> None:
+        """Raise CheckpointError unless an overwriting save may replace what is at this location:
+        nothing, or a committed checkpoint (stores that can hold other things override)."""
 

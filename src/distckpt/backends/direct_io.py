@@ -35,6 +35,7 @@ from typing import Optional
 
 import numpy as np
 
+from .fs_objects import create_exclusive
 from .. import faults, knobs
 from .blobs import BlobWriter
 
@@ -189,15 +190,16 @@ class DirectWriter(BlobWriter):
         self.pending: Optional[Future] = None  # the flusher's write of the other buffer
         self.base = 0  # file offset of the current buffer's first byte
         self.fill = 0  # bytes of the current buffer holding data
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
         try:
             try:
-                self.fd = os.open(path, flags | _O_DIRECT, 0o644)
+                self.fd = create_exclusive(path, _O_DIRECT)
                 self.direct = True
             except OSError as exc:
                 if exc.errno != errno.EINVAL:  # EINVAL: this file system has no direct I/O
                     raise
-                self.fd = os.open(path, flags, 0o644)
+                if os.path.lexists(path):  # the refused open may have created it: ours, so open it again
+                    os.unlink(path)
+                self.fd = create_exclusive(path)
                 self.direct = False
         except OSError as exc:
             raise io_error("creating", path, exc) from exc

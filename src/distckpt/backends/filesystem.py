@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import errno
-import mmap
 import os
+import time
 import uuid
-from pathlib import Path
 from typing import Iterable, Optional, Union
 
 from .. import faults
@@ -14,9 +13,14 @@ from ..errors import CheckpointError, CheckpointNotFoundError, StorageIOError
 from .blob_storage import BlobStorageReader, BlobStorageWriter
 from .blobs import BlobReader, BlobStore, BlobWriter
 from .direct_io import DirectWriter, bounce_buffer_bytes, direct_io_wanted, pwrite_all
+from .fs_objects import create_exclusive, is_real_dir, open_dir, open_regular, remove_tree
+from .leases import save_is_dead
 from .rename import exchange, rename_noreplace
 
 TMP_MARK = ".distckpt-tmp-"
+LEASE_MARK = ".distckpt-lease-"
+TRASH = "trash-"
+_LEASE_MAX_BYTES = 4096
 _IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024)
 
 __all__ = ["FileSystemWriter", "FileSystemReader", "FsStore"]
@@ -35,7 +39,7 @@ class _FdWriter(BlobWriter):
     def __init__(self, path: str):
         self.path = path
         try:
-            self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+            self.fd = create_exclusive(path)
         except OSError as exc:
             raise _io_error("creating", path, exc) from exc
 
@@ -71,14 +75,9 @@ class _FdReader(BlobReader):
     small_reads_are_cheap = True
     nowait_refused = False
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, fd: int):
         self.path = path
-        try:
-            self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        except FileNotFoundError:
-            raise CheckpointNotFoundError(f"{path} does not exist; the checkpoint is incomplete or damaged") from None
-        except OSError as exc:
-            raise _io_error("opening", path, exc) from exc
+        self.fd = fd
         self.size = os.fstat(self.fd).st_size
 
     def readinto(self, buf: memoryview, offset: int) -> int:
@@ -99,13 +98,6 @@ class _FdReader(BlobReader):
             return _vectored(os.preadv, self.fd, views, offset)
         except OSError as exc:
             raise _io_error("reading", self.path, exc) from exc
-
-    def map_range(self, offset: int, length: int) -> "_Mapping":
-        """``length`` bytes at ``offset``, mapped from the page cache instead of copied out of it."""
-        try:
-            return _Mapping(self.fd, offset, length)
-        except (OSError, ValueError) as exc:
-            raise _io_error("mapping", self.path, OSError(str(exc))) from exc
 
     def readv_cached(self, views: list, offset: int) -> Optional[int]:
         if _NOWAIT is None or self.nowait_refused:
@@ -133,25 +125,6 @@ def _preadv_nowait(fd: int, views: list, offset: int) -> int:
         return 0
 
 
-class _Mapping:
-    """A private, read-ahead mapping of a byte range of a file; ``view`` is the range.
-
-    Private and writable (copy on write; nothing writes to it) so that tensors may view it.
-    """
-
-    def __init__(self, fd: int, offset: int, length: int):
-        start = offset - offset % mmap.ALLOCATIONGRANULARITY
-        self.map = mmap.mmap(fd, length + offset - start, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE,
-                             offset=start)
-        if hasattr(self.map, "madvise"):
-            self.map.madvise(mmap.MADV_WILLNEED)
-        self.view = memoryview(self.map)[offset - start:]
-
-    def close(self) -> None:
-        self.view.release()
-        self.map.close()
-
-
 def _vectored(op, fd: int, buffers: list, offset: int) -> int:
     """Run ``os.pwritev``/``os.preadv`` over ``buffers`` until done (or end of file); return the bytes moved.
 
@@ -174,7 +147,7 @@ def _vectored(op, fd: int, buffers: list, offset: int) -> int:
 
 def _fsync_dir(path: str) -> None:
     faults.point("fsync", path)
-    fd = os.open(path, os.O_RDONLY)
+    fd = open_dir(path)
     try:
         os.fsync(fd)
     finally:
@@ -198,6 +171,9 @@ class FsStore(BlobStore):
             os.makedirs(self.root, exist_ok=True)
         except OSError as exc:
             raise _io_error("creating directory", self.root, exc) from exc
+        if not is_real_dir(self.root):
+            raise CheckpointError(f"{self.root} is not a directory of its own (a symbolic link, or a file); "
+                                  "distckpt writes only into directories it can see are real. Use another path.")
 
     def _writes_directly(self) -> bool:
         if self._direct is None:
@@ -214,13 +190,24 @@ class FsStore(BlobStore):
 
     def open(self, name: str) -> BlobReader:
         path = self._p(name)
-        if os.path.islink(path):
-            raise CheckpointNotFoundError(f"{path} is a symbolic link; distckpt does not follow links inside a checkpoint")
-        return _FdReader(path)
+        try:
+            dir_fd = os.open(self.root, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(f"{self.root} does not exist; the checkpoint is incomplete or was removed") from None
+        except OSError as exc:
+            raise _io_error("opening", self.root, exc) from exc
+        try:
+            return _FdReader(path, open_regular(name, dir_fd=dir_fd))  # relative to the checkpoint's directory
+        except OSError as exc:
+            if isinstance(exc, CheckpointError):
+                raise
+            raise _io_error("opening", path, exc) from exc
+        finally:
+            os.close(dir_fd)
 
     def put_atomic(self, name: str, data: bytes, sync: bool) -> None:
         final = self._p(name)
-        tmp = f"{final}.tmp-{os.getpid()}"
+        tmp = f"{final}.tmp-{uuid.uuid4().hex}"
         w = _FdWriter(tmp)
         try:
             w.pwrite(memoryview(data), 0)
@@ -235,7 +222,7 @@ class FsStore(BlobStore):
             raise _io_error("committing", final, exc) from exc
 
     def exists(self, name: str) -> bool:
-        return os.path.exists(self._p(name))
+        return os.path.lexists(self._p(name))
 
     def list(self) -> Iterable[str]:
         try:
@@ -255,20 +242,31 @@ class FsStore(BlobStore):
     def staging(self, save_id: str) -> "FsStore":
         return FsStore(self._sibling(save_id))
 
+    def check_replaceable(self) -> None:
+        final = os.path.abspath(self.root)
+        if not os.path.lexists(final) or (is_real_dir(final) and not os.listdir(final)):
+            return
+        if is_real_dir(final) and _holds_committed_metadata(final):
+            return
+        raise CheckpointError(
+            f"{final} is not a committed distckpt checkpoint (no metadata.json of distckpt in it, or not a directory "
+            "of its own); overwrite=True replaces only a committed checkpoint. Save to a new path, or remove it yourself.")
+
     def commit(self, staging: BlobStore, overwrite: bool, sync: bool) -> None:
         assert isinstance(staging, FsStore)
         final = os.path.abspath(self.root)
         try:
             if sync:
                 _fsync_dir(staging.root)
-            if os.path.isdir(final) and not os.listdir(final):
+            if is_real_dir(final) and not os.listdir(final):
                 os.rmdir(final)  # an empty directory made by the user is not a checkpoint
             faults.point("rename", final)
             if overwrite and os.path.lexists(final):
+                self.check_replaceable()
                 exchange(staging.root, final)  # atomic swap: the old checkpoint is now at staging.root
                 if sync:
                     _fsync_dir(os.path.dirname(final))
-                _remove_tree(staging.root)
+                remove_tree(staging.root)
             else:
                 rename_noreplace(staging.root, final)
             if sync:
@@ -283,7 +281,52 @@ class FsStore(BlobStore):
 
     def discard(self, staging: BlobStore) -> None:
         assert isinstance(staging, FsStore)
-        _remove_tree(staging.root)
+        remove_tree(staging.root)
+
+    def sizes(self) -> dict[str, int]:
+        try:
+            with os.scandir(self.root) as entries:
+                return {e.name: e.stat(follow_symlinks=False).st_size for e in entries if e.is_file(follow_symlinks=False)}
+        except FileNotFoundError:
+            return {}
+
+    # ---- leases, as hidden files beside the staging directories
+
+    def _lease_path(self, save_id: str) -> str:
+        parent, base = os.path.split(os.path.abspath(self.root))
+        return os.path.join(parent, f".{base}{LEASE_MARK}{save_id}")
+
+    def put_lease(self, save_id: str, record: bytes) -> None:
+        path = self._lease_path(save_id)
+        try:
+            fd = create_exclusive(path)
+            try:
+                pwrite_all(fd, [memoryview(record)], 0)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise _io_error("creating the lease", path, exc) from exc
+
+    def renew_lease(self, save_id: str) -> None:
+        os.utime(self._lease_path(save_id), follow_symlinks=False)
+
+    def read_lease(self, save_id: str) -> Optional[tuple[bytes, Optional[float]]]:
+        try:
+            fd = open_regular(self._lease_path(save_id))
+        except (CheckpointNotFoundError, FileNotFoundError):
+            return None
+        except (CheckpointError, OSError):
+            return b"", None  # not a lease distckpt wrote: nobody is proven dead by it
+        try:
+            return os.pread(fd, _LEASE_MAX_BYTES, 0), max(0.0, time.time() - os.fstat(fd).st_mtime)
+        finally:
+            os.close(fd)
+
+    def drop_lease(self, save_id: str) -> None:
+        try:
+            os.unlink(self._lease_path(save_id))
+        except FileNotFoundError:
+            pass
 
     def incomplete_saves(self) -> list[str]:
         parent, base = os.path.split(os.path.abspath(self.root))
@@ -297,46 +340,77 @@ class FsStore(BlobStore):
         return FsStore(os.path.join(self.root, name))
 
     def children(self) -> list[str]:
+        """Real directories only: a link to a checkpoint elsewhere is not a checkpoint of this run."""
         try:
-            return sorted(n for n in os.listdir(self.root)
-                          if not n.startswith(".") and os.path.isdir(os.path.join(self.root, n)))
+            return sorted(n for n in os.listdir(self.root) if not n.startswith(".") and is_real_dir(os.path.join(self.root, n)))
         except FileNotFoundError:
             return []
 
     def remove(self) -> None:
-        hidden = self._sibling("trash-" + uuid.uuid4().hex)
+        """Delete this committed checkpoint; one already gone (another process deleted it) is no error."""
+        if not is_real_dir(self.root):
+            return  # gone, or a link: never followed, never deleted
+        hidden = self._sibling(TRASH + uuid.uuid4().hex)
         try:
             faults.point("rename", self.root)
             os.rename(self.root, hidden)  # atomic: the checkpoint disappears whole
+        except FileNotFoundError:
+            return
         except OSError as exc:
             raise _io_error("deleting", self.root, exc) from exc
-        _remove_tree(hidden)
+        remove_tree(hidden)
 
     def remove_incomplete_below(self, prefix: str = "") -> list[str]:
         removed = []
-        for name in sorted(os.listdir(self.root)) if os.path.isdir(self.root) else []:
-            if name.startswith("." + prefix) and TMP_MARK in name:
-                _remove_tree(os.path.join(self.root, name))
-                removed.append(os.path.join(self.root, name))
+        try:
+            names = sorted(os.listdir(self.root))
+        except FileNotFoundError:
+            return removed
+        now = time.time()
+        for name in names:
+            if not name.startswith("." + prefix):
+                continue
+            path = os.path.join(self.root, name)
+            if TMP_MARK in name:
+                base, tag = name[1:].split(TMP_MARK, 1)
+                if not tag.startswith(TRASH):  # a deletion left half done: anyone may finish it
+                    if not save_is_dead(self.child(base), tag, _age(path, now)):
+                        continue
+                if not remove_tree(path):
+                    removed.append(path)
+                    self.child(base).drop_lease(tag)
+            elif LEASE_MARK in name:  # a lease whose save's staging area is gone
+                base, tag = name[1:].split(LEASE_MARK, 1)
+                staging = self.child(base)._sibling(tag)
+                if not os.path.lexists(staging) and save_is_dead(self.child(base), tag, None):
+                    self.child(base).drop_lease(tag)
         return removed
 
 
-def _remove_tree(path: str) -> None:
-    """Delete a directory tree; its name is already hidden, so a partial delete is harmless."""
-    if not os.path.isdir(path):
-        return
-    for name in os.listdir(path):
-        faults.point("unlink", os.path.join(path, name))
-        try:
-            os.unlink(os.path.join(path, name))
-        except IsADirectoryError:
-            _remove_tree(os.path.join(path, name))
-        except FileNotFoundError:
-            pass
+def _age(path: str, now: float) -> Optional[float]:
+    """Seconds since anything in the directory ``path`` (one level) last changed; None if unknown."""
     try:
-        os.rmdir(path)
-    except FileNotFoundError:
-        pass
+        newest = os.lstat(path).st_mtime
+        with os.scandir(path) as entries:
+            for e in entries:
+                newest = max(newest, e.stat(follow_symlinks=False).st_mtime)
+        return max(0.0, now - newest)
+    except OSError:
+        return None
+
+
+def _holds_committed_metadata(directory: str) -> bool:
+    """Whether ``directory`` holds a regular metadata.json of distckpt (its first bytes say so)."""
+    from ..format import FORMAT_NAME, METADATA_FILE
+
+    try:
+        fd = open_regular(os.path.join(directory, METADATA_FILE))
+    except (CheckpointError, OSError):
+        return False
+    try:
+        return os.pread(fd, 64, 0).startswith(b'{"format":"' + FORMAT_NAME.encode() + b'"')
+    finally:
+        os.close(fd)
 
 
 def _is_local_path(checkpoint_id: Union[str, os.PathLike]) -> bool:
@@ -414,7 +488,7 @@ class FileSystemReader(_AtPath, BlobStorageReader):
 
     def _store(self) -> BlobStore:
         store = FsStore(self._require_path())
-        if not Path(self.path).is_dir():
+        if not os.path.isdir(self.path):
             pending = store.incomplete_saves()
             if pending:
                 raise CheckpointNotFoundError(

@@ -14,11 +14,13 @@ from ..errors import CheckpointError, CheckpointNotFoundError
 from ..format import METADATA_FILE
 from .blob_storage import BlobStorageReader, BlobStorageWriter
 from .blobs import BlobReader, BlobStore, BlobWriter
+from .leases import save_is_dead
 
 __all__ = ["MemoryWriter", "MemoryReader", "MemoryStore", "clear_memory_store"]
 
 _LOCK = threading.Lock()
 _CHECKPOINTS: dict[str, dict[str, bytearray]] = {}
+_LEASES: dict[tuple[str, str], bytes] = {}  # (checkpoint, save id) -> lease record
 SCHEME = "memory://"
 _TMP = "#tmp-"
 
@@ -131,9 +133,35 @@ class MemoryStore(BlobStore):
     def remove_incomplete_below(self, prefix: str = "") -> list[str]:
         with _LOCK:
             stale = [n for n in _CHECKPOINTS if n.startswith(f"{self.name}/{prefix}") and _TMP in n[len(self.name) + 1:]]
-            for n in stale:
-                del _CHECKPOINTS[n]
-        return sorted(SCHEME + n for n in stale)
+        removed = []
+        for n in stale:
+            base, save_id = n.split(_TMP, 1)
+            if save_is_dead(MemoryStore(base), save_id, None):
+                with _LOCK:
+                    _CHECKPOINTS.pop(n, None)
+                MemoryStore(base).drop_lease(save_id)
+                removed.append(SCHEME + n)
+        return sorted(removed)
+
+    def sizes(self) -> dict[str, int]:
+        with _LOCK:
+            return {k: len(v) for k, v in _CHECKPOINTS.get(self.name, {}).items()}
+
+    def put_lease(self, save_id: str, record: bytes) -> None:
+        with _LOCK:
+            _LEASES[(self.name, save_id)] = record
+
+    def renew_lease(self, save_id: str) -> None:
+        pass
+
+    def read_lease(self, save_id: str) -> Optional[tuple[bytes, Optional[float]]]:
+        with _LOCK:
+            record = _LEASES.get((self.name, save_id))
+        return None if record is None else (record, None)
+
+    def drop_lease(self, save_id: str) -> None:
+        with _LOCK:
+            _LEASES.pop((self.name, save_id), None)
 
 
 def _name(checkpoint_id: Union[str, None]) -> Union[str, None]:

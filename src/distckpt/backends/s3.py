@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from typing import Any, Iterable, Optional, Union
 
 from .. import faults, knobs
@@ -33,12 +34,14 @@ from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpoint
 from ..format import METADATA_FILE
 from .blob_storage import BlobStorageReader, BlobStorageWriter
 from .blobs import BlobReader, BlobStore, BlobWriter
+from .leases import save_is_dead
 from .s3_objects import LOST_RACE, MIN_PART_BYTES, NOT_FOUND, ObjectReader, ObjectWriter, client_for, error_code, s3_error, s3_failures
 
 __all__ = ["S3Writer", "S3Reader", "S3Store"]
 
 SCHEME = "s3://"
 SAVES = "saves"
+LEASES = "leases"
 _SAVE_ID = re.compile(r"[0-9A-Za-z_-]{1,64}\Z")
 
 
@@ -269,9 +272,74 @@ class S3Store(BlobStore):
             child = self.child(name)
             for save_id in child._uncommitted_save_ids():
                 staging = child.staging(save_id)
+                if not save_is_dead(child, save_id, staging._age()):
+                    continue
                 child.discard(staging)
+                child.drop_lease(save_id)
                 removed.append(staging.describe())
+            committed = child._committed_save_id()
+            for save_id in child._lease_ids():  # leases left by saves that ended without giving them back
+                if (save_id == committed or not child.staging(save_id).sizes()) and save_is_dead(child, save_id, None):
+                    child.drop_lease(save_id)
         return removed
+
+    def _age(self) -> Optional[float]:
+        """Seconds since the newest object under this prefix was written (None: no object)."""
+        newest = None
+        pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self.prefix + "/")
+        try:
+            for page in pages:
+                for o in page.get("Contents", []):
+                    t = o["LastModified"].timestamp()
+                    newest = t if newest is None else max(newest, t)
+        except s3_failures() as exc:
+            raise s3_error("listing", self.describe(), exc) from exc
+        return None if newest is None else max(0.0, time.time() - newest)
+
+    def sizes(self) -> dict[str, int]:
+        start = len(self.prefix) + 1
+        out = {}
+        pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self.prefix + "/", Delimiter="/")
+        try:
+            for page in pages:
+                out.update({o["Key"][start:]: o["Size"] for o in page.get("Contents", [])})
+        except s3_failures() as exc:
+            raise s3_error("listing", self.describe(), exc) from exc
+        return out
+
+    # ---- leases: one small object per save in flight, under <prefix>/leases/
+
+    def _lease_name(self, save_id: str) -> str:
+        return f"{LEASES}/{_checked_save_id(save_id, self.describe())}"
+
+    def _lease_ids(self) -> list[str]:
+        base = f"{self.prefix}/{LEASES}/"
+        return sorted(k[len(base):] for k in self._keys(base) if _SAVE_ID.match(k[len(base):]))
+
+    def put_lease(self, save_id: str, record: bytes) -> None:
+        try:
+            self._put(self._lease_name(save_id), record, IfNoneMatch="*")
+        except s3_failures() as exc:
+            raise s3_error("creating the lease", self.describe(self._lease_name(save_id)), exc) from exc
+
+    def renew_lease(self, save_id: str) -> None:
+        record = self._get(self._lease_name(save_id))
+        if record is not None:  # straight to the client: renewal is not a step of the save that fault tests count
+            self.client.put_object(Bucket=self.bucket, Key=self.key(self._lease_name(save_id)), Body=record)
+
+    def read_lease(self, save_id: str) -> Optional[tuple[bytes, Optional[float]]]:
+        try:
+            got = self.client.get_object(Bucket=self.bucket, Key=self.key(self._lease_name(save_id)))
+            record = got["Body"].read(4096)
+        except s3_failures() as exc:
+            if error_code(exc) in NOT_FOUND:
+                return None
+            raise s3_error("reading", self.describe(self._lease_name(save_id)), exc) from exc
+        modified = got.get("LastModified")
+        return record, (None if modified is None else max(0.0, time.time() - modified.timestamp()))
+
+    def drop_lease(self, save_id: str) -> None:
+        self._delete_prefix(self.key(self._lease_name(save_id)), exact=True)
 
 
 def _checked_save_id(save_id: str, where: str) -> str:
