@@ -281,7 +281,7 @@ def _chunk_rows(draw):
 
 def _fast_and_reference_agree(chunks_raw) -> None:
     """The hot loop of metadata decoding accepts, builds and refuses exactly what the careful path does."""
-    from distckpt.format.locations import ChunkLocations, inline_chunk, inline_chunks
+    from distckpt.format.locations import ChunkLocations, check_cover, inline_chunk, inline_chunks
     from distckpt.format.records import FileInfo
 
     size = torch.Size([10, 6])
@@ -295,7 +295,12 @@ def _fast_and_reference_agree(chunks_raw) -> None:
             return None, None, str(exc)
 
     fast = run(lambda locations: inline_chunks(chunks_raw, "w", size, 4, locations, "here"))
-    ref = run(lambda locations: [inline_chunk(c, "w", size, 4, locations, "here") for c in chunks_raw])
+    def reference(locations):
+        chunks = [inline_chunk(c, "w", size, 4, locations, "here") for c in chunks_raw]
+        check_cover(chunks, size, "here")
+        return chunks
+
+    ref = run(reference)
     assert fast[2] == ref[2], chunks_raw
     if fast[2] is None:
         assert fast[0] == ref[0] and fast[1] == ref[1] and dict(fast[1].items()) == dict(ref[1].items())

@@ -25,7 +25,8 @@ from ..format.codec import encode_metadata, parse_metadata, stored_file_sizes
 from ..format.datafile import Entry, build_header, entry_name
 from ..format.dtypes import itemsize, safetensors_code
 from ..format.records import FileInfo, FileStorageData, StorageInfo
-from ..metadata import Metadata, MetadataIndex, StorageMeta
+from ..format.locations import check_cover, checked_chunk
+from ..metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
 from ..planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner, WriteItemType
 from ..planning.resharding import volume
 from ..progress import Progress
@@ -115,6 +116,11 @@ class BlobStorageWriter(StorageWriter):
                     fsd.files[r.index.fqn[len(FILE_RESULT_PREFIX):]] = r.storage_data
                 elif isinstance(r.storage_data, StorageInfo):
                     fsd.items[r.index] = r.storage_data
+        for fqn, entry in metadata.state_dict_metadata.items():  # whatever planner made it: never commit a gap
+            if isinstance(entry, TensorStorageMetadata):
+                for c in entry.chunks:
+                    checked_chunk(c, entry.size, f"checkpoint {self._checkpoint_id()!r}: key {fqn!r}")
+                check_cover(entry.chunks, entry.size, f"checkpoint {self._checkpoint_id()!r}: key {fqn!r}")
         metadata.storage_data = fsd
         metadata.version = FORMAT_VERSION_STR
         if metadata.storage_meta is None:

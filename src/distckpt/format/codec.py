@@ -40,7 +40,7 @@ from . import FORMAT_NAME, FORMAT_VERSION_STR
 from .checksum import crc32c, format_crc
 from .dtypes import dtype_from_name, dtype_name, itemsize
 from .fields import MAX_INT as _MAX_INT, ints as _ints
-from .locations import add_item, check_no_overlap, checked_chunk, cross_check, decode_file_table, inline_chunks
+from .locations import add_item, check_cover, check_no_overlap, checked_chunk, cross_check, decode_file_table, inline_chunks
 from .records import FileInfo, FileStorageData, StorageInfo
 from .values import from_data, to_data
 
@@ -434,8 +434,9 @@ def _parse_metadata(raw: bytes, where: str) -> Metadata:
         width = itemsize(props.dtype)
         if fsd is None:
             chunks = [checked_chunk(_dec_chunk(c, here), size, here) for c in chunks_raw]
+            check_cover(chunks, size, here)
         else:
-            chunks = inline_chunks(chunks_raw, fqn, size, width, locations, here)
+            chunks = inline_chunks(chunks_raw, fqn, size, width, locations, here)  # checks the cover too
         sdm[fqn] = TensorStorageMetadata(props, size, chunks)
     sm_raw = body.get("storage_meta")
     sm = None

@@ -35,6 +35,78 @@ def checked_chunk(chunk: ChunkStorageMetadata, size: torch.Size, here: str) -> C
     return chunk
 
 
+def check_cover(chunks: list, size: torch.Size, here: str, volume_sum: Optional[int] = None,
+                flat: Optional[tuple[list, list]] = None) -> None:
+    """The chunks, each already known to lie inside the tensor, cover every element of it exactly once.
+
+    ``volume_sum`` is the sum of the chunks' element counts, and ``flat`` their offsets and sizes
+    as two flat lists, where the caller has them. Equal volumes plus pairwise disjoint boxes is
+    an exact cover; disjointness is checked on the grid the chunks' own boundaries draw (a chunk
+    of an ordinary sharding is one cell of it).
+    """
+    total = math.prod(size)
+    if volume_sum is None:
+        volume_sum = sum(math.prod(c.sizes) for c in chunks)
+    if volume_sum != total:
+        raise CorruptCheckpointError(
+            f"{here}: its chunks hold {volume_sum} of the tensor's {total} elements; a checkpoint stores every element "
+            "exactly once. It was written by a faulty planner or edited; restore it from a copy.")
+    if len(chunks) > 1 and total:
+        ndim = len(size)
+        if flat is None:
+            flat = ([o for c in chunks for o in c.offsets], [n for c in chunks for n in c.sizes])
+        off = np.array(flat[0], dtype=np.int64).reshape(len(chunks), ndim)
+        sizes = np.array(flat[1], dtype=np.int64).reshape(len(chunks), ndim)
+        pair = _overlapping_pair(off, off + sizes)
+        if pair is not None:
+            a, b = chunks[pair[0]], chunks[pair[1]]
+            raise CorruptCheckpointError(
+                f"{here}: chunks {list(a.offsets)}+{list(a.sizes)} and {list(b.offsets)}+{list(b.sizes)} overlap, so "
+                "other elements are stored nowhere. It was written by a faulty planner or edited; restore it from a copy.")
+
+
+def _overlapping_pair(off: np.ndarray, end: np.ndarray) -> Optional[tuple[int, int]]:
+    """Indices of two boxes ``[off, end)`` (rows) that share an element, or None; empty boxes share none."""
+    keep = np.flatnonzero((end > off).all(axis=1))
+    if len(keep) < 2:
+        return None
+    off, end = off[keep], end[keep]
+    n, ndim = off.shape
+    split = [k for k in range(ndim) if (off[:, k] != off[0, k]).any() or (end[:, k] != end[0, k]).any()]
+    if len(split) <= 1:  # boxes that differ along one dimension only (row or column shards): intervals
+        k = split[0] if split else 0
+        order = np.argsort(off[:, k], kind="stable") if ndim else np.arange(n)
+        if not ndim:
+            return int(keep[0]), int(keep[1])
+        meet = np.flatnonzero(off[order[1:], k] < end[order[:-1], k])
+        return None if not meet.size else (int(keep[order[meet[0]]]), int(keep[order[meet[0] + 1]]))
+    lo, hi, dims = [], [], []
+    for k in range(ndim):
+        cuts = np.unique(np.concatenate([off[:, k], end[:, k]]))
+        lo.append(np.searchsorted(cuts, off[:, k]))
+        hi.append(np.searchsorted(cuts, end[:, k]))
+        dims.append(len(cuts) - 1)
+    if all((h - lo_k == 1).all() for lo_k, h in zip(lo, hi)):  # every box is one cell: disjoint iff the cells differ
+        cell = np.ravel_multi_index(tuple(lo), tuple(dims)) if ndim else np.zeros(n, dtype=np.int64)
+        order = np.argsort(cell, kind="stable")
+        same = np.flatnonzero(cell[order][1:] == cell[order][:-1])
+        return None if not same.size else (int(keep[order[same[0]]]), int(keep[order[same[0] + 1]]))
+    if math.prod(dims) <= 1 << 24:
+        seen = np.full(tuple(dims), -1, dtype=np.int64)
+        for i in range(n):
+            box = tuple(slice(int(lo[k][i]), int(hi[k][i])) for k in range(ndim))
+            taken = seen[box]
+            if (taken >= 0).any():
+                return int(keep[int(taken[taken >= 0].flat[0])]), int(keep[i])
+            seen[box] = i
+        return None
+    for i in range(n - 1):  # a grid too fine to draw: compare each box with those after it
+        meet = ((off[i + 1:] < end[i]) & (end[i + 1:] > off[i])).all(axis=1)
+        if meet.any():
+            return int(keep[i]), int(keep[i + 1 + int(np.flatnonzero(meet)[0])])
+    return None
+
+
 class ChunkLocations(Mapping):
     """``FileStorageData.items`` of a decoded format-2.x document: MetadataIndex -> StorageInfo.
 
@@ -172,6 +244,9 @@ def inline_chunks(chunks_raw: list, fqn: str, size: torch.Size, width: int, loca
     add_file, add_begin, add_length, add_crc = (locations.file_no.append, locations.begin.append, locations.length.append,
                                                 locations.crc.append)
     chunks = []
+    flat_off: list = []
+    flat_size: list = []
+    covered = 0
     for c in chunks_raw:
         if type(c) is list and len(c) == 5:
             o_raw, s_raw, file_no, begin, crc = c
@@ -198,8 +273,16 @@ def inline_chunks(chunks_raw: list, fqn: str, size: torch.Size, width: int, loca
                         add_length(nbytes)
                         add_crc(crc)
                         chunks.append(chunk)
+                        flat_off += o_raw
+                        flat_size += s_raw
+                        covered += nbytes
                         continue
-        chunks.append(inline_chunk(c, fqn, size, width, locations, here))  # raises the precise error
+        chunk = inline_chunk(c, fqn, size, width, locations, here)  # raises the precise error
+        chunks.append(chunk)
+        flat_off += chunk.offsets
+        flat_size += chunk.sizes
+        covered += math.prod(chunk.sizes) * width
+    check_cover(chunks, size, here, covered // width if width else None, (flat_off, flat_size))
     return chunks
 
 
