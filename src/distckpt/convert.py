@@ -27,13 +27,17 @@ data; it is written as one flat dict of keys to tensors and values.
 from __future__ import annotations
 
 import json
+import math
 import os
+import uuid
 import warnings
 from typing import Any, Callable, Optional, Union
 
 import torch
 
+from . import backends
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from .format.dtypes import itemsize
 from .format.values import from_data, to_data
 from .loading import load, read_metadata
 from .metadata import TensorStorageMetadata
@@ -47,8 +51,17 @@ VALUES_KEY = "distckpt.values"
 PathLike = Union[str, os.PathLike]
 
 
-def _placeholders(entries: dict, tensor_type: type) -> dict[str, Any]:
-    """An empty tensor per stored tensor, None per stored value: what a load fills in."""
+def _placeholders(entries: dict, tensor_type: type, where: str, stored: int) -> dict[str, Any]:
+    """An empty tensor per stored tensor, None per stored value: what a load fills in.
+
+    Nothing is allocated until the tensors' bytes are known to fit in the ``stored`` bytes of the
+    data files: a metadata document claiming more than is stored is damaged or forged.
+    """
+    claimed = sum(math.prod(e.size) * itemsize(e.properties.dtype) for e in entries.values() if isinstance(e, tensor_type))
+    if claimed > stored:
+        raise CorruptCheckpointError(
+            f"{where}: its metadata claims {claimed} bytes of tensors, but its data files hold {stored}; "
+            "the checkpoint is damaged or its metadata was edited. Nothing was converted.")
     return {fqn: torch.empty(e.size, dtype=e.properties.dtype) if isinstance(e, tensor_type) else None
             for fqn, e in entries.items()}
 
@@ -66,17 +79,35 @@ def from_dcp(src: PathLike, dst: PathLike, *, trust_pickle: bool = False, allow_
             f"{src}: DCP checkpoints store their metadata and values as pickles, and reading them can run code. "
             "Convert only checkpoints you trust, passing trust_pickle=True (distckpt convert --trust-pickle).")
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     if not os.path.exists(os.path.join(os.fspath(src), ".metadata")):
         raise CheckpointNotFoundError(f"{src}: no DCP checkpoint there (its .metadata file is missing)")
-    md = dcp.FileSystemReader(os.fspath(src)).read_metadata()
-    state = _placeholders(md.state_dict_metadata, dcp.metadata.TensorStorageMetadata)
-    if progress:
-        progress(f"reading {len(state)} keys from DCP checkpoint {src}")
-    with warnings.catch_warnings():  # DCP warns that it runs in one process, which is the point here
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, checkpoint_id=os.fspath(src), no_dist=True)
+    where = f"DCP checkpoint {os.fspath(src)}"
+    try:
+        md = dcp.FileSystemReader(os.fspath(src)).read_metadata()
+        state = _placeholders(md.state_dict_metadata, dcp.metadata.TensorStorageMetadata, where, _dcp_stored_bytes(src))
+        if progress:
+            progress(f"reading {len(state)} keys from DCP checkpoint {src}")
+        with warnings.catch_warnings():  # DCP warns that it runs in one process, which is the point here
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(state, checkpoint_id=os.fspath(src), no_dist=True)
+    except CheckpointError:
+        raise
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP's is a BaseException; pickle raises anything
+        raise CorruptCheckpointError(f"{where} cannot be read (damaged, or not a DCP checkpoint): "
+                                     f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}") from exc
     return _write_distckpt(state, dst, allow_pickle, progress)
+
+
+def _dcp_stored_bytes(src: PathLike) -> int:
+    """Bytes of DCP's data files in ``src``: what any of its tensors can hold at most."""
+    total = 0
+    with os.scandir(os.fspath(src)) as entries:
+        for e in entries:
+            if e.name.endswith(".distcp") and e.is_file(follow_symlinks=False):
+                total += e.stat(follow_symlinks=False).st_size
+    return total
 
 
 def to_dcp(src: PathLike, dst: PathLike, *, allow_pickle: bool = False,
@@ -101,7 +132,11 @@ def to_dcp(src: PathLike, dst: PathLike, *, allow_pickle: bool = False,
 def _read_whole(src: PathLike, allow_pickle: bool, progress: Optional[Callable[[str], None]]) -> dict[str, Any]:
     """Every key of the distckpt checkpoint ``src``, tensors whole, in this process."""
     md = read_metadata(src)
-    state = _placeholders(md.state_dict_metadata, TensorStorageMetadata)
+    reader = backends.reader_for(src)
+    reader.reset(src)
+    sizes = getattr(reader, "data_file_sizes", None)
+    stored = sum(sizes(md).values()) if sizes is not None else math.inf
+    state = _placeholders(md.state_dict_metadata, TensorStorageMetadata, f"checkpoint {os.fspath(src)}", stored)
     if progress:
         progress(f"reading {len(state)} keys from distckpt checkpoint {src}")
     load(state, checkpoint_id=src, planner=DefaultLoadPlanner(allow_pickle=allow_pickle))
@@ -116,18 +151,38 @@ def _write_distckpt(state: dict, dst: PathLike, allow_pickle: bool, progress: Op
     return len(state)
 
 
-def _write_new_file(dst: PathLike, write: Callable[[str], None]) -> None:
-    """Create the file ``dst`` through ``write(tmp_path)`` and a rename: never replaces, never leaves half a file."""
+def _write_new_file(dst: PathLike, write: Callable[[Any], None]) -> None:
+    """Create the file ``dst`` through ``write(file)`` into a new temporary file and a link:
+    never replaces anything, never leaves half a file, never writes through a link.
+
+    The temporary file has an unpredictable name and is created exclusively (no link or file
+    planted at its name is followed or reused); ``dst`` is made a second name of it only if
+    nothing is there yet, and is checked to be that very file.
+    """
+    from .backends.fs_objects import create_exclusive
+
     dst = os.fspath(dst)
     if os.path.lexists(dst):
         raise CheckpointError(f"{dst} already exists; convert into a new file")
-    tmp = f"{dst}.distckpt-tmp-{os.getpid()}"
+    tmp = os.path.join(os.path.dirname(os.path.abspath(dst)), f".{os.path.basename(dst)}.distckpt-tmp-{uuid.uuid4().hex}")
+    fd = create_exclusive(tmp)
     try:
-        write(tmp)
-        os.link(tmp, dst)  # fails if dst appeared meanwhile
+        with os.fdopen(fd, "wb", closefd=False) as f:
+            write(f)
+        try:
+            os.link(tmp, dst, follow_symlinks=False)  # fails if dst appeared meanwhile
+        except FileExistsError:
+            raise CheckpointError(f"{dst} appeared while converting; convert into a new file") from None
+        st, ours = os.lstat(dst), os.fstat(fd)
+        if (st.st_dev, st.st_ino) != (ours.st_dev, ours.st_ino):  # the temporary name was swapped meanwhile
+            os.unlink(dst)  # the name we just made, for something else
+            raise CheckpointError(f"{dst}: the temporary file was replaced while converting; nothing was written")
     finally:
-        if os.path.lexists(tmp):
+        os.close(fd)
+        try:
             os.unlink(tmp)
+        except FileNotFoundError:
+            pass
 
 
 def to_safetensors(src: PathLike, dst: PathLike, *, allow_pickle: bool = False,
@@ -136,7 +191,7 @@ def to_safetensors(src: PathLike, dst: PathLike, *, allow_pickle: bool = False,
 
     Values that are not tensors are kept in the file's metadata (see the module text).
     """
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     state = _read_whole(src, allow_pickle, progress)
     tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
@@ -146,7 +201,7 @@ def to_safetensors(src: PathLike, dst: PathLike, *, allow_pickle: bool = False,
         metadata[VALUES_KEY] = json.dumps(values, separators=(",", ":"), allow_nan=False)
     if progress:
         progress(f"writing safetensors file {dst}")
-    _write_new_file(dst, lambda tmp: save_file(tensors, tmp, metadata=metadata))
+    _write_new_file(dst, lambda f: f.write(save(tensors, metadata=metadata)))
     return len(state)
 
 
@@ -185,7 +240,7 @@ def to_torch_save(src: PathLike, dst: PathLike, *, allow_pickle: bool = False,
     state = _read_whole(src, allow_pickle, progress)
     if progress:
         progress(f"writing torch.save file {dst}")
-    _write_new_file(dst, lambda tmp: torch.save(state, tmp))
+    _write_new_file(dst, lambda f: torch.save(state, f))
     return len(state)
 
 

@@ -29,6 +29,7 @@ from .errors import CheckpointError
 from .metadata import STATE_DICT_TYPE, Metadata
 from .planner import SavePlanner
 from .planning import DefaultSavePlanner, RankLocal
+from .planning.flatten import RANK_LOCAL
 from .planning.tensors import is_dtensor, local_tensor
 from .saving import run_save
 from .storage import StorageWriter
@@ -195,7 +196,7 @@ def _leaves(obj: Any, path: tuple, out: list) -> None:
     if isinstance(obj, torch.Tensor):
         out.append((path, local_tensor(obj)))
     elif isinstance(obj, RankLocal):
-        _leaves(obj.value, path + ("$rank_local",), out)
+        _leaves(obj.value, path + (RANK_LOCAL,), out)
     elif isinstance(obj, dict):
         for k, v in obj.items():
             _leaves(v, path + (k,), out)

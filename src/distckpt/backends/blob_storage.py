@@ -367,6 +367,13 @@ class BlobStorageReader(StorageReader):
         md.storage_meta.checkpoint_id = self._checkpoint_id()
         return md
 
+    def data_file_sizes(self, metadata: Metadata) -> dict[str, int]:
+        """The data files of the checkpoint ``metadata`` describes, with their sizes as stored now."""
+        if not isinstance(metadata.storage_data, FileStorageData):
+            raise CorruptCheckpointError(f"checkpoint {self._checkpoint_id()!r}: metadata has no data-file table")
+        found = self._store().data_store(metadata.storage_data.save_id).sizes()
+        return {name: found[name] for name in metadata.storage_data.files if name in found}
+
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if not isinstance(metadata.storage_data, FileStorageData):
             raise CorruptCheckpointError(f"checkpoint {self._checkpoint_id()!r}: metadata has no data-file table; it was not written by a distckpt storage layer")

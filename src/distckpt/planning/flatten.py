@@ -8,6 +8,7 @@ per-rank key.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,10 +28,16 @@ class RankLocal:
     Plain tensors and values under the same key on several ranks are taken to
     be replicas, and written once. Wrap a value in ``RankLocal`` to keep every
     rank's copy: it is stored under ``"<key>@rank<r>"`` and each rank loads its
-    own back (the load needs the same rank to exist).
+    own back (the load needs the same rank to exist). A dict or list inside is
+    flattened as anywhere else, each leaf rank-local. Plain keys may not end
+    in ``@rank<r>``: those names belong to rank-local values.
     """
 
     value: Any
+
+
+RANK_LOCAL = "$rank_local"  # the step into a RankLocal in a key path; reserved as a key
+_RANK_SUFFIX = re.compile(r"@rank\d+\Z")
 
 
 def rank_local_key(fqn: str, rank: int) -> str:
@@ -60,20 +67,29 @@ def flatten_state_dict(state_dict: dict, rank: int = 0) -> tuple[dict[str, Any],
 
 # module-level functions, not closures: a recursive closure is a reference cycle that would keep the
 # flattened tensors (an async save's staging buffers among them) alive until the garbage collector runs
-def _visit(obj: Any, path: Path, rank: int, flat: dict[str, Any], mappings: dict[str, Path]) -> None:
+def _visit(obj: Any, path: Path, rank: int, flat: dict[str, Any], mappings: dict[str, Path], local: bool = False) -> None:
     if isinstance(obj, RankLocal):
-        key = rank_local_key(".".join(str(p) for p in path), rank)
-        _add(key, obj.value, path + ("$rank_local",), flat, mappings)
+        _visit(obj.value, path + (RANK_LOCAL,), rank, flat, mappings, True)
     elif isinstance(obj, dict) and obj and not isinstance(obj, torch.Tensor):
         for k, v in obj.items():
             if not isinstance(k, (str, int)):
                 raise CheckpointError(f"state dict key {k!r} at {'.'.join(map(str, path)) or '<root>'} must be a str or int")
-            _visit(v, path + (k,), rank, flat, mappings)
+            if k == RANK_LOCAL:
+                raise CheckpointError(f"state dict key {k!r} at {'.'.join(map(str, path)) or '<root>'} is reserved by "
+                                      "distckpt (it marks a RankLocal in key paths); rename it")
+            _visit(v, path + (k,), rank, flat, mappings, local)
     elif isinstance(obj, (list, tuple)) and _has_tensor(obj):
         for i, v in enumerate(obj):
-            _visit(v, path + (i,), rank, flat, mappings)
+            _visit(v, path + (i,), rank, flat, mappings, local)
     else:
-        _add(".".join(str(p) for p in path), obj, path, flat, mappings)
+        key = ".".join(str(p) for p in path if p != RANK_LOCAL)
+        if local:
+            key = rank_local_key(key, rank)
+        elif _RANK_SUFFIX.search(key):
+            raise CheckpointError(
+                f"key {key!r} ends like the stored name of a RankLocal value (<key>@rank<r>), which it could be taken "
+                "for on another rank; rename it, or wrap the value in distckpt.RankLocal(...)")
+        _add(key, obj, path, flat, mappings)
 
 
 def _add(key: str, value: Any, path: Path, flat: dict[str, Any], mappings: dict[str, Path]) -> None:
@@ -88,7 +104,7 @@ def _add(key: str, value: Any, path: Path, flat: dict[str, Any], mappings: dict[
 def get_element(root: Any, path: Path) -> Any:
     obj = root
     for p in path:
-        if p == "$rank_local":
+        if p == RANK_LOCAL:
             obj = obj.value
         else:
             obj = obj[p]
@@ -99,9 +115,9 @@ def set_element(root: Any, path: Path, value: Any) -> None:
     """Put ``value`` at ``path`` inside ``root``, in place."""
     parent = root
     for p in path[:-1]:
-        parent = parent.value if p == "$rank_local" else parent[p]
+        parent = parent.value if p == RANK_LOCAL else parent[p]
     last = path[-1]
-    if last == "$rank_local":
+    if last == RANK_LOCAL:
         parent.value = value
     elif isinstance(parent, tuple):
         raise CheckpointError(f"cannot set {'.'.join(map(str, path))}: it is inside a tuple; use a list")
