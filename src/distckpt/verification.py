@@ -8,10 +8,11 @@ from typing import Optional, Union
 
 from . import backends
 from .backends.blob_storage import BlobStorageReader
-from .backends.reading import open_and_validate
+from .backends.reading import ChunkShapes, open_and_validate
 from .errors import CheckpointError, CorruptCheckpointError
 from .format.checksum import crc32c
-from .format.datafile import entry_name
+from .format.datafile import VALUE_FORM, check_header_entry, header_spans, read_header, stored_form
+from .metadata import TensorStorageMetadata
 from .format.records import FileStorageData
 
 __all__ = ["verify", "VerifyReport"]
@@ -55,6 +56,7 @@ def verify(checkpoint_id: Union[str, os.PathLike], storage_reader: Optional[Blob
     store = reader._store().data_store(fsd.save_id)
     where = f"checkpoint {str(checkpoint_id)!r}"
     by_file: dict[str, list] = {name: [] for name in fsd.files}
+    shapes = ChunkShapes(md)
     for index, si in fsd.items.items():
         by_file[si.file].append((si.offset, index, si))
     bar = None
@@ -71,14 +73,18 @@ def verify(checkpoint_id: Union[str, os.PathLike], storage_reader: Optional[Blob
             continue
         blob = blobs[name]
         try:
-            from .format.datafile import read_header
-
-            header = read_header(blob.pread, blob.size, f"{where}, file {name!r}")
+            spans = header_spans(read_header(blob.pread, blob.size, f"{where}, file {name!r}"))
             for _, index, si in sorted(by_file[name], key=lambda t: t[0]):
                 report.items += 1
-                entry = header.entries.get(entry_name(index.fqn, tuple(index.offset) if index.offset is not None else None))
-                if entry is not None and (entry[2], entry[3]) != (si.offset, si.offset + si.length):
-                    report.problems.append(f"{where}, file {name!r}: header places key {index.fqn!r} at {entry[2]}, metadata at {si.offset}")
+                entry = md.state_dict_metadata.get(index.fqn)
+                if isinstance(entry, TensorStorageMetadata):
+                    form = stored_form(entry.properties.dtype, shapes.get(index), si.length)
+                else:
+                    form = (VALUE_FORM, (si.length,))
+                try:
+                    check_header_entry(spans, si.offset, si.length, form, f"{where}: key {index.fqn!r}, file {name!r}")
+                except CheckpointError as exc:
+                    report.problems.append(str(exc))
                 crc = 0
                 buf = bytearray(min(si.length, _PIECE))
                 pos = 0

@@ -142,15 +142,25 @@ def test_a_flip_in_data_read_cold_is_caught_and_named(tmp_path, monkeypatch):
         distckpt.load({"big": torch.zeros_like(sd["big"])}, checkpoint_id=ck)
 
 
-def _open_without_checks(store, fsd, names, where):
-    """The size check before reading catches truncation first; a test of the read's own check skips it."""
-    return {name: store.open(name) for name in names}
+def _opening_without_checks(headers: dict):
+    """The size check before reading catches truncation first; a test of the read's own check skips it,
+    with the headers the files had before."""
+    def open_all(store, fsd, names, where, spans=None):
+        if spans is not None:
+            spans.update(headers)
+        return {name: store.open(name) for name in names}
+    return open_all
 
 
 def test_a_truncated_file_read_cold_is_reported_as_truncated(tmp_path, monkeypatch):
+    from distckpt.format.datafile import header_spans, read_header
+
     sd, ck, info = _saved_big(tmp_path, 4)
     _cached_reads_refused(monkeypatch, 0)
-    monkeypatch.setattr(reading, "open_and_validate", _open_without_checks)
+    blob = filesystem.FsStore(ck).open(info.file)
+    headers = {info.file: header_spans(read_header(blob.pread, blob.size, "test"))}
+    blob.close()
+    monkeypatch.setattr(reading, "open_and_validate", _opening_without_checks(headers))
     os.truncate(os.path.join(ck, info.file), info.offset + (5 << 20))
     with pytest.raises(CorruptCheckpointError, match="truncated"):
         distckpt.load({"big": torch.zeros_like(sd["big"])}, checkpoint_id=ck)

@@ -22,8 +22,8 @@ from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpoint
 from ..format import FORMAT_VERSION_STR, METADATA_FILE
 from ..format.checksum import crc32c
 from ..format.codec import encode_metadata, parse_metadata, stored_file_sizes
-from ..format.datafile import Entry, build_header, entry_name
-from ..format.dtypes import itemsize, safetensors_code
+from ..format.datafile import Entry, build_header, entry_name, stored_form
+from ..format.dtypes import itemsize
 from ..format.records import FileInfo, FileStorageData, StorageInfo
 from ..format.locations import check_cover, checked_chunk
 from ..metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
@@ -194,8 +194,7 @@ def write_file(store: BlobStore, name: str, save_id: str, rank: int, plan: SaveP
         else:
             td = item.tensor_data
             nbytes = volume(td.chunk.sizes) * itemsize(td.properties.dtype)
-            code = safetensors_code(td.properties.dtype)
-            shape = tuple(td.chunk.sizes) if code != "U8" or td.properties.dtype == torch.uint8 else (nbytes,)
+            code, shape = stored_form(td.properties.dtype, tuple(td.chunk.sizes), nbytes)
             entries.append(Entry(entry_name(item.index.fqn, tuple(item.index.offset or ())), code, shape, nbytes))
             payloads.append(None)
     streams = caller_streams()  # device copies happen in worker threads, ordered on the caller's stream

@@ -5,12 +5,13 @@ from __future__ import annotations
 import io
 import threading
 from collections import defaultdict
+from typing import Optional
 
 import torch
 
 from ..errors import CheckpointError, CorruptCheckpointError, UnsupportedTensorError
 from ..format.checksum import crc32c
-from ..format.datafile import read_header
+from ..format.datafile import VALUE_FORM, HeaderInfo, check_header_entry, header_spans, read_header, stored_form
 from ..format.records import FileStorageData, StorageInfo
 from ..metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from ..planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
@@ -26,8 +27,10 @@ from .tensor_bytes import writable_bytes
 from .windows import WINDOW_BYTES, windows
 
 
-def open_and_validate(store: BlobStore, fsd: FileStorageData, names, where: str) -> dict[str, BlobReader]:
-    """Open the named data files and check size and save id of each, before anything is read into place."""
+def open_and_validate(store: BlobStore, fsd: FileStorageData, names, where: str,
+                      spans: Optional[dict] = None) -> dict[str, BlobReader]:
+    """Open the named data files and check size, header and save id of each, before anything is read
+    into place; with ``spans``, put each file's header entries there (see :func:`header_spans`)."""
     blobs: dict[str, BlobReader] = {}
     try:
         for name in sorted(names):
@@ -40,7 +43,9 @@ def open_and_validate(store: BlobStore, fsd: FileStorageData, names, where: str)
             if blob.size != info.size:
                 raise CorruptCheckpointError(
                     f"{here}: size is {blob.size} bytes, the metadata records {info.size}; the file is truncated or was replaced")
-            _check_header(blob, info, fsd.save_id, here)
+            header = _check_header(blob, info, fsd.save_id, here)
+            if spans is not None:
+                spans[name] = header_spans(header)
     except BaseException:
         for b in blobs.values():
             b.close()
@@ -48,25 +53,22 @@ def open_and_validate(store: BlobStore, fsd: FileStorageData, names, where: str)
     return blobs
 
 
-def _check_header(blob: BlobReader, info, save_id: str, here: str) -> None:
-    """The header's CRC is recorded in the metadata, and the header holds the save id: a matching
-    CRC proves the file belongs to this save. Only on mismatch is the header parsed, to say why."""
-    import struct
+def _check_header(blob: BlobReader, info, save_id: str, here: str) -> HeaderInfo:
+    """Parse and check the header (every rule of docs/format.md, section 4), its save id and its CRC.
 
-    prefix = blob.pread(8, 0)
-    if len(prefix) == 8:
-        (n,) = struct.unpack("<Q", prefix)
-        if 8 + n <= blob.size and n <= knobs.max_header_bytes():
-            if crc32c(blob.pread(n, 8), crc32c(prefix)) == info.header_crc32c:
-                return
+    A CRC that matches the metadata's is not enough: metadata and header may have been forged
+    together, so the header is always parsed, and the load cross-checks each chunk against it.
+    """
     header = read_header(blob.pread, blob.size, here)  # raises if malformed
     if header.save_id != save_id:
         raise CorruptCheckpointError(
             f"{here}: belongs to save {header.save_id}, but this checkpoint is save {save_id}; "
             "a file from another checkpoint was copied in. Restore the original file.")
-    raise CorruptCheckpointError(
-        f"{here}: header checksum mismatch (offset 0 to {header.data_start}): stored {info.header_crc32c:08x}, "
-        f"computed {header.lead_crc32c:08x}. The file is damaged; restore it from a copy.")
+    if header.lead_crc32c != info.header_crc32c:
+        raise CorruptCheckpointError(
+            f"{here}: header checksum mismatch (offset 0 to {header.data_start}): stored {info.header_crc32c:08x}, "
+            f"computed {header.lead_crc32c:08x}. The file is damaged; restore it from a copy.")
+    return header
 
 
 def read_items(store: BlobStore, md: Metadata, plan: LoadPlan, planner: LoadPlanner, checkpoint_id: str,
@@ -88,6 +90,11 @@ def read_items(store: BlobStore, md: Metadata, plan: LoadPlan, planner: LoadPlan
     for item in plan.items:
         by_chunk[item.storage_index].append(item)
     infos: dict[MetadataIndex, StorageInfo] = {}
+
+    def here_of(index: MetadataIndex) -> str:
+        chunk = f", chunk {list(index.offset)}" if index.offset is not None else ""
+        return f"{where}: key {index.fqn!r}{chunk}"
+
     shapes = ChunkShapes(md)
     chunk_shapes: dict[MetadataIndex, tuple[int, ...]] = {}
     for index, items in by_chunk.items():
@@ -97,7 +104,20 @@ def read_items(store: BlobStore, md: Metadata, plan: LoadPlan, planner: LoadPlan
             raise CorruptCheckpointError(f"{where}: key {index.fqn!r} chunk {list(index.offset or [])} has no storage entry in the metadata")
         infos[index] = info
         chunk_shapes[index] = shape
-    blobs = open_and_validate(store, fsd, {i.file for i in infos.values()}, where)
+    spans: dict = {}
+    blobs = open_and_validate(store, fsd, {i.file for i in infos.values()}, where, spans)
+    for index, info in infos.items():  # each chunk is what its file's header says it is (dtype, shape, place)
+        entry = md.state_dict_metadata.get(index.fqn)
+        if isinstance(entry, TensorStorageMetadata):
+            form = stored_form(entry.properties.dtype, chunk_shapes[index], info.length)
+        else:
+            form = (VALUE_FORM, (info.length,))
+        try:
+            check_header_entry(spans[info.file], info.offset, info.length, form, f"{here_of(index)}, file {info.file!r}")
+        except BaseException:
+            for b in blobs.values():
+                b.close()
+            raise
     lock = threading.Lock()
     budget = ByteBudget(knobs.memory_budget_bytes())
     per_thread = threading.local()
@@ -119,9 +139,7 @@ def read_items(store: BlobStore, md: Metadata, plan: LoadPlan, planner: LoadPlan
         own = getattr(per_thread, "readers", None)
         return own[name] if own and name in own else blobs[name]
 
-    def here(index: MetadataIndex) -> str:
-        chunk = f", chunk {list(index.offset)}" if index.offset is not None else ""
-        return f"{where}: key {index.fqn!r}{chunk}"
+    here = here_of
 
     # decide, in file order, which chunks go straight into their destination
     direct: list[tuple[MetadataIndex, torch.Tensor, memoryview]] = []  # and the destination's bytes

@@ -38,6 +38,7 @@ from ..planner import (
 from ..storage import WriteResult
 from . import FORMAT_NAME, FORMAT_VERSION_STR
 from .checksum import crc32c, format_crc
+from .datafile import unique_members
 from .dtypes import dtype_from_name, dtype_name, itemsize
 from .fields import MAX_INT as _MAX_INT, ints as _ints
 from .locations import add_item, check_cover, check_no_overlap, checked_chunk, cross_check, decode_file_table, inline_chunks
@@ -181,7 +182,7 @@ def dumps(data: Any) -> bytes:
 
 def loads(raw: bytes, where: str) -> Any:
     try:
-        return json.loads(raw.decode("utf-8"))
+        return json.loads(raw.decode("utf-8"), object_pairs_hook=unique_members)
     except (ValueError, RecursionError) as exc:
         raise CorruptCheckpointError(f"{where}: not valid JSON: {exc}") from None
 

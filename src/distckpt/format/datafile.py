@@ -19,7 +19,7 @@ from .. import knobs
 from ..errors import CorruptCheckpointError
 from . import FORMAT_NAME, FORMAT_VERSION_STR
 from .checksum import crc32c
-from .dtypes import ITEMSIZE, SAFETENSORS_CODES
+from .dtypes import ITEMSIZE, SAFETENSORS_CODES, safetensors_code
 
 __all__ = ["Entry", "build_header", "read_header", "HeaderInfo"]
 
@@ -80,7 +80,7 @@ def read_header(pread: Callable[[int, int], bytes], file_size: int, where: str) 
     raw = _pread_exact(pread, n, 8, where)
     lead_crc = crc32c(raw, crc32c(prefix))
     try:
-        header = json.loads(raw.decode("utf-8"))
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=unique_members)
     except (ValueError, RecursionError) as exc:
         raise CorruptCheckpointError(f"{where}: header is not valid JSON: {exc}") from None
     if not isinstance(header, dict) or len(header) > _MAX_ENTRIES:
@@ -125,6 +125,51 @@ def _pread_exact(pread: Callable[[int, int], bytes], n: int, offset: int, where:
         chunks.append(b)
         got += len(b)
     return b"".join(chunks)
+
+
+def unique_members(pairs: list) -> dict:
+    """A JSON object's members as a dict; a name given twice is an error (readers that keep the first
+    and readers that keep the last would otherwise see two different documents in the same bytes)."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set = set()
+        twice = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise ValueError(f"member name {twice!r:.80} appears twice in one object")
+    return out
+
+
+def stored_form(dtype, sizes: tuple, nbytes: int) -> tuple[str, tuple[int, ...]]:
+    """The safetensors dtype code and shape a data file's header gives a chunk of ``dtype`` and ``sizes``
+    (``nbytes`` long): its own, or bytes (U8 of the length) for dtypes safetensors has no code for."""
+    import torch
+
+    code = safetensors_code(dtype)
+    return code, (tuple(sizes) if code != "U8" or dtype == torch.uint8 else (nbytes,))
+
+
+VALUE_FORM = "U8"  # a non-tensor value: its bytes, shape (length,)
+
+
+def check_header_entry(spans: dict, begin: int, length: int, form: tuple[str, tuple[int, ...]], here: str) -> None:
+    """The header of the data file (``spans``: (begin, end) -> [(code, shape)]) stores ``length`` bytes at
+    ``begin`` in the same form as the metadata says."""
+    found = spans.get((begin, begin + length))
+    if not found:
+        raise CorruptCheckpointError(f"{here}: the data file's header lists no entry at bytes {begin}-{begin + length}; "
+                                     "file and metadata do not belong together. Restore the checkpoint from a copy.")
+    if form not in found:
+        code, shape = found[0]
+        raise CorruptCheckpointError(
+            f"{here}: the data file's header stores it as {code} {list(shape)}, the metadata as {form[0]} {list(form[1])}; "
+            "file and metadata disagree (one was edited). Restore the checkpoint from a copy.")
+
+
+def header_spans(header: "HeaderInfo") -> dict:
+    """``header``'s entries by (begin, end): [(code, shape)], for :func:`check_header_entry`."""
+    spans: dict = {}
+    for code, shape, begin, end in header.entries.values():
+        spans.setdefault((begin, end), []).append((code, shape))
+    return spans
 
 
 def entry_name(fqn: str, offsets: Optional[tuple[int, ...]]) -> str:
