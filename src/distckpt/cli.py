@@ -26,6 +26,14 @@ from .metadata import TensorStorageMetadata
 from .verification import verify
 
 
+def _shown(text: str) -> str:
+    """``text`` safe to print on a terminal: control characters (escape sequences, newlines) are escaped,
+    so a key cannot forge lines or move the cursor. JSON output escapes them anyway."""
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
+
+
 def _human(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
@@ -48,7 +56,7 @@ def inspect(checkpoint: str, as_json: bool) -> None:
     try:
         md = read_metadata(checkpoint)
     except CheckpointError as exc:
-        click.echo(f"error: {exc}", err=True)
+        click.echo(f"error: {_shown(str(exc))}", err=True)
         sys.exit(1)
     fsd = md.storage_data
     rows = []
@@ -64,16 +72,17 @@ def inspect(checkpoint: str, as_json: bool) -> None:
                                "save_id": getattr(fsd, "save_id", None), "entries": rows, "files": files}, indent=1))
         return
     total = sum(f["size"] for f in files.values())
-    click.echo(f"checkpoint {checkpoint}: format {md.version}, save {getattr(fsd, 'save_id', '?')}, "
+    click.echo(f"checkpoint {_shown(checkpoint)}: format {md.version}, save {_shown(str(getattr(fsd, 'save_id', '?')))}, "
                f"{len(rows)} entries, {len(files)} data file(s), {_human(total)}")
-    width = max([len(r["key"]) for r in rows] + [3])
-    for r in rows:
+    keys = [_shown(r["key"]) for r in rows]
+    width = max([len(k) for k in keys] + [3])
+    for key, r in zip(keys, rows):
         if r["kind"] == "tensor":
-            click.echo(f"  {r['key']:<{width}}  {r['dtype']:<9} {str(tuple(r['shape'])):<20} {r['chunks']} chunk(s)")
+            click.echo(f"  {key:<{width}}  {r['dtype']:<9} {str(tuple(r['shape'])):<20} {r['chunks']} chunk(s)")
         else:
-            click.echo(f"  {r['key']:<{width}}  value")
+            click.echo(f"  {key:<{width}}  value")
     for name, f in sorted(files.items()):
-        click.echo(f"  file {name}: {_human(f['size'])} from rank {f['rank']}")
+        click.echo(f"  file {_shown(name)}: {_human(f['size'])} from rank {f['rank']}")
 
 
 @main.command(name="verify")
@@ -85,11 +94,11 @@ def verify_cmd(checkpoint: str, quiet: bool) -> None:
         report = verify(checkpoint, progress=not quiet and sys.stderr.isatty())
     except CheckpointNotFoundError as exc:
         if not quiet:
-            click.echo(f"incomplete or missing: {exc}", err=True)
+            click.echo(f"incomplete or missing: {_shown(str(exc))}", err=True)
         sys.exit(1)
     except CheckpointError as exc:
         if not quiet:
-            click.echo(f"damaged: {exc}", err=True)
+            click.echo(f"damaged: {_shown(str(exc))}", err=True)
         sys.exit(1)
     if not quiet:
         click.echo(f"ok: {report.items} items in {report.files} file(s), {_human(report.bytes_checked)} checked")
@@ -141,7 +150,7 @@ def convert(src: str, dst: str, from_format: Optional[str], to_format: Optional[
         else:
             n = conversion.to_torch_save(src, dst, allow_pickle=allow_pickle, progress=say)
     except CheckpointError as exc:
-        click.echo(f"error: {exc}", err=True)
+        click.echo(f"error: {_shown(str(exc))}", err=True)
         sys.exit(1)
     click.echo(f"ok: {n} keys converted into {dst}")
 
@@ -154,9 +163,10 @@ def convert(src: str, dst: str, from_format: Optional[str], to_format: Optional[
 def steps(root: str, as_json: bool, clean: bool) -> None:
     """List the committed steps of the training run at ROOT (a CheckpointManager root).
 
-    Each line shows a step, its checkpoint id and its size. Saves that never
-    committed are not steps; --clean removes their leftovers (do not run it
-    while a save to ROOT is in progress).
+    Each line shows a step, its checkpoint id and its size; a step whose
+    metadata cannot be read is listed as damaged (and the exit code is 1).
+    Saves that never committed are not steps; --clean removes their
+    leftovers, only those of saves proven dead (safe beside a running trainer).
     """
     from .manager import CheckpointManager
 
@@ -164,28 +174,37 @@ def steps(root: str, as_json: bool, clean: bool) -> None:
         click.echo(f"error: {root!r} is not a directory", err=True)
         sys.exit(1)
     try:
-        mgr = CheckpointManager(root, cleanup=False)
+        mgr = CheckpointManager(root, cleanup=False, read_only=not clean)
         removed = mgr.remove_stale_temporaries() if clean else []
         rows = []
         for step in mgr.all_steps():
-            md = read_metadata(mgr.path(step))
+            try:
+                md = read_metadata(mgr.path(step))
+            except CheckpointError as exc:  # one damaged step hides none of the others
+                rows.append({"step": step, "checkpoint": mgr.path(step), "damaged": str(exc)})
+                continue
             files = getattr(md.storage_data, "files", {})
             rows.append({"step": step, "checkpoint": mgr.path(step), "bytes": sum(f.size for f in files.values()),
                          "entries": len(md.state_dict_metadata)})
     except CheckpointError as exc:
-        click.echo(f"error: {exc}", err=True)
+        click.echo(f"error: {_shown(str(exc))}", err=True)
         sys.exit(1)
+    damaged = any("damaged" in r for r in rows)
     if as_json:
         click.echo(json.dumps({"root": root, "steps": rows, "removed": removed}, indent=1))
-        return
+        sys.exit(1 if damaged else 0)
     for path in removed:
-        click.echo(f"removed leftover {path}")
+        click.echo(f"removed leftover {_shown(path)}")
     if not rows:
-        click.echo(f"no committed steps under {root}")
+        click.echo(f"no committed steps under {_shown(root)}")
         return
     for r in rows:
         newest = "  (newest)" if r is rows[-1] else ""
-        click.echo(f"step {r['step']:>10}  {_human(r['bytes']):>10}  {r['entries']} key(s)  {r['checkpoint']}{newest}")
+        if "damaged" in r:
+            click.echo(f"step {r['step']:>10}  {'DAMAGED':>10}  {_shown(r['damaged'])}  {_shown(r['checkpoint'])}{newest}")
+        else:
+            click.echo(f"step {r['step']:>10}  {_human(r['bytes']):>10}  {r['entries']} key(s)  {_shown(r['checkpoint'])}{newest}")
+    sys.exit(1 if damaged else 0)
 
 
 if __name__ == "__main__":  # pragma: no cover

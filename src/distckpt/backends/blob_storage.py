@@ -222,6 +222,10 @@ def write_file(store: BlobStore, name: str, save_id: str, rank: int, plan: SaveP
             raise CheckpointError(f"resolve_data for tensor item {item.index.fqn!r} returned {type(tensor).__name__}")
         copied = 0
         want = item.tensor_data.properties.dtype
+        if tensor.dtype == torch.bool and want == torch.bool and tensor.numel():
+            raw = tensor.view(torch.uint8)
+            if bool(raw.gt(1).any()):  # bools stored as other bytes than 0 and 1 (format.md, section 4): make them so
+                tensor = raw.ne(0)
         if tensor.dtype != want or tensor.device.type != "cpu" or not tensor.is_contiguous() or is_lazy_view(tensor):
             copied = entries[i].nbytes
             budget.acquire(copied)

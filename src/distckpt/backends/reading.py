@@ -184,8 +184,10 @@ def read_items(store: BlobStore, md: Metadata, plan: LoadPlan, planner: LoadPlan
                 for j, piece in pieces:
                     crcs[j] = crc32c(piece, crcs[j])
             position += want
-        for (index, dest, _), crc in zip(batch, crcs):
-            _check(verify, crc, infos[index], here(index))
+        bad = [(index, dest, crc) for (index, dest, _), crc in zip(batch, crcs) if verify and crc != infos[index].crc32c]
+        if bad:  # every chunk of the batch that failed is zeroed, not only the first
+            _check(verify, bad[0][2], infos[bad[0][0]], here(bad[0][0]), [dest for _, dest, _ in bad])
+        for index, dest, _ in batch:
             with lock:
                 planner.commit_tensor(by_chunk[index][0], dest)
 
@@ -268,7 +270,7 @@ def read_items(store: BlobStore, md: Metadata, plan: LoadPlan, planner: LoadPlan
                     if window is not None:
                         slab = data = raw = None
                         window.close()
-            _check(check, crc, info, here(index))
+            _check(check, crc, info, here(index), dests)
         with lock:
             for item, dest in zip(items, dests):
                 planner.commit_tensor(item, dest)
@@ -437,8 +439,13 @@ class ChunkShapes:
         return table.get(tuple(index.offset or ()))
 
 
-def _check(verify: bool, got: int, info: StorageInfo, here: str) -> None:
+def _check(verify: bool, got: int, info: StorageInfo, here: str, dests: list = ()) -> None:
+    """Raise if the checksum of a chunk read differs from the stored one, first zeroing ``dests``:
+    bytes that failed their checksum never stay in the caller's tensors."""
     if verify and got != info.crc32c:
+        for dest in dests:
+            if isinstance(dest, torch.Tensor) and dest.device.type != "meta":
+                dest.zero_()
         raise CorruptCheckpointError(
             f"{here}: checksum mismatch in file {info.file!r} at offset {info.offset} ({info.length} bytes): "
             f"stored {info.crc32c:08x}, computed {got:08x}. The data is damaged; restore the file from a copy.")

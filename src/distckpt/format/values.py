@@ -14,6 +14,12 @@ Values become JSON with a small set of tags for what JSON lacks::
     anything else, only if pickling was explicitly allowed
                                         -> {"$t": "pickle", "v": "<base64>"}
 
+The types are taken exactly: a subclass (an IntEnum, a str Enum, numpy's
+float64, a namedtuple, an OrderedDict, a list subclass) is not plain data,
+whatever its base: storing it as the base would lose its type silently, so
+it is refused like any other object unless pickling is allowed. Convert it
+first (``int(x)``, ``float(x)``, ``str(x)``, ``list(x)``, ``dict(x)``).
+
 A stored value is the bytes ``MAGIC + json``. Decoding never unpickles unless
 the caller opted in; a pickled value met without opt-in raises
 :class:`UnsafeValueError` naming the key.
@@ -47,23 +53,22 @@ def to_data(value: Any, *, allow_pickle: bool = False, where: str = "value", _de
     """Turn ``value`` into JSON-compatible data, tagging what JSON cannot hold."""
     if _depth > MAX_DEPTH:
         raise UnsafeValueError(f"{where}: nested deeper than {MAX_DEPTH} levels; flatten it")
-    if value is None or isinstance(value, (bool, str)):
+    kind = type(value)
+    if value is None or kind is bool or kind is str or kind is int:
         return value
-    if isinstance(value, int):
-        return int(value)
-    if isinstance(value, float):
+    if kind is float:
         if math.isfinite(value):
-            return float(value)
+            return value
         return {"$t": "float", "v": "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
-    if isinstance(value, torch.Size):
+    if kind is torch.Size:
         return {"$t": "size", "v": [int(x) for x in value]}
-    if isinstance(value, list):
+    if kind is list:
         return [to_data(v, allow_pickle=allow_pickle, where=f"{where}[{i}]", _depth=_depth + 1) for i, v in enumerate(value)]
-    if isinstance(value, tuple) and type(value) is tuple:
+    if kind is tuple:
         return {"$t": "tuple", "v": [to_data(v, allow_pickle=allow_pickle, where=f"{where}[{i}]", _depth=_depth + 1) for i, v in enumerate(value)]}
-    if isinstance(value, (bytes, bytearray)):
+    if kind is bytes or kind is bytearray:
         return {"$t": "bytes", "v": base64.b64encode(bytes(value)).decode("ascii")}
-    if isinstance(value, torch.dtype):
+    if kind is torch.dtype:
         return {"$t": "dtype", "v": dtype_name(value)}
     if type(value) is dict:
         if all(type(k) is str for k in value) and "$t" not in value:
@@ -80,6 +85,12 @@ def to_data(value: Any, *, allow_pickle: bool = False, where: str = "value", _de
         import pickle
 
         return {"$t": "pickle", "v": base64.b64encode(pickle.dumps(value)).decode("ascii")}
+    base = next((b.__name__ for b in (bool, int, float, str, bytes, list, tuple, dict) if isinstance(value, b)), None)
+    if base is not None:
+        raise UnsafeValueError(
+            f"{where}: a value of type {type(value).__qualname__} (a subclass of {base}) is not plain data: stored as a "
+            f"{base} it would load as one. Convert it first ({base}(value)), or opt in to pickle for this save and "
+            "the load with allow_pickle=True")
     raise UnsafeValueError(f"{where}: a value of type {type(value).__qualname__} cannot be stored without pickle; {_HINT}")
 
 

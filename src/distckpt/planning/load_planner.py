@@ -13,7 +13,7 @@ from ..metadata import STATE_DICT_TYPE, BytesStorageMetadata, Metadata, Metadata
 from ..planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from .flatten import flatten_state_dict, set_element
 from .resharding import ChunkIndex
-from .tensors import local_tensor, local_view
+from .tensors import check_no_aliasing, local_tensor, local_view
 
 __all__ = ["DefaultLoadPlanner"]
 
@@ -73,6 +73,7 @@ class DefaultLoadPlanner(LoadPlanner):
         items: list[ReadItem] = []
         missing: list[str] = []
         problems: list[CheckpointError] = []
+        check_no_aliasing([(fqn, obj) for fqn, obj in self.state_dict.items() if isinstance(obj, torch.Tensor) and fqn in sdm])
         for fqn, obj in self.state_dict.items():
             md = sdm.get(fqn)
             if md is None:

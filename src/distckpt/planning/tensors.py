@@ -14,7 +14,7 @@ try:  # DTensor ships with torch.distributed, which some builds lack
 except ImportError:  # pragma: no cover - torch without distributed
     DTensor = None  # type: ignore[assignment,misc]
 
-__all__ = ["is_dtensor", "local_tensor", "local_view"]
+__all__ = ["is_dtensor", "local_tensor", "local_view", "check_no_aliasing"]
 
 
 def is_dtensor(obj: Any) -> bool:
@@ -64,3 +64,48 @@ def local_view(fqn: str, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Size
     if tuple(local.shape) != sizes:
         raise CheckpointError(f"{fqn}: DTensor local shard has shape {tuple(local.shape)}, expected {sizes} from its placements")
     return local, tensor.shape, offsets, sizes
+
+
+def check_no_aliasing(named: list[tuple[str, torch.Tensor]]) -> None:
+    """Raise CheckpointError if two destinations share memory, unless they are the very same view
+    (tied weights: one tensor under two keys loads the same bytes twice, harmlessly).
+
+    Destinations that overlap otherwise would overwrite each other's bytes during a load, and
+    a checksum computed on the destination would then fail on an intact checkpoint.
+    """
+    spans = []
+    for key, tensor in named:
+        t = local_tensor(tensor)
+        if t.device.type == "meta" or t.numel() == 0 or any(s < 0 for s in t.stride()):
+            continue
+        lo = t.data_ptr()
+        hi = lo + (sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1) * t.element_size()
+        spans.append((str(t.device), lo, hi, key, t))
+    spans.sort(key=lambda s: (s[0], s[1]))
+    active: list = []
+    for device, lo, hi, key, t in spans:
+        active = [a for a in active if a[0] == device and a[2] > lo]
+        for _, _, _, other_key, other in active:
+            if _share_elements(other, t):
+                raise CheckpointError(
+                    f"the destinations of keys {other_key!r} and {key!r} share memory (one is a view overlapping the "
+                    "other), so loading either would overwrite the other; load into separate tensors, then copy")
+        active.append((device, lo, hi, key, t))
+
+
+def _share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors whose memory extents overlap share an element (identical views do not count)."""
+    if (a.data_ptr(), a.shape, a.stride(), a.dtype) == (b.data_ptr(), b.shape, b.stride(), b.dtype):
+        return False
+    if a.is_contiguous() and b.is_contiguous():
+        return True
+    k = a.element_size()
+    base = min(a.data_ptr(), b.data_ptr())
+    extent = (max(a.data_ptr() + (sum((n - 1) * s for n, s in zip(a.shape, a.stride())) + 1) * k,
+                  b.data_ptr() + (sum((n - 1) * s for n, s in zip(b.shape, b.stride())) + 1) * b.element_size()) - base)
+    if b.element_size() != k or (a.data_ptr() - base) % k or (b.data_ptr() - base) % k or extent > (256 << 20):
+        return True  # interleaved views of different layouts: taken as sharing, to be safe
+    count = torch.zeros(extent // k + 1, dtype=torch.int32)
+    for t in (a, b):
+        count.as_strided(t.shape, t.stride(), (t.data_ptr() - base) // k).add_(1)
+    return bool(count.gt(1).any())
