@@ -165,7 +165,10 @@ def _write_new_file(dst: PathLike, write: Callable[[Any], None]) -> None:
     if os.path.lexists(dst):
         raise CheckpointError(f"{dst} already exists; convert into a new file")
     tmp = os.path.join(os.path.dirname(os.path.abspath(dst)), f".{os.path.basename(dst)}.distckpt-tmp-{uuid.uuid4().hex}")
-    fd = create_exclusive(tmp)
+    try:
+        fd = create_exclusive(tmp)
+    except FileExistsError:
+        raise CheckpointError(f"{tmp}: something is already at the temporary file's name (planted?); nothing was written") from None
     try:
         with os.fdopen(fd, "wb", closefd=False) as f:
             write(f)

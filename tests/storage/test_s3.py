@@ -427,3 +427,9 @@ def test_a_process_forked_while_another_thread_makes_a_client_can_make_its_own()
     with s3_objects._CLIENTS_LOCK:  # as if another thread were creating a client right now
         assert run_in_fork(_client_in_child, timeout_s=60,
                            hang="the forked child hung on the client cache's lock its parent held") is True
+
+
+def test_a_manager_opened_during_an_s3_save_leaves_the_save_alone(bucket, tmp_path):
+    from ..crash.test_shared_root import manager_opened_during_a_save
+
+    manager_opened_during_a_save(f"s3://{bucket}/shared-{uuid.uuid4().hex[:8]}", tmp_path)
