@@ -66,8 +66,9 @@ def distckpt_path(world: int, items: int) -> dict:
         mappings = {it.index.fqn: (it.index.fqn,) for it in its}  # what the default planners send
         local_plans.append(SavePlan(its, planner_data=mappings))
         local_bytes.append(encode_plan_columns(local_plans[-1]))
-    writer = distckpt.FileSystemWriter("/nonexistent/bench")
-    writer.rank = 0
+    where = tempfile.mkdtemp(prefix="distckpt-planning-")
+    writer = distckpt.FileSystemWriter(os.path.join(where, "bench"))
+    writer.set_up_storage_writer(True)
     gc.disable()
     t0 = time.perf_counter()
     cols = [PlanColumns.decode(b) for b in local_bytes]
@@ -94,6 +95,8 @@ def distckpt_path(world: int, items: int) -> dict:
     doc = metadata_document(plan, results, writer.save_id, "/nonexistent/bench")
     t_md = time.perf_counter() - t1
     gc.enable()
+    writer.discard_incomplete()  # gives back the save's lease; nothing was written
+    os.rmdir(where)
     LAST_DOCUMENTS["distckpt"] = doc
     from distckpt.format.codec import parse_metadata
 

@@ -92,6 +92,8 @@ class BlobStorageWriter(StorageWriter):
         save_id = self.save_id = uuid.uuid4().hex
         # before any rank can write a byte of this save: a cleaner must see it is alive (see leases.py)
         self._release_lease()
+        if getattr(self, "store", None) is None:  # prepare_global_plan called without set_up_storage_writer
+            self.store = self._store()
         self._lease = Lease(self.store, save_id)
         return [replace(p, storage_data={"file": f"data-{i:05d}.safetensors", "save_id": save_id, "rank": i})
                 for i, p in enumerate(plans)]
