@@ -215,14 +215,15 @@ def from_safetensors(src: PathLike, dst: PathLike, *, allow_pickle: bool = False
     from safetensors import SafetensorError, safe_open
 
     where = f"safetensors file {os.fspath(src)}"
-    if not os.path.isfile(src):
-        raise CheckpointNotFoundError(f"{where} does not exist")
-    try:
-        with safe_open(os.fspath(src), framework="pt") as f:
+    fd = _open_source(src, where)
+    try:  # through the descriptor just checked: the path may have been swapped since
+        with safe_open(f"/proc/self/fd/{fd}", framework="pt") as f:
             state: dict[str, Any] = {k: f.get_tensor(k) for k in f.keys()}
             raw_values = (f.metadata() or {}).get(VALUES_KEY)
     except (OSError, ValueError, RuntimeError, SafetensorError) as exc:
         raise CorruptCheckpointError(f"{where} cannot be read as safetensors: {exc}") from exc
+    finally:
+        os.close(fd)
     if raw_values is not None:
         try:
             values = json.loads(raw_values)
@@ -235,6 +236,18 @@ def from_safetensors(src: PathLike, dst: PathLike, *, allow_pickle: bool = False
                 raise CorruptCheckpointError(f"{where}: key {k!r} is both a tensor and a value")
             state[k] = from_data(v, allow_pickle=allow_pickle, where=f"{where}, key {k!r}")
     return _write_distckpt(state, dst, allow_pickle, progress)
+
+
+def _open_source(src: PathLike, where: str) -> int:
+    """A descriptor of the regular file ``src`` (not a link, FIFO or device), or a CheckpointError."""
+    from .backends.fs_objects import open_regular
+
+    try:
+        return open_regular(os.fspath(src))
+    except CheckpointNotFoundError:
+        raise CheckpointNotFoundError(f"{where} does not exist") from None
+    except OSError as exc:
+        raise CheckpointError(f"{where} cannot be opened: {exc.strerror or exc}") from exc
 
 
 def to_torch_save(src: PathLike, dst: PathLike, *, allow_pickle: bool = False,
@@ -255,10 +268,10 @@ def from_torch_save(src: PathLike, dst: PathLike, *, progress: Optional[Callable
     kept (keys become dotted paths, as for any nested state dict).
     """
     where = f"torch.save file {os.fspath(src)}"
-    if not os.path.isfile(src):
-        raise CheckpointNotFoundError(f"{where} does not exist")
+    fd = _open_source(src, where)
     try:
-        state = torch.load(os.fspath(src), map_location="cpu", weights_only=True)
+        with os.fdopen(fd, "rb") as f:
+            state = torch.load(f, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - torch raises UnpicklingError, RuntimeError, ...
         raise CheckpointError(f"{where} cannot be loaded with weights_only=True (it holds more than tensors and "
                               f"plain data, or is damaged): {str(exc).splitlines()[0]}") from exc

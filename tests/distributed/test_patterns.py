@@ -1,3 +1,4 @@
+import os
 import torch
 
 import distckpt
@@ -37,3 +38,11 @@ def test_sharded_parameters_with_gradients_save_and_load_in_place(tmp_path):
 
 def test_async_save_across_ranks_with_training_collectives(tmp_path):
     assert run_ranks(workers.async_sharded_save, 2, str(tmp_path / "ck")) == [True, True]
+
+
+def test_a_plain_key_on_one_rank_cannot_forge_another_ranks_rank_local_value(tmp_path):
+    path = str(tmp_path / "ck")
+    results = run_ranks(workers.forged_rank_local_name, 2, path)
+    assert all(r is not None and r[0] == "RankFailuresError" for r in results), results
+    assert all("ends like the stored name of a RankLocal" in r[1] and "rank 1" in r[1] for r in results)
+    assert not os.path.exists(path)

@@ -292,3 +292,13 @@ def load_rows_sharing_verification(rank, world_size, path):
     start = sd["w"].device_mesh.get_coordinate()[0] * (12 // world_size)
     return {"ok": torch.equal(local, want[start:start + local.shape[0]]),
             "elsewhere": sorted(tuple(i.offset) for i in reader.verified_elsewhere)}
+
+
+def forged_rank_local_name(rank, world_size, path):
+    """Rank 0 saves a RankLocal ``x``; rank 1 a plain key spelled like rank 0's stored copy."""
+    sd = {"x": distckpt.RankLocal(torch.full((2,), float(rank)))} if rank == 0 else {"x@rank0": torch.full((2,), 9.0)}
+    try:
+        distckpt.save(sd, checkpoint_id=path)
+    except distckpt.CheckpointError as exc:
+        return type(exc).__name__, str(exc)
+    return None

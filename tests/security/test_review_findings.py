@@ -537,3 +537,25 @@ def test_files_distckpt_creates_are_plain_and_new(tmp_path):
     for name in os.listdir(path):
         st = os.lstat(os.path.join(path, name))
         assert stat.S_ISREG(st.st_mode) and st.st_nlink == 1
+
+
+@pytest.mark.parametrize("kind", ["safetensors", "torch-save"])
+def test_convert_reads_only_regular_files(tmp_path, kind):
+    from distckpt import convert
+
+    real = tmp_path / "real"
+    if kind == "safetensors":
+        from safetensors.torch import save_file
+
+        save_file({"w": torch.ones(2)}, str(real))
+        read = convert.from_safetensors
+    else:
+        torch.save({"w": torch.ones(2)}, str(real))
+        read = convert.from_torch_save
+    link, fifo = tmp_path / "link", tmp_path / "fifo"
+    os.symlink(real, link)
+    os.mkfifo(fifo)
+    for bad, kind_name in ((link, "symbolic link"), (fifo, "FIFO")):
+        outcome, value = _in_time(lambda: read(str(bad), str(tmp_path / f"out-{bad.name}")))
+        assert outcome == "raised" and isinstance(value, NotRegularFileError) and kind_name in str(value), value
+    assert read(str(real), str(tmp_path / "out")) == 1
