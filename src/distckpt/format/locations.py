@@ -35,29 +35,32 @@ def checked_chunk(chunk: ChunkStorageMetadata, size: torch.Size, here: str) -> C
     return chunk
 
 
-def check_cover(chunks: list, size: torch.Size, here: str, volume_sum: Optional[int] = None,
-                flat: Optional[tuple[list, list]] = None) -> None:
+def check_cover(chunks: list, size: torch.Size, here: str, boxes: Optional[tuple[list, list]] = None) -> None:
     """The chunks, each already known to lie inside the tensor, cover every element of it exactly once.
 
-    ``volume_sum`` is the sum of the chunks' element counts, and ``flat`` their offsets and sizes
-    as two flat lists, where the caller has them. Equal volumes plus pairwise disjoint boxes is
-    an exact cover; disjointness is checked on the grid the chunks' own boundaries draw (a chunk
-    of an ordinary sharding is one cell of it).
+    ``boxes`` holds the chunks' offsets and sizes (two lists of one list per chunk) where the caller
+    has them. Equal element counts plus pairwise disjoint boxes is an exact cover; disjointness is
+    checked on the grid the chunks' own boundaries draw (a chunk of an ordinary sharding is one
+    cell of it).
     """
     total = math.prod(size)
-    if volume_sum is None:
-        volume_sum = sum(math.prod(c.sizes) for c in chunks)
-    if volume_sum != total:
+    ndim = len(size)
+    if len(chunks) < 2:
+        held = sum(math.prod(c.sizes) for c in chunks)
+        off = end = None
+    else:
+        if boxes is None:
+            boxes = ([list(c.offsets) for c in chunks], [list(c.sizes) for c in chunks])
+        off = np.array(boxes[0], dtype=np.int64).reshape(len(chunks), ndim)
+        extent = np.array(boxes[1], dtype=np.int64).reshape(len(chunks), ndim)
+        held = int(extent.prod(axis=1).sum()) if ndim else len(chunks)  # each size <= MAX_INT: products stay exact
+        end = off + extent
+    if held != total:
         raise CorruptCheckpointError(
-            f"{here}: its chunks hold {volume_sum} of the tensor's {total} elements; a checkpoint stores every element "
+            f"{here}: its chunks hold {held} of the tensor's {total} elements; a checkpoint stores every element "
             "exactly once. It was written by a faulty planner or edited; restore it from a copy.")
-    if len(chunks) > 1 and total:
-        ndim = len(size)
-        if flat is None:
-            flat = ([o for c in chunks for o in c.offsets], [n for c in chunks for n in c.sizes])
-        off = np.array(flat[0], dtype=np.int64).reshape(len(chunks), ndim)
-        sizes = np.array(flat[1], dtype=np.int64).reshape(len(chunks), ndim)
-        pair = _overlapping_pair(off, off + sizes)
+    if off is not None and total:
+        pair = _overlapping_pair(off, end)
         if pair is not None:
             a, b = chunks[pair[0]], chunks[pair[1]]
             raise CorruptCheckpointError(
@@ -244,9 +247,8 @@ def inline_chunks(chunks_raw: list, fqn: str, size: torch.Size, width: int, loca
     add_file, add_begin, add_length, add_crc = (locations.file_no.append, locations.begin.append, locations.length.append,
                                                 locations.crc.append)
     chunks = []
-    flat_off: list = []
-    flat_size: list = []
-    covered = 0
+    offs: list = []  # each chunk's offsets and sizes lists, by reference: arrays are built once, after the loop
+    sizes: list = []
     for c in chunks_raw:
         if type(c) is list and len(c) == 5:
             o_raw, s_raw, file_no, begin, crc = c
@@ -273,16 +275,14 @@ def inline_chunks(chunks_raw: list, fqn: str, size: torch.Size, width: int, loca
                         add_length(nbytes)
                         add_crc(crc)
                         chunks.append(chunk)
-                        flat_off += o_raw
-                        flat_size += s_raw
-                        covered += nbytes
+                        offs.append(o_raw)
+                        sizes.append(s_raw)
                         continue
         chunk = inline_chunk(c, fqn, size, width, locations, here)  # raises the precise error
         chunks.append(chunk)
-        flat_off += chunk.offsets
-        flat_size += chunk.sizes
-        covered += math.prod(chunk.sizes) * width
-    check_cover(chunks, size, here, covered // width if width else None, (flat_off, flat_size))
+        offs.append(list(chunk.offsets))
+        sizes.append(list(chunk.sizes))
+    check_cover(chunks, size, here, (offs, sizes))
     return chunks
 
 
