@@ -559,3 +559,9 @@ def test_convert_reads_only_regular_files(tmp_path, kind):
         outcome, value = _in_time(lambda: read(str(bad), str(tmp_path / f"out-{bad.name}")))
         assert outcome == "raised" and isinstance(value, NotRegularFileError) and kind_name in str(value), value
     assert read(str(real), str(tmp_path / "out")) == 1
+
+
+def test_a_save_creates_missing_parent_directories_and_leaves_no_lease(tmp_path):
+    path = tmp_path / "a" / "b" / "ck"
+    distckpt.save(_state(), checkpoint_id=str(path))
+    assert distckpt.verify(str(path)).ok and os.listdir(tmp_path / "a" / "b") == ["ck"]

@@ -299,6 +299,7 @@ class FsStore(BlobStore):
     def put_lease(self, save_id: str, record: bytes) -> None:
         path = self._lease_path(save_id)
         try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)  # the checkpoint's parent, as the save would make it
             fd = create_exclusive(path)
             try:
                 pwrite_all(fd, [memoryview(record)], 0)

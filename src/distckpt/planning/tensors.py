@@ -76,21 +76,36 @@ def check_no_aliasing(named: list[tuple[str, torch.Tensor]]) -> None:
     spans = []
     for key, tensor in named:
         t = local_tensor(tensor)
-        if t.device.type == "meta" or t.numel() == 0 or any(s < 0 for s in t.stride()):
+        if t.is_meta or not t.numel():
             continue
+        if t.is_contiguous():
+            extent = t.numel()
+        else:
+            strides = t.stride()
+            if min(strides) < 0:
+                continue
+            extent = sum((n - 1) * s for n, s in zip(t.shape, strides)) + 1
         lo = t.data_ptr()
-        hi = lo + (sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1) * t.element_size()
-        spans.append((str(t.device), lo, hi, key, t))
-    spans.sort(key=lambda s: (s[0], s[1]))
-    active: list = []
-    for device, lo, hi, key, t in spans:
-        active = [a for a in active if a[0] == device and a[2] > lo]
-        for _, _, _, other_key, other in active:
-            if _share_elements(other, t):
-                raise CheckpointError(
-                    f"the destinations of keys {other_key!r} and {key!r} share memory (one is a view overlapping the "
-                    "other), so loading either would overwrite the other; load into separate tensors, then copy")
-        active.append((device, lo, hi, key, t))
+        spans.append((lo, lo + extent * t.element_size(), key, t))
+    if len(spans) < 2:
+        return
+    spans.sort(key=lambda s: s[0])
+    reach = spans[0][1]
+    for i in range(1, len(spans)):
+        lo = spans[i][0]
+        if lo < reach:  # this one starts inside an earlier one's extent: look closer
+            _check_against_earlier(spans, i)
+        reach = max(reach, spans[i][1])
+
+
+def _check_against_earlier(spans: list, i: int) -> None:
+    lo, _, key, t = spans[i]
+    for j in range(i - 1, -1, -1):
+        o_lo, o_hi, other_key, other = spans[j]
+        if o_hi > lo and other.device == t.device and _share_elements(other, t):
+            raise CheckpointError(
+                f"the destinations of keys {other_key!r} and {key!r} share memory (one is a view overlapping the "
+                "other), so loading either would overwrite the other; load into separate tensors, then copy")
 
 
 def _share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
