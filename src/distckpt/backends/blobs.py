@@ -171,27 +171,33 @@ class BlobStore(abc.ABC):
         what was removed. A save still running, here or on another host, is never touched."""
         raise CheckpointError(f"{type(self).__name__} cannot clean up a run of checkpoints")
 
-    # ---- leases: which saves in flight are alive (see leases.py); kept beside the staging stores
+    # ---- leases: which saves in flight are alive (see leases.py); kept beside the staging stores.
+    # A store that keeps none (these defaults) has its leftovers removed only by their age, and
+    # only where it can tell that age: never, with these defaults.
 
-    @abc.abstractmethod
     def put_lease(self, save_id: str, record: bytes) -> None:
         """Record the lease of save ``save_id`` (a new one: fail if it exists)."""
 
-    @abc.abstractmethod
     def renew_lease(self, save_id: str) -> None:
         """Mark the lease of ``save_id`` as renewed now."""
 
-    @abc.abstractmethod
     def read_lease(self, save_id: str) -> Optional[tuple[bytes, Optional[float]]]:
         """The lease record of ``save_id`` and the seconds since its last renewal (None if unknown), or None."""
+        return None
 
-    @abc.abstractmethod
     def drop_lease(self, save_id: str) -> None:
         """Remove the lease of ``save_id`` (no error if it is gone)."""
 
-    @abc.abstractmethod
     def sizes(self) -> dict[str, int]:
         """The blobs of this store and their sizes: what a commit checks its data files against."""
+        out = {}
+        for name in self.list():
+            blob = self.open(name)
+            try:
+                out[name] = blob.size
+            finally:
+                blob.close()
+        return out
 
     def check_replaceable(self) -> None:
         """Raise CheckpointError unless an overwriting save may replace what is at this location:

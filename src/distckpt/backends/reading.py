@@ -227,10 +227,10 @@ def read_items(store: BlobStore, md: Metadata, plan: LoadPlan, planner: LoadPlan
         slab_rows = max(1, min(rows, min(_SLAB_BYTES, budget.limit) // max(1, row_bytes)))
         to_gpu = any(uses_pinned(dest.device) for dest in dests)
         pending = PendingCopies(streams) if to_gpu else None
-        # a mapped window of the page cache is ordinary pageable memory: a pinned buffer feeds a GPU faster
-        mapped = None if to_gpu else getattr(blob, "map_range", None)
-        with budget.hold(slab_rows * row_bytes):  # a buffer, or a mapped window of that size
-            buf = None if mapped else slab_buffer(slab_rows * row_bytes, to_gpu)
+        # always read into a buffer, never copy out of a mapping of the file: a file truncated by
+        # another process while mapped kills the process with SIGBUS instead of raising an error
+        with budget.hold(slab_rows * row_bytes):
+            buf = slab_buffer(slab_rows * row_bytes, to_gpu)
             crc = 0
             first, end = 0, rows
             if not check and shape:  # only the rows some item needs
@@ -242,14 +242,9 @@ def read_items(store: BlobStore, md: Metadata, plan: LoadPlan, planner: LoadPlan
                 if not wanted and not check:
                     continue
                 n = (b - a) * row_bytes
-                if mapped:  # straight from the page cache: no copy into a buffer first
-                    window = mapped(info.offset + a * row_bytes, n)
-                    raw = window.view
-                    data = torch.frombuffer(raw, dtype=torch.uint8, count=n) if n else torch.empty(0, dtype=torch.uint8)
-                else:
-                    window, data = None, buf[:n]
-                    raw = memoryview(buf.numpy()).cast("B")[:n] if n else memoryview(bytearray(0))
-                    _read_into(blob, raw, info.offset + a * row_bytes, here(index), info.file)
+                data = buf[:n]
+                raw = memoryview(buf.numpy()).cast("B")[:n] if n else memoryview(bytearray(0))
+                _read_into(blob, raw, info.offset + a * row_bytes, here(index), info.file)
                 try:
                     slab = data.view(dtype).reshape(((b - a),) + tuple(shape[1:])) if shape else data.view(dtype).reshape(())
                     # checksum a cache-sized run of rows, then copy from it while it is still in cache; not
@@ -267,9 +262,6 @@ def read_items(store: BlobStore, md: Metadata, plan: LoadPlan, planner: LoadPlan
                 finally:
                     if pending:  # the next slab reuses the buffer
                         pending.wait()
-                    if window is not None:
-                        slab = data = raw = None
-                        window.close()
             _check(check, crc, info, here(index), dests)
         with lock:
             for item, dest in zip(items, dests):
