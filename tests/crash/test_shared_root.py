@@ -105,39 +105,30 @@ def test_a_commit_whose_data_files_vanished_commits_nothing(tmp_path, monkeypatc
         distckpt.read_metadata(path)
 
 
-def test_two_trainers_saving_alternate_steps_never_fail_a_committed_save(tmp_path):
+def side_by_side(tmp_path, seconds: float, evaluators: int) -> list[int]:
+    """Two trainers saving alternate steps (keep_last=1) and ``evaluators`` processes opening managers
+    (each cleaning up at start) and loading, for ``seconds``; every process must finish without a
+    problem, and every step left must load. Returns those steps."""
     root = str(tmp_path / "run")
-    until = time.time() + 8
-    results = [str(tmp_path / f"r{i}") for i in range(3)]
-    procs = [_spawn(workers.save_loop, root, 1, 2, until, results[0]),
-             _spawn(workers.save_loop, root, 2, 2, until, results[1]),
-             _spawn(workers.open_managers, root, until, results[2])]
+    until = time.time() + seconds
+    results = [str(tmp_path / f"r{i}") for i in range(2 + evaluators)]
+    procs = [_spawn(workers.save_loop, root, 1, 2, until, results[0]), _spawn(workers.save_loop, root, 2, 2, until, results[1])]
+    procs += [_spawn(workers.open_managers, root, until, r) for r in results[2:]]
     for p in procs:
-        p.join(120)
+        p.join(seconds + 220)
         assert p.exitcode == 0
     for r in results:
         with open(r) as f:
             head, _, problems = f.read().partition("\n")
         assert int(head.split()[1]) > 0 and not problems.strip(), problems
-    steps = _all_steps_load(root)
-    assert steps  # keep_last=1 on both, racing: at least the newest survives, and everything listed loads
+    return _all_steps_load(root)
+
+
+def test_two_trainers_saving_alternate_steps_never_fail_a_committed_save(tmp_path):
+    assert side_by_side(tmp_path, 8, 1)  # keep_last=1 on both, racing: the newest survives, and all listed load
 
 
 @pytest.mark.slow
 def test_soak_trainers_cleaners_and_evaluators_on_one_root(tmp_path):
-    """A few minutes of two trainers, a process opening managers (each cleaning up) and loading."""
-    root = str(tmp_path / "run")
-    until = time.time() + 180
-    results = [str(tmp_path / f"r{i}") for i in range(4)]
-    procs = [_spawn(workers.save_loop, root, 1, 2, until, results[0]),
-             _spawn(workers.save_loop, root, 2, 2, until, results[1]),
-             _spawn(workers.open_managers, root, until, results[2]),
-             _spawn(workers.open_managers, root, until, results[3])]
-    for p in procs:
-        p.join(400)
-        assert p.exitcode == 0
-    for r in results:
-        with open(r) as f:
-            head, _, problems = f.read().partition("\n")
-        assert int(head.split()[1]) > 0 and not problems.strip(), problems
-    assert _all_steps_load(root)
+    """A few minutes of two trainers and two processes opening managers (each cleaning up) and loading."""
+    assert side_by_side(tmp_path, 180, 2)
