@@ -36,6 +36,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from . import backends
+from .backends.fs_objects import create_exclusive, open_regular
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from .format.dtypes import itemsize
 from .format.values import from_data, to_data
@@ -159,8 +160,6 @@ def _write_new_file(dst: PathLike, write: Callable[[Any], None]) -> None:
     planted at its name is followed or reused); ``dst`` is made a second name of it only if
     nothing is there yet, and is checked to be that very file.
     """
-    from .backends.fs_objects import create_exclusive
-
     dst = os.fspath(dst)
     if os.path.lexists(dst):
         raise CheckpointError(f"{dst} already exists; convert into a new file")
@@ -240,8 +239,6 @@ def from_safetensors(src: PathLike, dst: PathLike, *, allow_pickle: bool = False
 
 def _open_source(src: PathLike, where: str) -> int:
     """A descriptor of the regular file ``src`` (not a link, FIFO or device), or a CheckpointError."""
-    from .backends.fs_objects import open_regular
-
     try:
         return open_regular(os.fspath(src))
     except CheckpointNotFoundError:

@@ -10,6 +10,7 @@ from typing import Iterable, Optional, Union
 
 from .. import faults
 from ..errors import CheckpointError, CheckpointNotFoundError, StorageIOError
+from ..format import FORMAT_NAME, METADATA_FILE
 from .blob_storage import BlobStorageReader, BlobStorageWriter
 from .blobs import BlobReader, BlobStore, BlobWriter
 from .direct_io import DirectWriter, bounce_buffer_bytes, direct_io_wanted, pwrite_all
@@ -402,8 +403,6 @@ def _age(path: str, now: float) -> Optional[float]:
 
 def _holds_committed_metadata(directory: str) -> bool:
     """Whether ``directory`` holds a regular metadata.json of distckpt (its first bytes say so)."""
-    from ..format import FORMAT_NAME, METADATA_FILE
-
     try:
         fd = open_regular(os.path.join(directory, METADATA_FILE))
     except (CheckpointError, OSError):

@@ -15,6 +15,8 @@ import struct
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+import torch
+
 from .. import knobs
 from ..errors import CorruptCheckpointError
 from . import FORMAT_NAME, FORMAT_VERSION_STR
@@ -138,11 +140,9 @@ def unique_members(pairs: list) -> dict:
     return out
 
 
-def stored_form(dtype, sizes: tuple, nbytes: int) -> tuple[str, tuple[int, ...]]:
+def stored_form(dtype: torch.dtype, sizes: tuple, nbytes: int) -> tuple[str, tuple[int, ...]]:
     """The safetensors dtype code and shape a data file's header gives a chunk of ``dtype`` and ``sizes``
     (``nbytes`` long): its own, or bytes (U8 of the length) for dtypes safetensors has no code for."""
-    import torch
-
     code = safetensors_code(dtype)
     return code, (tuple(sizes) if code != "U8" or dtype == torch.uint8 else (nbytes,))
 
