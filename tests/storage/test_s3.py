@@ -433,3 +433,20 @@ def test_a_manager_opened_during_an_s3_save_leaves_the_save_alone(bucket, tmp_pa
     from ..crash.test_shared_root import manager_opened_during_a_save
 
     manager_opened_during_a_save(f"s3://{bucket}/shared-{uuid.uuid4().hex[:8]}", tmp_path)
+
+
+def test_a_lease_renewed_after_its_release_does_not_come_back(bucket):
+    from distckpt.backends.leases import Lease
+
+    store = S3Store(bucket, f"lease-{uuid.uuid4().hex[:8]}")
+    lease = Lease(store, "abc123")
+    first = store.read_lease("abc123")
+    assert first is not None
+    lease.renew()  # while held: refreshed
+    lease.release()
+    assert store.read_lease("abc123") is None
+    from botocore.exceptions import ClientError
+
+    with pytest.raises(ClientError):
+        store.renew_lease("abc123")  # a renewal racing the release fails instead of writing the lease again
+    assert store.read_lease("abc123") is None
