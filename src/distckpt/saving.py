@@ -191,7 +191,7 @@ def run_save(state_dict: STATE_DICT_TYPE, writer: StorageWriter, planner: SavePl
 
     try:
         central_plan = coord.reduce_scatter("save planning", local_step, global_step, enc_plan, dec_plan, enc_reply, dec_reply)
-    except BaseException:
+    except CheckpointError:
         _discard(writer, coord)  # the coordinator may have taken the save's lease already
         raise
     if cache is not None:

@@ -2,12 +2,10 @@
 
 Computed by ``fastcrc``, which folds with carry-less multiplication (AVX-512
 or PCLMULQDQ on x86-64, PMULL on Arm) and releases the GIL, so the I/O
-threads checksum in parallel. On the development VM it runs at 57 GB/s over
-bytes in cache and 33 GB/s from main memory, about twice the rate of the
-``crc32c`` package used until the tenth session (27 and 15 GB/s), with the
-same values; a 2 GiB load from tmpfs went from 0.239 s to 0.213 s (the raw
-read takes 0.171 s; best of 6 alternating in one process). The format fixes
-the algorithm, not the library: any CRC-32C gives the same checksums.
+threads checksum in parallel, at about twice the rate of the ``crc32c``
+package (docs/performance.md, "Checksums from cache", has the figures).
+The format fixes the algorithm, not the library: any CRC-32C gives the same
+checksums.
 """
 
 from __future__ import annotations
