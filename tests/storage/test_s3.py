@@ -450,3 +450,16 @@ def test_a_lease_renewed_after_its_release_does_not_come_back(bucket):
     with pytest.raises(ClientError):
         store.renew_lease("abc123")  # a renewal racing the release fails instead of writing the lease again
     assert store.read_lease("abc123") is None
+
+
+@pytest.mark.parametrize("at", range(8, 16))
+def test_a_deletion_cut_short_on_s3_is_cleaned_at_restart(bucket, at):
+    # hypothesis found it: step 2 commits, retention deletes step 1 and is cut short; the restart must tidy up
+    machine = S3ManagerMachine()
+    try:
+        machine.start(keep_last=None, keep_every=2)
+        machine.save_ok()
+        machine.save_crashes(at=at)
+        machine.restart()  # asserts that nothing is left behind
+    finally:
+        machine.teardown()

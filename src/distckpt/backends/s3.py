@@ -34,7 +34,7 @@ from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpoint
 from ..format import METADATA_FILE
 from .blob_storage import BlobStorageReader, BlobStorageWriter
 from .blobs import BlobReader, BlobStore, BlobWriter
-from .leases import save_is_dead
+from .leases import Lease, save_is_dead
 from .s3_objects import LOST_RACE, MIN_PART_BYTES, NOT_FOUND, ObjectReader, ObjectWriter, client_for, error_code, s3_error, s3_failures
 
 __all__ = ["S3Writer", "S3Reader", "S3Store"]
@@ -263,8 +263,24 @@ class S3Store(BlobStore):
         return sorted(p[start:].rstrip("/") for p in self._keys(self.prefix + "/", "/") if p.endswith("/"))
 
     def remove(self) -> None:
-        self._delete_prefix(self.key(METADATA_FILE), exact=True)  # the checkpoint disappears whole
+        """Delete this checkpoint: its metadata first (it disappears whole), then its objects.
+
+        The deletion holds a lease on the committed save meanwhile, so that a deletion cut short
+        leaves objects that cleanup can tell are dead (their holder is gone), not ones it must
+        wait on as a possibly live save's; the save's objects go before the leases.
+        """
+        save_id = self._committed_save_id()
+        lease = None
+        if save_id is not None:
+            try:
+                lease = Lease(self, save_id)
+            except CheckpointError:
+                pass  # a lease is there already, left by the save itself: it names a dead process just the same
+        self._delete_prefix(self.key(METADATA_FILE), exact=True)
+        self._delete_prefix(f"{self.prefix}/{SAVES}/")
         self._delete_prefix(self.prefix + "/")
+        if lease is not None:
+            lease.release()
 
     def remove_incomplete_below(self, prefix: str = "") -> list[str]:
         removed = []
