@@ -5,12 +5,20 @@ outcome, success or failure, with the coordinator. A rank that raises still
 takes part in the exchange, so no rank is left waiting; then every rank
 raises one :class:`RankFailuresError` naming each failing rank. Payloads are
 bytes (JSON plans and results), never pickles.
+
+Every message also carries the identity of the save or load it belongs to:
+the operation's number on its process group and its checkpoint id. A rank
+whose message belongs to another operation (it skipped or repeated a call)
+fails that phase on every rank instead of pairing one save's data with
+another's; the operation numbers then resume in step.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import traceback
+import weakref
 from typing import Any, Callable, Optional, TypeVar
 
 import torch
@@ -29,7 +37,12 @@ R = TypeVar("R")
 _OK, _ERR, _ABORT = 0, 1, 2
 
 # bytes this rank sent and received in each phase of its latest save or load, for observability
+# (status byte and body; the operation's identity, a constant per message, is not counted)
 phase_bytes: dict[str, int] = {}
+
+# the number of the latest save or load on each process group (weakly keyed: a destroyed group's count goes with it)
+_op_numbers: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
+_op_lock = threading.Lock()
 
 
 class Coordinator:
@@ -61,7 +74,42 @@ class Coordinator:
             self.use_dist = False
         self.coordinator_rank = coordinator_rank
         self.is_coordinator = self.rank == coordinator_rank
+        self.identity = ""
+        self.transport_failed = False  # a collective timed out or broke: this group is no longer in step
+        self._number: Optional[int] = None
         faults.set_rank(self.rank)
+
+    def begin(self, operation: str, checkpoint_id: Any = None, number: Optional[int] = None) -> str:
+        """Name the save or load this coordinator runs; every message of it carries the name.
+
+        ``number`` defaults to the next operation number on this process group
+        (every rank counts the saves and loads it takes part in).
+        """
+        if number is None:
+            number = self._next_number()
+        self._number = number
+        where = "" if checkpoint_id is None else f" of {str(checkpoint_id)!r:.200}"
+        self.identity = f"{operation} #{number}{where}"
+        return self.identity
+
+    def _group_key(self) -> Any:
+        return self.group if self.group is not None else dist.group.WORLD
+
+    def _next_number(self) -> int:
+        if not self.use_dist:
+            return 0
+        with _op_lock:
+            key = self._group_key()
+            number = _op_numbers.get(key, 0) + 1
+            _op_numbers[key] = number
+            return number
+
+    def _resume_at(self, number: int) -> None:
+        """After operations out of step: count on from the highest number any rank reached."""
+        if self.use_dist and self._number is not None:
+            with _op_lock:
+                key = self._group_key()
+                _op_numbers[key] = max(_op_numbers.get(key, 0), number)
 
     # ------------------------------------------------------------ phases
 
@@ -74,7 +122,8 @@ class Coordinator:
         local, local_exc = self._run(local_fn, enc_local)
         gathered = self._gather(local)
         outs: Optional[list[bytes]] = None
-        phase_bytes[phase] = len(local)
+        framing = 2 + len(self.identity.encode())
+        phase_bytes[phase] = len(local) - framing
         if self.is_coordinator:
             values, failure = self._decode_all(gathered, dec_local)
             if failure is None:
@@ -82,13 +131,13 @@ class Coordinator:
                     results = global_fn(values)
                     if len(results) != self.world_size:
                         raise CheckpointError(f"global planning returned {len(results)} plans for {self.world_size} ranks")
-                    outs = [bytes([_OK]) + enc_out(r) for r in results]
+                    outs = [self._frame(_OK, enc_out(r)) for r in results]
                 except Exception as exc:  # noqa: BLE001 - reported to every rank
-                    failure = _abort({self.rank: _describe(exc)})
+                    failure = self._abort({self.rank: _describe(exc)})
             if failure is not None:
                 outs = [failure] * self.world_size
         mine = self._scatter(outs)
-        phase_bytes[phase] += len(mine)
+        phase_bytes[phase] += len(mine) - framing
         return self._unwrap(phase, mine, dec_out, local_exc)
 
     def all_reduce(self, phase: str, local_fn: Callable[[], T], global_fn: Callable[[list[T]], R],
@@ -104,9 +153,9 @@ class Coordinator:
             values, failure = self._decode_all(gathered, dec_local)
             if failure is None:
                 try:
-                    out = bytes([_OK]) + enc_out(global_fn(values))
+                    out = self._frame(_OK, enc_out(global_fn(values)))
                 except Exception as exc:  # noqa: BLE001
-                    failure = _abort({self.rank: _describe(exc)})
+                    failure = self._abort({self.rank: _describe(exc)})
             if failure is not None:
                 out = failure
         return self._unwrap(phase, self._broadcast(out), dec_out, local_exc)
@@ -125,48 +174,95 @@ class Coordinator:
         except Exception as exc:
             raise RankFailuresError(phase, {0: _describe(exc)[0]}, cause_types={0: _describe(exc)[1]}) from exc
 
+    def _frame(self, status: int, body: bytes) -> bytes:
+        """A message: status byte, this operation's identity (length-prefixed), body."""
+        ident = self.identity.encode()
+        return bytes([status]) + len(ident).to_bytes(2, "big") + ident + body
+
+    @staticmethod
+    def _unframe(raw: bytes) -> tuple[int, str, bytes]:
+        n = int.from_bytes(raw[1:3], "big")
+        return raw[0], raw[3:3 + n].decode(errors="replace"), raw[3 + n:]
+
+    def _abort(self, failures: dict[int, tuple[str, str]], resume: Optional[int] = None) -> bytes:
+        info: dict[str, Any] = {"failures": {str(r): list(v) for r, v in failures.items()}}
+        if resume is not None:
+            info["resume"] = resume
+        return self._frame(_ABORT, json.dumps(info).encode())
+
     def _run(self, fn: Callable[[], T], enc: Callable[[T], bytes]) -> tuple[bytes, Optional[BaseException]]:
         try:
-            return bytes([_OK]) + enc(fn()), None
+            return self._frame(_OK, enc(fn())), None
         except Exception as exc:  # noqa: BLE001 - every failure is reported to the group
             text, kind = _describe(exc)
-            return bytes([_ERR]) + json.dumps({"err": text, "type": kind}).encode(), exc
+            return self._frame(_ERR, json.dumps({"err": text, "type": kind}).encode()), exc
 
     def _decode_all(self, gathered: list[bytes], dec: Callable[[bytes], T]) -> tuple[list[T], Optional[bytes]]:
         failures: dict[int, tuple[str, str]] = {}
         values: list = []
+        strangers: dict[int, str] = {}
         for rank, raw in enumerate(gathered):
-            if raw[0] == _OK:
-                values.append(raw[1:])
+            status, ident, body = self._unframe(raw)
+            if ident != self.identity:
+                strangers[rank] = ident
+            elif status == _OK:
+                values.append(body)
             else:
-                info = json.loads(raw[1:].decode())
+                info = json.loads(body.decode())
                 failures[rank] = (info["err"], info["type"])
+        if strangers:
+            return [], self._out_of_step(strangers)
         if failures:
-            return [], _abort(failures)
+            return [], self._abort(failures)
         decoded = []
         try:
             decoded = [dec(v) for v in values]
         except Exception as exc:  # noqa: BLE001
-            return [], _abort({self.rank: _describe(exc)})
+            return [], self._abort({self.rank: _describe(exc)})
         return decoded, None
 
+    def _out_of_step(self, strangers: dict[int, str]) -> bytes:
+        """The failure of a phase whose ranks are in different saves or loads."""
+        numbers = [self._number or 0]
+        failures = {}
+        for rank, ident in strangers.items():
+            failures[rank] = (f"rank {rank} is in {ident or 'no distckpt operation'} while the coordinator (rank "
+                              f"{self.rank}) is in {self.identity}: the ranks' save/load calls are out of step (a rank "
+                              "skipped or repeated a call, or passed another checkpoint_id); nothing was written by "
+                              "this call, and the next call on every rank is numbered alike again", "OutOfStep")
+            number = ident.partition("#")[2].split(" ", 1)[0]
+            if number.isdigit():
+                numbers.append(int(number))
+        return self._abort(failures, resume=max(numbers))
+
     def _unwrap(self, phase: str, raw: bytes, dec: Callable[[bytes], R], local_exc: Optional[BaseException]) -> R:
-        if raw[0] == _OK:
-            return dec(raw[1:])
-        info = json.loads(raw[1:].decode())
-        failures = {int(r): v[0] for r, v in info.items()}
-        kinds = {int(r): v[1] for r, v in info.items()}
+        status, ident, body = self._unframe(raw)
+        if ident != self.identity:
+            self.transport_failed = True
+            raise CheckpointError(
+                f"rank {self.rank} in {self.identity} got the coordinator's reply for {ident or 'another operation'} "
+                f"in checkpoint {phase}: the ranks' collectives are out of step; this group cannot be used for "
+                "checkpoints until every rank has restarted its checkpoint calls")
+        if status == _OK:
+            return dec(body)
+        info = json.loads(body.decode())
+        if "resume" in info:
+            self._resume_at(int(info["resume"]))
+        failures = {int(r): v[0] for r, v in info["failures"].items()}
+        kinds = {int(r): v[1] for r, v in info["failures"].items()}
         raise RankFailuresError(phase, failures, cause_types=kinds) from local_exc
 
     # ------------------------------------------------------------ byte transport
 
     def _collective(self, fn: Callable[[], Any]) -> Any:
         try:
-            faults.point("collective")
+            faults.point("collective", self.identity)
             return fn()
         except CheckpointError:
+            self.transport_failed = True
             raise
         except Exception as exc:
+            self.transport_failed = True
             raise CheckpointError(
                 f"a collective of the checkpoint failed on rank {self.rank}: {exc}. "
                 "Another rank probably died or timed out; check its log.") from exc
@@ -235,6 +331,3 @@ def _describe(exc: BaseException) -> tuple[str, str]:
             text = f"{text} (at {last.filename}:{last.lineno})"
     return text, type(exc).__name__
 
-
-def _abort(failures: dict[int, tuple[str, str]]) -> bytes:
-    return bytes([_ABORT]) + json.dumps({str(r): list(v) for r, v in failures.items()}).encode()

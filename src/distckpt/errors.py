@@ -24,6 +24,7 @@ __all__ = [
     "StorageIOError",
     "InvalidStepError",
     "NotRegularFileError",
+    "StagingMemoryError",
 ]
 
 
@@ -102,3 +103,7 @@ class InvalidStepError(CheckpointError, ValueError):
 
 class NotRegularFileError(CorruptCheckpointError):
     """A file of a checkpoint is a symbolic link, FIFO, socket or device node; distckpt reads only regular files."""
+
+
+class StagingMemoryError(CheckpointError, MemoryError):
+    """async_save could not allocate the host memory to copy the state into."""

@@ -34,12 +34,19 @@ def load(
     Checksums are verified as data is read.
     """
     coord = Coordinator(process_group, coordinator_rank)
-    storage_reader = pick_storage("reader", checkpoint_id, storage_reader)
-    planner = planner if planner is not None else DefaultLoadPlanner()
-    tell_rank(planner, coord.rank)
-    plain, objects = split_stateful(state_dict)
+    coord.begin("load", checkpoint_id)
+    plain: STATE_DICT_TYPE = {}
+    objects: dict = {}
+    failure: Optional[BaseException] = None
+    try:  # reported in the first collective, so that every rank fails this same load
+        storage_reader = pick_storage("reader", checkpoint_id, storage_reader)
+        planner = planner if planner is not None else DefaultLoadPlanner()
+        tell_rank(planner, coord.rank)
+        plain, objects = split_stateful(state_dict)
+    except Exception as exc:  # noqa: BLE001 - raised on every rank by run_load
+        failure = exc
     with gc_paused():
-        run_load(plain, storage_reader, planner, coord)
+        run_load(plain, storage_reader, planner, coord, failure=failure)
     for key, value in plain.items():
         if key in objects:
             objects[key].load_state_dict(value)
@@ -47,10 +54,13 @@ def load(
             state_dict[key] = value
 
 
-def run_load(state_dict: STATE_DICT_TYPE, reader: StorageReader, planner: LoadPlanner, coord: Coordinator) -> None:
-    """The load sequence: read metadata, plan locally, plan globally, read."""
+def run_load(state_dict: STATE_DICT_TYPE, reader: Optional[StorageReader], planner: Optional[LoadPlanner],
+             coord: Coordinator, failure: Optional[BaseException] = None) -> None:
+    """The load sequence: read metadata, plan locally, plan globally, read (``failure``: as for run_save)."""
 
     def local_step() -> LoadPlan:
+        if failure is not None:
+            raise failure
         metadata = reader.read_metadata()
         planner.set_up_planner(state_dict, metadata, coord.is_coordinator)
         reader.set_up_storage_reader(metadata, coord.is_coordinator)

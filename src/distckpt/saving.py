@@ -42,12 +42,18 @@ def save(
     and nothing is committed.
     """
     coord = Coordinator(process_group, coordinator_rank)
-    storage_writer = pick_storage("writer", checkpoint_id, storage_writer)
-    planner = planner if planner is not None else DefaultSavePlanner()
-    tell_rank(planner, coord.rank)
-    plain, _ = split_stateful(state_dict)
+    coord.begin("save", checkpoint_id)
+    plain: STATE_DICT_TYPE = {}
+    failure: Optional[BaseException] = None
+    try:  # a failure here is reported in the first collective, so that every rank fails this same save
+        storage_writer = pick_storage("writer", checkpoint_id, storage_writer)
+        planner = planner if planner is not None else DefaultSavePlanner()
+        tell_rank(planner, coord.rank)
+        plain, _ = split_stateful(state_dict)
+    except Exception as exc:  # noqa: BLE001 - raised on every rank by run_save
+        failure = exc
     with gc_paused():
-        return run_save(plain, storage_writer, planner, coord)
+        return run_save(plain, storage_writer, planner, coord, failure=failure)
 
 
 def _plan_cache(planner: SavePlanner) -> Optional[dict]:
@@ -70,8 +76,13 @@ def _columnar_eligible(planner: SavePlanner, writer: StorageWriter) -> bool:
             and all(getattr(type(writer), m) is getattr(BlobStorageWriter, m) for m in ("prepare_global_plan", "write_data", "finish")))
 
 
-def run_save(state_dict: STATE_DICT_TYPE, writer: StorageWriter, planner: SavePlanner, coord: Coordinator) -> Metadata:
+def run_save(state_dict: STATE_DICT_TYPE, writer: Optional[StorageWriter], planner: Optional[SavePlanner],
+             coord: Coordinator, failure: Optional[BaseException] = None) -> Metadata:
     """The save sequence: plan locally, plan globally, write, commit.
+
+    ``failure`` is what went wrong on this rank before the sequence (taking
+    the state, staging it): the rank reports it in the first collective, so
+    every rank raises for this save and the next save starts in step.
 
     With a planner whose ``enable_plan_caching`` is set (reuse the same planner
     object across saves), a rank whose local plan is unchanged sends only the
@@ -92,6 +103,8 @@ def run_save(state_dict: STATE_DICT_TYPE, writer: StorageWriter, planner: SavePl
     fast: list[ColumnarPlan] = []  # coordinator: set when global planning ran on columns
 
     def local_step() -> SavePlan:
+        if failure is not None:
+            raise failure
         planner.set_up_planner(state_dict, writer.storage_meta(), coord.is_coordinator)
         call_set_up(writer.set_up_storage_writer, coord.is_coordinator, rank=coord.rank, world_size=coord.world_size)
         plan = writer.prepare_local_plan(planner.create_local_plan())
@@ -257,7 +270,7 @@ def run_save(state_dict: STATE_DICT_TYPE, writer: StorageWriter, planner: SavePl
 
 
 def _discard(writer: StorageWriter, coord: Coordinator) -> None:
-    discard = getattr(writer, "discard_incomplete", None)
+    discard = getattr(writer, "discard_incomplete", None) if writer is not None else None
     if coord.is_coordinator and discard is not None:
         discard()
 

@@ -6,6 +6,20 @@ filled with non-blocking copies and one stream synchronisation), so
 steady-state saves allocate nothing. The background save runs the ordinary
 save sequence over its own gloo process group, so its collectives never
 interleave with the training's.
+
+Saves stay in step across ranks by construction:
+
+- Before returning, every rank's call takes part in one agreement over a
+  second gloo group, used only from the calling thread: each rank reports
+  whether taking and staging its state succeeded, so a failure on one rank
+  raises the same error on every rank, for the same save, and no rank's
+  next save can pair with another rank's current one.
+- Background saves run one at a time, in call order, on one thread: with
+  ``max_in_flight > 1`` the caller stages ahead while earlier saves write,
+  and their collectives never overlap on the group.
+- A background save whose collectives timed out or broke leaves its group
+  out of step. The agreement of the next call tells every rank, and all of
+  them replace the group before that save runs.
 """
 
 from __future__ import annotations
@@ -20,12 +34,12 @@ from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 
-from . import knobs
+from . import faults, knobs
 from ._sequence import pick_storage, split_stateful, tell_rank
 from .backends.device_copy import pin_in_place, unpin_in_place
 from .backends.direct_io import release_bounce_buffers
 from .distributed import Coordinator, dist
-from .errors import CheckpointError
+from .errors import CheckpointError, RankFailuresError, StagingMemoryError
 from .metadata import STATE_DICT_TYPE, Metadata
 from .planner import SavePlanner
 from .planning import DefaultSavePlanner, RankLocal
@@ -157,13 +171,38 @@ class _BufferPool:
         return sum(arena.nbytes for arena in arenas.values())
 
 
+class _Channel:
+    """The two gloo groups of async saves over one process group.
+
+    ``background`` carries the background saves' collectives; ``control``
+    the per-call agreement, only ever from the calling thread. ``broken``
+    says why the background group fell out of step (a collective that
+    timed out or failed), for the next agreement to replace it.
+    """
+
+    def __init__(self, ranks: Optional[list[int]]):
+        self.ranks = ranks
+        self.background = _new_gloo_group(ranks)
+        self.control = _new_gloo_group(ranks)
+        self.broken: Optional[str] = None
+        self.control_lost: Optional[str] = None
+
+
+def _new_gloo_group(ranks: Optional[list[int]]) -> Any:
+    """A gloo group over ``ranks`` whose own operations end at the checkpoint timeout (collective: every rank calls)."""
+    from datetime import timedelta
+
+    timeout = timedelta(seconds=knobs.collective_timeout_s())
+    return dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
+
+
 class _AsyncState:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.in_flight: list[AsyncSaveHandle] = []
         self.free_pools: list[_BufferPool] = []
         self.executor: Optional[ThreadPoolExecutor] = None
-        self.groups: dict[Any, Any] = {}
+        self.channels: dict[Any, _Channel] = {}
 
 
 _STATE = _AsyncState()
@@ -178,17 +217,74 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_fresh_state_in_child)
 
 
-def _background_group(process_group: Any) -> Any:
-    """A gloo group with the same ranks as ``process_group``, for the background save's collectives."""
+def _channel(process_group: Any) -> Optional[_Channel]:
+    """The async-save groups with the same ranks as ``process_group`` (None without torch.distributed)."""
     if not (dist is not None and dist.is_available() and dist.is_initialized()):
         return None
+    if dist.get_world_size(process_group) == 1:
+        return None
     key = id(process_group) if process_group is not None else None
-    group = _STATE.groups.get(key)
-    if group is None:
+    channel = _STATE.channels.get(key)
+    if channel is None:
         ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
-        group = dist.new_group(ranks=ranks, backend="gloo")  # collective: every rank calls async_save
-        _STATE.groups[key] = group
-    return group
+        channel = _STATE.channels[key] = _Channel(ranks)  # collective: every rank calls async_save
+    return channel
+
+
+def _agree(channel: Optional[_Channel], checkpoint_id: Any, coordinator_rank: int, failure: Optional[BaseException],
+           current: Any = None) -> int:
+    """Every rank's report of its staging, exchanged before async_save returns; the save's number.
+
+    Raises on every rank if any rank failed. When any rank's background
+    group fell out of step, every rank replaces it here, together.
+    """
+    if channel is None:
+        if failure is not None:
+            raise failure if isinstance(failure, CheckpointError) else _as_checkpoint_error(failure)
+        return 0
+    if channel.control_lost is not None:
+        raise CheckpointError(channel.control_lost)
+    ctrl = Coordinator(channel.control, coordinator_rank)
+    ctrl.timeout_s = 3 * ctrl.timeout_s  # a rank may first wait out its previous save (itself bounded by the timeout)
+    ctrl.begin("async_save", checkpoint_id)
+
+    def local() -> bytes:
+        if failure is not None:
+            raise failure
+        return b"1" if channel.broken is not None else b"0"
+
+    try:
+        verdict = ctrl.all_reduce("async_save staging", local, lambda votes: b"1" if b"1" in votes else b"0",
+                                  lambda b: b, lambda b: b, lambda b: b, lambda b: b)
+    except RankFailuresError:
+        raise
+    except CheckpointError as exc:
+        if ctrl.transport_failed:
+            channel.control_lost = (
+                f"async_save can no longer keep this rank's saves in step with the other ranks: their agreement "
+                f"before a save failed ({exc}). A rank did not call async_save, or died. Restart the job, or save "
+                "with distckpt.save.")
+        raise
+    if verdict == b"1":
+        _replace_background_group(channel, current)
+    return ctrl._number or 0
+
+
+def _replace_background_group(channel: _Channel, current: Any) -> None:
+    """Swap in a fresh background group, on every rank at the same call. The old group is left alone, not
+    destroyed: a collective of it that timed out may still be ending inside gloo."""
+    with _STATE.lock:
+        earlier = [h for h in _STATE.in_flight if h is not current]
+    for handle in earlier:
+        _wait_for(handle)  # they ran on the old group
+    channel.background = _new_gloo_group(channel.ranks)
+    channel.broken = None
+
+
+def _as_checkpoint_error(exc: BaseException) -> CheckpointError:
+    error = CheckpointError(f"async_save failed before writing: {type(exc).__name__}: {exc}")
+    error.__cause__ = exc
+    return error
 
 
 def _leaves(obj: Any, path: tuple, out: list) -> None:
@@ -234,7 +330,17 @@ def _stage(obj: Any, pool: _BufferPool) -> Any:
     """
     leaves: list = []
     _leaves(obj, (), leaves)
-    buffers = pool.buffers_for(leaves)
+    try:
+        faults.point("stage", "host buffers")
+        buffers = pool.buffers_for(leaves)
+    except (RuntimeError, MemoryError) as exc:
+        if isinstance(exc, CheckpointError):
+            raise
+        need = sum(t.numel() * t.element_size() for _, t in leaves)
+        raise StagingMemoryError(
+            f"async_save could not allocate host memory to stage the state ({need} bytes in all; {exc}). "
+            "Free host memory, call distckpt.release_buffers() after a save of another layout, or save with "
+            "distckpt.save, which needs no copy.") from exc
     streams = {}
     for (_, src), buf in zip(leaves, buffers):
         src = src.detach()
@@ -314,10 +420,16 @@ def async_save(
 
     Every rank calls it. It returns once the state is staged; the write and
     commit continue in a background thread, and the returned handle reports
-    them. At most ``max_in_flight`` saves run at once: a further call waits
-    for the oldest (``wait_for_previous=True``) or raises CheckpointError.
-    The bytes on disk are the state as it was when this call returned.
-    ``on_commit(metadata)`` runs in the background after the commit.
+    them. At most ``max_in_flight`` saves are staged and not yet committed:
+    a further call waits for the oldest (``wait_for_previous=True``) or
+    raises CheckpointError. Background saves write and commit one at a time,
+    in call order. The bytes on disk are the state as it was when this call
+    returned. ``on_commit(metadata)`` runs in the background after the commit.
+
+    A failure on any rank before this call returns (taking the state,
+    allocating the staging copy, an earlier save still in flight) raises on
+    every rank, for this save; a failure after it is on every rank's handle.
+    Either way nothing is committed and the next call starts in step.
 
     The background write runs at a lower CPU priority than the caller
     (``DISTCKPT_ASYNC_NICE``, default 10): when training keeps every core busy
@@ -326,34 +438,44 @@ def async_save(
     """
     if max_in_flight < 1:
         raise CheckpointError("max_in_flight must be at least 1")
+    failure: Optional[BaseException] = None
     while True:
         with _STATE.lock:
             _STATE.in_flight = [h for h in _STATE.in_flight if not h.done()]
             if len(_STATE.in_flight) < max_in_flight:
                 break
             oldest = _STATE.in_flight[0]
-        if not wait_for_previous:
-            raise CheckpointError(
+        if not wait_for_previous:  # other ranks may have room: they hear of this in the agreement
+            failure = CheckpointError(
                 f"an async save of {str(oldest.checkpoint_id)!r} is still in flight; wait for handle.result() "
                 "or pass wait_for_previous=True or a larger max_in_flight")
+            break
         _wait_for(oldest)
 
-    storage_writer = pick_storage("writer", checkpoint_id, storage_writer)
-    planner = planner if planner is not None else DefaultSavePlanner()
-    group = _background_group(process_group)
-    coord = Coordinator(group, coordinator_rank)
-    tell_rank(planner, coord.rank)
-
+    channel = _channel(process_group)
     handle = AsyncSaveHandle(checkpoint_id)
     with _STATE.lock:
         pool = _STATE.free_pools.pop() if _STATE.free_pools else _BufferPool()
-        if _STATE.executor is None:
-            _STATE.executor = ThreadPoolExecutor(max(1, max_in_flight), thread_name_prefix="distckpt-async")
-        _STATE.in_flight.append(handle)
+        if _STATE.executor is None:  # one thread: saves run one at a time, in the order every rank called
+            _STATE.executor = ThreadPoolExecutor(1, thread_name_prefix="distckpt-async")
+        if failure is None:
+            _STATE.in_flight.append(handle)
         executor = _STATE.executor
+    staged: Any = None
     try:
+        if failure is not None:
+            raise failure
+        storage_writer = pick_storage("writer", checkpoint_id, storage_writer)
+        planner = planner if planner is not None else DefaultSavePlanner()
         plain, _ = split_stateful(state_dict)
         staged = _stage(plain, pool)
+    except Exception as exc:  # noqa: BLE001 - reported to every rank by the agreement below
+        failure = exc
+    try:
+        number = _agree(channel, checkpoint_id, coordinator_rank, failure, handle)
+        coord = Coordinator(channel.background if channel is not None else None, coordinator_rank)
+        coord.begin("async save", checkpoint_id, number=number)
+        tell_rank(planner, coord.rank)
     except BaseException as exc:
         with _STATE.lock:
             _STATE.free_pools.append(pool)
@@ -373,6 +495,8 @@ def async_save(
         except BaseException as exc:  # noqa: BLE001 - delivered on the handle
             error = exc
         finally:
+            if coord.transport_failed and channel is not None:
+                channel.broken = f"async save #{number} of {str(checkpoint_id)!r}: {error}"
             with _STATE.lock:  # back before the handle resolves: the next save, or release_buffers, finds it
                 _STATE.free_pools.append(pool)
         if error is not None:
