@@ -205,13 +205,13 @@ class Coordinator:
             status, ident, body = self._unframe(raw)
             if ident != self.identity:
                 strangers[rank] = ident
-            elif status == _OK:
+            if status == _OK:
                 values.append(body)
             else:
                 info = json.loads(body.decode())
                 failures[rank] = (info["err"], info["type"])
         if strangers:
-            return [], self._out_of_step(strangers)
+            return [], self._out_of_step(strangers, failures)
         if failures:
             return [], self._abort(failures)
         decoded = []
@@ -221,12 +221,12 @@ class Coordinator:
             return [], self._abort({self.rank: _describe(exc)})
         return decoded, None
 
-    def _out_of_step(self, strangers: dict[int, str]) -> bytes:
-        """The failure of a phase whose ranks are in different saves or loads."""
+    def _out_of_step(self, strangers: dict[int, str], failures: dict[int, tuple[str, str]]) -> bytes:
+        """The failure of a phase whose ranks are in different saves or loads (and what else failed in it)."""
         numbers = [self._number or 0]
-        failures = {}
         for rank, ident in strangers.items():
-            failures[rank] = (f"rank {rank} is in {ident or 'no distckpt operation'} while the coordinator (rank "
+            own = failures.get(rank)
+            failures[rank] = (("" if own is None else f"{own[1]}: {own[0]}; and ") + f"rank {rank} is in {ident or 'no distckpt operation'} while the coordinator (rank "
                               f"{self.rank}) is in {self.identity}: the ranks' save/load calls are out of step (a rank "
                               "skipped or repeated a call, or passed another checkpoint_id); nothing was written by "
                               "this call, and the next call on every rank is numbered alike again", "OutOfStep")
@@ -237,7 +237,7 @@ class Coordinator:
 
     def _unwrap(self, phase: str, raw: bytes, dec: Callable[[bytes], R], local_exc: Optional[BaseException]) -> R:
         status, ident, body = self._unframe(raw)
-        if ident != self.identity:
+        if ident != self.identity and status == _OK:
             self.transport_failed = True
             raise CheckpointError(
                 f"rank {self.rank} in {self.identity} got the coordinator's reply for {ident or 'another operation'} "

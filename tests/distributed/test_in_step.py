@@ -1,0 +1,84 @@
+"""One rank's failure never pairs two saves: every rank fails the same save, and the next commits whole."""
+
+import os
+
+import pytest
+
+import distckpt
+from distckpt.testing import run_ranks
+
+from . import in_step_workers as w
+
+ENV = {"DISTCKPT_TIMEOUT_S": "15"}
+
+
+def _check_committed(result, world_size):
+    for step, got in result["committed"].items():
+        assert got["step"] == step, (step, got)
+        assert got["w"] == [float(step)] and got["rep"] == [float(step)] and got["shard"] == [float(step)], (step, got)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async", "manager", "manager-async"])
+def test_failure_before_the_first_collective_fails_that_save_on_every_rank(tmp_path, mode):
+    """Faults on one rank before anything is exchanged: in the caller's Stateful, in the staging allocation
+    (async), in picking the storage. Every rank raises for that step, and only for it; every committed
+    step holds that step's data from every rank."""
+    faults_at = {2: ("state_dict", 1), 4: ("stage" if "async" in mode else "storage", 0)}
+    results = run_ranks(w.faulty_steps, 2, str(tmp_path), mode, faults_at, env=ENV, timeout_s=240)
+    for rank, result in enumerate(results):
+        out = result["outcomes"]
+        assert [s for s, o in out.items() if o == "ok"] == [1, 3, 5], (rank, out)
+        assert out[2].startswith("RankFailuresError") and "rank 1" in out[2] and "state_dict of rank 1" in out[2], out[2]
+        if "async" in mode:
+            assert "StagingMemoryError" in out[4] and "DefaultCPUAllocator" in out[4], out[4]
+        else:
+            assert out[4].startswith("RankFailuresError") and ("rank 0" in out[4]), out[4]
+        _check_committed(result, 2)
+        for step, got in result["committed"].items():
+            assert got["mine"] == [step * 10.0 + rank], (rank, step, got)
+    if mode.startswith("manager"):
+        assert sorted(results[0]["committed"]) == [1, 3, 5]
+        assert distckpt.CheckpointManager(str(tmp_path), read_only=True).all_steps() == [1, 3, 5]
+        leftovers = [n for n in os.listdir(tmp_path) if not n.startswith("step-")]
+        assert not leftovers, leftovers
+
+
+def test_three_ranks_async_with_manager(tmp_path):
+    faults_at = {2: ("stage", 2), 3: ("state_dict", 0)}
+    results = run_ranks(w.faulty_steps, 3, str(tmp_path), "manager-async", faults_at, env=ENV, timeout_s=240)
+    for rank, result in enumerate(results):
+        assert [s for s, o in result["outcomes"].items() if o == "ok"] == [1, 4, 5], result["outcomes"]
+        _check_committed(result, 3)
+        assert all(got["mine"] == [step * 10.0 + rank] for step, got in result["committed"].items())
+
+
+def test_a_rank_that_skips_a_save_fails_the_mismatched_saves_instead_of_mixing_them(tmp_path):
+    results = run_ranks(w.skipped_call, 2, str(tmp_path), env={"DISTCKPT_TIMEOUT_S": "8"}, timeout_s=120)
+    assert results[0][1] == "ok" and results[1][1] == "ok"
+    assert "out of step" in results[0][2] and "ck-3" in results[0][2], results[0][2]
+    assert "out of step" in results[1][3], results[1][3]
+    for step in (2, 3):
+        assert not os.path.exists(tmp_path / f"ck-{step}" / ".metadata"), f"ck-{step} committed from mixed saves"
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_collective_timeout_does_not_poison_later_async_saves(tmp_path, world_size):
+    """One rank's write stalls past the timeout in save 2: that save fails on every rank, every later one
+    commits with its own step's data, and once the stalled save is over no call blocks near the timeout."""
+    results = run_ranks(w.timeout_then_recover, world_size, str(tmp_path), 1, env={"DISTCKPT_TIMEOUT_S": "6"},
+                        timeout_s=240)
+    for rank, result in enumerate(results):
+        out = result["outcomes"]
+        assert out[2] != "ok", out
+        assert all(out[s] == "ok" for s in (1, 4, 5, 6)), out
+        for step, (w_values, mine) in result["values"].items():
+            assert w_values == [float(step)] and mine == [step * 10.0 + rank] * 2, (step, w_values, mine)
+        assert max(result["blocked"][s] for s in (5, 6)) < 4, result["blocked"]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_max_in_flight_above_one_across_ranks(tmp_path, world_size):
+    results = run_ranks(w.overlapping_saves, world_size, str(tmp_path), 2, env=ENV, timeout_s=180)
+    for rank, result in enumerate(results):
+        assert result["outcomes"] == ["ok"] * 5, result["outcomes"]
+        assert result["values"] == [([float(s)], [s * 10.0 + rank] * 2) for s in range(1, 6)]
