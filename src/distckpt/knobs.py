@@ -188,3 +188,31 @@ def lease_renew_s() -> float:
     """Seconds between renewals of the leases this process holds on saves in flight
     (DISTCKPT_LEASE_RENEW_S, default 30)."""
     return float(_int("DISTCKPT_LEASE_RENEW_S", 30, minimum=1))
+
+
+def s3_connect_timeout_s() -> float:
+    """Seconds to wait for a connection to the S3 endpoint (DISTCKPT_S3_CONNECT_TIMEOUT_S, default 10)."""
+    return float(_int("DISTCKPT_S3_CONNECT_TIMEOUT_S", 10, minimum=1))
+
+
+def s3_read_timeout_s() -> float:
+    """Seconds to wait for each answer (or the next bytes of one) from the S3 endpoint
+    (DISTCKPT_S3_READ_TIMEOUT_S, default 20)."""
+    return float(_int("DISTCKPT_S3_READ_TIMEOUT_S", 20, minimum=1))
+
+
+def s3_max_attempts() -> int:
+    """Attempts of each S3 request, the first included (DISTCKPT_S3_MAX_ATTEMPTS; default AWS_MAX_ATTEMPTS
+    when that is set, else 3). With the timeouts above, a hung endpoint fails a request within about
+    ``attempts * (connect or read timeout)`` seconds plus backoff."""
+    aws = os.environ.get("AWS_MAX_ATTEMPTS", "").strip()
+    default = int(aws) if aws.isdigit() and int(aws) >= 1 else 3
+    return _int("DISTCKPT_S3_MAX_ATTEMPTS", default, minimum=1)
+
+
+def s3_deadline_s() -> float:
+    """Seconds one save or one load may spend on S3 in all, cleanup included (DISTCKPT_S3_DEADLINE_S,
+    default 0: no total limit, each request is still bounded by the timeouts and attempts). Past it no
+    new request starts: the operation fails with StorageIOError, and what it leaves is removed later
+    by the lease rules."""
+    return float(_int("DISTCKPT_S3_DEADLINE_S", 0, minimum=0))

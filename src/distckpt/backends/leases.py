@@ -9,6 +9,8 @@ a staging area only when its save is proven dead:
 - its lease names a process on this very host (same boot, same pid
   namespace) that no longer runs: a pid reused since then has another start
   time, so it does not count as the holder;
+- or its lease names this very process, which no longer holds it (the save
+  ended, but giving the lease back failed: the store was unreachable);
 - or its lease names a process elsewhere and has not been renewed for
   ``knobs.lease_stale_s()`` seconds;
 - or it has no lease at all (a save of an older distckpt, or one whose
@@ -95,7 +97,18 @@ def save_is_dead(store: "BlobStore", save_id: str, staging_age_s: Optional[float
     if lease is None:
         return staging_age_s is not None and staging_age_s > knobs.lease_stale_s()
     record, age = lease
+    if _is_mine(record):  # this process: alive exactly while it still holds the lease
+        return not _renewer.holds(save_id)
     return holder_is_dead(record, age)
+
+
+def _is_mine(record: bytes) -> bool:
+    try:
+        who = json.loads(record.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        return False
+    here = holder()
+    return isinstance(who, dict) and all(who.get(k) == here[k] for k in ("host", "boot_id", "pid_ns", "pid", "incarnation"))
 
 
 class Lease:
@@ -131,6 +144,10 @@ class _Renewer:
             if self.thread is None or not self.thread.is_alive():
                 self.thread = threading.Thread(target=self._run, name="distckpt-leases", daemon=True)
                 self.thread.start()
+
+    def holds(self, save_id: str) -> bool:
+        with self.lock:
+            return any(lease.save_id == save_id for lease in self.held)
 
     def discard(self, lease: Lease) -> bool:
         with self.lock:

@@ -35,7 +35,8 @@ from ..format import METADATA_FILE
 from .blob_storage import BlobStorageReader, BlobStorageWriter
 from .blobs import BlobReader, BlobStore, BlobWriter
 from .leases import Lease, save_is_dead
-from .s3_objects import LOST_RACE, MIN_PART_BYTES, NOT_FOUND, ObjectReader, ObjectWriter, client_for, error_code, s3_error, s3_failures
+from .s3_objects import (LOST_RACE, MIN_PART_BYTES, NOT_FOUND, ObjectReader, ObjectWriter, S3Session, SessionClient, client_for,
+                         error_code, list_pages, s3_error, s3_failures)
 
 __all__ = ["S3Writer", "S3Reader", "S3Store"]
 
@@ -63,7 +64,8 @@ class S3Store(BlobStore):
     """One checkpoint prefix (or one save's data prefix) in a bucket."""
 
     def __init__(self, bucket: str, prefix: str, *, endpoint_url: Optional[str] = None, region_name: Optional[str] = None,
-                 part_size: Optional[int] = None, upload_concurrency: Optional[int] = None, client: Any = None):
+                 part_size: Optional[int] = None, upload_concurrency: Optional[int] = None, client: Any = None,
+                 session: Optional[S3Session] = None):
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         self.endpoint_url = endpoint_url
@@ -71,14 +73,17 @@ class S3Store(BlobStore):
         self.part_size = part_size
         self.upload_concurrency = upload_concurrency
         self._given_client = client
+        self.session = session
 
     @property
     def client(self):
-        return self._given_client or client_for(self.endpoint_url, self.region_name)
+        client = self._given_client or client_for(self.endpoint_url, self.region_name)
+        return client if self.session is None else SessionClient(client, self.session)
 
     def _sub(self, prefix: str) -> "S3Store":
         return S3Store(self.bucket, prefix, endpoint_url=self.endpoint_url, region_name=self.region_name,
-                       part_size=self.part_size, upload_concurrency=self.upload_concurrency, client=self._given_client)
+                       part_size=self.part_size, upload_concurrency=self.upload_concurrency, client=self._given_client,
+                       session=self.session)
 
     def key(self, name: str) -> str:
         return f"{self.prefix}/{name}"
@@ -142,8 +147,7 @@ class S3Store(BlobStore):
 
     def _keys(self, prefix: str, delimiter: str = "") -> Iterable[str]:
         """Keys (or, with a delimiter, common prefixes) under ``prefix``."""
-        pages = self.client.get_paginator("list_objects_v2").paginate(
-            Bucket=self.bucket, Prefix=prefix, **({"Delimiter": delimiter} if delimiter else {}))
+        pages = list_pages(self.client, Bucket=self.bucket, Prefix=prefix, **({"Delimiter": delimiter} if delimiter else {}))
         try:
             for page in pages:
                 if delimiter:
@@ -199,6 +203,10 @@ class S3Store(BlobStore):
                 self._put(METADATA_FILE, document, IfNoneMatch="*")
         except s3_failures() as exc:
             if error_code(exc) in LOST_RACE:
+                if self._committed_save_id() == staging.prefix.rsplit("/", 1)[-1]:
+                    # our own PUT landed and its answer was lost: the retry found it there
+                    self._delete_prefix(staging.key(METADATA_FILE), exact=True)
+                    return
                 self.discard(staging)
                 raise CheckpointError(
                     f"checkpoint {self.describe()!r} was committed by another save while this one was writing; "
@@ -226,11 +234,10 @@ class S3Store(BlobStore):
             return  # that save committed: its objects are the checkpoint's data now
         prefix = staging.prefix + "/"
         try:
-            uploads = self.client.list_multipart_uploads(Bucket=self.bucket, Prefix=prefix).get("Uploads", [])
-            for up in uploads:
+            for up in self._uploads(prefix):
                 self.client.abort_multipart_upload(Bucket=self.bucket, Key=up["Key"], UploadId=up["UploadId"])
-        except s3_failures():
-            pass
+        except s3_failures() as exc:
+            raise s3_error("aborting the uploads under", f"{SCHEME}{self.bucket}/{prefix}", exc) from exc
         self._delete_prefix(prefix)
 
     def _delete_prefix(self, prefix: str, exact: bool = False) -> None:
@@ -248,10 +255,26 @@ class S3Store(BlobStore):
         return [f"{SCHEME}{self.bucket}/{self.prefix}/{SAVES}/{save_id}/" for save_id in self._uncommitted_save_ids()]
 
     def _uncommitted_save_ids(self) -> list[str]:
+        """Saves with objects, or only open multipart uploads (killed before any object completed)."""
         committed = self._committed_save_id()
         base = f"{self.prefix}/{SAVES}/"
-        found = (p[len(base):].rstrip("/") for p in self._keys(base, "/"))
-        return sorted(save_id for save_id in found if save_id and save_id != committed)
+        found = {p[len(base):].rstrip("/") for p in self._keys(base, "/")}
+        try:
+            found |= {up["Key"][len(base):].split("/", 1)[0] for up in self._uploads(base)}
+        except s3_failures() as exc:
+            raise s3_error("listing the uploads of", self.describe(), exc) from exc
+        return sorted(save_id for save_id in found if save_id and _SAVE_ID.match(save_id) and save_id != committed)
+
+    def _uploads(self, prefix: str) -> list[dict]:
+        """The multipart uploads in progress under ``prefix``."""
+        uploads: list[dict] = []
+        marker: dict[str, str] = {}
+        while True:
+            page = self.client.list_multipart_uploads(Bucket=self.bucket, Prefix=prefix, **marker)
+            uploads.extend(page.get("Uploads", []))
+            if not page.get("IsTruncated"):
+                return uploads
+            marker = {"KeyMarker": page.get("NextKeyMarker", ""), "UploadIdMarker": page.get("NextUploadIdMarker", "")}
 
     # ---- a run of checkpoints under this prefix (CheckpointManager)
 
@@ -302,12 +325,15 @@ class S3Store(BlobStore):
     def _age(self) -> Optional[float]:
         """Seconds since the newest object under this prefix was written (None: no object)."""
         newest = None
-        pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self.prefix + "/")
+        pages = list_pages(self.client, Bucket=self.bucket, Prefix=self.prefix + "/")
         try:
             for page in pages:
                 for o in page.get("Contents", []):
                     t = o["LastModified"].timestamp()
                     newest = t if newest is None else max(newest, t)
+            for up in self._uploads(self.prefix + "/"):  # a save killed before any object completed has only these
+                t = up["Initiated"].timestamp()
+                newest = t if newest is None else max(newest, t)
         except s3_failures() as exc:
             raise s3_error("listing", self.describe(), exc) from exc
         return None if newest is None else max(0.0, time.time() - newest)
@@ -315,7 +341,7 @@ class S3Store(BlobStore):
     def sizes(self) -> dict[str, int]:
         start = len(self.prefix) + 1
         out = {}
-        pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self.prefix + "/", Delimiter="/")
+        pages = list_pages(self.client, Bucket=self.bucket, Prefix=self.prefix + "/", Delimiter="/")
         try:
             for page in pages:
                 out.update({o["Key"][start:]: o["Size"] for o in page.get("Contents", [])})
@@ -392,7 +418,8 @@ class _AtUrl:
             raise CheckpointNotFoundError(f"{type(self).__name__} has no location: pass checkpoint_id='s3://bucket/prefix'")
         bucket, prefix = parse_s3_url(self.url)
         return S3Store(bucket, prefix, endpoint_url=self.endpoint_url, region_name=self.region_name,
-                       part_size=self.part_size, upload_concurrency=self.upload_concurrency, client=self.client)
+                       part_size=self.part_size, upload_concurrency=self.upload_concurrency, client=self.client,
+                       session=getattr(self, "_session", None))
 
     def _checkpoint_id(self) -> str:
         return str(self.url)
@@ -429,6 +456,10 @@ class S3Writer(_AtUrl, BlobStorageWriter):
         super().__init__(sync_files=True, thread_count=thread_count, overwrite=overwrite)
         self._init_s3(url, endpoint_url, region_name, client, part_size, upload_concurrency)
 
+    def set_up_storage_writer(self, *args: Any, **kwargs: Any) -> None:
+        self._session = S3Session()  # the save's deadline starts here (DISTCKPT_S3_DEADLINE_S)
+        super().set_up_storage_writer(*args, **kwargs)
+
 
 class S3Reader(_AtUrl, BlobStorageReader):
     """Reads a checkpoint written by :class:`S3Writer` (same arguments, plus ``verify_checksums``)."""
@@ -440,6 +471,7 @@ class S3Reader(_AtUrl, BlobStorageReader):
         self._init_s3(url, endpoint_url, region_name, client)
 
     def read_metadata(self, *args: Any, **kwargs: Any):
+        self._session = S3Session()  # the load's deadline starts here (DISTCKPT_S3_DEADLINE_S)
         store = self._store()
         if not store.exists(METADATA_FILE):
             pending = store.incomplete_saves()

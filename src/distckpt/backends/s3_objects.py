@@ -6,10 +6,12 @@ fails becomes a typed distckpt error naming the object (``_s3_error``).
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 from .. import faults, knobs
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StorageIOError
@@ -22,10 +24,16 @@ NOT_FOUND = {"404", "NoSuchKey", "NotFound"}
 LOST_RACE = {"412", "PreconditionFailed", "409", "ConditionalRequestConflict"}
 
 
-# ---- clients: one per process, endpoint and region (boto3 clients are thread-safe, not fork-safe)
+# ---- clients: one per process and effective configuration (boto3 clients are thread-safe, not fork-safe)
 
 _CLIENTS: dict[tuple, Any] = {}
 _CLIENTS_LOCK = threading.Lock()
+
+# what, besides the arguments, decides which endpoint, credentials and retries a new client gets
+_CLIENT_ENV = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "AWS_REGION",
+               "AWS_DEFAULT_REGION", "AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+               "AWS_SESSION_TOKEN", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE", "AWS_RETRY_MODE", "AWS_CA_BUNDLE",
+               "AWS_S3_ADDRESSING_STYLE", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "http_proxy", "https_proxy", "no_proxy")
 
 
 def _fresh_lock_in_child() -> None:
@@ -37,8 +45,19 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_fresh_lock_in_child)
 
 
+def client_settings() -> dict[str, Any]:
+    """Timeouts and retries of the clients distckpt builds, from the knobs (see knobs.py)."""
+    return {"connect_timeout": knobs.s3_connect_timeout_s(), "read_timeout": knobs.s3_read_timeout_s(),
+            "retries": {"mode": os.environ.get("AWS_RETRY_MODE", "standard") or "standard",
+                        "total_max_attempts": knobs.s3_max_attempts()}}
+
+
 def client_for(endpoint_url: Optional[str], region_name: Optional[str]):
-    key = (os.getpid(), endpoint_url, region_name)
+    """This process's client for the effective configuration: the arguments, the AWS environment
+    (hashed, so no secret is kept in the key) and the timeout and retry knobs."""
+    settings = client_settings()
+    environment = hashlib.sha256(repr([os.environ.get(k) for k in _CLIENT_ENV]).encode()).hexdigest()
+    key = (os.getpid(), endpoint_url, region_name, repr(settings), environment)
     with _CLIENTS_LOCK:
         client = _CLIENTS.get(key)
         if client is None:
@@ -47,10 +66,85 @@ def client_for(endpoint_url: Optional[str], region_name: Optional[str]):
                 from botocore.config import Config
             except ImportError:
                 raise CheckpointError("s3:// checkpoints need boto3: pip install 'distckpt[s3]'") from None
-            config = Config(max_pool_connections=64, retries={"mode": "standard", "max_attempts": 5})
+            config = Config(max_pool_connections=64, **settings)
             client = _CLIENTS[key] = boto3.session.Session().client(
                 "s3", endpoint_url=endpoint_url, region_name=region_name, config=config)
         return client
+
+
+class S3Session:
+    """The requests of one save or one load: a deadline over them all (``DISTCKPT_S3_DEADLINE_S``), and,
+    once the endpoint stopped answering after every attempt, no more waiting on it. Cleanup after such a
+    failure is skipped rather than waited for: what it would have removed is removed later by the lease
+    rules (``remove_incomplete_below``)."""
+
+    def __init__(self, deadline_s: Optional[float] = None):
+        deadline_s = knobs.s3_deadline_s() if deadline_s is None else deadline_s
+        self.deadline_s = deadline_s
+        self.deadline = time.monotonic() + deadline_s if deadline_s else None
+        self.unreachable: Optional[str] = None
+
+    def check(self, action: str) -> None:
+        if self.unreachable is not None:
+            raise StorageIOError(f"S3 {action} skipped: the endpoint stopped answering earlier in this operation "
+                                 f"({self.unreachable}); check the endpoint (AWS_ENDPOINT_URL_S3) and the network")
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            raise StorageIOError(f"S3 {action} not started: this operation passed its deadline of {self.deadline_s:.0f}s "
+                                 "(DISTCKPT_S3_DEADLINE_S); raise it for larger checkpoints or a slower store")
+
+    def remaining_s(self) -> Optional[float]:
+        return None if self.deadline is None else self.deadline - time.monotonic()
+
+
+class SessionClient:
+    """A boto3 client whose every call first checks its session (see S3Session)."""
+
+    def __init__(self, client: Any, session: S3Session):
+        self._client = client
+        self._session = session
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._client, name)
+        if name.startswith("_") or name in ("meta", "exceptions") or not callable(attr):
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self._session.check(name)
+            try:
+                return attr(*args, **kwargs)
+            except unreachable_errors() as exc:
+                self._session.unreachable = f"{name}: {type(exc).__name__}: {exc}"
+                raise
+
+        return call
+
+
+def unreachable_errors() -> tuple[type[BaseException], ...]:
+    """Errors that mean the endpoint did not answer in time, after botocore's own attempts."""
+    from botocore.exceptions import ConnectionError as BotoConnectionError
+    from botocore.exceptions import ReadTimeoutError
+
+    return (BotoConnectionError, ReadTimeoutError)
+
+
+def stream_errors() -> tuple[type[BaseException], ...]:
+    """Errors of a response body cut short: worth asking again for the bytes still missing."""
+    from botocore.exceptions import ConnectionClosedError, IncompleteReadError, ReadTimeoutError, ResponseStreamingError
+    from urllib3.exceptions import HTTPError as Urllib3Error
+
+    return (ConnectionClosedError, IncompleteReadError, ReadTimeoutError, ResponseStreamingError, Urllib3Error,
+            ConnectionError, TimeoutError)
+
+
+def list_pages(client: Any, **kwargs: Any) -> Iterable[dict]:
+    """The pages of ``list_objects_v2`` (one call per page, each through ``client``'s checks)."""
+    token = None
+    while True:
+        page = client.list_objects_v2(**kwargs, **({"ContinuationToken": token} if token else {}))
+        yield page
+        token = page.get("NextContinuationToken")
+        if not page.get("IsTruncated") or not token:
+            return
 
 
 def error_code(exc: BaseException) -> str:
@@ -241,35 +335,63 @@ class ObjectReader(BlobReader):
         return sum(f.result() for f in futures)
 
     def readv(self, views: list, offset: int) -> int:
+        """Fill ``views`` from ``offset``; a body cut short is asked for again from where it stopped,
+        up to the request attempts (DISTCKPT_S3_MAX_ATTEMPTS), each conditional on the same ETag."""
         views = [memoryview(v).cast("B") for v in views]
         want = min(sum(len(v) for v in views), max(0, self.size - offset))
         if want == 0:
             return 0
         extra = {"IfMatch": self.etag} if self.etag else {}
-        try:
-            reply = self.store.client.get_object(Bucket=self.store.bucket, Key=self.key,
-                                                 Range=f"bytes={offset}-{offset + want - 1}", **extra)
-            body = reply["Body"]
-            total = 0
+        total = 0
+        attempts = knobs.s3_max_attempts()
+        for attempt in range(attempts):
             try:
-                for v in views:
-                    v = v[: want - total]
-                    got = 0
-                    while got < len(v):
-                        n = body.readinto(v[got:])
-                        if not n:
-                            break
-                        got += n
-                    total += got
-                    if got < len(v) or total >= want:
-                        break
-            finally:
-                body.close()
-        except s3_failures() as exc:
-            if error_code(exc) in LOST_RACE:
-                raise CorruptCheckpointError(f"{self.where} changed while it was being read (its ETag no longer "
-                                             "matches); another save replaced this checkpoint. Load again.") from exc
-            if error_code(exc) in NOT_FOUND:
-                raise self.store.missing(self.name, exc) from exc
-            raise s3_error("reading", self.where, exc) from exc
+                reply = self.store.client.get_object(Bucket=self.store.bucket, Key=self.key,
+                                                     Range=f"bytes={offset + total}-{offset + want - 1}", **extra)
+                body = reply["Body"]
+                progress = [0]
+                try:
+                    ended = _fill(body, views, total, want, progress)
+                except stream_errors():
+                    if attempt + 1 == attempts:
+                        raise
+                    time.sleep(min(2.0, 0.1 * 2 ** attempt))
+                    continue
+                finally:
+                    total += progress[0]
+                    body.close()
+                if ended or total >= want:
+                    return total
+            except s3_failures() as exc:
+                if error_code(exc) in LOST_RACE:
+                    raise CorruptCheckpointError(f"{self.where} changed while it was being read (its ETag no longer "
+                                                 "matches); another save replaced this checkpoint. Load again.") from exc
+                if error_code(exc) in NOT_FOUND:
+                    raise self.store.missing(self.name, exc) from exc
+                raise s3_error("reading", self.where, exc) from exc
+            except stream_errors() as exc:
+                raise s3_error("reading", self.where, exc) from exc
         return total
+
+
+def _fill(body: Any, views: list, start: int, want: int, progress: list[int]) -> bool:
+    """Copy ``body`` into ``views`` seen as one buffer, from byte ``start`` up to ``want``, counting the bytes
+    copied in ``progress[0]`` as they arrive (so a stream error leaves the count of what did); whether the
+    body ended early."""
+    skip = start
+    for v in views:
+        if skip >= len(v):
+            skip -= len(v)
+            continue
+        v = v[skip: skip + max(0, want - start - progress[0])]
+        skip = 0
+        filled = 0
+        while filled < len(v):
+            n = body.readinto(v[filled:])
+            if not n:
+                return True
+            filled += n
+            progress[0] += n
+        if start + progress[0] >= want:
+            break
+    return False
