@@ -38,6 +38,11 @@ class CheckpointManager:
         read_only: open the run to list and load only: nothing is created,
             cleaned or deleted, and ``save`` raises. For evaluation jobs and
             read-only media.
+        storage_options: arguments for the backend's writer and reader, each
+            given those its constructor takes: for ``s3://``, ``client``,
+            ``endpoint_url``, ``region_name``, ``part_size``...; for a
+            directory, ``thread_count`` or ``sync_files``. The run's listing,
+            cleanup and retention use them too.
 
     Every rank constructs the manager and calls ``save``/``load`` together.
     Only committed checkpoints count: a save that crashed is invisible to
@@ -62,14 +67,17 @@ class CheckpointManager:
     """
 
     def __init__(self, root: Union[str, os.PathLike], *, keep_last: Optional[int] = None, keep_every: Optional[int] = None,
-                 process_group: Any = None, coordinator_rank: int = 0, cleanup: bool = True, read_only: bool = False):
+                 process_group: Any = None, coordinator_rank: int = 0, cleanup: bool = True, read_only: bool = False,
+                 storage_options: Optional[dict[str, Any]] = None):
         if keep_last is not None and keep_last < 1:
             raise CheckpointError(f"keep_last must be at least 1, got {keep_last}")
         if keep_every is not None and keep_every < 1:
             raise CheckpointError(f"keep_every must be at least 1, got {keep_every}")
         self.root = os.fspath(root)
         self._url = "://" in self.root and not self.root.startswith("file://")
-        self._store = _root_store(self.root)
+        self.storage_options = dict(storage_options or {})
+        backends.check_options(self.root, self.storage_options)
+        self._store = _root_store(self.root, self.storage_options)
         self.keep_last = keep_last
         self.keep_every = keep_every
         self.process_group = process_group
@@ -109,6 +117,7 @@ class CheckpointManager:
         Once the checkpoint is committed the save succeeds: a failure of retention after it is logged, not raised.
         """
         path = self._writable_path(step)
+        kwargs.setdefault("storage_writer", self._writer())
         md = save(state_dict, checkpoint_id=path, process_group=self.process_group,
                   coordinator_rank=self.coordinator_rank, **kwargs)
         if self._coord.is_coordinator:
@@ -131,6 +140,7 @@ class CheckpointManager:
         from .staging import async_save
 
         is_coordinator = self._coord.is_coordinator
+        kwargs.setdefault("storage_writer", self._writer())
         return async_save(state_dict, checkpoint_id=self._writable_path(step), process_group=self.process_group,
                           coordinator_rank=self.coordinator_rank,
                           on_commit=(lambda _md: self._retain_after_commit()) if is_coordinator else None, **kwargs)
@@ -144,9 +154,13 @@ class CheckpointManager:
         elif _step_name(step) and step not in self.all_steps():
             raise CheckpointNotFoundError(
                 f"no committed checkpoint of step {step} under {self.root!r}; committed steps: {self.all_steps()}")
+        kwargs.setdefault("storage_reader", backends.reader_for(self.root, **self.storage_options))
         load(state_dict, checkpoint_id=self.path(step), process_group=self.process_group,
              coordinator_rank=self.coordinator_rank, **kwargs)
         return step
+
+    def _writer(self):
+        return backends.writer_for(self.root, **self.storage_options)
 
     def steps_to_keep(self, steps: list[int]) -> set[int]:
         if not steps:
@@ -198,9 +212,9 @@ def _step_name(step: Any) -> str:
     return f"step-{int(step):010d}"
 
 
-def _root_store(root: str) -> BlobStore:
+def _root_store(root: str, options: dict[str, Any]) -> BlobStore:
     """The store of the location that holds the run's checkpoints, from the backend that accepts ``root``."""
-    writer = backends.writer_for(root)
+    writer = backends.writer_for(root, **options)
     writer.reset(root)
     store = writer._store() if hasattr(writer, "_store") else None
     if not isinstance(store, BlobStore):

@@ -8,8 +8,9 @@ S3-compatible object store; a plain path (or
 
 from __future__ import annotations
 
+import inspect
 import os
-from typing import Union
+from typing import Any, Union
 
 from ..errors import CheckpointError
 from ..storage import StorageReader, StorageWriter
@@ -35,15 +36,36 @@ def register_backend(writer: type[StorageWriter], reader: type[StorageReader]) -
     _BACKENDS.insert(0, (writer, reader))
 
 
-def writer_for(checkpoint_id: Union[str, os.PathLike]) -> StorageWriter:
+def writer_for(checkpoint_id: Union[str, os.PathLike], **options: Any) -> StorageWriter:
+    """A new writer of the backend that accepts ``checkpoint_id``, given the ``options`` its constructor takes."""
     for writer, _ in _BACKENDS:
         if writer.validate_checkpoint_id(checkpoint_id):
-            return writer()
+            return writer(**_accepted(writer, options))
     raise CheckpointError(f"no storage backend accepts checkpoint_id {str(checkpoint_id)!r}; pass storage_writer= explicitly")
 
 
-def reader_for(checkpoint_id: Union[str, os.PathLike]) -> StorageReader:
+def reader_for(checkpoint_id: Union[str, os.PathLike], **options: Any) -> StorageReader:
+    """A new reader of the backend that accepts ``checkpoint_id``, given the ``options`` its constructor takes."""
     for _, reader in _BACKENDS:
         if reader.validate_checkpoint_id(checkpoint_id):
-            return reader()
+            return reader(**_accepted(reader, options))
     raise CheckpointError(f"no storage backend accepts checkpoint_id {str(checkpoint_id)!r}; pass storage_reader= explicitly")
+
+
+def check_options(checkpoint_id: Union[str, os.PathLike], options: dict[str, Any]) -> None:
+    """Refuse options that neither the writer nor the reader of ``checkpoint_id``'s backend takes."""
+    for writer, reader in _BACKENDS:
+        if writer.validate_checkpoint_id(checkpoint_id):
+            unknown = set(options) - set(_accepted(writer, options)) - set(_accepted(reader, options))
+            if unknown:
+                raise CheckpointError(
+                    f"storage options {sorted(unknown)} are not taken by {writer.__name__} or {reader.__name__} "
+                    f"(the backend of {str(checkpoint_id)!r}); see their arguments")
+            return
+
+
+def _accepted(cls: type, options: dict[str, Any]) -> dict[str, Any]:
+    params = inspect.signature(cls.__init__).parameters
+    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        return dict(options)
+    return {k: v for k, v in options.items() if k in params}

@@ -282,8 +282,20 @@ class S3Store(BlobStore):
         return self._sub(f"{self.prefix}/{name}")
 
     def children(self) -> list[str]:
+        """Names under this prefix holding objects, or only the open uploads of a save killed early."""
         start = len(self.prefix) + 1
-        return sorted(p[start:].rstrip("/") for p in self._keys(self.prefix + "/", "/") if p.endswith("/"))
+        found = {p[start:].rstrip("/") for p in self._keys(self.prefix + "/", "/") if p.endswith("/")}
+        try:
+            page: dict = {"IsTruncated": True}
+            marker: dict[str, str] = {}
+            while page.get("IsTruncated"):
+                page = self.client.list_multipart_uploads(Bucket=self.bucket, Prefix=self.prefix + "/", Delimiter="/", **marker)
+                found |= {p["Prefix"][start:].rstrip("/") for p in page.get("CommonPrefixes", [])}
+                found |= {u["Key"][start:].split("/", 1)[0] for u in page.get("Uploads", []) if "/" in u["Key"][start:]}
+                marker = {"KeyMarker": page.get("NextKeyMarker", ""), "UploadIdMarker": page.get("NextUploadIdMarker", "")}
+        except s3_failures() as exc:
+            raise s3_error("listing the uploads of", self.describe(), exc) from exc
+        return sorted(name for name in found if name)
 
     def remove(self) -> None:
         """Delete this checkpoint: its metadata first (it disappears whole), then its objects.
