@@ -7,6 +7,7 @@ that mixes two steps, or lacks a rank's data, shows up when it is read back.
 from __future__ import annotations
 
 import os
+import re
 import time
 from typing import Optional
 
@@ -190,3 +191,72 @@ def skipped_call(rank, world_size, root):
         sd = {"w": torch.full((16,), float(step)), "mine": distckpt.RankLocal(torch.full((2,), step * 10.0 + rank))}
         outcomes[step] = _outcome(lambda: distckpt.save(sd, checkpoint_id=os.path.join(root, f"ck-{step}")))
     return outcomes
+
+
+class _FlakyPlanner(distckpt.DefaultSavePlanner):
+    """Fails local planning when told to (a planner raising on one rank)."""
+
+    fail = False
+
+    def create_local_plan(self):
+        if self.fail:
+            raise RuntimeError("injected planning failure")
+        return super().create_local_plan()
+
+
+SOAK_FAULTS = ("none", "none", "state_dict", "stage", "plan", "write", "commit", "timeout")
+
+
+def soak(rank, world_size, root, seed, steps):
+    """A training loop with async saves through a manager, a random fault on a random rank at about half
+    of the steps (the same draw on every rank). Returns the fault and outcome of each step and what every
+    committed step holds."""
+    import random
+
+    rng = random.Random(seed)
+    plan = [(rng.choice(SOAK_FAULTS), rng.randrange(world_size)) for _ in range(steps)]
+    plan = [(f, 0 if f == "commit" else r) for f, r in plan]  # the coordinator commits
+    manager = distckpt.CheckpointManager(root, keep_last=3)
+    model = Model(rank, None)
+    handles, outcomes = {}, {}
+    timeout_s = float(os.environ["DISTCKPT_TIMEOUT_S"])
+    current = {"step": 0}
+    spent: set[int] = set()
+
+    def at_boundary(kind: str, what: str) -> None:
+        if kind == "stage":  # in the calling thread, during the current step's async_save
+            if plan[current["step"] - 1] == ("stage", rank):
+                _alloc_failure(kind, what)
+            return
+        found = re.search(r"step-(\d{10})", what)  # background saves of earlier steps may still be running
+        if not found or not 1 <= int(found.group(1)) <= steps:
+            return
+        step = int(found.group(1))
+        fault, where = plan[step - 1]
+        if where != rank:
+            return
+        if fault == "write" and kind == "write":
+            raise OSError(5, f"Input/output error (injected at {what})")
+        if fault == "commit" and kind == "rename":
+            raise OSError(5, f"Input/output error (injected at commit {what})")
+        if fault == "timeout" and kind == "write" and step not in spent:
+            spent.add(step)
+            time.sleep(timeout_s + 1)
+
+    with faults.inject(faults.Fault("call", callback=at_boundary)):
+        for i, (fault, where) in enumerate(plan):
+            step = i + 1
+            current["step"] = step
+            model.fail_at = step if (fault == "state_dict" and where == rank) else None
+            planner = _FlakyPlanner()  # one per save: the previous save may still be planning in the background
+            planner.fail = fault == "plan" and where == rank
+            sd = _state(rank, world_size, model, step)
+            try:
+                handles[step] = manager.async_save(step, sd, planner=planner)
+            except distckpt.CheckpointError as exc:
+                outcomes[step] = f"{type(exc).__name__}: {exc}"[:300]
+        for step, h in handles.items():
+            outcomes[step] = _outcome(lambda: h.result(timeout=300))[:300]
+    dist.barrier()
+    committed = {step: _read_back(rank, world_size, manager.path(step)) for step in manager.all_steps()}
+    return {"plan": plan, "outcomes": outcomes, "committed": committed}

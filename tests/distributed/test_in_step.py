@@ -82,3 +82,54 @@ def test_max_in_flight_above_one_across_ranks(tmp_path, world_size):
     for rank, result in enumerate(results):
         assert result["outcomes"] == ["ok"] * 5, result["outcomes"]
         assert result["values"] == [([float(s)], [s * 10.0 + rank] * 2) for s in range(1, 6)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size,seed", [(2, 1), (3, 2), (2, 3)])
+def test_randomized_fault_soak(tmp_path, world_size, seed):
+    """Async saves through a manager with a random fault at a random phase on a random rank, at about every
+    other step: a save with a fault never commits, one without commits, and every committed step holds
+    that step's data from every rank."""
+    steps = 24
+    results = run_ranks(w.soak, world_size, str(tmp_path), seed, steps, env={"DISTCKPT_TIMEOUT_S": "5"}, timeout_s=900)
+    plan = results[0]["plan"]
+    for rank, result in enumerate(results):
+        out = result["outcomes"]
+        for step, (fault, where) in enumerate(plan, start=1):
+            if fault == "none":
+                assert out[step] == "ok", (rank, step, plan, out)
+            else:
+                assert out[step] != "ok", (rank, step, fault, where, out[step])
+        _check_committed(result, world_size)
+        for step, got in result["committed"].items():
+            assert got["mine"] == [step * 10.0 + rank], (rank, step, got)
+    clean = [s for s, (f, _) in enumerate(plan, start=1) if f == "none"]
+    assert sorted(results[0]["committed"]) == clean[-3:]
+
+
+@pytest.mark.slow
+def test_randomized_fault_soak_on_s3_through_a_faulty_network(tmp_path):
+    """The same soak on S3, with the network between the ranks and the store also failing now and then:
+    503s on part uploads, lost answers to commits, ranged reads cut short. Those are absorbed by retries."""
+    from distckpt.testing import FaultProxy, Rule
+
+    from ..storage.s3_server import new_bucket, s3_server
+
+    with s3_server() as endpoint, FaultProxy(endpoint) as proxy:
+        import boto3
+
+        bucket = new_bucket(boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1"))
+        proxy.add(Rule("status", method="PUT", query=r"partNumber=", times=6))
+        proxy.add(Rule("drop_response", method="PUT", path=r"/metadata\.json$", header="If-None-Match", times=2))
+        proxy.add(Rule("reset_body", method="GET", header="Range", times=4))
+        results = run_ranks(w.soak, 2, f"s3://{bucket}/soak", 5, 16,
+                            env={"DISTCKPT_TIMEOUT_S": "8", "AWS_ENDPOINT_URL_S3": proxy.url}, timeout_s=900)
+        assert proxy.hits("status") + proxy.hits("drop_response") + proxy.hits("reset_body") > 0
+    plan = results[0]["plan"]
+    for rank, result in enumerate(results):
+        out = result["outcomes"]
+        for step, (fault, where) in enumerate(plan, start=1):
+            assert (out[step] == "ok") == (fault == "none"), (rank, step, fault, where, out[step])
+        _check_committed(result, 2)
+    clean = [s for s, (f, _) in enumerate(plan, start=1) if f == "none"]
+    assert sorted(results[0]["committed"]) == clean[-3:]
