@@ -260,3 +260,22 @@ def soak(rank, world_size, root, seed, steps):
     dist.barrier()
     committed = {step: _read_back(rank, world_size, manager.path(step)) for step in manager.all_steps()}
     return {"plan": plan, "outcomes": outcomes, "committed": committed}
+
+
+def busy_on_one_rank(rank, world_size, root):
+    """Rank 1's previous save is still writing when the next call comes with wait_for_previous=False:
+    that call fails on every rank (rank 0 has room, yet must not go on alone), and the save after commits."""
+    def slow(kind: str, what: str) -> None:
+        if rank == 1 and kind == "write" and "ck-1" in what:
+            time.sleep(1.5)
+
+    with faults.inject(faults.Fault("call", callback=slow)):
+        first = distckpt.async_save({"w": torch.ones(8)}, checkpoint_id=os.path.join(root, "ck-1"))
+        if rank == 0:
+            first.result(timeout=30)  # rank 0 has room for the next save; rank 1 does not
+        second = _outcome(lambda: distckpt.async_save({"w": torch.ones(8)}, checkpoint_id=os.path.join(root, "ck-2"),
+                                                      wait_for_previous=False))
+        first.result(timeout=30)
+        third = _outcome(lambda: distckpt.async_save({"w": torch.ones(8)}, checkpoint_id=os.path.join(root, "ck-3"),
+                                                     wait_for_previous=False).result(timeout=30))
+    return {"second": second, "third": third}

@@ -133,3 +133,11 @@ def test_randomized_fault_soak_on_s3_through_a_faulty_network(tmp_path):
         _check_committed(result, 2)
     clean = [s for s, (f, _) in enumerate(plan, start=1) if f == "none"]
     assert sorted(results[0]["committed"]) == clean[-3:]
+
+
+def test_a_save_refused_on_one_rank_for_a_save_in_flight_is_refused_on_every_rank(tmp_path):
+    results = run_ranks(w.busy_on_one_rank, 2, str(tmp_path), env=ENV, timeout_s=120)
+    for result in results:
+        assert result["second"].startswith("RankFailuresError") and "still in flight" in result["second"], result
+        assert result["third"] == "ok", result
+    assert not os.path.exists(tmp_path / "ck-2")
