@@ -15,6 +15,7 @@ another's; the operation numbers then resume in step.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
 import traceback
@@ -159,6 +160,29 @@ class Coordinator:
             if failure is not None:
                 out = failure
         return self._unwrap(phase, self._broadcast(out), dec_out, local_exc)
+
+    def vote(self, phase: str, failure: Optional[BaseException], flag: bool) -> bool:
+        """Whether any rank raised ``flag``, in one small all_gather, unless a rank brings ``failure``
+        or is in another operation: then every rank raises, naming who and why (a second exchange)."""
+        if not self.use_dist:
+            if failure is not None:
+                self._single(phase, lambda: _raise(failure))
+            return flag
+        tag = int.from_bytes(hashlib.blake2b(self.identity.encode(), digest_size=7).digest(), "big")
+        mine = torch.tensor([int(failure is not None), int(flag), self._number or 0, tag], dtype=torch.int64, device=self.device)
+        rows = [torch.zeros_like(mine) for _ in range(self.world_size)]
+        self._collective(lambda: self._wait(dist.all_gather(rows, mine, group=self.group, async_op=True)))
+        table = [r.cpu().tolist() for r in rows]
+        if not any(r[0] for r in table) and len({r[3] for r in table}) == 1:
+            return any(r[1] for r in table)
+
+        def local() -> bytes:
+            if failure is not None:
+                raise failure
+            return b""
+
+        self.all_reduce(phase, local, lambda _: b"", lambda b: b, lambda b: b, lambda b: b, lambda b: b)
+        raise CheckpointError(f"checkpoint {phase}: the ranks disagree, but the exchange naming why found nothing")
 
     def all_gather(self, phase: str, local_fn: Callable[[], None]) -> None:
         """local_fn on every rank; raise on every rank if any failed."""
@@ -331,3 +355,6 @@ def _describe(exc: BaseException) -> tuple[str, str]:
             text = f"{text} (at {last.filename}:{last.lineno})"
     return text, type(exc).__name__
 
+
+def _raise(exc: BaseException) -> None:
+    raise exc

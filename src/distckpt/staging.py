@@ -248,14 +248,8 @@ def _agree(channel: Optional[_Channel], checkpoint_id: Any, coordinator_rank: in
     ctrl.timeout_s = 3 * ctrl.timeout_s  # a rank may first wait out its previous save (itself bounded by the timeout)
     ctrl.begin("async_save", checkpoint_id)
 
-    def local() -> bytes:
-        if failure is not None:
-            raise failure
-        return b"1" if channel.broken is not None else b"0"
-
     try:
-        verdict = ctrl.all_reduce("async_save staging", local, lambda votes: b"1" if b"1" in votes else b"0",
-                                  lambda b: b, lambda b: b, lambda b: b, lambda b: b)
+        replace_group = ctrl.vote("async_save staging", failure, channel.broken is not None)
     except RankFailuresError:
         raise
     except CheckpointError as exc:
@@ -265,7 +259,7 @@ def _agree(channel: Optional[_Channel], checkpoint_id: Any, coordinator_rank: in
                 f"before a save failed ({exc}). A rank did not call async_save, or died. Restart the job, or save "
                 "with distckpt.save.")
         raise
-    if verdict == b"1":
+    if replace_group:
         _replace_background_group(channel, current)
     return ctrl._number or 0
 
