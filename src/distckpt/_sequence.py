@@ -5,8 +5,8 @@ from __future__ import annotations
 import gc
 import inspect
 from contextlib import contextmanager
-from typing import Iterator
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -72,3 +72,29 @@ def pick_storage(kind: str, checkpoint_id: Any, given: Any) -> Any:
     if checkpoint_id is not None:
         storage.reset(checkpoint_id)
     return storage
+
+
+@dataclass
+class Prepared:
+    """What a save or load needs before its first collective, or the failure that stopped it on this rank
+    (reported in that collective, so that every rank fails the same call)."""
+
+    storage: Any = None
+    planner: Any = None
+    plain: dict = field(default_factory=dict)
+    objects: dict = field(default_factory=dict)
+    failure: Optional[BaseException] = None
+
+
+def prepare(kind: str, checkpoint_id: Any, storage: Any, planner: Any, default_planner: Callable[[], Any], rank: int,
+            state_dict: dict) -> Prepared:
+    """Pick the storage and planner and take the state (``kind``: writer or reader), catching any failure."""
+    out = Prepared()
+    try:
+        out.storage = pick_storage(kind, checkpoint_id, storage)
+        out.planner = planner if planner is not None else default_planner()
+        tell_rank(out.planner, rank)
+        out.plain, out.objects = split_stateful(state_dict)
+    except Exception as exc:  # noqa: BLE001 - raised on every rank by the first collective
+        out.failure = exc
+    return out

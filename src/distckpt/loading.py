@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any, Optional, Union
 
-from ._sequence import gc_paused, pick_storage, split_stateful, tell_rank
+from ._sequence import gc_paused, pick_storage, prepare
 from .distributed import Coordinator
 from .format.codec import decode_load_plan, dumps, encode_load_plan, loads
 from .metadata import STATE_DICT_TYPE, Metadata
@@ -35,18 +35,10 @@ def load(
     """
     coord = Coordinator(process_group, coordinator_rank)
     coord.begin("load", checkpoint_id)
-    plain: STATE_DICT_TYPE = {}
-    objects: dict = {}
-    failure: Optional[BaseException] = None
-    try:  # reported in the first collective, so that every rank fails this same load
-        storage_reader = pick_storage("reader", checkpoint_id, storage_reader)
-        planner = planner if planner is not None else DefaultLoadPlanner()
-        tell_rank(planner, coord.rank)
-        plain, objects = split_stateful(state_dict)
-    except Exception as exc:  # noqa: BLE001 - raised on every rank by run_load
-        failure = exc
+    ready = prepare("reader", checkpoint_id, storage_reader, planner, DefaultLoadPlanner, coord.rank, state_dict)
+    plain, objects = ready.plain, ready.objects
     with gc_paused():
-        run_load(plain, storage_reader, planner, coord, failure=failure)
+        run_load(plain, ready.storage, ready.planner, coord, failure=ready.failure)
     for key, value in plain.items():
         if key in objects:
             objects[key].load_state_dict(value)

@@ -6,7 +6,7 @@ import os
 from dataclasses import replace
 from typing import Any, Optional, Union
 
-from ._sequence import call_set_up, gc_paused, pick_storage, split_stateful, tell_rank
+from ._sequence import call_set_up, gc_paused, prepare
 from .distributed import Coordinator
 from .errors import CheckpointError
 from .format.codec import decode_save_plan, decode_write_results, dumps, encode_metadata, encode_save_plan, encode_write_results, lazy_metadata, loads
@@ -43,17 +43,9 @@ def save(
     """
     coord = Coordinator(process_group, coordinator_rank)
     coord.begin("save", checkpoint_id)
-    plain: STATE_DICT_TYPE = {}
-    failure: Optional[BaseException] = None
-    try:  # a failure here is reported in the first collective, so that every rank fails this same save
-        storage_writer = pick_storage("writer", checkpoint_id, storage_writer)
-        planner = planner if planner is not None else DefaultSavePlanner()
-        tell_rank(planner, coord.rank)
-        plain, _ = split_stateful(state_dict)
-    except Exception as exc:  # noqa: BLE001 - raised on every rank by run_save
-        failure = exc
+    ready = prepare("writer", checkpoint_id, storage_writer, planner, DefaultSavePlanner, coord.rank, state_dict)
     with gc_paused():
-        return run_save(plain, storage_writer, planner, coord, failure=failure)
+        return run_save(ready.plain, ready.storage, ready.planner, coord, failure=ready.failure)
 
 
 def _plan_cache(planner: SavePlanner) -> Optional[dict]:

@@ -22,25 +22,6 @@ from distckpt.testing.storage_suite import StorageSuite
 from ..crash.test_manager import ManagerMachine
 from ..distributed import workers
 from ..forking import run_in_fork
-from .s3_server import new_bucket, s3_server
-
-
-@pytest.fixture(scope="module")
-def endpoint():
-    with s3_server() as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def client(endpoint):
-    import boto3
-
-    return boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
-
-
-@pytest.fixture(scope="module")
-def bucket(client):
-    return new_bucket(client)
 
 
 def keys(client, bucket, prefix):

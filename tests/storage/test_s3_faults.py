@@ -16,25 +16,6 @@ from distckpt.backends.leases import Lease, simulate_process_death
 from distckpt.backends.s3 import S3Store
 from distckpt.testing.fault_proxy import FaultProxy, Rule
 
-from .s3_server import new_bucket, s3_server
-
-
-@pytest.fixture(scope="module")
-def endpoint():
-    with s3_server() as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def client(endpoint):
-    import boto3
-
-    return boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
-
-
-@pytest.fixture(scope="module")
-def bucket(client):
-    return new_bucket(client)
 
 
 @pytest.fixture
