@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import threading
 import traceback
 import weakref
@@ -43,7 +44,17 @@ phase_bytes: dict[str, int] = {}
 
 # the number of the latest save or load on each process group (weakly keyed: a destroyed group's count goes with it)
 _op_numbers: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
+_op_numbers_by_id: dict[int, int] = {}
 _op_lock = threading.Lock()
+
+
+def _fresh_lock_in_child() -> None:
+    global _op_lock
+    _op_lock = threading.Lock()  # a parent's thread may have held it at the fork
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_fresh_lock_in_child)
 
 
 class Coordinator:
@@ -93,24 +104,31 @@ class Coordinator:
         self.identity = f"{operation} #{number}{where}"
         return self.identity
 
-    def _group_key(self) -> Any:
-        return self.group if self.group is not None else dist.group.WORLD
+    def _counts(self) -> tuple[Any, Any]:
+        """Where this group's operation count lives, and its key there (groups that take no weak
+        reference are counted by id, for the life of the process)."""
+        group = self.group if self.group is not None else dist.group.WORLD
+        try:
+            weakref.ref(group)
+            return _op_numbers, group
+        except TypeError:
+            return _op_numbers_by_id, id(group)
 
     def _next_number(self) -> int:
         if not self.use_dist:
             return 0
         with _op_lock:
-            key = self._group_key()
-            number = _op_numbers.get(key, 0) + 1
-            _op_numbers[key] = number
+            counts, key = self._counts()
+            number = counts.get(key, 0) + 1
+            counts[key] = number
             return number
 
     def _resume_at(self, number: int) -> None:
         """After operations out of step: count on from the highest number any rank reached."""
         if self.use_dist and self._number is not None:
             with _op_lock:
-                key = self._group_key()
-                _op_numbers[key] = max(_op_numbers.get(key, 0), number)
+                counts, key = self._counts()
+                counts[key] = max(counts.get(key, 0), number)
 
     # ------------------------------------------------------------ phases
 
