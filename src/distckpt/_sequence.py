@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 import inspect
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
@@ -98,3 +100,23 @@ def prepare(kind: str, checkpoint_id: Any, storage: Any, planner: Any, default_p
     except Exception as exc:  # noqa: BLE001 - raised on every rank by the first collective
         out.failure = exc
     return out
+
+
+def storage_by_position(name: str) -> Callable:
+    """Accept DCP's older call form ``fn(state_dict, storage)`` for the keyword ``name``, with a warning."""
+
+    def wrap(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def call(state_dict: Any, *rest: Any, **kwargs: Any) -> Any:
+            if rest:
+                if len(rest) > 1 or name in kwargs:
+                    raise TypeError(f"{fn.__name__}() takes the state dict and at most one positional {name}; "
+                                    f"pass the other arguments by name")
+                warnings.warn(f"{fn.__name__}(state_dict, {name}) is DCP's older call form; pass {name}= by name",
+                              FutureWarning, stacklevel=2)
+                kwargs[name] = rest[0]
+            return fn(state_dict, **kwargs)
+
+        return call
+
+    return wrap

@@ -61,12 +61,14 @@ class Coordinator:
     """Runs checkpoint phases across the ranks of ``process_group``.
 
     ``coordinator_rank`` is a rank within the group. Without an initialised
-    process group, this is a group of one and no collective is called.
+    process group, or with ``no_dist``, this is a group of one and no
+    collective is called.
     """
 
-    def __init__(self, process_group: Any = None, coordinator_rank: int = 0, timeout_s: Optional[float] = None):
+    def __init__(self, process_group: Any = None, coordinator_rank: int = 0, timeout_s: Optional[float] = None,
+                 no_dist: bool = False):
         self.timeout_s = timeout_s if timeout_s is not None else knobs.collective_timeout_s()
-        self.use_dist = dist is not None and dist.is_available() and dist.is_initialized()
+        self.use_dist = not no_dist and dist is not None and dist.is_available() and dist.is_initialized()
         self.group = process_group
         if self.use_dist:
             self.rank = dist.get_rank(process_group)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any, Optional, Union
 
-from ._sequence import gc_paused, pick_storage, prepare
+from ._sequence import gc_paused, pick_storage, prepare, storage_by_position
 from .distributed import Coordinator
 from .format.codec import decode_load_plan, dumps, encode_load_plan, loads
 from .metadata import STATE_DICT_TYPE, Metadata
@@ -16,6 +16,7 @@ from .storage import StorageReader
 __all__ = ["load", "read_metadata"]
 
 
+@storage_by_position("storage_reader")
 def load(
     state_dict: STATE_DICT_TYPE,
     *,
@@ -24,6 +25,7 @@ def load(
     planner: Optional[LoadPlanner] = None,
     process_group: Any = None,
     coordinator_rank: int = 0,
+    no_dist: bool = False,
 ) -> None:
     """Load a checkpoint into ``state_dict`` in place, collectively over ``process_group``.
 
@@ -31,9 +33,10 @@ def load(
     any sharding) is filled from whatever chunks of the checkpoint overlap it,
     so a checkpoint saved at any world size loads at any other. Non-tensor
     values are replaced; Stateful objects get ``load_state_dict`` afterwards.
-    Checksums are verified as data is read.
+    Checksums are verified as data is read. ``no_dist`` and the older call
+    form ``load(state_dict, storage_reader)`` work as for :func:`save`.
     """
-    coord = Coordinator(process_group, coordinator_rank)
+    coord = Coordinator(process_group, coordinator_rank, no_dist=no_dist)
     coord.begin("load", checkpoint_id)
     ready = prepare("reader", checkpoint_id, storage_reader, planner, DefaultLoadPlanner, coord.rank, state_dict)
     plain, objects = ready.plain, ready.objects

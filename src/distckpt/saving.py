@@ -6,7 +6,7 @@ import os
 from dataclasses import replace
 from typing import Any, Optional, Union
 
-from ._sequence import call_set_up, gc_paused, prepare
+from ._sequence import call_set_up, gc_paused, prepare, storage_by_position
 from .distributed import Coordinator
 from .errors import CheckpointError
 from .format.codec import decode_save_plan, decode_write_results, dumps, encode_metadata, encode_save_plan, encode_write_results, lazy_metadata, loads
@@ -22,6 +22,7 @@ from .storage import StorageWriter
 __all__ = ["save"]
 
 
+@storage_by_position("storage_writer")
 def save(
     state_dict: STATE_DICT_TYPE,
     *,
@@ -30,6 +31,7 @@ def save(
     planner: Optional[SavePlanner] = None,
     process_group: Any = None,
     coordinator_rank: int = 0,
+    no_dist: bool = False,
 ) -> Metadata:
     """Save ``state_dict`` as one checkpoint, collectively over the ranks of ``process_group``.
 
@@ -39,9 +41,12 @@ def save(
     is chosen from ``checkpoint_id`` when ``storage_writer`` is not given: a
     directory path, or ``memory://name``. Returns the checkpoint's metadata on
     every rank. Any failure on any rank raises a CheckpointError on every rank,
-    and nothing is committed.
+    and nothing is committed. ``no_dist=True`` saves this process's state
+    alone, without collectives, even where a process group is initialised.
+    ``save(state_dict, storage_writer)`` (DCP's older form) works, with a
+    FutureWarning.
     """
-    coord = Coordinator(process_group, coordinator_rank)
+    coord = Coordinator(process_group, coordinator_rank, no_dist=no_dist)
     coord.begin("save", checkpoint_id)
     ready = prepare("writer", checkpoint_id, storage_writer, planner, DefaultSavePlanner, coord.rank, state_dict)
     with gc_paused():

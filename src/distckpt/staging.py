@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterator, Optional, Union
 import torch
 
 from . import faults, knobs
-from ._sequence import pick_storage, split_stateful, tell_rank
+from ._sequence import pick_storage, split_stateful, storage_by_position, tell_rank
 from .backends.device_copy import pin_in_place, unpin_in_place
 from .backends.direct_io import release_bounce_buffers
 from .distributed import Coordinator, dist
@@ -398,6 +398,7 @@ def _lower_priority() -> None:
         pass
 
 
+@storage_by_position("storage_writer")
 def async_save(
     state_dict: STATE_DICT_TYPE,
     *,
@@ -409,6 +410,7 @@ def async_save(
     max_in_flight: int = 1,
     wait_for_previous: bool = True,
     on_commit: Optional[Callable[[Metadata], None]] = None,
+    no_dist: bool = False,
 ) -> AsyncSaveHandle:
     """Save like :func:`distckpt.save`, blocking only while the state is copied to host memory.
 
@@ -446,7 +448,7 @@ def async_save(
             break
         _wait_for(oldest)
 
-    channel = _channel(process_group)
+    channel = None if no_dist else _channel(process_group)
     handle = AsyncSaveHandle(checkpoint_id)
     with _STATE.lock:
         pool = _STATE.free_pools.pop() if _STATE.free_pools else _BufferPool()
@@ -467,7 +469,7 @@ def async_save(
         failure = exc
     try:
         number = _agree(channel, checkpoint_id, coordinator_rank, failure, handle)
-        coord = Coordinator(channel.background if channel is not None else None, coordinator_rank)
+        coord = Coordinator(channel.background if channel is not None else None, coordinator_rank, no_dist=no_dist)
         coord.begin("async save", checkpoint_id, number=number)
         tell_rank(planner, coord.rank)
     except BaseException as exc:

@@ -279,3 +279,17 @@ def busy_on_one_rank(rank, world_size, root):
         third = _outcome(lambda: distckpt.async_save({"w": torch.ones(8)}, checkpoint_id=os.path.join(root, "ck-3"),
                                                      wait_for_previous=False).result(timeout=30))
     return {"second": second, "third": third}
+
+
+def no_dist_on_one_rank(rank, world_size, root):
+    """Only rank 1 saves and loads, with no_dist: no collective, so rank 0 is not needed."""
+    if rank == 1:
+        path = os.path.join(root, "alone")
+        md = distckpt.save({"w": torch.full((3,), 5.0)}, checkpoint_id=path, no_dist=True)
+        out = {"w": torch.zeros(3)}
+        distckpt.load(out, checkpoint_id=path, no_dist=True)
+        handle = distckpt.async_save({"w": torch.full((3,), 6.0)}, checkpoint_id=path + "-async", no_dist=True)
+        handle.result(timeout=30)
+        distckpt.load(out, checkpoint_id=path + "-async", no_dist=True)
+        return {"loaded": out["w"].tolist(), "files": len({v.file for v in md.storage_data.items.values()})}
+    return None

@@ -141,3 +141,8 @@ def test_a_save_refused_on_one_rank_for_a_save_in_flight_is_refused_on_every_ran
         assert result["second"].startswith("RankFailuresError") and "still in flight" in result["second"], result
         assert result["third"] == "ok", result
     assert not os.path.exists(tmp_path / "ck-2")
+
+
+def test_no_dist_saves_and_loads_one_process_alone_in_an_initialised_group(tmp_path):
+    results = run_ranks(w.no_dist_on_one_rank, 2, str(tmp_path), env={"DISTCKPT_TIMEOUT_S": "10"}, timeout_s=60)
+    assert results[0] is None and results[1] == {"loaded": [6.0, 6.0, 6.0], "files": 1}

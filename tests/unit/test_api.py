@@ -254,3 +254,32 @@ def test_metadata_returned_by_save_decodes_on_first_use_and_behaves_as_metadata(
     assert changed.version == "9" and changed.planner_data == read.planner_data
     with pytest.raises(distckpt.CorruptCheckpointError, match="checksum"):
         lazy_metadata(raw[:-12] + b'00000000"}\n', "test")
+
+
+def test_dcp_older_call_form_takes_the_storage_by_position(tmp_path):
+    path = str(tmp_path / "ck")
+    with pytest.warns(FutureWarning, match="storage_writer"):
+        distckpt.save({"w": torch.arange(4.0)}, distckpt.FileSystemWriter(path))
+    out = {"w": torch.zeros(4)}
+    with pytest.warns(FutureWarning, match="storage_reader"):
+        distckpt.load(out, distckpt.FileSystemReader(path))
+    assert torch.equal(out["w"], torch.arange(4.0))
+    with pytest.raises(TypeError, match="at most one positional"):
+        distckpt.load(out, distckpt.FileSystemReader(path), storage_reader=distckpt.FileSystemReader(path))
+
+
+def test_each_load_has_a_load_id_that_planners_see(tmp_path):
+    path = str(tmp_path / "ck")
+    distckpt.save({"w": torch.ones(2)}, checkpoint_id=path)
+    seen = []
+
+    class Planner(distckpt.DefaultLoadPlanner):
+        def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):
+            seen.append(metadata.storage_meta.load_id)
+            super().set_up_planner(state_dict, metadata, is_coordinator)
+
+    reader = distckpt.FileSystemReader(path)
+    first = reader.load_id
+    distckpt.load({"w": torch.zeros(2)}, checkpoint_id=path, storage_reader=reader, planner=Planner())
+    distckpt.load({"w": torch.zeros(2)}, checkpoint_id=path, storage_reader=reader, planner=Planner())
+    assert first and len(set(seen)) == 2 and seen[-1] == reader.load_id

@@ -342,6 +342,7 @@ class BlobStorageReader(StorageReader):
     def __init__(self, verify_checksums: bool = True, thread_count: Optional[int] = None):
         self.verify_checksums = verify_checksums
         self.thread_count = thread_count
+        self.load_id = uuid.uuid4().hex  # names this load to planners (StorageMeta.load_id); new at each reset
 
     def _store(self) -> BlobStore:
         raise NotImplementedError
@@ -351,6 +352,7 @@ class BlobStorageReader(StorageReader):
 
     def reset(self, checkpoint_id=None) -> None:
         self.metadata = None
+        self.load_id = uuid.uuid4().hex
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         store = self._store()
@@ -370,6 +372,7 @@ class BlobStorageReader(StorageReader):
         if md.storage_meta is None:
             md.storage_meta = StorageMeta()
         md.storage_meta.checkpoint_id = self._checkpoint_id()
+        md.storage_meta.load_id = self.load_id
         return md
 
     def data_file_sizes(self, metadata: Metadata) -> dict[str, int]:
