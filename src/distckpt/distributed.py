@@ -106,6 +106,11 @@ class Coordinator:
         self.identity = f"{operation} #{number}{where}"
         return self.identity
 
+    @property
+    def number(self) -> int:
+        """This operation's number on its process group (0 before :meth:`begin`, or alone)."""
+        return self._number or 0
+
     def _counts(self) -> tuple[Any, Any]:
         """Where this group's operation count lives, and its key there (groups that take no weak
         reference are counted by id, for the life of the process)."""
@@ -189,7 +194,7 @@ class Coordinator:
                 self._single(phase, lambda: _raise(failure))
             return flag
         tag = int.from_bytes(hashlib.blake2b(self.identity.encode(), digest_size=7).digest(), "big")
-        mine = torch.tensor([int(failure is not None), int(flag), self._number or 0, tag], dtype=torch.int64, device=self.device)
+        mine = torch.tensor([int(failure is not None), int(flag), self.number, tag], dtype=torch.int64, device=self.device)
         rows = [torch.zeros_like(mine) for _ in range(self.world_size)]
         self._collective(lambda: self._wait(dist.all_gather(rows, mine, group=self.group, async_op=True)))
         table = [r.cpu().tolist() for r in rows]
@@ -267,7 +272,7 @@ class Coordinator:
 
     def _out_of_step(self, strangers: dict[int, str], failures: dict[int, tuple[str, str]]) -> bytes:
         """The failure of a phase whose ranks are in different saves or loads (and what else failed in it)."""
-        numbers = [self._number or 0]
+        numbers = [self.number]
         for rank, ident in strangers.items():
             own = failures.get(rank)
             failures[rank] = (("" if own is None else f"{own[1]}: {own[0]}; and ") + f"rank {rank} is in {ident or 'no distckpt operation'} while the coordinator (rank "

@@ -15,6 +15,7 @@ from .errors import CheckpointError, CheckpointNotFoundError, InvalidStepError
 from .loading import load
 from .metadata import STATE_DICT_TYPE, Metadata
 from .saving import save
+from .staging import async_save
 
 __all__ = ["CheckpointManager"]
 
@@ -137,8 +138,6 @@ class CheckpointManager:
 
     def async_save(self, step: int, state_dict: STATE_DICT_TYPE, **kwargs: Any):
         """Like :meth:`save`, but returns after staging; retention runs after the commit."""
-        from .staging import async_save
-
         is_coordinator = self._coord.is_coordinator
         kwargs.setdefault("storage_writer", self._writer())
         return async_save(state_dict, checkpoint_id=self._writable_path(step), process_group=self.process_group,

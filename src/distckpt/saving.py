@@ -6,6 +6,7 @@ import os
 from dataclasses import replace
 from typing import Any, Optional, Union
 
+from .backends.blob_storage import FILE_RESULT_PREFIX, BlobStorageWriter
 from ._sequence import call_set_up, gc_paused, prepare, storage_by_position
 from .distributed import Coordinator
 from .errors import CheckpointError
@@ -65,8 +66,6 @@ def _plan_cache(planner: SavePlanner) -> Optional[dict]:
 
 def _columnar_eligible(planner: SavePlanner, writer: StorageWriter) -> bool:
     """Whether this save may plan on columns: the default planner's global step and distckpt's writer, unmodified."""
-    from .backends.blob_storage import BlobStorageWriter
-
     return (isinstance(planner, DefaultSavePlanner) and planner.dedup_replicated_tensors
             and type(planner).create_global_plan is DefaultSavePlanner.create_global_plan
             and isinstance(writer, BlobStorageWriter)
@@ -222,8 +221,6 @@ def run_save(state_dict: STATE_DICT_TYPE, writer: Optional[StorageWriter], plann
 
     def enc_results(results) -> bytes:
         if via_keep and written and written[0] is central_plan:
-            from .backends.blob_storage import FILE_RESULT_PREFIX
-
             raw = encode_result_columns(results, central_plan, FILE_RESULT_PREFIX)
             if raw is not None:
                 return raw
@@ -276,7 +273,5 @@ def _as_results(plan: ColumnarPlan, rank: int, results):
     """A rank's write results as objects (when another rank sent them in the general form)."""
     if not isinstance(results, ResultColumns):
         return results
-    from .backends.blob_storage import FILE_RESULT_PREFIX
-
     items = [it for it, k in zip(plan.all_cols[rank].to_plan().items, plan.keep[rank].tolist()) if k]
     return results.to_results(items, FILE_RESULT_PREFIX)

@@ -261,7 +261,7 @@ def _agree(channel: Optional[_Channel], checkpoint_id: Any, coordinator_rank: in
         raise
     if replace_group:
         _replace_background_group(channel, current)
-    return ctrl._number or 0
+    return ctrl.number
 
 
 def _replace_background_group(channel: _Channel, current: Any) -> None:

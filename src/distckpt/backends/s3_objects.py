@@ -92,9 +92,6 @@ class S3Session:
             raise StorageIOError(f"S3 {action} not started: this operation passed its deadline of {self.deadline_s:.0f}s "
                                  "(DISTCKPT_S3_DEADLINE_S); raise it for larger checkpoints or a slower store")
 
-    def remaining_s(self) -> Optional[float]:
-        return None if self.deadline is None else self.deadline - time.monotonic()
-
 
 class SessionClient:
     """A boto3 client whose every call first checks its session (see S3Session)."""

@@ -27,7 +27,6 @@ import ipaddress
 import re
 import socket
 import threading
-import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Optional
@@ -211,12 +210,3 @@ def _handler(proxy: FaultProxy) -> type:
 
     return Handler
 
-
-def wait_for(predicate, timeout_s: float = 10.0, every_s: float = 0.05) -> bool:
-    """Poll ``predicate`` until it is true or ``timeout_s`` passes; whether it became true."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(every_s)
-    return bool(predicate())
