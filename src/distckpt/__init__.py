@@ -18,19 +18,27 @@ from .errors import (
     NotRegularFileError,
     StagingMemoryError,
     RankFailuresError,
+    RemoteRankError,
     ShapeMismatchError,
     StorageIOError,
     UnsafeValueError,
     UnsupportedTensorError,
+    WrappedException,
 )
-from .loading import load, read_metadata
+from .loading import load, load_state_dict, read_metadata
 from .manager import CheckpointManager
+from .metadata import BytesStorageMetadata, ChunkStorageMetadata, Metadata, TensorStorageMetadata
 from .optim import init_optimizer_state
+from .planner import LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner, WriteItem
 from .planning import DefaultLoadPlanner, DefaultSavePlanner, RankLocal
-from .saving import save
+from .saving import save, save_state_dict
 from .staging import AsyncSaveHandle, async_save, release_buffers
 from .stateful import Stateful
+from .storage import StorageReader, StorageWriter
 from .verification import VerifyReport, verify
+
+#: DCP's name for the error every rank raises when a collective phase failed somewhere.
+CheckpointException = RankFailuresError
 
 __version__ = "0.1.0"
 
@@ -41,6 +49,8 @@ __all__ = [
     "release_buffers",
     "load",
     "read_metadata",
+    "save_state_dict",
+    "load_state_dict",
     "CheckpointManager",
     "verify",
     "VerifyReport",
@@ -63,10 +73,25 @@ __all__ = [
     "NotRegularFileError",
     "StagingMemoryError",
     "RankFailuresError",
+    "CheckpointException",
+    "RemoteRankError",
+    "WrappedException",
     "ShapeMismatchError",
     "StorageIOError",
     "UnsafeValueError",
     "UnsupportedTensorError",
+    "Metadata",
+    "TensorStorageMetadata",
+    "BytesStorageMetadata",
+    "ChunkStorageMetadata",
+    "SavePlanner",
+    "LoadPlanner",
+    "SavePlan",
+    "LoadPlan",
+    "WriteItem",
+    "ReadItem",
+    "StorageWriter",
+    "StorageReader",
     "metadata",
     "planner",
     "storage",

@@ -15,6 +15,7 @@ another's; the operation numbers then resume in step.
 
 from __future__ import annotations
 
+import builtins
 import hashlib
 import json
 import os
@@ -26,7 +27,8 @@ from typing import Any, Callable, Optional, TypeVar
 import torch
 
 from . import faults, knobs
-from .errors import CheckpointError, RankFailuresError
+from . import errors
+from .errors import CheckpointError, WrappedException, RankFailuresError, RemoteRankError, describe_type
 
 try:
     import torch.distributed as dist
@@ -91,6 +93,7 @@ class Coordinator:
         self.identity = ""
         self.transport_failed = False  # a collective timed out or broke: this group is no longer in step
         self._number: Optional[int] = None
+        self._own_failure: Optional[BaseException] = None  # raised by this rank's global step, if it failed
         faults.set_rank(self.rank)
 
     def begin(self, operation: str, checkpoint_id: Any = None, number: Optional[int] = None) -> str:
@@ -159,7 +162,7 @@ class Coordinator:
                         raise CheckpointError(f"global planning returned {len(results)} plans for {self.world_size} ranks")
                     outs = [self._frame(_OK, enc_out(r)) for r in results]
                 except Exception as exc:  # noqa: BLE001 - reported to every rank
-                    failure = self._abort({self.rank: _describe(exc)})
+                    failure = self._abort({self.rank: self._own(exc)})
             if failure is not None:
                 outs = [failure] * self.world_size
         mine = self._scatter(outs)
@@ -181,7 +184,7 @@ class Coordinator:
                 try:
                     out = self._frame(_OK, enc_out(global_fn(values)))
                 except Exception as exc:  # noqa: BLE001
-                    failure = self._abort({self.rank: _describe(exc)})
+                    failure = self._abort({self.rank: self._own(exc)})
             if failure is not None:
                 out = failure
         return self._unwrap(phase, self._broadcast(out), dec_out, local_exc)
@@ -216,12 +219,13 @@ class Coordinator:
     # ------------------------------------------------------------ helpers
 
     def _single(self, phase: str, fn: Callable[[], Any]) -> Any:
+        """fn alone, its failure raised as the group's would be (so callers catch the same error at any size)."""
         try:
             return fn()
-        except CheckpointError:
+        except RankFailuresError:
             raise
         except Exception as exc:
-            raise RankFailuresError(phase, {0: _describe(exc)[0]}, cause_types={0: _describe(exc)[1]}) from exc
+            raise RankFailuresError.of(phase, {self.rank: exc}) from exc
 
     def _frame(self, status: int, body: bytes) -> bytes:
         """A message: status byte, this operation's identity (length-prefixed), body."""
@@ -233,8 +237,13 @@ class Coordinator:
         n = int.from_bytes(raw[1:3], "big")
         return raw[0], raw[3:3 + n].decode(errors="replace"), raw[3 + n:]
 
-    def _abort(self, failures: dict[int, tuple[str, str]], resume: Optional[int] = None) -> bytes:
-        info: dict[str, Any] = {"failures": {str(r): list(v) for r, v in failures.items()}}
+    def _own(self, exc: BaseException) -> dict:
+        """Describe an exception this rank raised, keeping it to raise in place of its rebuilt copy."""
+        self._own_failure = exc
+        return describe(exc)
+
+    def _abort(self, failures: dict[int, dict], resume: Optional[int] = None) -> bytes:
+        info: dict[str, Any] = {"failures": {str(r): v for r, v in failures.items()}}
         if resume is not None:
             info["resume"] = resume
         return self._frame(_ABORT, json.dumps(info).encode())
@@ -243,11 +252,10 @@ class Coordinator:
         try:
             return self._frame(_OK, enc(fn())), None
         except Exception as exc:  # noqa: BLE001 - every failure is reported to the group
-            text, kind = _describe(exc)
-            return self._frame(_ERR, json.dumps({"err": text, "type": kind}).encode()), exc
+            return self._frame(_ERR, json.dumps(describe(exc)).encode()), exc
 
     def _decode_all(self, gathered: list[bytes], dec: Callable[[bytes], T]) -> tuple[list[T], Optional[bytes]]:
-        failures: dict[int, tuple[str, str]] = {}
+        failures: dict[int, dict] = {}
         values: list = []
         strangers: dict[int, str] = {}
         for rank, raw in enumerate(gathered):
@@ -257,8 +265,7 @@ class Coordinator:
             if status == _OK:
                 values.append(body)
             else:
-                info = json.loads(body.decode())
-                failures[rank] = (info["err"], info["type"])
+                failures[rank] = json.loads(body.decode())
         if strangers:
             return [], self._out_of_step(strangers, failures)
         if failures:
@@ -267,18 +274,18 @@ class Coordinator:
         try:
             decoded = [dec(v) for v in values]
         except Exception as exc:  # noqa: BLE001
-            return [], self._abort({self.rank: _describe(exc)})
+            return [], self._abort({self.rank: self._own(exc)})
         return decoded, None
 
-    def _out_of_step(self, strangers: dict[int, str], failures: dict[int, tuple[str, str]]) -> bytes:
+    def _out_of_step(self, strangers: dict[int, str], failures: dict[int, dict]) -> bytes:
         """The failure of a phase whose ranks are in different saves or loads (and what else failed in it)."""
         numbers = [self.number]
         for rank, ident in strangers.items():
             own = failures.get(rank)
-            failures[rank] = (("" if own is None else f"{own[1]}: {own[0]}; and ") + f"rank {rank} is in {ident or 'no distckpt operation'} while the coordinator (rank "
+            failures[rank] = describe(CheckpointError(("" if own is None else f"{own['type']}: {own['msg']}; and ") + f"rank {rank} is in {ident or 'no distckpt operation'} while the coordinator (rank "
                               f"{self.rank}) is in {self.identity}: the ranks' save/load calls are out of step (a rank "
                               "skipped or repeated a call, or passed another checkpoint_id); nothing was written by "
-                              "this call, and the next call on every rank is numbered alike again", "OutOfStep")
+                              "this call, and the next call on every rank is numbered alike again"))
             number = ident.partition("#")[2].split(" ", 1)[0]
             if number.isdigit():
                 numbers.append(int(number))
@@ -297,9 +304,12 @@ class Coordinator:
         info = json.loads(body.decode())
         if "resume" in info:
             self._resume_at(int(info["resume"]))
-        failures = {int(r): v[0] for r, v in info["failures"].items()}
-        kinds = {int(r): v[1] for r, v in info["failures"].items()}
-        raise RankFailuresError(phase, failures, cause_types=kinds) from local_exc
+        failures = {int(r): rebuild(v) for r, v in info["failures"].items()}
+        own = local_exc if local_exc is not None else self._own_failure
+        if own is not None and self.rank in failures:
+            failures[self.rank] = WrappedException(own, traceback.extract_tb(own.__traceback__))
+        self._own_failure = None
+        raise RankFailuresError.of(phase, failures) from local_exc
 
     # ------------------------------------------------------------ byte transport
 
@@ -371,14 +381,40 @@ class Coordinator:
         return self._collective(run)
 
 
-def _describe(exc: BaseException) -> tuple[str, str]:
-    text = str(exc) or repr(exc)
-    if not isinstance(exc, CheckpointError):
-        tb = traceback.extract_tb(exc.__traceback__)
-        if tb:
-            last = tb[-1]
-            text = f"{text} (at {last.filename}:{last.lineno})"
-    return text, type(exc).__name__
+def describe(exc: BaseException) -> dict:
+    """An exception as JSON for the other ranks: its type, text, plain arguments and stack (no pickle)."""
+    args = list(exc.args) if all(isinstance(a, (str, int, float, bool, type(None))) for a in exc.args) else None
+    stack = [[f.filename, f.lineno, f.name, f.line or ""] for f in traceback.extract_tb(exc.__traceback__)]
+    return {"module": type(exc).__module__, "type": describe_type(exc), "msg": str(exc) or repr(exc), "args": args,
+            "tb": stack}
+
+
+def rebuild(info: dict) -> WrappedException:
+    """The exception another rank described, as an instance of its own type where that type is allowed here:
+    a built-in exception or one of distckpt's errors; any other becomes a RemoteRankError."""
+    module, name, msg = info.get("module"), str(info.get("type")), str(info.get("msg"))
+    kind: Any = None
+    if module == "builtins":
+        kind = getattr(builtins, name, None)
+    elif module == errors.__name__ and name in errors.__all__:
+        kind = getattr(errors, name)
+    stack = traceback.StackSummary.from_list([tuple(f) for f in info.get("tb") or []])
+    if not (isinstance(kind, type) and issubclass(kind, BaseException)) or issubclass(kind, (RankFailuresError, RemoteRankError)):
+        return WrappedException(RemoteRankError(f"{module}.{name}" if module else name, msg), stack)
+    exc = _construct(kind, info.get("args"), msg)
+    return WrappedException(exc if exc is not None else RemoteRankError(name, msg), stack)
+
+
+def _construct(kind: type, args: Optional[list], msg: str) -> Optional[BaseException]:
+    """``kind(*args)``, else ``kind(msg)``: the exception as its rank had it, or None if neither works."""
+    for attempt in ([args] if args is not None else []) + [[msg]]:
+        try:
+            exc = kind(*attempt)
+        except Exception:  # noqa: BLE001 - a type whose constructor wants other arguments
+            continue
+        if isinstance(exc, kind):
+            return exc
+    return None
 
 
 def _raise(exc: BaseException) -> None:

@@ -8,7 +8,8 @@ Messages name the checkpoint, the file, the key, and what to do about it.
 
 from __future__ import annotations
 
-from typing import Mapping, Optional
+import traceback
+from typing import Mapping, NamedTuple
 
 __all__ = [
     "CheckpointError",
@@ -21,6 +22,8 @@ __all__ = [
     "CorruptCheckpointError",
     "FormatVersionError",
     "RankFailuresError",
+    "WrappedException",
+    "RemoteRankError",
     "StorageIOError",
     "InvalidStepError",
     "NotRegularFileError",
@@ -67,23 +70,84 @@ class FormatVersionError(CheckpointError, ValueError):
     """The checkpoint was written in a format version this reader does not support."""
 
 
+class WrappedException(NamedTuple):
+    """What one rank raised in a collective phase: the exception and where it was raised.
+
+    A tuple, as DCP's ``CheckpointException.failures`` values are, so
+    ``failures[rank][0]`` is the exception there too.
+    """
+
+    exception: BaseException
+    traceback: traceback.StackSummary
+
+
 class RankFailuresError(CheckpointError):
     """One or more ranks failed during a collective checkpoint phase.
 
-    ``failures`` maps each failing rank to the text of its error. Every rank of
-    the group raises this same error, so no rank is left waiting.
+    ``failures`` maps each failing rank to a :class:`WrappedException`: the
+    exception that rank raised, rebuilt on every rank with its type (built-in
+    exceptions and this family; any other type arrives as
+    :class:`RemoteRankError`), and its stack. Every rank of the group raises
+    this same error, so no rank is left waiting. When every failing rank
+    raised the same error of this family, the error raised is also an
+    instance of that class: ``except ShapeMismatchError`` works at any world
+    size. DCP's name for this class, ``CheckpointException``, is an alias.
     """
 
-    def __init__(self, phase: str, failures: Mapping[int, str], *, cause_types: Optional[Mapping[int, str]] = None):
+    def __init__(self, phase: str, failures: Mapping[int, "WrappedException | BaseException"]):
         self.phase = phase
-        self.failures = dict(sorted(failures.items()))
-        self.cause_types = dict(cause_types or {})
+        self.failures: dict[int, WrappedException] = {
+            rank: f if isinstance(f, WrappedException) else WrappedException(f, traceback.extract_tb(f.__traceback__))
+            for rank, f in sorted(failures.items())}
         lines = [f"checkpoint {phase} failed on {len(self.failures)} rank(s): {sorted(self.failures)}"]
-        for rank, text in self.failures.items():
-            kind = self.cause_types.get(rank)
-            prefix = f"{kind}: " if kind else ""
-            lines.append(f"  rank {rank}: {prefix}{text}")
+        for rank, (exc, _) in self.failures.items():
+            lines.append(f"  rank {rank}: {describe_type(exc)}: {exc}")
         super().__init__("\n".join(lines))
+
+    def __reduce__(self):  # the joint classes are not importable by name: rebuild through of()
+        return RankFailuresError.of, (self.phase, self.failures)
+
+    @classmethod
+    def of(cls, phase: str, failures: Mapping[int, "WrappedException | BaseException"]) -> "RankFailuresError":
+        """The error for ``failures``: of a class that is also the failing ranks' common class, if they share one
+        of this family (so a caller's ``except MissingKeyError`` still catches a load that failed on every rank)."""
+        kinds = {type(f[0] if isinstance(f, WrappedException) else f) for f in failures.values()}
+        kind = kinds.pop() if len(kinds) == 1 else None
+        if (kind is None or kind is CheckpointError or not issubclass(kind, CheckpointError)
+                or issubclass(kind, (RankFailuresError, RemoteRankError))):
+            return cls(phase, failures)
+        return _joint_class(kind)(phase, failures)
+
+
+_joint_classes: dict[type, type] = {}
+
+
+def _joint_class(kind: type) -> type:
+    """RankFailuresError and ``kind`` in one class (one per ``kind``, so its identity is stable)."""
+    joint = _joint_classes.get(kind)
+    if joint is None:
+        # named as the base, so logs and ``type(e).__name__`` checks read the same at any world size
+        joint = type("RankFailuresError", (RankFailuresError, kind), {
+            "__init__": RankFailuresError.__init__, "__str__": lambda self: str(self.args[0]) if self.args else "",
+            "__module__": __name__, "__qualname__": "RankFailuresError"})
+        _joint_classes[kind] = joint
+    return joint
+
+
+def describe_type(exc: BaseException) -> str:
+    """The type name to show for ``exc`` (a remote one's own, for RemoteRankError)."""
+    return exc.type_name if isinstance(exc, RemoteRankError) else type(exc).__name__
+
+
+class RemoteRankError(CheckpointError):
+    """Another rank raised an exception of a type this rank does not rebuild (not built in, not of this family).
+
+    ``type_name`` is its qualified type name; the message is its text.
+    """
+
+    def __init__(self, type_name: str, message: str):
+        super().__init__(message)
+        self.type_name = type_name
 
 
 class StorageIOError(CheckpointError, OSError):

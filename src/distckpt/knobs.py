@@ -15,6 +15,7 @@ __all__ = [
     "io_threads",
     "io_batch_bytes",
     "fsync_enabled",
+    "overwrite_committed",
     "direct_io_mode",
     "direct_io_buffer_bytes",
     "memory_budget_bytes",
@@ -109,6 +110,14 @@ def s3_read_piece_bytes() -> int:
 def fsync_enabled() -> bool:
     """Whether data files, metadata and directories are fsynced on save (DISTCKPT_FSYNC, default on)."""
     return _bool("DISTCKPT_FSYNC", True)
+
+
+def overwrite_committed() -> bool:
+    """Whether a save may replace a committed checkpoint at its checkpoint_id when its storage writer was not told
+    (DISTCKPT_OVERWRITE, default off). On, it restores DCP's behaviour for code that saves twice to one path;
+    the old checkpoint still stays whole until the new one commits. A writer's ``overwrite=`` argument and
+    CheckpointManager, which never replaces a step, are not affected."""
+    return _bool("DISTCKPT_OVERWRITE", False)
 
 
 def direct_io_mode() -> str:

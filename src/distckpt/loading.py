@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any, Optional, Union
 
 from ._sequence import gc_paused, pick_storage, prepare, storage_by_position
@@ -13,7 +14,22 @@ from .planner import LoadPlan, LoadPlanner
 from .planning import DefaultLoadPlanner
 from .storage import StorageReader
 
-__all__ = ["load", "read_metadata"]
+__all__ = ["load", "load_state_dict", "read_metadata"]
+
+
+def load_state_dict(
+    state_dict: STATE_DICT_TYPE,
+    storage_reader: StorageReader,
+    process_group: Any = None,
+    coordinator_rank: int = 0,
+    no_dist: bool = False,
+    planner: Optional[LoadPlanner] = None,
+) -> None:
+    """DCP's deprecated name and argument order for :func:`load` (kept so code written for it runs unchanged)."""
+    warnings.warn("load_state_dict is deprecated; use distckpt.load(state_dict, storage_reader=...)", FutureWarning,
+                  stacklevel=2)
+    load(state_dict, storage_reader=storage_reader, process_group=process_group, coordinator_rank=coordinator_rank,
+         no_dist=no_dist, planner=planner)
 
 
 @storage_by_position("storage_reader")

@@ -159,7 +159,8 @@ class CheckpointManager:
         return step
 
     def _writer(self):
-        return backends.writer_for(self.root, **self.storage_options)
+        # a step, once committed, is never replaced: DISTCKPT_OVERWRITE does not reach the manager
+        return backends.writer_for(self.root, **{"overwrite": False, **self.storage_options})
 
     def steps_to_keep(self, steps: list[int]) -> set[int]:
         if not steps:

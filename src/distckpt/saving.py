@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import replace
 from typing import Any, Optional, Union
 
@@ -20,7 +21,7 @@ from .planning.columns import (KEEP_MAGIC, PLAN_MAGIC, RESULTS_MAGIC, PlanColumn
                                encode_plan_columns, encode_result_columns)
 from .storage import StorageWriter
 
-__all__ = ["save"]
+__all__ = ["save", "save_state_dict"]
 
 
 @storage_by_position("storage_writer")
@@ -52,6 +53,21 @@ def save(
     ready = prepare("writer", checkpoint_id, storage_writer, planner, DefaultSavePlanner, coord.rank, state_dict)
     with gc_paused():
         return run_save(ready.plain, ready.storage, ready.planner, coord, failure=ready.failure)
+
+
+def save_state_dict(
+    state_dict: STATE_DICT_TYPE,
+    storage_writer: StorageWriter,
+    process_group: Any = None,
+    coordinator_rank: int = 0,
+    no_dist: bool = False,
+    planner: Optional[SavePlanner] = None,
+) -> Metadata:
+    """DCP's deprecated name and argument order for :func:`save` (kept so code written for it runs unchanged)."""
+    warnings.warn("save_state_dict is deprecated; use distckpt.save(state_dict, storage_writer=...)", FutureWarning,
+                  stacklevel=2)
+    return save(state_dict, storage_writer=storage_writer, process_group=process_group,
+                coordinator_rank=coordinator_rank, no_dist=no_dist, planner=planner)
 
 
 def _plan_cache(planner: SavePlanner) -> Optional[dict]:

@@ -50,7 +50,8 @@ def _done(value: Any) -> Future:
 class BlobStorageWriter(StorageWriter):
     """The protocol's StorageWriter over a blob store; subclasses provide ``_store()``."""
 
-    def __init__(self, sync_files: Optional[bool] = None, thread_count: Optional[int] = None, overwrite: bool = False):
+    def __init__(self, sync_files: Optional[bool] = None, thread_count: Optional[int] = None,
+                 overwrite: Optional[bool] = None):
         self.sync_files = sync_files
         self.thread_count = thread_count
         self.overwrite = overwrite
@@ -63,6 +64,10 @@ class BlobStorageWriter(StorageWriter):
 
     def _checkpoint_id(self) -> str:
         raise NotImplementedError
+
+    def _replaces(self) -> bool:
+        """Whether this save may replace a committed checkpoint: ``overwrite``, else the DISTCKPT_OVERWRITE setting."""
+        return knobs.overwrite_committed() if self.overwrite is None else bool(self.overwrite)
 
     def _sync(self) -> bool:
         return knobs.fsync_enabled() if self.sync_files is None else self.sync_files
@@ -77,12 +82,13 @@ class BlobStorageWriter(StorageWriter):
         self.is_coordinator = is_coordinator
         self.rank = rank
         self.store = self._store()
-        if not self.overwrite and self.store.is_committed():
+        if not self._replaces() and self.store.is_committed():
             raise CheckpointError(
                 f"checkpoint {self._checkpoint_id()!r} already exists and is committed; distckpt does not replace it "
-                "unless asked. Save to a new checkpoint_id, or pass overwrite=True to the storage writer "
+                "unless asked. Save to a new checkpoint_id, or pass overwrite=True to the storage writer, or set "
+                "DISTCKPT_OVERWRITE=1 for DCP's behaviour "
                 "(the old checkpoint stays intact until the new one commits).")
-        if self.overwrite and is_coordinator:
+        if self._replaces() and is_coordinator:
             self.store.check_replaceable()
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
@@ -146,7 +152,7 @@ class BlobStorageWriter(StorageWriter):
                     f"just before commit of checkpoint {self._checkpoint_id()!r}; something else removed or changed this "
                     "save's files. Nothing was committed: save again.")
         staging.put_atomic(METADATA_FILE, document, self._sync())
-        self.store.commit(staging, self.overwrite, self._sync())
+        self.store.commit(staging, self._replaces(), self._sync())
         self.committed_save_id = self.save_id
         self._release_lease()
 

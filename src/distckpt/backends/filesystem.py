@@ -457,7 +457,7 @@ class FileSystemWriter(_AtPath, BlobStorageWriter):
         thread_count: writer threads per rank (default: the DISTCKPT_IO_THREADS knob).
         overwrite: replace a committed checkpoint at ``path``; the old one stays
             intact until the new one commits. Off by default: saving over a
-            committed checkpoint raises.
+            committed checkpoint raises (unless DISTCKPT_OVERWRITE=1, DCP's behaviour).
 
     The save writes into a hidden sibling directory ``.<name>.distckpt-tmp-<save id>``
     and the coordinator renames it into place after fsync: a reader sees the
@@ -465,7 +465,7 @@ class FileSystemWriter(_AtPath, BlobStorageWriter):
     """
 
     def __init__(self, path: Union[str, os.PathLike, None] = None, sync_files: bool | None = None,
-                 thread_count: int | None = None, overwrite: bool = False):
+                 thread_count: int | None = None, overwrite: Optional[bool] = None):
         super().__init__(sync_files=sync_files, thread_count=thread_count, overwrite=overwrite)
         self.path = _strip_file_scheme(path)
 

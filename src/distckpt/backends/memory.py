@@ -174,7 +174,7 @@ def _name(checkpoint_id: Union[str, None]) -> Union[str, None]:
 class MemoryWriter(BlobStorageWriter):
     """Writes a checkpoint into this process's memory under ``memory://<name>``."""
 
-    def __init__(self, name: Union[str, None] = None, thread_count: int | None = None, overwrite: bool = False):
+    def __init__(self, name: Union[str, None] = None, thread_count: int | None = None, overwrite: Optional[bool] = None):
         super().__init__(sync_files=False, thread_count=thread_count, overwrite=overwrite)
         self.name = _name(name)
 

@@ -464,7 +464,7 @@ class S3Writer(_AtUrl, BlobStorageWriter):
     def __init__(self, url: Union[str, os.PathLike, None] = None, *, endpoint_url: Optional[str] = None,
                  region_name: Optional[str] = None, client: Any = None, thread_count: Optional[int] = None,
                  part_size: Optional[int] = None, upload_concurrency: Optional[int] = None,
-                 overwrite: bool = False):
+                 overwrite: Optional[bool] = None):
         super().__init__(sync_files=True, thread_count=thread_count, overwrite=overwrite)
         self._init_s3(url, endpoint_url, region_name, client, part_size, upload_concurrency)
 

@@ -114,15 +114,16 @@ class DefaultLoadPlanner(LoadPlanner):
         if nested:
             hint = (f" {nested[0]!r} is empty in your state dict but holds entries in the checkpoint: build the "
                     "structure first (for an optimizer, call distckpt.init_optimizer_state(optimizer)).")
-        return (f"{len(missing)} key(s) of your state dict are not in {self._checkpoint_name()}: {shown}{more}.{hint} "
+        return (f"Missing key in checkpoint state_dict: {shown}{more} ({len(missing)} key(s) of your state dict are "
+                f"not in {self._checkpoint_name()}).{hint} "
                 "Check the key names, or pass planner=DefaultLoadPlanner(allow_partial_load=True) to skip them.")
 
     def _tensor_reads(self, fqn: str, tensor: torch.Tensor, md: TensorStorageMetadata) -> list[ReadItem]:
         _, global_size, offsets, sizes = local_view(fqn, tensor)
         if torch.Size(global_size) != md.size:
             raise ShapeMismatchError(
-                f"key {fqn!r}: your tensor has shape {list(global_size)} but {self._checkpoint_name()} stores shape "
-                f"{list(md.size)}; build the model with the saved shapes, or leave this key out of the state dict")
+                f"Size mismatch between saved {list(md.size)} and current: {list(global_size)} for key {fqn!r} in "
+                f"{self._checkpoint_name()}; build the model with the saved shapes, or leave this key out of the state dict")
         if tensor.dtype != md.properties.dtype and not self.allow_dtype_conversion:
             raise DTypeMismatchError(
                 f"key {fqn!r}: your tensor has dtype {tensor.dtype} but {self._checkpoint_name()} stores "

@@ -1,0 +1,70 @@
+"""DCP's module of the default planners and of the plan-building functions they are made of.
+
+The functions build plans with :class:`DefaultSavePlanner` and
+:class:`DefaultLoadPlanner` on an unflattened state dict, so a custom planner
+written against DCP's helpers gets the plans distckpt's planners make.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from .metadata import STATE_DICT_TYPE, Metadata, MetadataIndex, TensorStorageMetadata
+from .planner import LoadPlan, SavePlan
+from .planning import DefaultLoadPlanner, DefaultSavePlanner
+from .planning.save_planner import build_metadata
+
+__all__ = [
+    "DefaultSavePlanner",
+    "DefaultLoadPlanner",
+    "create_default_local_save_plan",
+    "create_default_global_save_plan",
+    "create_default_local_load_plan",
+    "create_default_global_load_plan",
+]
+
+
+def create_default_local_save_plan(state_dict: dict[str, Any], is_coordinator: bool) -> SavePlan:
+    """One write item per tensor (per local shard) and per value of ``state_dict`` (keys used as they are)."""
+    planner = DefaultSavePlanner(flatten_state_dict=False)
+    planner.set_up_planner(state_dict, is_coordinator=is_coordinator)
+    return planner.create_local_plan()
+
+
+def create_default_global_save_plan(all_plans: list[SavePlan], rewrite_index_hints: bool = True) -> tuple[list[SavePlan], Metadata]:
+    """The metadata of ``all_plans`` (no deduplication); with ``rewrite_index_hints`` each tensor item's index
+    hint is set to its chunk's position in the metadata."""
+    metadata = build_metadata(all_plans)
+    if not rewrite_index_hints:
+        return all_plans, metadata
+    out = []
+    for plan in all_plans:
+        items = []
+        for item in plan.items:
+            md = metadata.state_dict_metadata.get(item.index.fqn)
+            if isinstance(md, TensorStorageMetadata) and item.index.offset is not None:
+                hint = next(i for i, c in enumerate(md.chunks) if tuple(c.offsets) == tuple(item.index.offset))
+                item = replace(item, index=MetadataIndex(item.index.fqn, item.index.offset, hint))
+            items.append(item)
+        out.append(replace(plan, items=items))
+    return out, metadata
+
+
+def create_default_local_load_plan(state_dict: dict[str, Any], metadata: Metadata, strict: bool = True) -> LoadPlan:
+    """The reads that fill ``state_dict`` (keys used as they are) from a checkpoint described by ``metadata``;
+    with ``strict=False`` keys the checkpoint lacks are skipped."""
+    planner = DefaultLoadPlanner(flatten_state_dict=False, allow_partial_load=not strict)
+    planner.set_up_planner(state_dict, metadata, is_coordinator=False)
+    return planner.create_local_plan()
+
+
+def create_default_global_load_plan(all_plans: list[LoadPlan]) -> list[LoadPlan]:
+    """Loads need no global coordination: the plans as they are."""
+    return all_plans
+
+
+def _create_default_local_metadata(state_dict: STATE_DICT_TYPE) -> Metadata:
+    """The metadata of a checkpoint of ``state_dict`` saved by this rank alone with the default planner."""
+    _, metadata = create_default_global_save_plan([create_default_local_save_plan(state_dict, True)])
+    return metadata

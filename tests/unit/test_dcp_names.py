@@ -1,0 +1,94 @@
+"""Code written for torch.distributed.checkpoint runs after its imports name distckpt: the module and function
+names, DCP's key phrases in errors, and the switch that lets a second save replace a checkpoint."""
+
+import importlib
+
+import pytest
+import torch
+
+import distckpt
+from distckpt.default_planner import (
+    _create_default_local_metadata,
+    create_default_global_load_plan,
+    create_default_global_save_plan,
+    create_default_local_load_plan,
+    create_default_local_save_plan,
+)
+
+
+@pytest.mark.parametrize("module,names", [
+    ("distckpt", ["save", "load", "async_save", "save_state_dict", "load_state_dict", "CheckpointException",
+                  "FileSystemReader", "FileSystemWriter", "DefaultSavePlanner", "DefaultLoadPlanner", "Metadata",
+                  "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "SavePlan", "LoadPlan",
+                  "SavePlanner", "LoadPlanner", "ReadItem", "WriteItem", "StorageReader", "StorageWriter"]),
+    ("distckpt.api", ["CheckpointException"]),
+    ("distckpt.filesystem", ["FileSystemReader", "FileSystemWriter"]),
+    ("distckpt.state_dict_saver", ["save", "save_state_dict", "async_save"]),
+    ("distckpt.state_dict_loader", ["load", "load_state_dict"]),
+    ("distckpt.default_planner", ["DefaultSavePlanner", "DefaultLoadPlanner", "create_default_local_save_plan"]),
+    ("distckpt.metadata", ["Metadata", "MetadataIndex", "StorageMeta", "TensorProperties"]),
+    ("distckpt.planner", ["SavePlan", "LoadPlan", "WriteItemType", "LoadItemType"]),
+    ("distckpt.storage", ["StorageReader", "StorageWriter", "WriteResult"]),
+])
+def test_dcp_module_names_resolve(module, names):
+    mod = importlib.import_module(module)
+    for name in names:
+        assert getattr(mod, name) is not None, f"{module}.{name}"
+    assert distckpt.CheckpointException is distckpt.RankFailuresError
+
+
+def test_deprecated_state_dict_calls_take_dcp_argument_order(tmp_path):
+    sd = {"w": torch.arange(6.0), "n": 3}
+    with pytest.warns(FutureWarning, match="save_state_dict"):
+        distckpt.save_state_dict(sd, distckpt.FileSystemWriter(tmp_path / "ck"))
+    out = {"w": torch.zeros(6), "n": 0}
+    with pytest.warns(FutureWarning, match="load_state_dict"):
+        distckpt.load_state_dict(out, distckpt.FileSystemReader(tmp_path / "ck"), no_dist=True)
+    assert torch.equal(out["w"], sd["w"]) and out["n"] == 3
+
+
+def test_plan_helpers_make_the_default_planners_plans():
+    sd = {"a": torch.ones(4, 2), "b": [1, 2]}
+    plan = create_default_local_save_plan(sd, True)
+    assert {i.index.fqn for i in plan.items} == {"a", "b"}
+    plans, md = create_default_global_save_plan([plan])
+    assert md.state_dict_metadata["a"].size == torch.Size([4, 2])
+    assert [i.index.index for i in plans[0].items if i.index.fqn == "a"] == [0]
+    assert _create_default_local_metadata(sd).state_dict_metadata.keys() == {"a", "b"}
+    load_plan = create_default_local_load_plan({"a": torch.zeros(4, 2)}, md)
+    assert [r.dest_index.fqn for r in load_plan.items] == ["a"]
+    assert create_default_global_load_plan([load_plan]) == [load_plan]
+    with pytest.raises(distckpt.MissingKeyError, match="Missing key in checkpoint"):
+        create_default_local_load_plan({"zz": torch.zeros(1)}, md)
+    assert create_default_local_load_plan({"zz": torch.zeros(1)}, md, strict=False).items == []
+
+
+def test_errors_carry_dcps_phrases(tmp_path):
+    distckpt.save({"w": torch.ones(4)}, checkpoint_id=tmp_path / "ck")
+    with pytest.raises(distckpt.MissingKeyError, match="Missing key in checkpoint state_dict: 'v'.*allow_partial_load"):
+        distckpt.load({"v": torch.zeros(4)}, checkpoint_id=tmp_path / "ck")
+    with pytest.raises(distckpt.ShapeMismatchError, match=r"Size mismatch between saved \[4\] and current: \[5\] for key 'w'"):
+        distckpt.load({"w": torch.zeros(5)}, checkpoint_id=tmp_path / "ck")
+
+
+def test_a_second_save_to_one_path_replaces_it_only_when_switched_on(tmp_path, monkeypatch):
+    path = tmp_path / "ck"
+    distckpt.save({"w": torch.ones(3)}, checkpoint_id=path)
+    with pytest.raises(distckpt.CheckpointError, match="DISTCKPT_OVERWRITE=1"):
+        distckpt.save({"w": torch.full((3,), 2.0)}, checkpoint_id=path)
+    monkeypatch.setenv("DISTCKPT_OVERWRITE", "1")
+    distckpt.save({"w": torch.full((3,), 2.0)}, checkpoint_id=path)
+    distckpt.save({"w": torch.full((3,), 3.0)}, storage_writer=distckpt.FileSystemWriter(path))
+    out = {"w": torch.zeros(3)}
+    distckpt.load(out, checkpoint_id=path)
+    assert out["w"].tolist() == [3.0] * 3
+    # a writer told not to replace keeps its word, and the manager never replaces a committed step
+    with pytest.raises(distckpt.CheckpointError, match="already exists"):
+        distckpt.save({"w": torch.zeros(3)}, storage_writer=distckpt.FileSystemWriter(path, overwrite=False))
+    manager = distckpt.CheckpointManager(str(tmp_path / "run"))
+    manager.save(1, {"w": torch.ones(2)})
+    with pytest.raises(distckpt.CheckpointError):
+        manager.save(1, {"w": torch.zeros(2)})
+    out = {"w": torch.zeros(2)}
+    manager.load(out, step=1)
+    assert out["w"].tolist() == [1.0, 1.0]
