@@ -10,10 +10,14 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from .metadata import STATE_DICT_TYPE, Metadata, MetadataIndex, TensorStorageMetadata
-from .planner import LoadPlan, SavePlan
+import torch
+
+from .metadata import (STATE_DICT_TYPE, ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties,
+                       TensorStorageMetadata)
+from .planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from .planning import DefaultLoadPlanner, DefaultSavePlanner
 from .planning.save_planner import build_metadata
+from .planning.tensors import dtype_of, is_sharded_tensor
 
 __all__ = [
     "DefaultSavePlanner",
@@ -65,6 +69,17 @@ def create_default_global_load_plan(all_plans: list[LoadPlan]) -> list[LoadPlan]
 
 
 def _create_default_local_metadata(state_dict: STATE_DICT_TYPE) -> Metadata:
-    """The metadata of a checkpoint of ``state_dict`` saved by this rank alone with the default planner."""
-    _, metadata = create_default_global_save_plan([create_default_local_save_plan(state_dict, True)])
+    """The metadata of a checkpoint of ``state_dict`` saved with the default planner, as far as this rank can
+    tell: a ShardedTensor's every shard (its metadata lists them all), other tensors' local blocks."""
+    plan = create_default_local_save_plan(state_dict, True)
+    items = [i for i in plan.items if not is_sharded_tensor(state_dict.get(i.index.fqn))]
+    for fqn, obj in state_dict.items():
+        if is_sharded_tensor(obj):
+            dtype, requires_grad = dtype_of(obj)
+            props = TensorProperties(dtype=dtype, requires_grad=requires_grad)
+            for shard in obj.metadata().shards_metadata:
+                chunk = ChunkStorageMetadata(torch.Size(shard.shard_offsets), torch.Size(shard.shard_sizes))
+                items.append(WriteItem(MetadataIndex(fqn, shard.shard_offsets), WriteItemType.SHARD,
+                                       tensor_data=TensorWriteData(chunk, props, torch.Size(obj.metadata().size))))
+    _, metadata = create_default_global_save_plan([replace(plan, items=items)])
     return metadata

@@ -44,7 +44,7 @@ from .metadata import STATE_DICT_TYPE, Metadata
 from .planner import SavePlanner
 from .planning import DefaultSavePlanner, RankLocal
 from .planning.flatten import RANK_LOCAL
-from .planning.tensors import is_dtensor, local_tensor
+from .planning.tensors import is_dtensor, is_sharded_tensor, local_tensor
 from .saving import run_save
 from .storage import StorageWriter
 
@@ -283,7 +283,9 @@ def _as_checkpoint_error(exc: BaseException) -> CheckpointError:
 
 def _leaves(obj: Any, path: tuple, out: list) -> None:
     """Every tensor in ``obj`` (a DTensor's local shard) with its key path, in traversal order."""
-    if isinstance(obj, torch.Tensor):
+    if is_sharded_tensor(obj):
+        out.extend((path + (i,), shard.tensor) for i, shard in enumerate(obj.local_shards()))
+    elif isinstance(obj, torch.Tensor):
         out.append((path, local_tensor(obj)))
     elif isinstance(obj, RankLocal):
         _leaves(obj.value, path + (RANK_LOCAL,), out)
@@ -297,6 +299,12 @@ def _leaves(obj: Any, path: tuple, out: list) -> None:
 
 def _rebuild(obj: Any, buffers: Iterator[torch.Tensor]) -> Any:
     """``obj`` with its tensors replaced, in :func:`_leaves` order, by ``buffers``."""
+    if is_sharded_tensor(obj):
+        from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+
+        shards = [Shard(next(buffers), shard.metadata) for shard in obj.local_shards()]
+        return ShardedTensor._init_from_local_shards_and_global_metadata(shards, obj.metadata(),
+                                                                         process_group=obj._process_group)
     if isinstance(obj, torch.Tensor):
         buf = next(buffers)
         if is_dtensor(obj):

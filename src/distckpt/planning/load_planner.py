@@ -13,7 +13,7 @@ from ..metadata import STATE_DICT_TYPE, BytesStorageMetadata, Metadata, Metadata
 from ..planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from .flatten import flatten_state_dict, set_element
 from .resharding import ChunkIndex
-from .tensors import check_no_aliasing, local_tensor, local_view
+from .tensors import check_no_aliasing, dtype_of, local_pieces, piece_at
 
 __all__ = ["DefaultLoadPlanner"]
 
@@ -73,7 +73,9 @@ class DefaultLoadPlanner(LoadPlanner):
         items: list[ReadItem] = []
         missing: list[str] = []
         problems: list[CheckpointError] = []
-        check_no_aliasing([(fqn, obj) for fqn, obj in self.state_dict.items() if isinstance(obj, torch.Tensor) and fqn in sdm])
+        pieces = {fqn: local_pieces(fqn, obj) for fqn, obj in self.state_dict.items()
+                  if isinstance(obj, torch.Tensor) and fqn in sdm}
+        check_no_aliasing([(fqn, p[0]) for fqn, (_, ps) in pieces.items() for p in ps])
         for fqn, obj in self.state_dict.items():
             md = sdm.get(fqn)
             if md is None:
@@ -85,7 +87,7 @@ class DefaultLoadPlanner(LoadPlanner):
                     problems.append(ShapeMismatchError(f"key {fqn!r} is a tensor in your state dict but a non-tensor value in {self._checkpoint_name()}"))
                     continue
                 try:
-                    items.extend(self._tensor_reads(fqn, obj, md))
+                    items.extend(self._tensor_reads(fqn, obj, md, *pieces[fqn]))
                 except (ShapeMismatchError, DTypeMismatchError) as exc:
                     problems.append(exc)
             else:
@@ -118,27 +120,30 @@ class DefaultLoadPlanner(LoadPlanner):
                 f"not in {self._checkpoint_name()}).{hint} "
                 "Check the key names, or pass planner=DefaultLoadPlanner(allow_partial_load=True) to skip them.")
 
-    def _tensor_reads(self, fqn: str, tensor: torch.Tensor, md: TensorStorageMetadata) -> list[ReadItem]:
-        _, global_size, offsets, sizes = local_view(fqn, tensor)
+    def _tensor_reads(self, fqn: str, tensor: torch.Tensor, md: TensorStorageMetadata, global_size: torch.Size,
+                      pieces: list) -> list[ReadItem]:
         if torch.Size(global_size) != md.size:
             raise ShapeMismatchError(
                 f"Size mismatch between saved {list(md.size)} and current: {list(global_size)} for key {fqn!r} in "
                 f"{self._checkpoint_name()}; build the model with the saved shapes, or leave this key out of the state dict")
-        if tensor.dtype != md.properties.dtype and not self.allow_dtype_conversion:
+        dtype, _ = dtype_of(tensor)
+        if dtype != md.properties.dtype and not self.allow_dtype_conversion:
             raise DTypeMismatchError(
-                f"key {fqn!r}: your tensor has dtype {tensor.dtype} but {self._checkpoint_name()} stores "
+                f"key {fqn!r}: your tensor has dtype {dtype} but {self._checkpoint_name()} stores "
                 f"{md.properties.dtype}; pass planner=DefaultLoadPlanner(allow_dtype_conversion=True) to convert")
         reads = []
-        for ov in ChunkIndex(md.chunks).overlaps(offsets, sizes):
-            chunk = md.chunks[ov.chunk_index]
-            reads.append(ReadItem(
-                LoadItemType.TENSOR,
-                MetadataIndex(fqn, offsets),
-                torch.Size(ov.dest_offsets),
-                MetadataIndex(fqn, chunk.offsets, ov.chunk_index),
-                torch.Size(ov.storage_offsets),
-                torch.Size(ov.lengths),
-            ))
+        chunks = ChunkIndex(md.chunks)
+        for _, offsets, sizes in pieces:
+            for ov in chunks.overlaps(offsets, sizes):
+                chunk = md.chunks[ov.chunk_index]
+                reads.append(ReadItem(
+                    LoadItemType.TENSOR,
+                    MetadataIndex(fqn, offsets),
+                    torch.Size(ov.dest_offsets),
+                    MetadataIndex(fqn, chunk.offsets, ov.chunk_index),
+                    torch.Size(ov.storage_offsets),
+                    torch.Size(ov.lengths),
+                ))
         return reads
 
     def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
@@ -160,9 +165,8 @@ class DefaultLoadPlanner(LoadPlanner):
             self.state_dict[fqn] = obj
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
-        """The destination tensor behind ``index`` (the local shard, for a DTensor)."""
-        obj = self.state_dict[index.fqn]
-        return local_tensor(obj)
+        """The destination tensor behind ``index`` (the local shard, for a DTensor or ShardedTensor)."""
+        return piece_at(index.fqn, self.state_dict[index.fqn], index.offset)
 
     def transform_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> torch.Tensor:
         """The region of ``tensor`` that ``read_item`` fills."""

@@ -24,13 +24,17 @@ from ..planner import BytesIOWriteData, SavePlan, SavePlanner, TensorWriteData, 
 from .dedup import dedup_and_balance
 from .flatten import flatten_state_dict
 from .resharding import volume
-from .tensors import is_dtensor, local_tensor, local_view
+from .tensors import dtype_of, is_dtensor, is_sharded_tensor, local_pieces, piece_at
 
 __all__ = ["DefaultSavePlanner"]
 
 
 def _check_storable(fqn: str, tensor: torch.Tensor) -> None:
     """Raise UnsupportedTensorError, naming the key and the fix, for a tensor with no stored form."""
+    if is_sharded_tensor(tensor):  # its wrapper answers no tensor attributes: check the local shards
+        for shard in tensor.local_shards():
+            _check_storable(fqn, shard.tensor)
+        return
     where = f"state dict key {fqn!r}"
     if tensor.is_nested:
         raise UnsupportedTensorError(f"{where}: nested tensors cannot be saved; save their components (.unbind()) instead")
@@ -102,7 +106,7 @@ class DefaultSavePlanner(SavePlanner):
         self._encoded = {}
         for fqn, obj in self.state_dict.items():
             if isinstance(obj, torch.Tensor):
-                items.append(self._tensor_item(fqn, obj))
+                items.extend(self._tensor_items(fqn, obj))
             else:
                 raw = encode_value(obj, allow_pickle=self.allow_pickle, where=f"state dict key {fqn!r}")
                 self._encoded[fqn] = raw
@@ -111,13 +115,15 @@ class DefaultSavePlanner(SavePlanner):
         self.plan = plan
         return plan
 
-    def _tensor_item(self, fqn: str, tensor: torch.Tensor) -> WriteItem:
+    def _tensor_items(self, fqn: str, tensor: torch.Tensor) -> list[WriteItem]:
         _check_storable(fqn, tensor)
-        _, global_size, offsets, sizes = local_view(fqn, tensor)
-        props = TensorProperties(dtype=tensor.dtype, requires_grad=tensor.requires_grad)
-        data = TensorWriteData(ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)), props, torch.Size(global_size))
-        kind = WriteItemType.SHARD if is_dtensor(tensor) else WriteItemType.TENSOR
-        return WriteItem(MetadataIndex(fqn, offsets), kind, tensor_data=data)
+        global_size, pieces = local_pieces(fqn, tensor)
+        dtype, requires_grad = dtype_of(tensor)
+        props = TensorProperties(dtype=dtype, requires_grad=requires_grad)
+        kind = WriteItemType.SHARD if is_dtensor(tensor) or is_sharded_tensor(tensor) else WriteItemType.TENSOR
+        return [WriteItem(MetadataIndex(fqn, offsets), kind, tensor_data=TensorWriteData(
+                    ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)), props, torch.Size(global_size)))
+                for _, offsets, sizes in pieces]
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
         self.plan = new_plan
@@ -133,13 +139,13 @@ class DefaultSavePlanner(SavePlanner):
         return self.transform_object(write_item, self.lookup_object(write_item.index))
 
     def lookup_object(self, index: MetadataIndex) -> Any:
-        """The state dict value behind ``index`` (the local shard, for a DTensor)."""
+        """The state dict value behind ``index`` (the local shard, for a DTensor or ShardedTensor)."""
         try:
             obj = self.state_dict[index.fqn]
         except KeyError:
             raise CheckpointError(f"planner has no state dict entry {index.fqn!r}") from None
         if isinstance(obj, torch.Tensor):
-            return local_tensor(obj)
+            return piece_at(index.fqn, obj, index.offset)
         return obj
 
     def transform_object(self, write_item: WriteItem, obj: Any) -> Any:

@@ -9,16 +9,29 @@ import torch
 from ..errors import CheckpointError
 from .resharding import local_box
 
-try:  # DTensor ships with torch.distributed, which some builds lack
+try:  # DTensor and ShardedTensor ship with torch.distributed, which some builds lack
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 except ImportError:  # pragma: no cover - torch without distributed
     DTensor = None  # type: ignore[assignment,misc]
+try:
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+except ImportError:  # pragma: no cover
+    ShardedTensor = None  # type: ignore[assignment,misc]
 
-__all__ = ["is_dtensor", "local_tensor", "local_view", "check_no_aliasing"]
+__all__ = ["is_dtensor", "is_sharded_tensor", "local_tensor", "local_view", "local_pieces", "piece_at", "dtype_of",
+           "check_no_aliasing"]
+
+#: One block of a tensor this rank holds: its data, and where it sits in the global tensor.
+Piece = tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]
 
 
 def is_dtensor(obj: Any) -> bool:
     return DTensor is not None and isinstance(obj, DTensor)
+
+
+def is_sharded_tensor(obj: Any) -> bool:
+    """A ShardedTensor (FSDP1's SHARDED_STATE_DICT, torch.distributed._shard): several local shards per rank."""
+    return ShardedTensor is not None and isinstance(obj, ShardedTensor)
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -32,6 +45,43 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
         return tensor
     with torch.no_grad():
         return tensor.to_local()
+
+
+def local_pieces(fqn: str, tensor: torch.Tensor) -> tuple[torch.Size, list[Piece]]:
+    """``(global_size, pieces)``: every block of ``tensor`` this rank holds. A plain tensor is one piece; a
+    DTensor one, or none on a rank outside its mesh; a ShardedTensor one per local shard."""
+    if is_sharded_tensor(tensor):
+        pieces = []
+        for shard in tensor.local_shards():
+            offsets, sizes = tuple(shard.metadata.shard_offsets), tuple(shard.metadata.shard_sizes)
+            if tuple(shard.tensor.shape) != sizes:
+                raise CheckpointError(f"{fqn}: ShardedTensor local shard has shape {tuple(shard.tensor.shape)}, its "
+                                      f"metadata says {sizes}")
+            pieces.append((shard.tensor, offsets, sizes))
+        return torch.Size(tensor.metadata().size), pieces
+    if is_dtensor(tensor) and tensor.device_mesh.get_coordinate() is None:
+        return tensor.shape, []  # a sub-mesh DTensor on a rank outside its mesh holds no shard
+    local, global_size, offsets, sizes = local_view(fqn, tensor)
+    return torch.Size(global_size), [(local, offsets, sizes)]
+
+
+def dtype_of(tensor: torch.Tensor) -> tuple[torch.dtype, bool]:
+    """``(dtype, requires_grad)`` of a tensor, a DTensor or a ShardedTensor (whose attributes live in its metadata)."""
+    if is_sharded_tensor(tensor):
+        props = tensor.metadata().tensor_properties
+        return props.dtype, props.requires_grad
+    return tensor.dtype, tensor.requires_grad
+
+
+def piece_at(fqn: str, tensor: torch.Tensor, offsets: Any) -> torch.Tensor:
+    """The local data of ``tensor`` whose block starts at ``offsets`` (its only one, unless a ShardedTensor)."""
+    if not is_sharded_tensor(tensor):
+        return local_tensor(tensor)
+    want = tuple(offsets or ())
+    for shard in tensor.local_shards():
+        if tuple(shard.metadata.shard_offsets) == want:
+            return shard.tensor
+    raise CheckpointError(f"{fqn}: this rank holds no shard of the ShardedTensor at offsets {list(want)}")
 
 
 def local_view(fqn: str, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Size, tuple[int, ...], tuple[int, ...]]:
@@ -67,15 +117,14 @@ def local_view(fqn: str, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Size
 
 
 def check_no_aliasing(named: list[tuple[str, torch.Tensor]]) -> None:
-    """Raise CheckpointError if two destinations share memory, unless they are the very same view
+    """Raise CheckpointError if two destinations (local data: shards, not DTensors) share memory, unless they are the very same view
     (tied weights: one tensor under two keys loads the same bytes twice, harmlessly).
 
     Destinations that overlap otherwise would overwrite each other's bytes during a load, and
     a checksum computed on the destination would then fail on an intact checkpoint.
     """
     spans = []
-    for key, tensor in named:
-        t = local_tensor(tensor)
+    for key, t in named:
         if t.is_meta or not t.numel():
             continue
         if t.is_contiguous():
