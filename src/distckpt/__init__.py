@@ -6,7 +6,7 @@ at any other world size or sharding.
 """
 
 from . import metadata, planner, storage
-from .backends import FileSystemReader, FileSystemWriter, MemoryReader, MemoryWriter
+from .backends import DCPReader, FileSystemReader, FileSystemWriter, MemoryReader, MemoryWriter
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -58,6 +58,7 @@ __all__ = [
     "DefaultLoadPlanner",
     "FileSystemWriter",
     "FileSystemReader",
+    "DCPReader",
     "MemoryWriter",
     "MemoryReader",
     "Stateful",

@@ -154,15 +154,14 @@ class SavePlanner(abc.ABC):
                 renamed = {"model." + k: v for k, v in state_dict.items()}
                 super().set_up_planner(renamed, storage_meta, is_coordinator)
 
-    The class attributes below are caches kept across saves, keyed by the
-    planner's cache key, used by plan caching (``SavePlan.usable``).
+    Plan caching is kept per planner object, not in class attributes shared
+    by every planner of a class as in the protocol's ``_cached_*``
+    dictionaries: two models saved alternately, or a save beside an
+    async_save still in flight, can then never be given each other's cached
+    plans. Pass the same planner object to every save to benefit from it
+    (``DefaultSavePlanner(enable_plan_caching=True)``); the ``usable=False``
+    marker of :class:`SavePlan` is how a rank says its plan is unchanged.
     """
-
-    _cached_save_plan: dict[str, SavePlan] = {}
-    _cached_final_save_plan: dict[str, SavePlan] = {}
-    _cached_all_plans: dict[str, list[SavePlan]] = {}
-    _cached_global_plan: dict[str, list[SavePlan]] = {}
-    _cached_metadata: dict[str, Metadata] = {}
 
     @abc.abstractmethod
     def set_up_planner(

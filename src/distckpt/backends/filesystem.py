@@ -14,6 +14,7 @@ from ..format import FORMAT_NAME, METADATA_FILE
 from .blob_storage import BlobStorageReader, BlobStorageWriter
 from .blobs import BlobReader, BlobStore, BlobWriter
 from .direct_io import DirectWriter, bounce_buffer_bytes, direct_io_wanted, pwrite_all
+from .dcp_reader import is_dcp_directory
 from .fs_objects import create_exclusive, is_real_dir, open_dir, open_regular, remove_tree
 from .leases import save_is_dead
 from .rename import exchange, rename_noreplace
@@ -488,6 +489,10 @@ class FileSystemReader(_AtPath, BlobStorageReader):
 
     def _store(self) -> BlobStore:
         store = FsStore(self._require_path())
+        if is_dcp_directory(self.path):
+            raise CheckpointError(
+                f"checkpoint {str(self.path)!r} was written by torch.distributed.checkpoint; load it with "
+                "checkpoint_id=path (no storage_reader), or storage_reader=distckpt.DCPReader(path)")
         if not os.path.isdir(self.path):
             pending = store.incomplete_saves()
             if pending:
