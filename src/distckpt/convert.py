@@ -45,7 +45,8 @@ from .metadata import TensorStorageMetadata
 from .planning import DefaultLoadPlanner, DefaultSavePlanner
 from .saving import save
 
-__all__ = ["from_dcp", "to_dcp", "from_safetensors", "to_safetensors", "from_torch_save", "to_torch_save"]
+__all__ = ["from_dcp", "to_dcp", "from_safetensors", "to_safetensors", "from_torch_save", "to_torch_save",
+           "dcp_to_torch_save", "torch_save_to_dcp"]
 
 VALUES_KEY = "distckpt.values"
 
@@ -255,6 +256,58 @@ def to_torch_save(src: PathLike, dst: PathLike, *, allow_pickle: bool = False,
         progress(f"writing torch.save file {dst}")
     _write_new_file(dst, lambda f: torch.save(state, f))
     return len(state)
+
+
+def dcp_to_torch_save(dcp_checkpoint_dir: PathLike, torch_save_path: PathLike) -> None:
+    """DCP's helper of this name: the checkpoint directory (distckpt's, or one DCP wrote) as one new torch.save
+    file, its state dict nested again as it was saved (``{"model": {"w": ...}}``, not ``"model.w"``).
+
+    Values that are not plain data are refused, as distckpt's loads refuse them
+    without ``allow_pickle``: use :func:`to_torch_save` with ``allow_pickle=True``
+    for a checkpoint you trust.
+    """
+    md = read_metadata(dcp_checkpoint_dir)
+    state = _read_whole(dcp_checkpoint_dir, False, None)
+    nested = _nest(state, md.planner_data if isinstance(md.planner_data, dict) else {})
+    _write_new_file(torch_save_path, lambda f: torch.save(nested, f))
+
+
+def torch_save_to_dcp(torch_save_path: PathLike, dcp_checkpoint_dir: PathLike) -> None:
+    """DCP's helper of this name: the torch.save file as a new checkpoint (distckpt's format), read with
+    ``weights_only=True``."""
+    from_torch_save(torch_save_path, dcp_checkpoint_dir)
+
+
+def _nest(flat: dict[str, Any], mappings: dict) -> dict[str, Any]:
+    """``flat`` (dotted keys) as the nested dicts and lists it was saved from, by the saved key paths."""
+    root: dict[str, Any] = {}
+    for key in sorted(flat, key=lambda k: tuple(str(p) for p in mappings.get(k, (k,)))):
+        path = mappings.get(key)
+        if not isinstance(path, (tuple, list)) or not path or not all(isinstance(p, (str, int)) for p in path):
+            root[key] = flat[key]
+            continue
+        parent: Any = root
+        for step, nxt in zip(path[:-1], path[1:]):
+            child = parent[step] if _holds(parent, step) else None
+            if child is None:
+                child = [] if isinstance(nxt, int) else {}
+                _put(parent, step, child)
+            parent = child
+        _put(parent, path[-1], flat[key])
+    return root
+
+
+def _holds(container: Any, step: Any) -> bool:
+    return step in container if isinstance(container, dict) else 0 <= step < len(container) and container[step] is not None
+
+
+def _put(container: Any, step: Any, value: Any) -> None:
+    if isinstance(container, dict):
+        container[step] = value
+        return
+    while len(container) <= step:
+        container.append(None)
+    container[step] = value
 
 
 def from_torch_save(src: PathLike, dst: PathLike, *, progress: Optional[Callable[[str], None]] = None) -> int:

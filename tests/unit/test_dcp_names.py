@@ -92,3 +92,27 @@ def test_a_second_save_to_one_path_replaces_it_only_when_switched_on(tmp_path, m
     out = {"w": torch.zeros(2)}
     manager.load(out, step=1)
     assert out["w"].tolist() == [1.0, 1.0]
+
+
+def test_dcp_to_torch_save_nests_keys_again_for_our_checkpoints_and_dcps(tmp_path):
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from distckpt.format_utils import dcp_to_torch_save, torch_save_to_dcp
+
+    sd = {"model": {"w": torch.arange(4.0), "layers": [torch.ones(2), torch.zeros(3)]}, "step": 5}
+    distckpt.save(sd, checkpoint_id=tmp_path / "ours")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(sd, checkpoint_id=str(tmp_path / "dcps"), no_dist=True)
+    for name in ("ours", "dcps"):
+        dcp_to_torch_save(tmp_path / name, tmp_path / f"{name}.pt")
+        back = torch.load(tmp_path / f"{name}.pt", weights_only=True)
+        assert back.keys() == {"model", "step"} and back["step"] == 5, name
+        assert torch.equal(back["model"]["w"], sd["model"]["w"]), name
+        assert [t.tolist() for t in back["model"]["layers"]] == [[1.0, 1.0], [0.0, 0.0, 0.0]], name
+    torch_save_to_dcp(tmp_path / "ours.pt", tmp_path / "again")
+    out = {"model": {"w": torch.zeros(4), "layers": [torch.zeros(2), torch.ones(3)]}, "step": 0}
+    distckpt.load(out, checkpoint_id=tmp_path / "again")
+    assert torch.equal(out["model"]["w"], sd["model"]["w"]) and out["step"] == 5

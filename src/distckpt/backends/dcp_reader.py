@@ -190,7 +190,13 @@ class DCPReader(StorageReader):
         self._items = items
         sm = getattr(dcp_md, "storage_meta", None)
         meta = StorageMeta(checkpoint_id=self.path, save_id=getattr(sm, "save_id", None), load_id=self.load_id)
-        return Metadata(state_dict_metadata=sdm, storage_meta=meta, version=getattr(dcp_md, "version", None))
+        mappings = getattr(dcp_md, "planner_data", None)  # DCP's flattening: key -> path, as distckpt's
+        if not (isinstance(mappings, dict) and all(
+                isinstance(k, str) and isinstance(v, tuple) and all(isinstance(p, (str, int)) for p in v)
+                for k, v in mappings.items())):
+            mappings = None
+        return Metadata(state_dict_metadata=sdm, planner_data=mappings, storage_meta=meta,
+                        version=getattr(dcp_md, "version", None))
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if not self._items:
