@@ -116,3 +116,18 @@ def test_dcp_to_torch_save_nests_keys_again_for_our_checkpoints_and_dcps(tmp_pat
     out = {"model": {"w": torch.zeros(4), "layers": [torch.zeros(2), torch.ones(3)]}, "step": 0}
     distckpt.load(out, checkpoint_id=tmp_path / "again")
     assert torch.equal(out["model"]["w"], sd["model"]["w"]) and out["step"] == 5
+
+
+def test_dcps_file_system_options_are_taken_and_extensions_refused_by_name(tmp_path):
+    writer = distckpt.FileSystemWriter(tmp_path / "ck", single_file_per_rank=False, per_thread_copy_ahead=1 << 20,
+                                       cache_staged_state_dict=True, thread_count=2)
+    distckpt.save({"w": torch.ones(3)}, storage_writer=writer)
+    out = {"w": torch.zeros(3)}
+    distckpt.load(out, storage_reader=distckpt.FileSystemReader(tmp_path / "ck", _extension_registry=None))
+    assert out["w"].tolist() == [1.0] * 3
+
+    class ZStandard:
+        pass
+
+    with pytest.raises(distckpt.CheckpointError, match="stream extensions \\(ZStandard\\) are not supported"):
+        distckpt.FileSystemWriter(tmp_path / "z", _extensions=[ZStandard()])

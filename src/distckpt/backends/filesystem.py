@@ -6,7 +6,7 @@ import errno
 import os
 import time
 import uuid
-from typing import Iterable, Optional, Union
+from typing import Any, Iterable, Optional, Union
 
 from .. import faults
 from ..errors import CheckpointError, CheckpointNotFoundError, StorageIOError
@@ -459,6 +459,14 @@ class FileSystemWriter(_AtPath, BlobStorageWriter):
         overwrite: replace a committed checkpoint at ``path``; the old one stays
             intact until the new one commits. Off by default: saving over a
             committed checkpoint raises (unless DISTCKPT_OVERWRITE=1, DCP's behaviour).
+        single_file_per_rank, per_thread_copy_ahead, cache_staged_state_dict,
+            serialization_format: DCP's layout and staging options, accepted so
+            code written for it runs; they change nothing here (one safetensors
+            file per rank, I/O batching by DISTCKPT_IO_BATCH_BYTES, async_save
+            keeps its staging buffers anyway).
+        _extensions: DCP's stream transforms (compression and the like). Not
+            supported: the data files hold raw tensor bytes that loads read in
+            place and check by CRC-32C; a non-empty list raises CheckpointError.
 
     The save writes into a hidden sibling directory ``.<name>.distckpt-tmp-<save id>``
     and the coordinator renames it into place after fsync: a reader sees the
@@ -466,9 +474,17 @@ class FileSystemWriter(_AtPath, BlobStorageWriter):
     """
 
     def __init__(self, path: Union[str, os.PathLike, None] = None, sync_files: bool | None = None,
-                 thread_count: int | None = None, overwrite: Optional[bool] = None):
+                 thread_count: int | None = None, overwrite: Optional[bool] = None, *,
+                 single_file_per_rank: bool = True, per_thread_copy_ahead: int = 0,
+                 cache_staged_state_dict: bool = False, serialization_format: Any = None,
+                 _extensions: Optional[Iterable[Any]] = None):
         super().__init__(sync_files=sync_files, thread_count=thread_count, overwrite=overwrite)
         self.path = _strip_file_scheme(path)
+        if _extensions:
+            raise CheckpointError(
+                f"FileSystemWriter({str(path)!r}): DCP's stream extensions ({', '.join(type(e).__name__ for e in _extensions)}) "
+                "are not supported: distckpt's data files hold raw tensor bytes, read in place and checked by CRC-32C. "
+                "Drop _extensions=, or compress the storage underneath (a compressing file system).")
 
     def _store(self) -> BlobStore:
         return FsStore(self._require_path())
@@ -483,7 +499,9 @@ class FileSystemReader(_AtPath, BlobStorageReader):
         thread_count: reader threads per rank (default: the DISTCKPT_IO_THREADS knob).
     """
 
-    def __init__(self, path: Union[str, os.PathLike, None] = None, verify_checksums: bool = True, thread_count: int | None = None):
+    def __init__(self, path: Union[str, os.PathLike, None] = None, verify_checksums: bool = True, thread_count: int | None = None,
+                 *, _extension_registry: Any = None):
+        # _extension_registry: DCP's, accepted so code written for it runs; distckpt's files use no stream extensions
         super().__init__(verify_checksums=verify_checksums, thread_count=thread_count)
         self.path = _strip_file_scheme(path)
 
