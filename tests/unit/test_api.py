@@ -83,7 +83,7 @@ def test_errors_name_checkpoint_key_and_fix(tmp_path):
     distckpt.save({"w": torch.ones(2, 3), "n": 1}, checkpoint_id=path)
     with pytest.raises(distckpt.MissingKeyError, match=r"'v'.*ck.*allow_partial_load"):
         distckpt.load({"v": torch.zeros(2)}, checkpoint_id=path)
-    with pytest.raises(distckpt.ShapeMismatchError, match=r"'w'.*\[3, 2\].*\[2, 3\]"):
+    with pytest.raises(distckpt.ShapeMismatchError, match=r"saved \[2, 3\] and current: \[3, 2\] for key 'w'"):
         distckpt.load({"w": torch.zeros(3, 2)}, checkpoint_id=path)
     with pytest.raises(distckpt.DTypeMismatchError, match=r"'w'.*allow_dtype_conversion"):
         distckpt.load({"w": torch.zeros(2, 3, dtype=torch.float64)}, checkpoint_id=path)
