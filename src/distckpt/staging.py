@@ -44,7 +44,7 @@ from .metadata import STATE_DICT_TYPE, Metadata
 from .planner import SavePlanner
 from .planning import DefaultSavePlanner, RankLocal
 from .planning.flatten import RANK_LOCAL
-from .planning.tensors import is_dtensor, is_sharded_tensor, local_tensor
+from .planning.tensors import is_dtensor, is_sharded_tensor, local_tensor, with_local_shards
 from .saving import run_save
 from .storage import StorageWriter
 
@@ -300,11 +300,7 @@ def _leaves(obj: Any, path: tuple, out: list) -> None:
 def _rebuild(obj: Any, buffers: Iterator[torch.Tensor]) -> Any:
     """``obj`` with its tensors replaced, in :func:`_leaves` order, by ``buffers``."""
     if is_sharded_tensor(obj):
-        from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-
-        shards = [Shard(next(buffers), shard.metadata) for shard in obj.local_shards()]
-        return ShardedTensor._init_from_local_shards_and_global_metadata(shards, obj.metadata(),
-                                                                         process_group=obj._process_group)
+        return with_local_shards(obj, [next(buffers) for _ in obj.local_shards()])
     if isinstance(obj, torch.Tensor):
         buf = next(buffers)
         if is_dtensor(obj):

@@ -23,8 +23,10 @@ through a symbolic link.
 
 from __future__ import annotations
 
+import collections
 import io
 import os
+import pathlib
 import pickle
 import uuid
 from typing import Any, Optional, Union
@@ -74,6 +76,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         if module == "torch.distributed.checkpoint.metadata" and name in _DCP_METADATA_CLASSES:
+            # DCP is imported only here, when a DCP checkpoint is read: distckpt does not otherwise depend on it
             from torch.distributed.checkpoint import metadata as dcp_metadata
 
             return getattr(dcp_metadata, name)
@@ -89,9 +92,6 @@ class _MetadataUnpickler(pickle.Unpickler):
                 return value
         if (module, name) in (("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
                               ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath")):
-            import collections
-            import pathlib
-
             return {"OrderedDict": collections.OrderedDict, "set": set, "frozenset": frozenset,
                     "PosixPath": pathlib.PosixPath, "PurePosixPath": pathlib.PurePosixPath}[name]
         raise pickle.UnpicklingError(f"global {module}.{name} is not part of DCP's metadata")

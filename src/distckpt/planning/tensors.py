@@ -14,11 +14,13 @@ try:  # DTensor and ShardedTensor ship with torch.distributed, which some builds
 except ImportError:  # pragma: no cover - torch without distributed
     DTensor = None  # type: ignore[assignment,misc]
 try:
+    from torch.distributed._shard.sharded_tensor import Shard as LocalShard
     from torch.distributed._shard.sharded_tensor import ShardedTensor
 except ImportError:  # pragma: no cover
     ShardedTensor = None  # type: ignore[assignment,misc]
 
 __all__ = ["is_dtensor", "is_sharded_tensor", "local_tensor", "local_view", "local_pieces", "piece_at", "dtype_of",
+           "with_local_shards",
            "check_no_aliasing"]
 
 #: One block of a tensor this rank holds: its data, and where it sits in the global tensor.
@@ -63,6 +65,13 @@ def local_pieces(fqn: str, tensor: torch.Tensor) -> tuple[torch.Size, list[Piece
         return tensor.shape, []  # a sub-mesh DTensor on a rank outside its mesh holds no shard
     local, global_size, offsets, sizes = local_view(fqn, tensor)
     return torch.Size(global_size), [(local, offsets, sizes)]
+
+
+def with_local_shards(tensor: Any, local: list[torch.Tensor]) -> Any:
+    """The ShardedTensor ``tensor`` with its local shards' data replaced by ``local`` (same order, same shapes)."""
+    shards = [LocalShard(data, shard.metadata) for data, shard in zip(local, tensor.local_shards())]
+    return ShardedTensor._init_from_local_shards_and_global_metadata(shards, tensor.metadata(),
+                                                                     process_group=tensor._process_group)
 
 
 def dtype_of(tensor: torch.Tensor) -> tuple[torch.dtype, bool]:
