@@ -62,7 +62,8 @@ def distckpt_path(world: int, items: int) -> dict:
         for i in range(items):
             fqn, off, size, glob = _tensor_item_args(r, i // 2, world, i % 2 == 0)
             its.append(WriteItem(MetadataIndex(fqn, off), WriteItemType.SHARD if i % 2 else WriteItemType.TENSOR,
-                                 tensor_data=TensorWriteData(ChunkStorageMetadata(torch.Size(off), torch.Size(size)), props, torch.Size(glob))))
+                                 tensor_data=TensorWriteData(ChunkStorageMetadata(torch.Size(off), torch.Size(size)), props,
+                                                             torch.Size(glob))))
         mappings = {it.index.fqn: (it.index.fqn,) for it in its}  # what the default planners send
         local_plans.append(SavePlan(its, planner_data=mappings))
         local_bytes.append(encode_plan_columns(local_plans[-1]))
@@ -123,7 +124,8 @@ def dcp_path(world: int, items: int) -> dict:
         for i in range(items):
             fqn, off, size, glob = _tensor_item_args(r, i // 2, world, i % 2 == 0)
             its.append(WriteItem(MetadataIndex(fqn, torch.Size(off)), WriteItemType.SHARD if i % 2 else WriteItemType.TENSOR,
-                                 tensor_data=TensorWriteData(ChunkStorageMetadata(torch.Size(off), torch.Size(size)), props, torch.Size(glob))))
+                                 tensor_data=TensorWriteData(ChunkStorageMetadata(torch.Size(off), torch.Size(size)), props,
+                                                             torch.Size(glob))))
         mappings = {it.index.fqn: (it.index.fqn,) for it in its}
         local_bytes.append(pickle.dumps(SavePlan(its, planner_data=mappings)))
     planner = DefaultSavePlanner()
@@ -232,7 +234,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--repeat", type=int, default=1, help="runs of each path; the fastest (by total) is reported")
     a = p.parse_args(argv)
     rows = []
-    print(f"{'ranks':>6} {'peer':>9} {'plan s':>8} {'meta s':>8} {'total s':>8} {'gathered MB':>12} {'metadata MB':>12} {'DCP/distckpt':>13}"
+    print(f"{'ranks':>6} {'peer':>9} {'plan s':>8} {'meta s':>8} {'total s':>8} {'gathered MB':>12} {'metadata MB':>12} "
+          f"{'DCP/distckpt':>13}"
           f" {'load decode s':>14} {'DCP/distckpt':>13} {'load plan s':>12} {'DCP/distckpt':>13}")
     for world in a.ranks:
         ours = _fastest(distckpt_path, world, a.items, a.repeat)

@@ -86,7 +86,8 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gib", type=float, default=2.0, help="size of the GPT-like state")
     p.add_argument("--small", type=int, default=20000, help="count of small tensors")
-    p.add_argument("--disk-dir", default=None, help="a directory on the disk to measure (default: a temporary one under the current directory)")
+    p.add_argument("--disk-dir", default=None,
+                   help="a directory on the disk to measure (default: a temporary one under the current directory)")
     p.add_argument("--tmpfs-dir", default="/dev/shm")
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
     p.add_argument("--planning-ranks", type=int, nargs="+", default=[512])
@@ -103,13 +104,15 @@ def main(argv=None) -> dict:
     tmpfs = tempfile.mkdtemp(prefix="distckpt-bench-", dir=a.tmpfs_dir)
     env = {"DISTCKPT_FSYNC": "1", "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // max(a.ranks)))}
     results: dict = {"config": vars(a)}
-    lines = [f"distckpt benchmark: {total / 2**30:.2f} GiB GPT-like state, {a.small} small tensors, torch {torch.__version__}, {os.cpu_count()} CPUs"]
+    lines = [f"distckpt benchmark: {total / 2**30:.2f} GiB GPT-like state, {a.small} small tensors, torch {torch.__version__}, "
+             f"{os.cpu_count()} CPUs"]
     try:
         warm_memory(a.warm_gib)
         runs = [disk_baselines(disk, total) for _ in range(a.repeat)]
         base = {k: max(r[k] for r in runs) for k in runs[0]}
         results["baselines"] = base
-        lines.append(f"raw disk: write+fsync {base['write_fsync_gbps']:.2f} GB/s, cold read {base['read_cold_gbps']:.2f} GB/s; memcpy {base['memcpy_gbps']:.2f} GB/s")
+        lines.append(f"raw disk: write+fsync {base['write_fsync_gbps']:.2f} GB/s, cold read {base['read_cold_gbps']:.2f} GB/s; "
+                     f"memcpy {base['memcpy_gbps']:.2f} GB/s")
         print(lines[-1], flush=True)
         for loc_name, loc, cold in (("disk", disk, True), ("tmpfs", tmpfs, False)):
             for n in a.ranks:
@@ -141,7 +144,8 @@ def main(argv=None) -> dict:
               # staging copies every byte once before the write starts, so with no overlap the total is at least copy + save
               f" (copy + save: {1 + rows['memcpy|copy']['wall_s'] / rows['distckpt|save']['wall_s']:.2f}x)", flush=True)
         print(f"  training on every core while the write runs: {train['during_steps_per_s'] / train['alone_steps_per_s']:.0%}"
-              f" of its speed alone; the save took {train['write_s']:.2f} s (DISTCKPT_ASYNC_NICE={os.environ.get('DISTCKPT_ASYNC_NICE', 10)})", flush=True)
+              f" of its speed alone; the save took {train['write_s']:.2f} s "
+              f"(DISTCKPT_ASYNC_NICE={os.environ.get('DISTCKPT_ASYNC_NICE', 10)})", flush=True)
         print("\nplanning at scale (coordinator path, simulated):", flush=True)
         results["planning"] = planning_scale.main(["--ranks", *map(str, a.planning_ranks), "--repeat", str(a.repeat)])
         checked = targets.evaluate(results)

@@ -108,8 +108,10 @@ def evaluate(results: dict) -> list[Target]:
         dcp = next((r for r in plans if r["ranks"] == ranks and r["peer"] == "dcp"), None)
         if ours and dcp:
             out.append(Target(f"planning {ranks} ranks: DCP time / distckpt", dcp["total_s"] / ours["total_s"], 10.0, True))
-            out.append(Target(f"planning {ranks} ranks: gathered bytes vs DCP's", ours["gathered_bytes"] / dcp["gathered_bytes"], 0.5, False))
-            out.append(Target(f"planning {ranks} ranks: metadata bytes vs DCP's", ours["metadata_bytes"] / dcp["metadata_bytes"], 0.5, False))
+            out.append(Target(f"planning {ranks} ranks: gathered bytes vs DCP's", ours["gathered_bytes"] / dcp["gathered_bytes"],
+                              0.5, False))
+            out.append(Target(f"planning {ranks} ranks: metadata bytes vs DCP's", ours["metadata_bytes"] / dcp["metadata_bytes"],
+                              0.5, False))
     return out
 
 

@@ -29,7 +29,8 @@ def _local_state(total: int, world_size: int, rank: int, sharded: bool):
 
     mesh = init_device_mesh("cpu", (world_size,))
     dts = {k: DTensor.from_local(v, mesh, [Shard(0)], run_check=False,
-                                 shape=torch.Size([v.shape[0] * world_size, *v.shape[1:]]), stride=None if v.dim() < 1 else _stride(v, world_size))
+                                 shape=torch.Size([v.shape[0] * world_size, *v.shape[1:]]),
+                                 stride=None if v.dim() < 1 else _stride(v, world_size))
            for k, v in shard.items()}
     return dts, shard
 
@@ -84,7 +85,8 @@ def _raw_io(local: dict, path: str, rank: int, write: bool, sequential: bool = F
     views = _raw_views(local)
     # the same contiguous runs of tensors, one per thread and file, as distckpt's writer makes
     total = sum(len(v) for v in views)
-    parts = [[views[i] for i in group] for group in _split([len(v) for v in views], max(1, min(knobs.io_threads(), total // _MIN_FILE_BYTES)))]
+    files = max(1, min(knobs.io_threads(), total // _MIN_FILE_BYTES))
+    parts = [[views[i] for i in group] for group in _split([len(v) for v in views], files)]
     if sequential:
         parts = [views]
     piece_bytes = _SEQ_PIECE if sequential else 1 << 30

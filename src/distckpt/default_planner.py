@@ -12,8 +12,7 @@ from typing import Any
 
 import torch
 
-from .metadata import (STATE_DICT_TYPE, ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties,
-                       TensorStorageMetadata)
+from .metadata import STATE_DICT_TYPE, ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties, TensorStorageMetadata
 from .planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from .planning import DefaultLoadPlanner, DefaultSavePlanner
 from .planning.save_planner import build_metadata

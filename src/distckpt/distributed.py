@@ -26,9 +26,8 @@ from typing import Any, Callable, Optional, TypeVar
 
 import torch
 
-from . import faults, knobs
-from . import errors
-from .errors import CheckpointError, WrappedException, RankFailuresError, RemoteRankError, describe_type
+from . import errors, faults, knobs
+from .errors import CheckpointError, RankFailuresError, RemoteRankError, WrappedException, describe_type
 
 try:
     import torch.distributed as dist
@@ -282,7 +281,9 @@ class Coordinator:
         numbers = [self.number]
         for rank, ident in strangers.items():
             own = failures.get(rank)
-            failures[rank] = describe(CheckpointError(("" if own is None else f"{own['type']}: {own['msg']}; and ") + f"rank {rank} is in {ident or 'no distckpt operation'} while the coordinator (rank "
+            failures[rank] = describe(CheckpointError(
+                ("" if own is None else f"{own['type']}: {own['msg']}; and ")
+                + f"rank {rank} is in {ident or 'no distckpt operation'} while the coordinator (rank "
                               f"{self.rank}) is in {self.identity}: the ranks' save/load calls are out of step (a rank "
                               "skipped or repeated a call, or passed another checkpoint_id); nothing was written by "
                               "this call, and the next call on every rank is numbered alike again"))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+
 from . import knobs
 
 __all__ = ["Progress"]

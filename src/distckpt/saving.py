@@ -7,18 +7,36 @@ import warnings
 from dataclasses import replace
 from typing import Any, Optional, Union
 
-from .backends.blob_storage import FILE_RESULT_PREFIX, BlobStorageWriter
 from ._sequence import call_set_up, gc_paused, prepare, storage_by_position
+from .backends.blob_storage import FILE_RESULT_PREFIX, BlobStorageWriter
 from .distributed import Coordinator
 from .errors import CheckpointError
-from .format.codec import decode_save_plan, decode_write_results, dumps, encode_metadata, encode_save_plan, encode_write_results, lazy_metadata, loads
+from .format.codec import (
+    decode_save_plan,
+    decode_write_results,
+    dumps,
+    encode_metadata,
+    encode_save_plan,
+    encode_write_results,
+    lazy_metadata,
+    loads,
+)
 from .format.frames import frame_kind
 from .metadata import STATE_DICT_TYPE, Metadata
 from .planner import SavePlan, SavePlanner
 from .planning import DefaultSavePlanner
 from .planning.columnar import ColumnarPlan, Declined, metadata_document, plan_columns, to_metadata
-from .planning.columns import (KEEP_MAGIC, PLAN_MAGIC, RESULTS_MAGIC, PlanColumns, ResultColumns, decode_keep, encode_keep,
-                               encode_plan_columns, encode_result_columns)
+from .planning.columns import (
+    KEEP_MAGIC,
+    PLAN_MAGIC,
+    RESULTS_MAGIC,
+    PlanColumns,
+    ResultColumns,
+    decode_keep,
+    encode_keep,
+    encode_plan_columns,
+    encode_result_columns,
+)
 from .storage import StorageWriter
 
 __all__ = ["save", "save_state_dict"]

@@ -12,8 +12,8 @@ from .backends.reading import ChunkShapes, open_and_validate
 from .errors import CheckpointError, CorruptCheckpointError
 from .format.checksum import crc32c
 from .format.datafile import VALUE_FORM, check_header_entry, header_spans, read_header, stored_form
-from .metadata import TensorStorageMetadata
 from .format.records import FileStorageData
+from .metadata import TensorStorageMetadata
 
 __all__ = ["verify", "VerifyReport"]
 

@@ -37,7 +37,8 @@ def _blank(sd: dict, device) -> dict:
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     a, b = a.cpu(), b.cpu()
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8))
+    return (a.dtype == b.dtype and a.shape == b.shape
+            and torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8)))
 
 
 @pytest.mark.parametrize("save_on,load_on", [("cuda", "cuda"), ("cuda", "cpu"), ("cpu", "cuda")])

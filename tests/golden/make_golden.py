@@ -7,7 +7,6 @@ Existing directories are never overwritten.
 import os
 import sys
 
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 

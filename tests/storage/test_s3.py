@@ -343,9 +343,10 @@ def test_async_save_to_s3_writes_the_staged_state(bucket):
 # ---- real SIGKILLs at every boundary of a 2-rank save to S3 (the sweep of tests/crash, on S3)
 
 def test_kill_a_rank_at_every_boundary_of_an_s3_save(bucket):
+    from distckpt.testing import RankFailure
+
     from ..crash import test_crash_consistency as crash
     from ..crash import workers as crash_workers
-    from distckpt.testing import RankFailure
 
     run = f"s3://{bucket}/kill-{uuid.uuid4().hex[:8]}"
     points = run_ranks(crash_workers.record_points, 2, f"{run}/record", env=crash.ENV)

@@ -17,7 +17,6 @@ from distckpt.backends.s3 import S3Store
 from distckpt.testing.fault_proxy import FaultProxy, Rule
 
 
-
 @pytest.fixture
 def proxy(endpoint, monkeypatch):
     """The AWS environment pointed at a fault proxy in front of the server."""

@@ -15,10 +15,28 @@ from distckpt import DefaultLoadPlanner, DefaultSavePlanner
 def test_public_names_import():
     for name in distckpt.__all__:
         assert getattr(distckpt, name) is not None
-    from distckpt.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex,  # noqa: F401
-                                   STATE_DICT_TYPE, StorageMeta, TensorProperties, TensorStorageMetadata)
-    from distckpt.planner import (BytesIOWriteData, LoadItemType, LoadPlan, LoadPlanner, ReadItem, SavePlan,  # noqa: F401
-                                  SavePlanner, TensorWriteData, WriteItem, WriteItemType)
+    from distckpt.metadata import (  # noqa: F401
+        STATE_DICT_TYPE,
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        StorageMeta,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+    from distckpt.planner import (  # noqa: F401
+        BytesIOWriteData,
+        LoadItemType,
+        LoadPlan,
+        LoadPlanner,
+        ReadItem,
+        SavePlan,
+        SavePlanner,
+        TensorWriteData,
+        WriteItem,
+        WriteItemType,
+    )
     from distckpt.storage import StorageReader, StorageWriter, WriteResult  # noqa: F401
     assert issubclass(distckpt.CheckpointError, Exception)
     assert issubclass(distckpt.CheckpointNotFoundError, FileNotFoundError)
@@ -33,7 +51,9 @@ def _random(shape, dtype, seed):
     if dtype == torch.bool:
         return torch.rand(shape, generator=g) > 0.5
     if dtype.is_floating_point or dtype.is_complex:
-        return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype) if not dtype.is_complex else torch.randn(shape, generator=g, dtype=dtype)
+        if dtype.is_complex:
+            return torch.randn(shape, generator=g, dtype=dtype)
+        return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
     return torch.randint(-100, 100, shape, generator=g).to(dtype)
 
 

@@ -23,7 +23,8 @@ DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.complex6
 
 def _tensor(fqn, offsets, sizes, glob, dtype, kind=WriteItemType.SHARD, requires_grad=False):
     chunk = ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))
-    return WriteItem(MetadataIndex(fqn, offsets), kind, tensor_data=TensorWriteData(chunk, TensorProperties(dtype, requires_grad=requires_grad), torch.Size(glob)))
+    props = TensorProperties(dtype, requires_grad=requires_grad)
+    return WriteItem(MetadataIndex(fqn, offsets), kind, tensor_data=TensorWriteData(chunk, props, torch.Size(glob)))
 
 
 def _value(fqn, nbytes):

@@ -24,8 +24,8 @@ from ..format.checksum import crc32c
 from ..format.codec import encode_metadata, parse_metadata, stored_file_sizes
 from ..format.datafile import Entry, build_header, entry_name, stored_form
 from ..format.dtypes import itemsize
-from ..format.records import FileInfo, FileStorageData, StorageInfo
 from ..format.locations import check_cover, checked_chunk
+from ..format.records import FileInfo, FileStorageData, StorageInfo
 from ..metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
 from ..planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner, WriteItemType
 from ..planning.resharding import volume
@@ -33,8 +33,8 @@ from ..progress import Progress
 from ..storage import StorageReader, StorageWriter, WriteResult
 from .blobs import BlobStore
 from .budget import ByteBudget
-from .leases import Lease
 from .device_copy import PendingCopies, caller_streams, to_host
+from .leases import Lease
 from .tensor_bytes import host_bytes, is_lazy_view
 from .windows import windows
 
@@ -365,12 +365,14 @@ class BlobStorageReader(StorageReader):
         where = f"checkpoint {self._checkpoint_id()!r}"
         if not store.exists(METADATA_FILE):
             raise CheckpointNotFoundError(
-                f"{where} has no {METADATA_FILE}: it does not exist, or its save never committed. Check the path, or load an earlier checkpoint.")
+                f"{where} has no {METADATA_FILE}: it does not exist, or its save never committed. Check the path, "
+                "or load an earlier checkpoint.")
         blob = store.open(METADATA_FILE)
         try:
             cap = knobs.max_metadata_bytes()
             if blob.size > cap:
-                raise CorruptCheckpointError(f"{where}: {METADATA_FILE} is {blob.size} bytes, over the cap of {cap} (DISTCKPT_MAX_METADATA_BYTES)")
+                raise CorruptCheckpointError(f"{where}: {METADATA_FILE} is {blob.size} bytes, over the cap of {cap} "
+                                             "(DISTCKPT_MAX_METADATA_BYTES)")
             raw = blob.pread(blob.size, 0)
         finally:
             blob.close()
@@ -390,7 +392,8 @@ class BlobStorageReader(StorageReader):
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if not isinstance(metadata.storage_data, FileStorageData):
-            raise CorruptCheckpointError(f"checkpoint {self._checkpoint_id()!r}: metadata has no data-file table; it was not written by a distckpt storage layer")
+            raise CorruptCheckpointError(f"checkpoint {self._checkpoint_id()!r}: metadata has no data-file table; it was not "
+                                         "written by a distckpt storage layer")
         self.metadata = metadata
         self.is_coordinator = is_coordinator
         self.store = self._store().data_store(metadata.storage_data.save_id)

@@ -38,8 +38,15 @@ from .. import knobs
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, UnsafeValueError
 from ..format import METADATA_FILE
 from ..format.values import encode_value
-from ..metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta,
-                        TensorProperties, TensorStorageMetadata)
+from ..metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 from ..planner import LoadItemType, LoadPlan, LoadPlanner
 from ..storage import StorageReader
 from .fs_objects import open_regular

@@ -106,7 +106,8 @@ def pin_in_place(buffer: torch.Tensor) -> bool:
 
     A refusal leaves nothing behind: see :func:`_clear_cuda_error`.
     """
-    code = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel() * buffer.element_size(), 1))  # 1: portable, for every context
+    portable = 1  # registered for every CUDA context
+    code = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel() * buffer.element_size(), portable))
     if code != 0:
         _clear_cuda_error()
     return code == 0

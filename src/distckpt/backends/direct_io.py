@@ -35,9 +35,9 @@ from typing import Optional
 
 import numpy as np
 
-from .fs_objects import create_exclusive
 from .. import faults, knobs
 from .blobs import BlobWriter
+from .fs_objects import create_exclusive
 
 ALIGN = 4096  # a multiple of every common logical block size (512 and 4096 bytes)
 _O_DIRECT = getattr(os, "O_DIRECT", 0)

@@ -9,14 +9,14 @@ from typing import Optional
 
 import torch
 
+from .. import knobs
 from ..errors import CheckpointError, CorruptCheckpointError, UnsupportedTensorError
 from ..format.checksum import crc32c
 from ..format.datafile import VALUE_FORM, HeaderInfo, check_header_entry, header_spans, read_header, stored_form
+from ..format.dtypes import itemsize
 from ..format.records import FileStorageData, StorageInfo
 from ..metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from ..planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
-from .. import knobs
-from ..format.dtypes import itemsize
 from ..planning.resharding import volume
 from ..progress import Progress
 from .blobs import BlobReader, BlobStore
@@ -101,7 +101,8 @@ def read_items(store: BlobStore, md: Metadata, plan: LoadPlan, planner: LoadPlan
         info = fsd.items.get(index)
         shape = shapes.get(index) if items[0].type == LoadItemType.TENSOR else ()
         if info is None or shape is None:
-            raise CorruptCheckpointError(f"{where}: key {index.fqn!r} chunk {list(index.offset or [])} has no storage entry in the metadata")
+            raise CorruptCheckpointError(f"{where}: key {index.fqn!r} chunk {list(index.offset or [])} has no storage entry "
+                                         "in the metadata")
         infos[index] = info
         chunk_shapes[index] = shape
     spans: dict = {}
@@ -179,7 +180,8 @@ def read_items(store: BlobStore, md: Metadata, plan: LoadPlan, planner: LoadPlan
             want = sum(len(piece) for _, piece in pieces)
             got = blob.readv([piece for _, piece in pieces], position)
             if got != want:
-                raise CorruptCheckpointError(f"{here(batch[0][0])}: file {first.file!r} ends at {position + got}, before offset {position + want}; it is truncated")
+                raise CorruptCheckpointError(f"{here(batch[0][0])}: file {first.file!r} ends at {position + got}, before "
+                                             f"offset {position + want}; it is truncated")
             if verify:
                 for j, piece in pieces:
                     crcs[j] = crc32c(piece, crcs[j])
@@ -217,7 +219,8 @@ def read_items(store: BlobStore, md: Metadata, plan: LoadPlan, planner: LoadPlan
                     f"{here(index)}: the destination is on the meta device and has no memory to load into; materialise "
                     "it first (for a module: .to_empty(device=...)), or return a real tensor from resolve_tensor")
             if tuple(dest.shape) != tuple(item.lengths):
-                raise CheckpointError(f"{here(index)}: resolve_tensor returned shape {tuple(dest.shape)}, the read item needs {tuple(item.lengths)}")
+                raise CheckpointError(f"{here(index)}: resolve_tensor returned shape {tuple(dest.shape)}, the read item "
+                                      f"needs {tuple(item.lengths)}")
         if not shape or info.length == 0:
             rows, row_bytes = 1, info.length
         else:
@@ -446,7 +449,8 @@ def _check(verify: bool, got: int, info: StorageInfo, here: str, dests: list = (
 def _read_into(blob: BlobReader, view: memoryview, offset: int, here: str, file: str) -> None:
     got = blob.readinto(view, offset)
     if got != len(view):
-        raise CorruptCheckpointError(f"{here}: file {file!r} ends at {offset + got}, before the {len(view)} bytes at offset {offset}; it is truncated")
+        raise CorruptCheckpointError(f"{here}: file {file!r} ends at {offset + got}, before the {len(view)} bytes at offset "
+                                     f"{offset}; it is truncated")
 
 
 def _read_exact(blob: BlobReader, n: int, offset: int, here: str, file: str) -> bytes:

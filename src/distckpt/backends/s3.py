@@ -35,8 +35,20 @@ from ..format import METADATA_FILE
 from .blob_storage import BlobStorageReader, BlobStorageWriter
 from .blobs import BlobReader, BlobStore, BlobWriter
 from .leases import Lease, save_is_dead
-from .s3_objects import (LOST_RACE, MIN_PART_BYTES, NOT_FOUND, ObjectReader, ObjectWriter, S3Session, SessionClient, client_for,
-                         error_code, list_pages, s3_error, s3_failures)
+from .s3_objects import (
+    LOST_RACE,
+    MIN_PART_BYTES,
+    NOT_FOUND,
+    ObjectReader,
+    ObjectWriter,
+    S3Session,
+    SessionClient,
+    client_for,
+    error_code,
+    list_pages,
+    s3_error,
+    s3_failures,
+)
 
 __all__ = ["S3Writer", "S3Reader", "S3Store"]
 

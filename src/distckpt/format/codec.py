@@ -40,7 +40,8 @@ from . import FORMAT_NAME, FORMAT_VERSION_STR
 from .checksum import crc32c, format_crc
 from .datafile import unique_members
 from .dtypes import dtype_from_name, dtype_name, itemsize
-from .fields import MAX_INT as _MAX_INT, ints as _ints
+from .fields import MAX_INT as _MAX_INT
+from .fields import ints as _ints
 from .locations import add_item, check_cover, check_no_overlap, checked_chunk, cross_check, decode_file_table, inline_chunks
 from .records import FileInfo, FileStorageData, StorageInfo
 from .values import from_data, to_data
@@ -79,7 +80,8 @@ def _dec_props(data: Any, where: str) -> TensorProperties:
     if not isinstance(data, list) or len(data) != 5:
         raise CorruptCheckpointError(f"{where}: malformed tensor properties {data!r:.200}")
     dt, layout, rg, mf, pin = data
-    if not isinstance(layout, str) or not isinstance(mf, str) or layout not in _LAYOUTS or mf not in _MEMORY_FORMATS or type(rg) is not bool or type(pin) is not bool:
+    if (not isinstance(layout, str) or not isinstance(mf, str) or layout not in _LAYOUTS or mf not in _MEMORY_FORMATS
+            or type(rg) is not bool or type(pin) is not bool):
         raise CorruptCheckpointError(f"{where}: malformed tensor properties {data!r:.200}")
     return TensorProperties(dtype_from_name(dt, where), _LAYOUTS[layout], rg, _MEMORY_FORMATS[mf], pin)
 
@@ -382,12 +384,14 @@ def parse_metadata(raw: bytes, where: str) -> Metadata:
 def _parse_metadata(raw: bytes, where: str) -> Metadata:
     m = _TRAILER.search(raw)
     if m is None:
-        raise CorruptCheckpointError(f"{where}: metadata does not end with its checksum; the file is truncated or not a distckpt metadata file")
+        raise CorruptCheckpointError(f"{where}: metadata does not end with its checksum; the file is truncated or not a "
+                                     "distckpt metadata file")
     prefix = raw[: m.start()]
     want = int(m.group(1), 16)
     got = crc32c(prefix)
     if got != want:
-        raise CorruptCheckpointError(f"{where}: metadata checksum mismatch (stored {want:08x}, computed {got:08x}); the file is damaged, restore it from a copy")
+        raise CorruptCheckpointError(f"{where}: metadata checksum mismatch (stored {want:08x}, computed {got:08x}); the file "
+                                     "is damaged, restore it from a copy")
     body = loads(raw[:-1], where)
     if not isinstance(body, dict) or body.get("format") != FORMAT_NAME:
         raise CorruptCheckpointError(f"{where}: not a distckpt metadata document")

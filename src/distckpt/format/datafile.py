@@ -78,7 +78,8 @@ def read_header(pread: Callable[[int, int], bytes], file_size: int, where: str) 
     (n,) = struct.unpack("<Q", prefix)
     cap = knobs.max_header_bytes()
     if n > cap or 8 + n > file_size:
-        raise CorruptCheckpointError(f"{where}: header length {n} exceeds the file ({file_size} bytes) or the cap ({cap}); the file is truncated or damaged")
+        raise CorruptCheckpointError(f"{where}: header length {n} exceeds the file ({file_size} bytes) or the cap ({cap}); "
+                                     "the file is truncated or damaged")
     raw = _pread_exact(pread, n, 8, where)
     lead_crc = crc32c(raw, crc32c(prefix))
     try:

@@ -65,7 +65,8 @@ def to_data(value: Any, *, allow_pickle: bool = False, where: str = "value", _de
     if kind is list:
         return [to_data(v, allow_pickle=allow_pickle, where=f"{where}[{i}]", _depth=_depth + 1) for i, v in enumerate(value)]
     if kind is tuple:
-        return {"$t": "tuple", "v": [to_data(v, allow_pickle=allow_pickle, where=f"{where}[{i}]", _depth=_depth + 1) for i, v in enumerate(value)]}
+        return {"$t": "tuple", "v": [to_data(v, allow_pickle=allow_pickle, where=f"{where}[{i}]", _depth=_depth + 1)
+                                     for i, v in enumerate(value)]}
     if kind is bytes or kind is bytearray:
         return {"$t": "bytes", "v": base64.b64encode(bytes(value)).decode("ascii")}
     if kind is torch.dtype:

@@ -204,7 +204,8 @@ class ResultColumns:
 
     def to_results(self, plan_items: list, file_prefix: str) -> list[WriteResult]:
         out = [WriteResult(it.index, ln, StorageInfo(self.files[f][0], off, ln, c))
-               for it, f, off, ln, c in zip(plan_items, self.file_no.tolist(), self.offset.tolist(), self.length.tolist(), self.crc.tolist())]
+               for it, f, off, ln, c in zip(plan_items, self.file_no.tolist(), self.offset.tolist(), self.length.tolist(),
+                                            self.crc.tolist())]
         out += [WriteResult(MetadataIndex(file_prefix + name), size, FileInfo(size, rank, hcrc)) for name, size, rank, hcrc in self.files]
         return out
 

@@ -84,7 +84,8 @@ class DefaultLoadPlanner(LoadPlanner):
                 continue
             if isinstance(obj, torch.Tensor):
                 if not isinstance(md, TensorStorageMetadata):
-                    problems.append(ShapeMismatchError(f"key {fqn!r} is a tensor in your state dict but a non-tensor value in {self._checkpoint_name()}"))
+                    problems.append(ShapeMismatchError(
+                        f"key {fqn!r} is a tensor in your state dict but a non-tensor value in {self._checkpoint_name()}"))
                     continue
                 try:
                     items.extend(self._tensor_reads(fqn, obj, md, *pieces[fqn]))

@@ -75,7 +75,8 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, collective_timeout_s, dict(env or {}), backend), daemon=True)
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, collective_timeout_s, dict(env or {}), backend),
+                         daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()
