@@ -80,12 +80,12 @@ def _raw_io(local: dict, path: str, rank: int, write: bool, sequential: bool = F
     from concurrent.futures import ThreadPoolExecutor
 
     import distckpt.knobs as knobs
-    from distckpt.backends.blob_storage import _MIN_FILE_BYTES, _split
+    from distckpt.backends.blob_storage import _split
 
     views = _raw_views(local)
     # the same contiguous runs of tensors, one per thread and file, as distckpt's writer makes
     total = sum(len(v) for v in views)
-    files = max(1, min(knobs.io_threads(), total // _MIN_FILE_BYTES))
+    files = max(1, min(knobs.io_threads(), total // knobs.min_file_bytes()))
     parts = [[views[i] for i in group] for group in _split([len(v) for v in views], files)]
     if sequential:
         parts = [views]

@@ -12,7 +12,12 @@ import os
 from .errors import CheckpointError
 
 __all__ = [
+    "PAGE_BYTES",
     "io_threads",
+    "min_file_bytes",
+    "read_slab_bytes",
+    "verify_piece_bytes",
+    "s3_pool_threads",
     "io_batch_bytes",
     "fsync_enabled",
     "overwrite_committed",
@@ -31,6 +36,11 @@ __all__ = [
     "s3_upload_concurrency",
     "s3_read_piece_bytes",
 ]
+
+
+#: Alignment of the data section of data files, of direct I/O buffers and of large staging buffers: a memory
+#: page, and a multiple of every common logical block size (512 and 4096 bytes), so direct I/O can use them.
+PAGE_BYTES = 4096
 
 
 def _int(name: str, default: int, minimum: int = 0) -> int:
@@ -107,6 +117,32 @@ def s3_read_piece_bytes() -> int:
     return _int("DISTCKPT_S3_READ_PIECE_BYTES", 16 << 20, minimum=1 << 20)
 
 
+def min_file_bytes() -> int:
+    """Smallest data file a save thread gets (DISTCKPT_MIN_FILE_BYTES, default 64 MiB): a rank's items are
+    split over up to io_threads() files, one per thread, but never into files smaller than this, where the
+    cost of another file (its header, open, fsync) outweighs the parallel write."""
+    return _int("DISTCKPT_MIN_FILE_BYTES", 64 << 20, minimum=1)
+
+
+def read_slab_bytes() -> int:
+    """Bytes of the host buffer a load reads rows of a chunk through when the destination is not contiguous
+    (DISTCKPT_READ_SLAB_BYTES, default 32 MiB, capped by the memory budget): large enough that each read
+    is a long sequential one, small enough to stay in the last-level cache's neighbourhood."""
+    return _int("DISTCKPT_READ_SLAB_BYTES", 32 << 20, minimum=PAGE_BYTES)
+
+
+def verify_piece_bytes() -> int:
+    """Bytes ``distckpt verify`` reads and checksums at a time (DISTCKPT_VERIFY_PIECE_BYTES, default 16 MiB):
+    its memory use, whatever the size of the chunks."""
+    return _int("DISTCKPT_VERIFY_PIECE_BYTES", 16 << 20, minimum=PAGE_BYTES)
+
+
+def s3_pool_threads() -> int:
+    """Threads per process that run S3 requests (DISTCKPT_S3_POOL_THREADS, default 32): requests mostly wait
+    on the network, so many run at once; uploads and reads in flight are bounded by their own knobs."""
+    return _int("DISTCKPT_S3_POOL_THREADS", 32, minimum=1)
+
+
 def fsync_enabled() -> bool:
     """Whether data files, metadata and directories are fsynced on save (DISTCKPT_FSYNC, default on)."""
     return _bool("DISTCKPT_FSYNC", True)
@@ -139,9 +175,9 @@ def direct_io_buffer_bytes() -> int:
     default 16 MiB, a multiple of 4 KiB). Each file being written has two, one filling while the
     other is written, smaller where they would not fit in the file's share of the memory budget;
     up to eight stay allocated for the next save (touching fresh memory costs more than the copy)."""
-    value = _int("DISTCKPT_DIRECT_IO_BUFFER_BYTES", 16 << 20, minimum=4096)
-    if value % 4096:
-        raise CheckpointError(f"DISTCKPT_DIRECT_IO_BUFFER_BYTES={value} must be a multiple of 4096")
+    value = _int("DISTCKPT_DIRECT_IO_BUFFER_BYTES", 16 << 20, minimum=PAGE_BYTES)
+    if value % PAGE_BYTES:
+        raise CheckpointError(f"DISTCKPT_DIRECT_IO_BUFFER_BYTES={value} must be a multiple of {PAGE_BYTES}")
     return value
 
 

@@ -3,7 +3,7 @@
 These are the types a checkpoint's global metadata is made of. They keep the
 names and fields of the protocol so that planners and storage layers written
 against it work unchanged. How they are stored on disk is decided by
-:mod:`distckpt.format.metadata_codec` (JSON, never pickle).
+:mod:`distckpt.format.codec` (JSON, never pickle).
 """
 
 from __future__ import annotations

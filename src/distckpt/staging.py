@@ -76,7 +76,7 @@ class AsyncSaveHandle:
 _ALIGN = 64  # bytes: every buffer in an arena starts at a multiple, enough for any dtype
 # buffers of at least _PAGE_MIN bytes start on a page, so that direct I/O can write them without a copy
 # (backends/direct_io.py); the padding costs under 1/16 of such a buffer
-_PAGE, _PAGE_MIN = 4096, 64 << 10
+_PAGE, _PAGE_MIN = knobs.PAGE_BYTES, 64 << 10
 
 
 class _Arena:

@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
-from . import backends
+from . import backends, knobs
 from .backends.blob_storage import BlobStorageReader
 from .backends.reading import ChunkShapes, open_and_validate
 from .errors import CheckpointError, CorruptCheckpointError
@@ -16,9 +16,6 @@ from .format.records import FileStorageData
 from .metadata import TensorStorageMetadata
 
 __all__ = ["verify", "VerifyReport"]
-
-_PIECE = 16 << 20
-
 
 @dataclass
 class VerifyReport:
@@ -86,7 +83,7 @@ def verify(checkpoint_id: Union[str, os.PathLike], storage_reader: Optional[Blob
                 except CheckpointError as exc:
                     report.problems.append(str(exc))
                 crc = 0
-                buf = bytearray(min(si.length, _PIECE))
+                buf = bytearray(min(si.length, knobs.verify_piece_bytes()))
                 pos = 0
                 while pos < si.length:
                     n = min(len(buf), si.length - pos)

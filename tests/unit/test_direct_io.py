@@ -169,7 +169,7 @@ def test_save_and_load_with_direct_writes(tmp_path, monkeypatch):
     monkeypatch.setenv("DISTCKPT_DIRECT_IO", "on")
     _writer(str(tmp_path / "probe")).abort()  # skips where the file system refuses O_DIRECT
     monkeypatch.setenv("DISTCKPT_IO_THREADS", "2")
-    monkeypatch.setattr("distckpt.backends.blob_storage._MIN_FILE_BYTES", 1 << 20)  # two files for this small state
+    monkeypatch.setenv("DISTCKPT_MIN_FILE_BYTES", str(1 << 20))  # two files for this small state
     writers = _record(monkeypatch, FsStore, "create")
     g = torch.Generator().manual_seed(0)
     state = {

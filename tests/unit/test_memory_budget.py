@@ -66,7 +66,7 @@ def test_direct_write_buffers_take_their_share_of_the_budget(tmp_path, monkeypat
     monkeypatch.setenv("DISTCKPT_DIRECT_IO", "on")
     monkeypatch.setenv("DISTCKPT_MEMORY_BUDGET_BYTES", str(1 << 20))
     monkeypatch.setenv("DISTCKPT_IO_THREADS", "2")
-    monkeypatch.setattr(blob_storage, "_MIN_FILE_BYTES", 1 << 20)  # two files for this small state
+    monkeypatch.setenv("DISTCKPT_MIN_FILE_BYTES", str(1 << 20))  # two files for this small state
     taken = []
     real = direct_io._BouncePool.take
     monkeypatch.setattr(direct_io._BouncePool, "take", lambda self, size: taken.append(size) or real(self, size))

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import distckpt
 from bench.measure import drop_cache
-from distckpt.backends import blob_storage, filesystem, reading
+from distckpt.backends import filesystem, reading
 from distckpt.backends.reading import split_lanes
 from distckpt.errors import CorruptCheckpointError
 
@@ -65,7 +65,7 @@ def test_each_lane_reads_its_file_front_to_back_with_a_reader_of_its_own(tmp_pat
     ck = str(tmp_path / "ck")
     monkeypatch.setenv("DISTCKPT_IO_THREADS", str(save_threads))
     monkeypatch.setenv("DISTCKPT_IO_BATCH_BYTES", str(1 << 20))  # a batch per tensor
-    monkeypatch.setattr(blob_storage, "_MIN_FILE_BYTES", 1 << 20)  # a file per save thread, small as the state is
+    monkeypatch.setenv("DISTCKPT_MIN_FILE_BYTES", str(1 << 20))  # a file per save thread, small as the state is
     distckpt.save(sd, checkpoint_id=ck)
     monkeypatch.setenv("DISTCKPT_IO_THREADS", str(load_threads))
     seen = _record_reads(monkeypatch)

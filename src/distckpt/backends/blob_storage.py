@@ -179,7 +179,6 @@ class BlobStorageWriter(StorageWriter):
         self._release_lease()
 
 
-_MIN_FILE_BYTES = 64 << 20
 _LINE = 64  # bytes: a cache line, and the alignment of torch's CPU allocations
 
 
@@ -210,7 +209,7 @@ def write_file(store: BlobStore, name: str, save_id: str, rank: int, plan: SaveP
     offsets = [0] * len(entries)
     files: list[tuple[str, int, int]] = []  # (name, size, header crc)
     item_file = [""] * len(entries)
-    groups = _split([e.nbytes for e in entries], max(1, min(threads, sum(e.nbytes for e in entries) // _MIN_FILE_BYTES)))
+    groups = _split([e.nbytes for e in entries], max(1, min(threads, sum(e.nbytes for e in entries) // knobs.min_file_bytes())))
     # the files' writers split half the memory budget for their buffers (direct I/O's bounce buffers, an object
     # store's parts); host copies of tensors get what the writers leave
     limit = knobs.memory_budget_bytes()

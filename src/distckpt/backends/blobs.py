@@ -76,13 +76,7 @@ class BlobReader(abc.ABC):
 
 
 class BlobStore(abc.ABC):
-    """One checkpoint's directory (or prefix) of blobs.
-
-    ``supports_atomic_rename`` is a capability flag: stores that cannot make a
-    blob visible atomically rely on the metadata blob being written last.
-    """
-
-    supports_atomic_rename: bool = False
+    """One checkpoint's directory (or prefix) of blobs."""
 
     @abc.abstractmethod
     def prepare(self) -> None:

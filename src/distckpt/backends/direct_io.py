@@ -39,7 +39,7 @@ from .. import faults, knobs
 from .blobs import BlobWriter
 from .fs_objects import create_exclusive
 
-ALIGN = 4096  # a multiple of every common logical block size (512 and 4096 bytes)
+ALIGN = knobs.PAGE_BYTES
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _COPY_WITH_NUMPY = 256 << 10  # larger pieces are copied by numpy, which lets other threads run meanwhile
 _ZERO_COPY_MIN = 64 << 10  # smaller pieces are copied: a system call of their own would cost more

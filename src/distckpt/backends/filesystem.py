@@ -159,7 +159,6 @@ def _fsync_dir(path: str) -> None:
 class FsStore(BlobStore):
     """Blobs as files in one directory."""
 
-    supports_atomic_rename = True
 
     def __init__(self, root: Union[str, os.PathLike]):
         self.root = os.fspath(root)

@@ -65,7 +65,6 @@ class _MemReader(BlobReader):
 
 
 class MemoryStore(BlobStore):
-    supports_atomic_rename = True
 
     def __init__(self, name: str):
         self.name = name

@@ -227,7 +227,7 @@ def read_items(store: BlobStore, md: Metadata, plan: LoadPlan, planner: LoadPlan
             rows, row_bytes = shape[0], info.length // shape[0]
         # stream the chunk through one reused buffer, a slab of whole rows at a time:
         # every byte is read once, the checksum is computed on the way, memory stays bounded
-        slab_rows = max(1, min(rows, min(_SLAB_BYTES, budget.limit) // max(1, row_bytes)))
+        slab_rows = max(1, min(rows, min(knobs.read_slab_bytes(), budget.limit) // max(1, row_bytes)))
         to_gpu = any(uses_pinned(dest.device) for dest in dests)
         pending = PendingCopies(streams) if to_gpu else None
         # always read into a buffer, never copy out of a mapping of the file: a file truncated by
@@ -354,8 +354,6 @@ def split_lanes(files: list[str], sizes: list[int], threads: int) -> list[tuple[
                 break
         lanes[j:j + 1] = [(name, lane[:cut]), (name, lane[cut:])]
     return lanes
-
-_SLAB_BYTES = 32 << 20
 
 
 def _counted(fn, progress: Progress, n: int):

@@ -19,7 +19,6 @@ from .blobs import BlobReader, BlobWriter
 
 MIN_PART_BYTES = 5 << 20  # S3's smallest part, except the last
 _MAX_PARTS = 10_000
-_POOL_THREADS = 32
 NOT_FOUND = {"404", "NoSuchKey", "NotFound"}
 LOST_RACE = {"412", "PreconditionFailed", "409", "ConditionalRequestConflict"}
 
@@ -181,7 +180,7 @@ def _pool() -> ThreadPoolExecutor:
     with _CLIENTS_LOCK:
         pool = _POOLS.get(os.getpid())
         if pool is None:
-            pool = _POOLS[os.getpid()] = ThreadPoolExecutor(_POOL_THREADS, thread_name_prefix="distckpt-s3")
+            pool = _POOLS[os.getpid()] = ThreadPoolExecutor(knobs.s3_pool_threads(), thread_name_prefix="distckpt-s3")
         return pool
 
 

@@ -27,10 +27,10 @@ __all__ = ["Entry", "build_header", "read_header", "HeaderInfo"]
 
 _MAX_ENTRIES = 50_000_000
 
-# The data section starts on a page boundary. Copies between the page cache and
-# tensor memory (64-byte aligned) run about 30% slower when source and
-# destination are not equally aligned within a cache line (measured on tmpfs).
-DATA_ALIGN = 4096
+# The data section starts on a page boundary: copies between the page cache and
+# tensor memory (64-byte aligned) are slower when source and destination are
+# not equally aligned within a cache line, and direct I/O needs block alignment.
+DATA_ALIGN = knobs.PAGE_BYTES
 
 
 @dataclass(frozen=True)
