@@ -69,7 +69,7 @@ def pick_storage(kind: str, checkpoint_id: Any, given: Any) -> Any:
     if storage is None:
         if checkpoint_id is None:
             arg = "storage_writer" if kind == "writer" else "storage_reader"
-            raise CheckpointError(f"needs checkpoint_id= (a directory path or memory://name) or {arg}=")
+            raise CheckpointError(f"needs checkpoint_id= (a directory path, s3://bucket/prefix or memory://name) or {arg}=")
         storage = backends.writer_for(checkpoint_id) if kind == "writer" else backends.reader_for(checkpoint_id)
     if checkpoint_id is not None:
         storage.reset(checkpoint_id)

@@ -160,8 +160,8 @@ def direct_io_mode() -> str:
     """Whether data files are written around the page cache with O_DIRECT (DISTCKPT_DIRECT_IO):
     ``auto`` (default) on Linux local disk file systems (ext4, xfs, btrfs, f2fs; not tmpfs, network
     or FUSE file systems), ``on`` wherever the kernel takes it, ``off`` never. A file system that refuses it gets buffered
-    writes. On the development VM's disk, direct writes of 2 GiB with fsync took a third to a
-    half of the time of buffered ones, and a seventh of the CPU time (docs/performance.md)."""
+    writes. Direct writes skip the copy into the page cache and the writeback of dirty pages that a
+    checkpoint, written once and fsynced, gains nothing from (docs/performance.md has the figures)."""
     mode = os.environ.get("DISTCKPT_DIRECT_IO", "auto").strip().lower() or "auto"
     aliases = {"1": "on", "true": "on", "yes": "on", "0": "off", "false": "off", "no": "off"}
     mode = aliases.get(mode, mode)

@@ -59,7 +59,7 @@ def save(
     replicas across ranks), DTensors (each rank holds its shards), non-tensor
     values, and Stateful objects (saved through ``state_dict()``). The storage
     is chosen from ``checkpoint_id`` when ``storage_writer`` is not given: a
-    directory path, or ``memory://name``. Returns the checkpoint's metadata on
+    directory path, ``s3://bucket/prefix``, or ``memory://name``. Returns the checkpoint's metadata on
     every rank. Any failure on any rank raises a CheckpointError on every rank,
     and nothing is committed. ``no_dist=True`` saves this process's state
     alone, without collectives, even where a process group is initialised.

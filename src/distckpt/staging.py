@@ -434,7 +434,7 @@ def async_save(
     The background write runs at a lower CPU priority than the caller
     (``DISTCKPT_ASYNC_NICE``, default 10): when training keeps every core busy
     it goes on at nearly full speed while the write takes the CPU left over
-    (measured here: 92-102% of its speed alone, against 13-30% at equal priority).
+    (docs/performance.md has the figures).
     """
     if max_in_flight < 1:
         raise CheckpointError("max_in_flight must be at least 1")

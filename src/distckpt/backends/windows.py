@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from typing import Iterator
 
-WINDOW_BYTES = 2 << 20  # measured on the dev VM: 2 MiB best among 256 KiB to 16 MiB
+# large enough that a window's system call and checksum call cost little per byte, small enough that the
+# window is still in the CPU's cache when it is checksummed right after the copy (docs/performance.md)
+WINDOW_BYTES = 2 << 20
 
 
 def windows(views: list[memoryview], size: int = WINDOW_BYTES) -> Iterator[list[tuple[int, memoryview]]]:
