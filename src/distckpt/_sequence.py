@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import functools
-import gc
 import inspect
 import warnings
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
+from . import backends
+from .errors import CheckpointError
+from .planning import DefaultLoadPlanner, DefaultSavePlanner
 from .stateful import Stateful
 
 
@@ -36,35 +37,13 @@ def call_set_up(method: Any, *args: Any, **kwargs: Any) -> None:
 
 def tell_rank(planner: Any, rank: int) -> None:
     """Let distckpt's planners (and their subclasses) know this rank, for RankLocal keys."""
-    from .planning import DefaultLoadPlanner, DefaultSavePlanner
-
     if isinstance(planner, (DefaultSavePlanner, DefaultLoadPlanner)):
         planner.rank = rank
-
-
-@contextmanager
-def gc_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector while planning builds many small objects.
-
-    With a large heap (a model's tensors), generational collections triggered
-    by plan objects cost more than the planning itself; nothing planned here
-    forms cycles that must be freed before the save or load ends.
-    """
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 def pick_storage(kind: str, checkpoint_id: Any, given: Any) -> Any:
     """The storage writer or reader to use: ``given``, or the backend that accepts ``checkpoint_id``;
     reset to ``checkpoint_id`` when there is one."""
-    from . import backends
-    from .errors import CheckpointError
-
     storage = given
     if storage is None:
         if checkpoint_id is None:

@@ -20,8 +20,10 @@ from typing import Optional
 import click
 
 from . import __version__
+from . import convert as conversion
 from .errors import CheckpointError, CheckpointNotFoundError
 from .loading import read_metadata
+from .manager import CheckpointManager
 from .metadata import TensorStorageMetadata
 from .verification import verify
 
@@ -127,8 +129,6 @@ def convert(src: str, dst: str, from_format: Optional[str], to_format: Optional[
       distckpt convert --from torch-save model.pt CKPT
       distckpt convert --from dcp --trust-pickle DCP_DIR CKPT
     """
-    from . import convert as conversion
-
     chosen = [("from", f) for f in [from_format, "dcp" if from_dcp else None] if f] + \
              [("to", f) for f in [to_format, "dcp" if to_dcp else None] if f]
     if len(chosen) != 1:
@@ -168,8 +168,6 @@ def steps(root: str, as_json: bool, clean: bool) -> None:
     Saves that never committed are not steps; --clean removes their
     leftovers, only those of saves proven dead (safe beside a running trainer).
     """
-    from .manager import CheckpointManager
-
     if "://" not in root and not os.path.isdir(root):  # listing must not create the directory
         click.echo(f"error: {root!r} is not a directory", err=True)
         sys.exit(1)

@@ -6,9 +6,12 @@ import os
 import warnings
 from typing import Any, Optional, Union
 
-from ._sequence import gc_paused, pick_storage, prepare, storage_by_position
+from ._sequence import pick_storage, prepare, storage_by_position
+from .backends import shared_verification as sv
+from .backends.blob_storage import BlobStorageReader
 from .distributed import Coordinator
 from .format.codec import decode_load_plan, dumps, encode_load_plan, loads
+from .gc_pause import gc_paused
 from .metadata import STATE_DICT_TYPE, Metadata
 from .planner import LoadPlan, LoadPlanner
 from .planning import DefaultLoadPlanner
@@ -98,7 +101,6 @@ def run_load(state_dict: STATE_DICT_TYPE, reader: Optional[StorageReader], plann
 
 
 def _plan_with_shared_verification(local_step, reader: StorageReader, coord: Coordinator) -> LoadPlan:
-    from .backends import shared_verification as sv
 
     mine: dict = {}
 
@@ -114,7 +116,6 @@ def _plan_with_shared_verification(local_step, reader: StorageReader, coord: Coo
 
 
 def _global_step_is_identity(planner: LoadPlanner, reader: StorageReader) -> bool:
-    from .backends.blob_storage import BlobStorageReader
 
     return (isinstance(planner, DefaultLoadPlanner) and type(planner).create_global_plan is DefaultLoadPlanner.create_global_plan
             and isinstance(reader, BlobStorageReader) and type(reader).prepare_global_plan is BlobStorageReader.prepare_global_plan)

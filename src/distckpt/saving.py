@@ -7,7 +7,7 @@ import warnings
 from dataclasses import replace
 from typing import Any, Optional, Union
 
-from ._sequence import call_set_up, gc_paused, prepare, storage_by_position
+from ._sequence import call_set_up, prepare, storage_by_position
 from .backends.blob_storage import FILE_RESULT_PREFIX, BlobStorageWriter
 from .distributed import Coordinator
 from .errors import CheckpointError
@@ -22,6 +22,7 @@ from .format.codec import (
     loads,
 )
 from .format.frames import frame_kind
+from .gc_pause import gc_paused
 from .metadata import STATE_DICT_TYPE, Metadata
 from .planner import SavePlan, SavePlanner
 from .planning import DefaultSavePlanner

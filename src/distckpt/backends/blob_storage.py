@@ -35,6 +35,7 @@ from .blobs import BlobStore
 from .budget import ByteBudget
 from .device_copy import PendingCopies, caller_streams, to_host
 from .leases import Lease
+from .reading import read_items
 from .tensor_bytes import host_bytes, is_lazy_view
 from .windows import windows
 
@@ -406,8 +407,6 @@ class BlobStorageReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
-        from .reading import read_items
-
         read_items(self.store, self.metadata, plan, planner, self._checkpoint_id(),
                    verify=self.verify_checksums, threads=self.thread_count or knobs.io_threads(),
                    verified_elsewhere=getattr(self, "verified_elsewhere", set()), is_coordinator=self.is_coordinator)

@@ -11,6 +11,7 @@ import abc
 from typing import Iterable, Optional
 
 from ..errors import CheckpointError
+from ..format import METADATA_FILE
 
 
 class BlobWriter(abc.ABC):
@@ -116,8 +117,6 @@ class BlobStore(abc.ABC):
     # ---- commit protocol: a save writes into a staging store, then commits it
 
     def is_committed(self) -> bool:
-        from ..format import METADATA_FILE
-
         return self.exists(METADATA_FILE)
 
     def data_store(self, save_id: str) -> "BlobStore":

@@ -16,6 +16,7 @@ import torch
 
 from .. import knobs
 from ..errors import CheckpointError, CorruptCheckpointError, FormatVersionError
+from ..gc_pause import gc_paused
 from ..metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -43,6 +44,7 @@ from .dtypes import dtype_from_name, dtype_name, itemsize
 from .fields import MAX_INT as _MAX_INT
 from .fields import ints as _ints
 from .locations import add_item, check_cover, check_no_overlap, checked_chunk, cross_check, decode_file_table, inline_chunks
+from .names import check_file_name
 from .records import FileInfo, FileStorageData, StorageInfo
 from .values import from_data, to_data
 
@@ -70,13 +72,13 @@ _MEMORY_FORMATS = {"contiguous": torch.contiguous_format, "channels_last": torch
 _LAYOUTS = {"strided": torch.strided, "sparse_coo": torch.sparse_coo}
 
 
-def _enc_props(p: TensorProperties) -> list:
+def enc_props(p: TensorProperties) -> list:
     mf = next((k for k, v in _MEMORY_FORMATS.items() if v == p.memory_format), "contiguous")
     layout = next((k for k, v in _LAYOUTS.items() if v == p.layout), "strided")
     return [dtype_name(p.dtype), layout, bool(p.requires_grad), mf, bool(p.pin_memory)]
 
 
-def _dec_props(data: Any, where: str) -> TensorProperties:
+def dec_props(data: Any, where: str) -> TensorProperties:
     if not isinstance(data, list) or len(data) != 5:
         raise CorruptCheckpointError(f"{where}: malformed tensor properties {data!r:.200}")
     dt, layout, rg, mf, pin = data
@@ -99,13 +101,13 @@ def _dec_chunk(data: Any, where: str) -> ChunkStorageMetadata:
     return ChunkStorageMetadata(off, size)
 
 
-def _opaque_to(value: Any, where: str, transport: bool) -> Any:
+def opaque_to(value: Any, where: str, transport: bool) -> Any:
     if isinstance(value, FileStorageData):
         return {"$fs": _enc_file_storage(value)}
     return to_data(value, allow_pickle=transport and knobs.allow_pickle_transport(), where=where)
 
 
-def _opaque_from(data: Any, where: str, transport: bool) -> Any:
+def opaque_from(data: Any, where: str, transport: bool) -> Any:
     if isinstance(data, dict) and len(data) == 1 and "$fs" in data:
         return _dec_file_storage(data["$fs"], where)
     return from_data(data, allow_pickle=transport and knobs.allow_pickle_transport(), where=where)
@@ -122,33 +124,33 @@ def encode_save_plan(plan: SavePlan) -> dict:
             _enc_index(it.index),
             it.type.value,
             None if it.bytes_io_data is None else it.bytes_io_data.nbytes,
-            None if td is None else [_enc_chunk(td.chunk), _enc_props(td.properties), list(td.size)],
+            None if td is None else [_enc_chunk(td.chunk), enc_props(td.properties), list(td.size)],
         ])
-    return {"items": items, "storage_data": _opaque_to(plan.storage_data, "plan storage_data", True),
-            "planner_data": _opaque_to(plan.planner_data, "plan planner_data", True), "usable": plan.usable}
+    return {"items": items, "storage_data": opaque_to(plan.storage_data, "plan storage_data", True),
+            "planner_data": opaque_to(plan.planner_data, "plan planner_data", True), "usable": plan.usable}
 
 
 def decode_save_plan(data: dict) -> SavePlan:
     items = []
     for idx, typ, nbytes, td in data["items"]:
-        tensor_data = None if td is None else TensorWriteData(_dec_chunk(td[0], "plan"), _dec_props(td[1], "plan"), torch.Size(td[2]))
+        tensor_data = None if td is None else TensorWriteData(_dec_chunk(td[0], "plan"), dec_props(td[1], "plan"), torch.Size(td[2]))
         items.append(WriteItem(_dec_index(idx, "plan"), WriteItemType(typ),
                                None if nbytes is None else BytesIOWriteData(nbytes), tensor_data))
-    return SavePlan(items, _opaque_from(data["storage_data"], "plan", True),
-                    _opaque_from(data["planner_data"], "plan", True), data["usable"])
+    return SavePlan(items, opaque_from(data["storage_data"], "plan", True),
+                    opaque_from(data["planner_data"], "plan", True), data["usable"])
 
 
 def encode_load_plan(plan: LoadPlan) -> dict:
     items = [[it.type.value, _enc_index(it.dest_index), list(it.dest_offsets), _enc_index(it.storage_index),
               list(it.storage_offsets), list(it.lengths)] for it in plan.items]
-    return {"items": items, "storage_data": _opaque_to(plan.storage_data, "plan storage_data", True),
-            "planner_data": _opaque_to(plan.planner_data, "plan planner_data", True)}
+    return {"items": items, "storage_data": opaque_to(plan.storage_data, "plan storage_data", True),
+            "planner_data": opaque_to(plan.planner_data, "plan planner_data", True)}
 
 
 def decode_load_plan(data: dict) -> LoadPlan:
     items = [ReadItem(LoadItemType(t), _dec_index(d, "plan"), torch.Size(do), _dec_index(s, "plan"), torch.Size(so), torch.Size(ln))
              for t, d, do, s, so, ln in data["items"]]
-    return LoadPlan(items, _opaque_from(data["storage_data"], "plan", True), _opaque_from(data["planner_data"], "plan", True))
+    return LoadPlan(items, opaque_from(data["storage_data"], "plan", True), opaque_from(data["planner_data"], "plan", True))
 
 
 def encode_write_results(results: list[WriteResult]) -> list:
@@ -160,7 +162,7 @@ def encode_write_results(results: list[WriteResult]) -> list:
         elif isinstance(sd, FileInfo):
             sd = {"$fi": [sd.size, sd.rank, sd.header_crc32c]}
         else:
-            sd = _opaque_to(sd, "write result", True)
+            sd = opaque_to(sd, "write result", True)
         out.append([_enc_index(r.index), r.size_in_bytes, sd])
     return out
 
@@ -173,7 +175,7 @@ def decode_write_results(data: list) -> list[WriteResult]:
         elif isinstance(sd, dict) and "$fi" in sd and len(sd) == 1:
             sd = FileInfo(*sd["$fi"])
         else:
-            sd = _opaque_from(sd, "write result", True)
+            sd = opaque_from(sd, "write result", True)
         out.append(WriteResult(_dec_index(idx, "write result"), size, sd))
     return out
 
@@ -202,7 +204,6 @@ def _enc_file_storage(fs: FileStorageData) -> dict:
 
 
 def _dec_file_storage(data: Any, where: str) -> FileStorageData:
-    from .names import check_file_name
 
     if not isinstance(data, dict) or set(data) != {"save_id", "files", "items"}:
         raise CorruptCheckpointError(f"{where}: malformed storage data")
@@ -285,7 +286,7 @@ def encode_metadata(md: Metadata) -> bytes:
                     si = where_is(MetadataIndex(fqn, c.offsets))
                     row += [file_no[si.file], si.offset, si.crc32c]
                 chunks.append(row)
-            sdm[fqn] = {"type": "tensor", "size": list(entry.size), "properties": _enc_props(entry.properties), "chunks": chunks}
+            sdm[fqn] = {"type": "tensor", "size": list(entry.size), "properties": enc_props(entry.properties), "chunks": chunks}
         elif fsd is not None:
             si = where_is(MetadataIndex(fqn))
             sdm[fqn] = {"type": "bytes", "at": [file_no[si.file], si.offset, si.length, si.crc32c]}
@@ -295,8 +296,8 @@ def encode_metadata(md: Metadata) -> bytes:
         storage = {"$files": {"save_id": fsd.save_id,
                               "files": [[n, fsd.files[n].size, fsd.files[n].rank, fsd.files[n].header_crc32c] for n in names]}}
     else:
-        storage = _opaque_to(md.storage_data, "metadata storage_data", False)
-    return metadata_document(sdm, storage, _opaque_to(md.planner_data, "metadata planner_data", False), md.storage_meta)
+        storage = opaque_to(md.storage_data, "metadata storage_data", False)
+    return metadata_document(sdm, storage, opaque_to(md.planner_data, "metadata planner_data", False), md.storage_meta)
 
 
 def metadata_document(sdm: dict, storage: Any, planner: Any, sm: Optional[StorageMeta]) -> bytes:
@@ -367,10 +368,8 @@ def parse_metadata(raw: bytes, where: str) -> Metadata:
 
     The cyclic garbage collector is paused meanwhile: the document becomes many
     small objects without cycles, and collections they trigger would cost more
-    than the decoding (2.7x at 128k chunks).
+    than the decoding (docs/performance.md).
     """
-    from .._sequence import gc_paused
-
     try:
         with gc_paused():
             return _parse_metadata(raw, where)
@@ -429,7 +428,7 @@ def _parse_metadata(raw: bytes, where: str) -> Metadata:
                 add_item(locations, fqn, None, at[0], at[1], at[2], at[3], here)
             continue
         size = _ints(entry.get("size"), here)
-        props = _dec_props(entry.get("properties"), here)
+        props = dec_props(entry.get("properties"), here)
         chunks_raw = entry.get("chunks")
         if not isinstance(chunks_raw, list):
             raise CorruptCheckpointError(f"{here}: chunks must be a list")
@@ -453,10 +452,10 @@ def _parse_metadata(raw: bytes, where: str) -> Metadata:
         storage_data: Any = fsd
         locations.check_no_overlap(where)
     else:
-        storage_data = _opaque_from(storage_raw, f"{where}: storage_data", False)
+        storage_data = opaque_from(storage_raw, f"{where}: storage_data", False)
     md = Metadata(
         state_dict_metadata=sdm,
-        planner_data=_opaque_from(body.get("planner_data"), f"{where}: planner_data", False),
+        planner_data=opaque_from(body.get("planner_data"), f"{where}: planner_data", False),
         storage_data=storage_data,
         storage_meta=sm,
         version=version,

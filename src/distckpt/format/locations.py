@@ -21,6 +21,7 @@ from ..errors import CorruptCheckpointError
 from ..metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 from .dtypes import itemsize
 from .fields import MAX_INT, ints
+from .names import check_file_name
 from .records import FileInfo, FileStorageData, StorageInfo
 
 
@@ -289,7 +290,6 @@ def inline_chunks(chunks_raw: list, fqn: str, size: torch.Size, width: int, loca
 def decode_file_table(data: Any, where: str) -> FileStorageData:
     """The ``$files`` member of format 2.x: save id and data-file table; ``items`` is an empty
     :class:`ChunkLocations` that the entries fill in."""
-    from .names import check_file_name
 
     if not isinstance(data, dict) or set(data) != {"save_id", "files"}:
         raise CorruptCheckpointError(f"{where}: malformed storage data")

@@ -22,7 +22,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from ..format.codec import _dec_props
+from ..format.codec import dec_props, opaque_from
 from ..format.codec import metadata_document as document_bytes
 from ..format.dtypes import dtype_from_name, itemsize
 from ..metadata import BytesStorageMetadata, ChunkStorageMetadata, Metadata, StorageMeta, TensorProperties, TensorStorageMetadata
@@ -242,8 +242,6 @@ def metadata_document(plan: ColumnarPlan, results: list[ResultColumns], save_id:
 
 def to_metadata(plan: ColumnarPlan) -> Metadata:
     """The Metadata object (without storage data) that the object path's create_global_plan returns."""
-    from ..format.codec import _opaque_from
-
     offs, sizes = _group_rows(plan)
     lo, hi = _key_ranges(plan)
     sdm: dict = {}
@@ -252,9 +250,9 @@ def to_metadata(plan: ColumnarPlan) -> Metadata:
         if code == BYTES_CODE:
             sdm[fqn] = BytesStorageMetadata()
             continue
-        p = _dec_props(props, "save plan")
+        p = dec_props(props, "save plan")
         chunks = [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in zip(offs[lo[g]:hi[g]], sizes[lo[g]:hi[g]])]
         sdm[fqn] = TensorStorageMetadata(TensorProperties(p.dtype, p.layout, p.requires_grad, p.memory_format, p.pin_memory),
                                          torch.Size(gsize), chunks)
     planner = _planner_json(plan.all_cols)
-    return Metadata(state_dict_metadata=sdm, planner_data=None if planner is None else _opaque_from(planner, "save plan", True))
+    return Metadata(state_dict_metadata=sdm, planner_data=None if planner is None else opaque_from(planner, "save plan", True))

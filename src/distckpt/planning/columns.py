@@ -20,7 +20,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from ..format.codec import _dec_props, _enc_props, _opaque_from, _opaque_to
+from ..format.codec import dec_props, enc_props, opaque_from, opaque_to
 from ..format.frames import decode_frame, encode_frame, pack_json, smallest_uint, unpack_json
 from ..format.records import FileInfo, StorageInfo
 from ..metadata import ChunkStorageMetadata, MetadataIndex
@@ -93,12 +93,12 @@ class PlanColumns:
                 continue
             p = props_cache.get(k)
             if p is None:
-                p = props_cache[k] = _dec_props(props, "save plan")
+                p = props_cache[k] = dec_props(props, "save plan")
             nd = len(gsize)
             off = torch.Size(offs[:nd])
             items.append(WriteItem(MetadataIndex(fqn, off), _CODE_TYPE[code], tensor_data=TensorWriteData(
                 ChunkStorageMetadata(off, torch.Size(sizes[:nd])), p, torch.Size(gsize))))
-        planner_data = None if self.planner_json is None else _opaque_from(self.planner_json, "save plan", True)
+        planner_data = None if self.planner_json is None else opaque_from(self.planner_json, "save plan", True)
         return SavePlan(items, self.storage_data, planner_data, self.usable)
 
     @staticmethod
@@ -109,7 +109,7 @@ class PlanColumns:
                 or offsets.ndim != 2 or offsets.shape[0] != item_key.shape[0]:
             raise ValueError(f"{where}: malformed column plan")
         return PlanColumns(bytes(key_blob), item_key.astype(np.int64), offsets.astype(np.int64), sizes.astype(np.int64),
-                           bytes(planner_blob), _opaque_from(meta["storage_data"], where, True), bool(meta["usable"]), where)
+                           bytes(planner_blob), opaque_from(meta["storage_data"], where, True), bool(meta["usable"]), where)
 
 
 def encode_plan_columns(plan: SavePlan) -> Optional[bytes]:
@@ -138,7 +138,7 @@ def encode_plan_columns(plan: SavePlan) -> Optional[bytes]:
             if td is None or it.bytes_io_data is not None or index.offset != td.chunk.offsets \
                     or len(td.chunk.offsets) != len(td.size) or len(td.chunk.sizes) != len(td.size):
                 return None
-            row = [index.fqn, code, _enc_props(td.properties), list(td.size), None]
+            row = [index.fqn, code, enc_props(td.properties), list(td.size), None]
             off, size = td.chunk.offsets, td.chunk.sizes
         k = key_row.get(index.fqn)
         if k is None:
@@ -157,15 +157,15 @@ def encode_plan_columns(plan: SavePlan) -> Optional[bytes]:
         if o:
             off_arr[i, :len(o)] = o
             size_arr[i, :len(s)] = s
-    planner_json = None if plan.planner_data is None else _opaque_to(plan.planner_data, "plan planner_data", True)
-    meta = {"storage_data": _opaque_to(plan.storage_data, "plan storage_data", True), "usable": bool(plan.usable)}
+    planner_json = None if plan.planner_data is None else opaque_to(plan.planner_data, "plan planner_data", True)
+    meta = {"storage_data": opaque_to(plan.storage_data, "plan storage_data", True), "usable": bool(plan.usable)}
     return encode_frame(PLAN_MAGIC, [pack_json(keys), pack_json(meta), pack_json(planner_json),
                                      smallest_uint(np.asarray(item_key, dtype=np.int64)), smallest_uint(off_arr), smallest_uint(size_arr)])
 
 
 def encode_keep(keep: np.ndarray, storage_data: Any) -> bytes:
     """The coordinator's reply to a column plan: which of the rank's items it writes, and the storage data."""
-    return encode_frame(KEEP_MAGIC, [pack_json({"n": int(len(keep)), "storage_data": _opaque_to(storage_data, "plan storage_data", True)}),
+    return encode_frame(KEEP_MAGIC, [pack_json({"n": int(len(keep)), "storage_data": opaque_to(storage_data, "plan storage_data", True)}),
                                      np.packbits(keep.astype(bool))])
 
 
@@ -178,7 +178,7 @@ def decode_keep(raw: bytes, local: SavePlan) -> SavePlan:
         raise ValueError(f"the coordinator's reply covers {n} items, this rank planned {len(local.items)}")
     keep = np.unpackbits(bits, count=n).astype(bool).tolist()
     items = [it for it, k in zip(local.items, keep) if k]
-    return SavePlan(items, _opaque_from(meta["storage_data"], "save plan", True), local.planner_data, True)
+    return SavePlan(items, opaque_from(meta["storage_data"], "save plan", True), local.planner_data, True)
 
 
 @dataclass

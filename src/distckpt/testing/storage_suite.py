@@ -17,6 +17,7 @@ import torch
 
 from .. import CheckpointError, CheckpointNotFoundError, DefaultLoadPlanner, load, read_metadata, save, verify
 from ..backends import reader_for, writer_for
+from ..faults import Fault, inject
 from ..storage import StorageReader, StorageWriter
 
 __all__ = ["StorageSuite"]
@@ -81,8 +82,6 @@ class StorageSuite:
         assert torch.equal(out["w"], torch.ones(3))
 
     def test_failed_save_leaves_nothing_visible(self, tmp_path):
-        from ..faults import Fault, inject
-
         cid = self.checkpoint_id(tmp_path, "d")
         with pytest.raises(CheckpointError):
             with inject(Fault("eio", kinds=("write",))):
