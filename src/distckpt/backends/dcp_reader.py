@@ -29,7 +29,7 @@ import os
 import pathlib
 import pickle
 import uuid
-from typing import Any, Optional, Union
+from typing import Any, Union
 
 import torch
 from torch.futures import Future
@@ -47,7 +47,7 @@ from ..metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from ..planner import LoadItemType, LoadPlan, LoadPlanner
+from ..planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from ..storage import StorageReader
 from .fs_objects import open_regular
 
@@ -129,39 +129,37 @@ class DCPReader(StorageReader):
     def _where(self) -> str:
         return f"DCP checkpoint {self.path!r}"
 
-    def _read(self, name: str, offset: int = 0, length: Optional[int] = None) -> bytes:
+    def _open(self, name: str) -> int:
+        """A descriptor of the regular file ``name`` of the checkpoint (never through a link)."""
         if os.sep in name or name in ("", ".", ".."):
             raise CorruptCheckpointError(f"{self._where()}: its metadata names the file {name!r} outside the directory")
-        path = os.path.join(self.path, name)
-        fd = open_regular(path)
-        try:
-            size = os.fstat(fd).st_size
-            if length is None:
-                length = size - offset
-            if offset < 0 or length < 0 or offset + length > size:
-                raise CorruptCheckpointError(f"{path}: the item at bytes {offset}..{offset + length} lies past the "
-                                             f"end of the file ({size} bytes); the checkpoint is truncated or damaged")
-            data = os.pread(fd, length, offset)
-            if len(data) != length:
-                raise CorruptCheckpointError(f"{path}: read {len(data)} of {length} bytes; the file changed while read")
-            return data
-        finally:
-            os.close(fd)
+        return open_regular(os.path.join(self.path, name))
+
+    def _pread(self, fd: int, name: str, offset: int, length: int) -> bytes:
+        size = os.fstat(fd).st_size
+        if offset < 0 or length < 0 or offset + length > size:
+            raise CorruptCheckpointError(f"{self._where()}, file {name}: the item at bytes {offset}..{offset + length} "
+                                         f"lies past the end of the file ({size} bytes); it is truncated or damaged")
+        data = os.pread(fd, length, offset)
+        if len(data) != length:
+            raise CorruptCheckpointError(f"{self._where()}, file {name}: read {len(data)} of {length} bytes; the file "
+                                         "changed while read")
+        return data
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self.path is None:
             raise CheckpointError("DCPReader needs the checkpoint directory: DCPReader(path) or checkpoint_id=")
         if not os.path.isdir(self.path):
             raise CheckpointNotFoundError(f"{self._where()} does not exist (no such directory); check the path")
-        fd = open_regular(os.path.join(self.path, DCP_METADATA_FILE))
+        fd = self._open(DCP_METADATA_FILE)
         try:
             size = os.fstat(fd).st_size
+            if size > knobs.max_metadata_bytes():
+                raise CorruptCheckpointError(f"{self._where()}: {DCP_METADATA_FILE} is {size} bytes, over the cap of "
+                                             f"{knobs.max_metadata_bytes()} (DISTCKPT_MAX_METADATA_BYTES)")
+            raw = self._pread(fd, DCP_METADATA_FILE, 0, size)
         finally:
             os.close(fd)
-        if size > knobs.max_metadata_bytes():
-            raise CorruptCheckpointError(f"{self._where()}: {DCP_METADATA_FILE} is {size} bytes, over the cap of "
-                                         f"{knobs.max_metadata_bytes()} (DISTCKPT_MAX_METADATA_BYTES)")
-        raw = self._read(DCP_METADATA_FILE)
         try:
             dcp_md = _MetadataUnpickler(io.BytesIO(raw)).load()
         except Exception as exc:  # noqa: BLE001 - a damaged pickle raises anything
@@ -216,36 +214,47 @@ class DCPReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
-        for item in plan.items:
-            where = self._items.get(MetadataIndex(item.storage_index.fqn, item.storage_index.offset))
-            if where is None:
-                raise CorruptCheckpointError(f"{self._where()}: its metadata lists no stored bytes for "
-                                             f"{item.storage_index.fqn!r} at {list(item.storage_index.offset or [])}")
-            name, offset, length = where
-            raw = self._read(name, offset, length)
-            label = f"{self._where()}, key {item.storage_index.fqn!r} (file {name})"
-            if item.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(item, io.BytesIO(self._value_bytes(raw, planner, label)))
-                continue
-            try:
-                stored = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
-            except Exception as exc:  # noqa: BLE001 - torch.load raises many kinds
-                raise CorruptCheckpointError(
-                    f"{label}: the tensor bytes are not torch.save output ({type(exc).__name__}: {exc}); DCP's "
-                    "safetensors serialization is not read here: convert with dcp_to_torch_save") from None
-            if not isinstance(stored, torch.Tensor):
-                raise CorruptCheckpointError(f"{label}: a tensor item holds a {type(stored).__name__}")
-            for dim, (off, n) in enumerate(zip(item.storage_offsets, item.lengths)):
-                stored = stored.narrow(dim, off, n)
-            dest = planner.resolve_tensor(item).detach()
-            if dest.shape != stored.shape:
-                raise CheckpointError(f"{label}: the planner's destination has shape {tuple(dest.shape)}, the read "
-                                      f"item needs {tuple(stored.shape)}")
-            dest.copy_(stored)
-            planner.commit_tensor(item, dest)
+        files: dict[str, int] = {}  # each data file opened once for the whole plan
+        try:
+            for item in plan.items:
+                self._read_item(item, planner, files)
+        finally:
+            for fd in files.values():
+                os.close(fd)
         fut: Future = Future()
         fut.set_result(None)
         return fut
+
+    def _read_item(self, item: ReadItem, planner: LoadPlanner, files: dict[str, int]) -> None:
+        where = self._items.get(MetadataIndex(item.storage_index.fqn, item.storage_index.offset))
+        if where is None:
+            raise CorruptCheckpointError(f"{self._where()}: its metadata lists no stored bytes for "
+                                         f"{item.storage_index.fqn!r} at {list(item.storage_index.offset or [])}")
+        name, offset, length = where
+        if name not in files:
+            files[name] = self._open(name)
+        raw = self._pread(files[name], name, offset, length)
+        label = f"{self._where()}, key {item.storage_index.fqn!r} (file {name})"
+        if item.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(item, io.BytesIO(self._value_bytes(raw, planner, label)))
+            return
+        try:
+            stored = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - torch.load raises many kinds
+            raise CorruptCheckpointError(
+                f"{label}: the tensor bytes are not torch.save output ({type(exc).__name__}: {exc}); DCP's "
+                "safetensors serialization is not read here: convert with torch.distributed.checkpoint.format_utils"
+                ".dcp_to_torch_save") from None
+        if not isinstance(stored, torch.Tensor):
+            raise CorruptCheckpointError(f"{label}: a tensor item holds a {type(stored).__name__}")
+        for dim, (off, n) in enumerate(zip(item.storage_offsets, item.lengths)):
+            stored = stored.narrow(dim, off, n)
+        dest = planner.resolve_tensor(item).detach()
+        if dest.shape != stored.shape:
+            raise CheckpointError(f"{label}: the planner's destination has shape {tuple(dest.shape)}, the read "
+                                  f"item needs {tuple(stored.shape)}")
+        dest.copy_(stored)
+        planner.commit_tensor(item, dest)
 
     @staticmethod
     def _value_bytes(raw: bytes, planner: LoadPlanner, label: str) -> bytes:
