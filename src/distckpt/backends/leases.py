@@ -28,12 +28,10 @@ import secrets
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 from .. import knobs
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .blobs import BlobStore
+from .blobs import BlobStore
 
 
 def _read(path: str) -> str:

@@ -32,6 +32,7 @@ from typing import Any, Iterable, Optional, Union
 from .. import faults, knobs
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StorageIOError
 from ..format import METADATA_FILE
+from ..format.codec import parse_metadata
 from .blob_storage import BlobStorageReader, BlobStorageWriter
 from .blobs import BlobReader, BlobStore, BlobWriter
 from .leases import Lease, save_is_dead
@@ -230,8 +231,6 @@ class S3Store(BlobStore):
 
     def _committed_save_id(self) -> Optional[str]:
         """The save id the committed metadata names, or None (no checkpoint, or one too damaged to tell)."""
-        from ..format.codec import parse_metadata
-
         document = self._get(METADATA_FILE)
         if document is None:
             return None
