@@ -47,8 +47,7 @@ LAST_DOCUMENTS: dict[str, bytes] = {}  # the metadata each path built last (for 
 def distckpt_path(world: int, items: int) -> dict:
     """What distckpt.save's coordinator does with the default planner and its own writer: column plans."""
     import distckpt
-    from distckpt.backends.blob_storage import FILE_RESULT_PREFIX
-    from distckpt.format.records import FileInfo, StorageInfo
+    from distckpt.format.records import FileInfo, FileResult, StorageInfo
     from distckpt.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
     from distckpt.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
     from distckpt.planning.columnar import metadata_document, plan_columns
@@ -88,8 +87,8 @@ def distckpt_path(world: int, items: int) -> dict:
             n = it.tensor_data.chunk.sizes.numel() * 4
             res.append(WriteResult(it.index, n, StorageInfo(name, size, n, 0x1234abcd)))
             size += n
-        res.append(WriteResult(MetadataIndex(FILE_RESULT_PREFIX + name), size, FileInfo(size, r, 0)))
-        results_bytes.append(encode_result_columns(res, central, FILE_RESULT_PREFIX))
+        res.append(FileResult.of(name, FileInfo(size, r, 0)))
+        results_bytes.append(encode_result_columns(res, central))
     gc.disable()
     t1 = time.perf_counter()
     results = [ResultColumns.decode(b) for b in results_bytes]

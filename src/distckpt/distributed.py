@@ -22,7 +22,7 @@ import os
 import threading
 import traceback
 import weakref
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Callable, NamedTuple, Optional, TypeVar
 
 import torch
 
@@ -36,6 +36,17 @@ except ImportError:  # pragma: no cover
 
 T = TypeVar("T")
 R = TypeVar("R")
+
+
+class Wire(NamedTuple):
+    """How one direction of a phase travels: ``encode`` a value to bytes on one side, ``decode`` it on the other."""
+
+    encode: Callable[[Any], bytes]
+    decode: Callable[[bytes], Any]
+
+
+RAW = Wire(lambda b: b, lambda b: b)  # values that are bytes already
+NOTHING = Wire(lambda _: b"", lambda _: None)  # phases whose values carry no data
 
 _OK, _ERR, _ABORT = 0, 1, 2
 
@@ -142,9 +153,12 @@ class Coordinator:
     # ------------------------------------------------------------ phases
 
     def reduce_scatter(self, phase: str, local_fn: Callable[[], T], global_fn: Callable[[list[T]], list[R]],
-                       enc_local: Callable[[T], bytes], dec_local: Callable[[bytes], T],
-                       enc_out: Callable[[R], bytes], dec_out: Callable[[bytes], R]) -> R:
-        """local_fn on every rank; global_fn on the coordinator over all results; each rank gets its own part."""
+                       up: Wire, down: Wire) -> R:
+        """local_fn on every rank; global_fn on the coordinator over all results; each rank gets its own part.
+
+        ``up`` carries each rank's result to the coordinator, ``down`` each rank's part back.
+        """
+        enc_local, dec_local, enc_out, dec_out = up.encode, up.decode, down.encode, down.decode
         if not self.use_dist:
             return self._single(phase, lambda: global_fn([local_fn()])[0])
         local, local_exc = self._run(local_fn, enc_local)
@@ -168,10 +182,10 @@ class Coordinator:
         phase_bytes[phase] += len(mine) - framing
         return self._unwrap(phase, mine, dec_out, local_exc)
 
-    def all_reduce(self, phase: str, local_fn: Callable[[], T], global_fn: Callable[[list[T]], R],
-                   enc_local: Callable[[T], bytes], dec_local: Callable[[bytes], T],
-                   enc_out: Callable[[R], bytes], dec_out: Callable[[bytes], R]) -> R:
-        """local_fn on every rank; global_fn on the coordinator; its one result goes to every rank."""
+    def all_reduce(self, phase: str, local_fn: Callable[[], T], global_fn: Callable[[list[T]], R], up: Wire, down: Wire) -> R:
+        """local_fn on every rank; global_fn on the coordinator; its one result goes to every rank (``up``, ``down``:
+        as for :meth:`reduce_scatter`)."""
+        enc_local, dec_local, enc_out, dec_out = up.encode, up.decode, down.encode, down.decode
         if not self.use_dist:
             return self._single(phase, lambda: global_fn([local_fn()]))
         local, local_exc = self._run(local_fn, enc_local)
@@ -208,12 +222,12 @@ class Coordinator:
                 raise failure
             return b""
 
-        self.all_reduce(phase, local, lambda _: b"", lambda b: b, lambda b: b, lambda b: b, lambda b: b)
+        self.all_reduce(phase, local, lambda _: b"", RAW, RAW)
         raise CheckpointError(f"checkpoint {phase}: the ranks disagree, but the exchange naming why found nothing")
 
     def all_gather(self, phase: str, local_fn: Callable[[], None]) -> None:
         """local_fn on every rank; raise on every rank if any failed."""
-        self.all_reduce(phase, local_fn, lambda _: None, lambda _: b"", lambda _: None, lambda _: b"", lambda _: None)
+        self.all_reduce(phase, local_fn, lambda _: None, NOTHING, NOTHING)
 
     # ------------------------------------------------------------ helpers
 

@@ -8,8 +8,8 @@ from typing import Any, Optional, Union
 
 from ._sequence import pick_storage, prepare, storage_by_position
 from .backends import shared_verification as sv
-from .backends.blob_storage import BlobStorageReader
-from .distributed import Coordinator
+from .capabilities import SHARED_VERIFICATION, declares, keeps_plans, supports
+from .distributed import RAW, Coordinator, Wire
 from .format.codec import decode_load_plan, dumps, encode_load_plan, loads
 from .gc_pause import gc_paused
 from .metadata import STATE_DICT_TYPE, Metadata
@@ -83,15 +83,13 @@ def run_load(state_dict: STATE_DICT_TYPE, reader: Optional[StorageReader], plann
     def global_step(all_plans: list[LoadPlan]) -> list[LoadPlan]:
         return reader.prepare_global_plan(planner.create_global_plan(all_plans))
 
-    if coord.use_dist and _global_step_is_identity(planner, reader):
-        # the default planner and distckpt's reader leave every plan as it is: each rank keeps its own,
-        # and planning moves no plan bytes; ranks only list the chunks they read partly, so that one
-        # reader of each verifies it whole and the others read just what they need
+    if coord.use_dist and _plans_stay(planner, reader):
+        # every plan stays as its rank made it: planning moves no plan bytes; ranks only list the chunks
+        # they read partly, so that one reader of each verifies it whole and the others read just what they need
         central_plan = _plan_with_shared_verification(local_step, reader, coord)
     else:
-        enc = lambda p: dumps(encode_load_plan(p))
-        dec = lambda b: decode_load_plan(loads(b, "load plan"))
-        central_plan = coord.reduce_scatter("load planning", local_step, global_step, enc, dec, enc, dec)
+        wire = Wire(lambda p: dumps(encode_load_plan(p)), lambda b: decode_load_plan(loads(b, "load plan")))
+        central_plan = coord.reduce_scatter("load planning", local_step, global_step, wire, wire)
 
     def read_step() -> None:
         final_plan = planner.finish_plan(central_plan)
@@ -100,8 +98,13 @@ def run_load(state_dict: STATE_DICT_TYPE, reader: Optional[StorageReader], plann
     coord.all_gather("load read", read_step)
 
 
-def _plan_with_shared_verification(local_step, reader: StorageReader, coord: Coordinator) -> LoadPlan:
+def _plans_stay(planner: LoadPlanner, reader: StorageReader) -> bool:
+    """Whether both global steps declare that they keep plans, and the reader can share verification."""
+    return (declares(planner, "create_global_plan", keeps_plans) and declares(reader, "prepare_global_plan", keeps_plans)
+            and supports(reader, SHARED_VERIFICATION))
 
+
+def _plan_with_shared_verification(local_step, reader: StorageReader, coord: Coordinator) -> LoadPlan:
     mine: dict = {}
 
     def local() -> bytes:
@@ -109,16 +112,12 @@ def _plan_with_shared_verification(local_step, reader: StorageReader, coord: Coo
         chunks = mine["chunks"] = sv.partial_chunks(reader.metadata, plan) if reader.verify_checksums else []
         return sv.encode_chunks(reader.metadata, chunks)
 
-    mask = coord.reduce_scatter("load planning", local, lambda tables: sv.assign_verifiers([sv.decode_chunks(t) for t in tables]),
-                                lambda b: b, lambda b: b, lambda b: b, lambda b: b)
-    reader.verified_elsewhere = sv.verified_elsewhere(mine["chunks"], mask)
+    def assign(tables: list[bytes]) -> list[bytes]:
+        return sv.assign_verifiers([sv.decode_chunks(t) for t in tables])
+
+    mask = coord.reduce_scatter("load planning", local, assign, RAW, RAW)
+    reader.skip_verification(sv.verified_elsewhere(mine["chunks"], mask))
     return mine["plan"]
-
-
-def _global_step_is_identity(planner: LoadPlanner, reader: StorageReader) -> bool:
-
-    return (isinstance(planner, DefaultLoadPlanner) and type(planner).create_global_plan is DefaultLoadPlanner.create_global_plan
-            and isinstance(reader, BlobStorageReader) and type(reader).prepare_global_plan is BlobStorageReader.prepare_global_plan)
 
 
 def read_metadata(checkpoint_id: Union[str, os.PathLike], storage_reader: Optional[StorageReader] = None) -> Metadata:

@@ -161,7 +161,11 @@ class SavePlanner(abc.ABC):
     plans. Pass the same planner object to every save to benefit from it
     (``DefaultSavePlanner(enable_plan_caching=True)``); the ``usable=False``
     marker of :class:`SavePlan` is how a rank says its plan is unchanged.
+    A planner caches by having a ``plan_cache`` (a
+    :class:`distckpt.planning.plan_cache.PlanCache`); None means no caching.
     """
+
+    plan_cache: Any = None
 
     @abc.abstractmethod
     def set_up_planner(

@@ -8,10 +8,11 @@ from dataclasses import replace
 from typing import Any, Optional, Union
 
 from ._sequence import call_set_up, prepare, storage_by_position
-from .backends.blob_storage import FILE_RESULT_PREFIX, BlobStorageWriter
-from .distributed import Coordinator
+from .capabilities import COLUMNAR_COMMIT, declares, plans_on_columns, supports
+from .distributed import Coordinator, Wire
 from .errors import CheckpointError
 from .format.codec import (
+    EncodedMetadata,
     decode_save_plan,
     decode_write_results,
     dumps,
@@ -26,7 +27,7 @@ from .gc_pause import gc_paused
 from .metadata import STATE_DICT_TYPE, Metadata
 from .planner import SavePlan, SavePlanner
 from .planning import DefaultSavePlanner
-from .planning.columnar import ColumnarPlan, Declined, metadata_document, plan_columns, to_metadata
+from .planning.columnar import ColumnarPlan, Declined
 from .planning.columns import (
     KEEP_MAGIC,
     PLAN_MAGIC,
@@ -38,6 +39,7 @@ from .planning.columns import (
     encode_plan_columns,
     encode_result_columns,
 )
+from .planning.plan_cache import NO_CACHE_MESSAGE, PlanCache
 from .storage import StorageWriter
 
 __all__ = ["save", "save_state_dict"]
@@ -89,24 +91,6 @@ def save_state_dict(
                 coordinator_rank=coordinator_rank, no_dist=no_dist, planner=planner)
 
 
-def _plan_cache(planner: SavePlanner) -> Optional[dict]:
-    if not getattr(planner, "enable_plan_caching", False):
-        return None
-    cache = getattr(planner, "_plan_cache", None)
-    if cache is None:
-        cache = {}
-        planner._plan_cache = cache
-    return cache
-
-
-def _columnar_eligible(planner: SavePlanner, writer: StorageWriter) -> bool:
-    """Whether this save may plan on columns: the default planner's global step and distckpt's writer, unmodified."""
-    return (isinstance(planner, DefaultSavePlanner) and planner.dedup_replicated_tensors
-            and type(planner).create_global_plan is DefaultSavePlanner.create_global_plan
-            and isinstance(writer, BlobStorageWriter)
-            and all(getattr(type(writer), m) is getattr(BlobStorageWriter, m) for m in ("prepare_global_plan", "write_data", "finish")))
-
-
 def run_save(state_dict: STATE_DICT_TYPE, writer: Optional[StorageWriter], planner: Optional[SavePlanner],
              coord: Coordinator, failure: Optional[BaseException] = None) -> Metadata:
     """The save sequence: plan locally, plan globally, write, commit.
@@ -115,193 +99,196 @@ def run_save(state_dict: STATE_DICT_TYPE, writer: Optional[StorageWriter], plann
     the state, staging it): the rank reports it in the first collective, so
     every rank raises for this save and the next save starts in step.
 
-    With a planner whose ``enable_plan_caching`` is set (reuse the same planner
-    object across saves), a rank whose local plan is unchanged sends only the
-    protocol's ``usable=False`` marker, the coordinator reuses its cached
-    global plan and metadata, and replies with just the new storage data: a
-    repeated save moves a constant number of bytes per rank in planning.
+    With a planner that has a ``plan_cache`` (``enable_plan_caching``; reuse
+    the same planner object across saves), a rank whose local plan is
+    unchanged sends only the protocol's ``usable=False`` marker, the
+    coordinator reuses its cached global plan and metadata, and replies with
+    just the new storage data: a repeated save moves a constant number of
+    bytes per rank in planning.
 
-    With the default planner and distckpt's own writer, plans travel as
-    columns (``planning/columns.py``): the coordinator plans on arrays,
-    replies with a bit per item, and writes the metadata document straight
-    from the ranks' column write results. The outcome is the same as the
-    object path's, which runs for everything else.
+    Where the planner's ``create_global_plan`` declares ``plans_on_columns``
+    and the writer declares ``COLUMNAR_COMMIT`` (:mod:`distckpt.capabilities`),
+    plans travel as columns (``planning/columns.py``): the coordinator plans
+    on arrays, replies with a bit per item, and the writer commits the
+    metadata document built straight from the ranks' column write results.
+    The outcome is the same as the object path's, which runs for everything
+    else.
     """
-    global_metadata: list[Metadata] = []
-    cache = _plan_cache(planner)
-    columnar = coord.use_dist and _columnar_eligible(planner, writer)
-    local_plan: list[SavePlan] = []
-    fast: list[ColumnarPlan] = []  # coordinator: set when global planning ran on columns
+    return _Save(state_dict, writer, planner, coord, failure).run()
 
-    def local_step() -> SavePlan:
-        if failure is not None:
-            raise failure
-        planner.set_up_planner(state_dict, writer.storage_meta(), coord.is_coordinator)
+
+class _Save:
+    """One save's steps and what they hand each other (each method is one step of the sequence)."""
+
+    def __init__(self, state_dict: STATE_DICT_TYPE, writer: Optional[StorageWriter], planner: Optional[SavePlanner],
+                 coord: Coordinator, failure: Optional[BaseException]) -> None:
+        self.state_dict, self.writer, self.planner, self.coord, self.failure = state_dict, writer, planner, coord, failure
+        self.cache: Optional[PlanCache] = getattr(planner, "plan_cache", None)
+        self.columnar = (coord.use_dist and declares(planner, "create_global_plan", plans_on_columns)
+                         and supports(writer, COLUMNAR_COMMIT))
+        self.local_plan: Optional[SavePlan] = None
+        self.fast: Optional[ColumnarPlan] = None  # coordinator: set when global planning ran on columns
+        self.object_metadata: Optional[Metadata] = None  # coordinator: set when it ran on objects
+        self.via_keep = False  # this rank's central plan came as a keep mask over its local plan
+        self.written: Optional[SavePlan] = None
+
+    def run(self) -> Metadata:
+        try:
+            central_plan = self.coord.reduce_scatter("save planning", self.local_step, self.global_step,
+                                                     Wire(self.enc_plan, self.dec_plan), Wire(self.enc_reply, self.dec_reply))
+        except CheckpointError:
+            self.discard()  # the coordinator may have taken the save's lease already
+            raise
+        central_plan = self.cached_central(central_plan)
+        try:
+            return self.coord.all_reduce("save write", lambda: self.write_step(central_plan), self.finish_step,
+                                         Wire(lambda r: self.enc_results(r, central_plan), _dec_results),
+                                         Wire(_enc_metadata, lambda b: lazy_metadata(b, "metadata from the coordinator")))
+        except CheckpointError:
+            # every rank has left write_data by now: the coordinator removes the uncommitted files
+            self.discard()
+            raise
+
+    # ------------------------------------------------------------ planning
+
+    def local_step(self) -> SavePlan:
+        if self.failure is not None:
+            raise self.failure
+        coord, writer = self.coord, self.writer
+        self.planner.set_up_planner(self.state_dict, writer.storage_meta(), coord.is_coordinator)
         call_set_up(writer.set_up_storage_writer, coord.is_coordinator, rank=coord.rank, world_size=coord.world_size)
-        plan = writer.prepare_local_plan(planner.create_local_plan())
-        local_plan.append(plan)
-        if cache is not None:
-            if cache.get("local") == plan:
+        plan = self.local_plan = writer.prepare_local_plan(self.planner.create_local_plan())
+        if self.cache is not None:
+            if self.cache.local == plan:
                 return SavePlan([], usable=False)
-            cache["local"] = plan
-            cache.pop("central", None)
+            self.cache.local, self.cache.central = plan, None
         return plan
 
-    def columnar_step(all_cols: list[PlanColumns], reuse: Optional[ColumnarPlan] = None) -> Optional[list[bytes]]:
+    def global_step(self, all_plans: list) -> list:
+        if self.columnar and self.cache is not None:
+            marks = _unchanged(all_plans)
+            if not all(marks):
+                self.cache.columnar = None  # the cached columnar plan serves only when no rank changed
+            all_plans = self.cache.all_cols = self.cache.resolve(self.cache.all_cols, all_plans, marks)
+        replies = self.columnar_step(all_plans) if self.columnar else None
+        if replies is not None:
+            return replies
+        if self.cache is not None:
+            self.cache.columnar = None  # the object path re-plans from the resolved plans
+        all_plans = [p.to_plan() if isinstance(p, PlanColumns) else p for p in all_plans]
+        if self.cache is None:
+            all_plans, self.object_metadata = self.planner.create_global_plan(all_plans)
+            return self.writer.prepare_global_plan(all_plans)
+        return self.cached_object_step(all_plans)
+
+    def columnar_step(self, all_plans: list) -> Optional[list[bytes]]:
+        """Global planning on columns: one keep mask per rank, or None to plan on objects."""
+        if not all_plans or not all(isinstance(p, PlanColumns) for p in all_plans):
+            return None
         try:
-            plan = reuse if reuse is not None else plan_columns(all_cols, planner.dedup_replicated_tensors)
+            reuse = self.cache.columnar if self.cache is not None else None
+            plan = reuse if reuse is not None else self.planner.create_global_plan_columns(all_plans)
         except Declined:
             return None  # the object path decides, and names what is wrong
-        fast.append(plan)
-        if cache is not None:
-            cache["columnar"] = plan
-        storage = writer.prepare_global_plan([SavePlan([]) for _ in all_cols])
+        self.fast = plan
+        if self.cache is not None:
+            self.cache.columnar = plan
+        storage = self.writer.prepare_global_plan([SavePlan([]) for _ in all_plans])
         return [encode_keep(keep, s.storage_data) for keep, s in zip(plan.keep, storage)]
 
-    def cached_columns(all_plans: list) -> list:
-        """Plans with each rank's "unchanged" marker replaced by what it sent last time (columns or objects)."""
-        previous = cache.get("all_cols")
-        marked = [isinstance(p, SavePlan) and not p.usable for p in all_plans]
-        if not any(marked):
-            cache.pop("columnar", None)
-            return all_plans
-        if previous is None or len(previous) != len(all_plans):
-            raise CheckpointError("a rank sent a cached save plan but the coordinator has no cache; "
-                                  "pass the same planner object to every save, on every rank")
-        if not all(marked):
-            cache.pop("columnar", None)
-        return [previous[i] if m else p for i, (p, m) in enumerate(zip(all_plans, marked))]
-
-    def global_step(all_plans: list) -> list:
-        if columnar and cache is not None:
-            all_plans = cache["all_cols"] = cached_columns(all_plans)
-            if all(isinstance(p, PlanColumns) for p in all_plans):
-                replies = columnar_step(all_plans, cache.get("columnar"))
-                if replies is not None:
-                    return replies
-            cache.pop("columnar", None)  # the object path below re-plans from the resolved plans
-        elif all_plans and all(isinstance(p, PlanColumns) for p in all_plans):
-            replies = columnar_step(all_plans)
-            if replies is not None:
-                return replies
-        all_plans = [p.to_plan() if isinstance(p, PlanColumns) else p for p in all_plans]
-        if cache is None:
-            all_plans, metadata = planner.create_global_plan(all_plans)
-            global_metadata.append(metadata)
-            return writer.prepare_global_plan(all_plans)
-        previous = cache.get("all_local")
-        if any(not p.usable for p in all_plans) and (previous is None or len(previous) != len(all_plans)):
-            raise CheckpointError("a rank sent a cached save plan but the coordinator has no cache; "
-                                  "pass the same planner object to every save, on every rank")
-        unchanged = all(not p.usable for p in all_plans)
-        all_local = [previous[i] if not p.usable else p for i, p in enumerate(all_plans)]
-        cache["all_local"] = all_local
-        if not (unchanged and "global" in cache):
-            plans, metadata = planner.create_global_plan(all_local)
-            cache["global"], cache["metadata"] = plans, metadata
-        metadata = cache["metadata"]
+    def cached_object_step(self, all_plans: list[SavePlan]) -> list[SavePlan]:
+        """Global planning on objects with the plan cache: unchanged ranks get only their new storage data."""
+        cache = self.cache
+        marks = [not p.usable for p in all_plans]
+        cache.all_local = cache.resolve(cache.all_local, all_plans, marks)
+        if not (all(marks) and cache.global_plans is not None):
+            cache.global_plans, cache.metadata = self.planner.create_global_plan(cache.all_local)
         # a fresh shell: the writer's finish fills in storage data and storage meta
-        global_metadata.append(replace(metadata, storage_data=None, storage_meta=None))
-        final = writer.prepare_global_plan(cache["global"])
-        sent = cache.get("sent")
-        replies = []
-        for i, plan in enumerate(final):
-            if sent is not None and len(sent) == len(final) and sent[i] == replace(plan, storage_data=None):
-                replies.append(SavePlan([], storage_data=plan.storage_data, usable=False))
-            else:
-                replies.append(plan)
-        cache["sent"] = [replace(p, storage_data=None) for p in final]
+        self.object_metadata = replace(cache.metadata, storage_data=None, storage_meta=None)
+        final = self.writer.prepare_global_plan(cache.global_plans)
+        sent = cache.sent if cache.sent is not None and len(cache.sent) == len(final) else [None] * len(final)
+        replies = [SavePlan([], storage_data=plan.storage_data, usable=False) if sent[i] == replace(plan, storage_data=None)
+                   else plan for i, plan in enumerate(final)]
+        cache.sent = [replace(p, storage_data=None) for p in final]
         return replies
 
-    def enc_plan(p: SavePlan) -> bytes:
-        raw = encode_plan_columns(p) if columnar and p.usable else None
+    def cached_central(self, central_plan: SavePlan) -> SavePlan:
+        """The central plan, with the coordinator's "unchanged" reply resolved from this rank's cache."""
+        if self.cache is None:
+            return central_plan
+        if central_plan.usable:
+            self.cache.central = replace(central_plan, storage_data=None)
+            return central_plan
+        if self.cache.central is None:
+            raise CheckpointError(f"the coordinator sent a cached plan this rank does not have; {NO_CACHE_MESSAGE}")
+        return replace(self.cache.central, storage_data=central_plan.storage_data)
+
+    def enc_plan(self, p: SavePlan) -> bytes:
+        raw = encode_plan_columns(p) if self.columnar and p.usable else None
         return raw if raw is not None else dumps(encode_save_plan(p))
 
+    @staticmethod
     def dec_plan(b: bytes):
         if frame_kind(b) == PLAN_MAGIC:
             return PlanColumns.decode(b)
         return decode_save_plan(loads(b, "save plan"))
 
-    via_keep: list[bool] = []
-
+    @staticmethod
     def enc_reply(p) -> bytes:
         return p if isinstance(p, bytes) else dumps(encode_save_plan(p))
 
-    def dec_reply(b: bytes) -> SavePlan:
+    def dec_reply(self, b: bytes) -> SavePlan:
         if frame_kind(b) == KEEP_MAGIC:
-            via_keep.append(True)
-            return decode_keep(b, local_plan[-1])
+            self.via_keep = True
+            return decode_keep(b, self.local_plan)
         return decode_save_plan(loads(b, "save plan"))
 
-    try:
-        central_plan = coord.reduce_scatter("save planning", local_step, global_step, enc_plan, dec_plan, enc_reply, dec_reply)
-    except CheckpointError:
-        _discard(writer, coord)  # the coordinator may have taken the save's lease already
-        raise
-    if cache is not None:
-        if central_plan.usable:
-            cache["central"] = replace(central_plan, storage_data=None)
-        elif "central" in cache:
-            central_plan = replace(cache["central"], storage_data=central_plan.storage_data)
-        else:
-            raise CheckpointError("the coordinator sent a cached plan this rank does not have; "
-                                  "pass the same planner object to every save, on every rank")
-    written: list[SavePlan] = []
+    # ------------------------------------------------------------ writing and commit
 
-    def write_step():
-        final_plan = planner.finish_plan(central_plan)
-        results = writer.write_data(final_plan, planner).wait()
-        written.append(final_plan)
+    def write_step(self, central_plan: SavePlan):
+        final_plan = self.planner.finish_plan(central_plan)
+        results = self.writer.write_data(final_plan, self.planner).wait()
+        self.written = final_plan
         return results
 
-    def enc_results(results) -> bytes:
-        if via_keep and written and written[0] is central_plan:
-            raw = encode_result_columns(results, central_plan, FILE_RESULT_PREFIX)
+    def enc_results(self, results, central_plan: SavePlan) -> bytes:
+        if self.via_keep and self.written is central_plan:
+            raw = encode_result_columns(results, central_plan)
             if raw is not None:
                 return raw
         return dumps(encode_write_results(results))
 
-    def dec_results(b: bytes):
-        if frame_kind(b) == RESULTS_MAGIC:
-            return ResultColumns.decode(b)
-        return decode_write_results(loads(b, "write results"))
-
-    def finish_step(all_results):
-        if fast:
-            plan = fast[0]
+    def finish_step(self, all_results: list) -> Metadata:
+        if self.fast is not None:
             if all(isinstance(r, ResultColumns) for r in all_results):
-                doc = metadata_document(plan, all_results, writer.save_id, writer._checkpoint_id())
-                writer.commit_document(doc)
-                return doc
-            all_results = [_as_results(plan, rank, r) for rank, r in enumerate(all_results)]
-            global_metadata.append(to_metadata(plan))
-        metadata = global_metadata[0]
-        writer.finish(metadata=metadata, results=all_results)
-        return metadata
+                metadata = lazy_metadata(self.writer.columnar_document(self.fast, all_results), "the save's metadata")
+                self.writer.finish(metadata=metadata, results=all_results)
+                return metadata
+            all_results = [_as_results(self.fast, rank, r) for rank, r in enumerate(all_results)]
+            self.object_metadata = self.planner.metadata
+        self.writer.finish(metadata=self.object_metadata, results=all_results)
+        return self.object_metadata
 
-    try:
-        metadata = coord.all_reduce(
-            "save write",
-            write_step,
-            finish_step,
-            enc_results,
-            dec_results,
-            lambda m: m if isinstance(m, bytes) else encode_metadata(m),
-            lambda b: lazy_metadata(b, "metadata from the coordinator"),
-        )
-    except CheckpointError:
-        # every rank has left write_data by now: the coordinator removes the uncommitted files
-        _discard(writer, coord)
-        raise
-    if fast:
-        planner.metadata = metadata
-    return metadata
+    def discard(self) -> None:
+        discard = getattr(self.writer, "discard_incomplete", None) if self.writer is not None else None
+        if self.coord.is_coordinator and discard is not None:
+            discard()
 
 
-def _discard(writer: StorageWriter, coord: Coordinator) -> None:
-    discard = getattr(writer, "discard_incomplete", None) if writer is not None else None
-    if coord.is_coordinator and discard is not None:
-        discard()
+def _unchanged(plans: list) -> list[bool]:
+    return [isinstance(p, SavePlan) and not p.usable for p in plans]
+
+
+def _dec_results(b: bytes):
+    if frame_kind(b) == RESULTS_MAGIC:
+        return ResultColumns.decode(b)
+    return decode_write_results(loads(b, "write results"))
+
+
+def _enc_metadata(m: Metadata) -> bytes:
+    if isinstance(m, EncodedMetadata) and m.document is not None:
+        return m.document
+    return encode_metadata(m)
 
 
 def _as_results(plan: ColumnarPlan, rank: int, results):
@@ -309,4 +296,4 @@ def _as_results(plan: ColumnarPlan, rank: int, results):
     if not isinstance(results, ResultColumns):
         return results
     items = [it for it, k in zip(plan.all_cols[rank].to_plan().items, plan.keep[rank].tolist()) if k]
-    return results.to_results(items, FILE_RESULT_PREFIX)
+    return results.to_results(items)

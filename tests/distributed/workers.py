@@ -172,20 +172,23 @@ def dtensor_parameters_with_grads(rank, world_size, path):
 
 @contextlib.contextmanager
 def counting_column_plans():
-    """Record each time the coordinator plans on columns (distckpt.saving.plan_columns), in a list."""
-    import distckpt.saving as saving
-
+    """Record each time the coordinator plans on columns (DefaultSavePlanner.create_global_plan_columns), in a list."""
     calls: list = []
-    real = saving.plan_columns
-    saving.plan_columns = lambda *a, **k: calls.append(1) or real(*a, **k)
+    real = distckpt.DefaultSavePlanner.create_global_plan_columns
+
+    def counted(self, all_cols):
+        calls.append(1)
+        return real(self, all_cols)
+
+    distckpt.DefaultSavePlanner.create_global_plan_columns = counted
     try:
         yield calls
     finally:
-        saving.plan_columns = real
+        distckpt.DefaultSavePlanner.create_global_plan_columns = real
 
 
 class _ObjectPathPlanner(distckpt.DefaultSavePlanner):
-    """Overrides create_global_plan (without changing it), which sends the save down the object path."""
+    """Overrides create_global_plan without declaring plans_on_columns, which sends the save down the object path."""
 
     def create_global_plan(self, all_plans):
         return super().create_global_plan(all_plans)

@@ -445,3 +445,21 @@ def test_a_deletion_cut_short_on_s3_is_cleaned_at_restart(bucket, at):
         machine.restart()  # asserts that nothing is left behind
     finally:
         machine.teardown()
+
+
+def test_the_commit_records_its_save_on_the_metadata_object_and_cleanup_never_parses_the_document(client, bucket):
+    cid = f"s3://{bucket}/tagged/ckpt"
+    md = distckpt.save({"w": torch.ones(4)}, checkpoint_id=cid)
+    save_id = md.storage_meta.save_id
+    head = client.head_object(Bucket=bucket, Key="tagged/ckpt/metadata.json")
+    assert head["Metadata"] == {"distckpt-save-id": save_id}
+    store = S3Store(bucket, "tagged/ckpt")
+    document = client.get_object(Bucket=bucket, Key="tagged/ckpt/metadata.json")["Body"].read()
+    # a document no parser accepts: the store still knows which save is committed, and leaves its data alone
+    client.put_object(Bucket=bucket, Key="tagged/ckpt/metadata.json", Body=b"not a metadata document",
+                      Metadata={"distckpt-save-id": save_id})
+    assert store._committed_save_id() == save_id and store.incomplete_saves() == []
+    # committed by an earlier distckpt (no record on the object): the document's file table names the save
+    client.put_object(Bucket=bucket, Key="tagged/ckpt/metadata.json", Body=document)
+    assert store._committed_save_id() == save_id and store.incomplete_saves() == []
+    distckpt.verify(cid)

@@ -9,9 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import distckpt
-from distckpt.backends.blob_storage import FILE_RESULT_PREFIX
 from distckpt.format.codec import encode_metadata, parse_metadata
-from distckpt.format.records import FileInfo, FileStorageData, StorageInfo
+from distckpt.format.records import FileInfo, FileResult, FileStorageData, StorageInfo
 from distckpt.metadata import ChunkStorageMetadata, MetadataIndex, StorageMeta, TensorProperties
 from distckpt.planner import BytesIOWriteData, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from distckpt.planning.columnar import Declined, metadata_document, plan_columns, to_metadata
@@ -81,7 +80,7 @@ def _results(plans: list[SavePlan], save_id: str) -> list[list[WriteResult]]:
             f = i % 2
             res.append(WriteResult(it.index, n, StorageInfo(files[f], pos[f], n, (r * 7919 + i * 104729) & 0xFFFFFFFF)))
             pos[f] += n
-        res += [WriteResult(MetadataIndex(FILE_RESULT_PREFIX + name), size, FileInfo(size, r, 1234 + r)) for name, size in zip(files, pos)]
+        res += [FileResult.of(name, FileInfo(size, r, 1234 + r)) for name, size in zip(files, pos)]
         out.append(res)
     return out
 
@@ -92,8 +91,8 @@ def _object_document(plans, save_id):
     fsd = FileStorageData(save_id)
     for rank_results in _results(final, save_id):
         for res in rank_results:
-            if isinstance(res.storage_data, FileInfo):
-                fsd.files[res.index.fqn[len(FILE_RESULT_PREFIX):]] = res.storage_data
+            if isinstance(res, FileResult):
+                fsd.files[res.file] = res.storage_data
             else:
                 fsd.items[res.index] = res.storage_data
     md.storage_data = fsd
@@ -105,7 +104,7 @@ def _columnar(plans, save_id):
     cols = [PlanColumns.decode(encode_plan_columns(p)) for p in plans]
     cp = plan_columns(cols)
     central = [decode_keep(encode_keep(keep, {"file": r}), p) for r, (keep, p) in enumerate(zip(cp.keep, plans))]
-    results = [ResultColumns.decode(encode_result_columns(res, plan, FILE_RESULT_PREFIX))
+    results = [ResultColumns.decode(encode_result_columns(res, plan))
                for res, plan in zip(_results(central, save_id), central)]
     return cp, central, metadata_document(cp, results, save_id, "/ck")
 

@@ -18,16 +18,19 @@ import torch
 from torch.futures import Future
 
 from .. import knobs
+from ..capabilities import COLUMNAR_COMMIT, SHARED_VERIFICATION, keeps_plans
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ..format import FORMAT_VERSION_STR, METADATA_FILE
 from ..format.checksum import crc32c
-from ..format.codec import encode_metadata, parse_metadata, stored_file_sizes
+from ..format.codec import EncodedMetadata, encode_metadata, parse_metadata, stored_file_sizes
 from ..format.datafile import Entry, build_header, entry_name, stored_form
 from ..format.dtypes import itemsize
 from ..format.locations import check_cover, checked_chunk
-from ..format.records import FileInfo, FileStorageData, StorageInfo
-from ..metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
+from ..format.records import FileInfo, FileResult, FileStorageData, StorageInfo
+from ..metadata import Metadata, StorageMeta, TensorStorageMetadata
 from ..planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner, WriteItemType
+from ..planning.columnar import ColumnarPlan, metadata_document
+from ..planning.columns import ResultColumns
 from ..planning.resharding import volume
 from ..progress import Progress
 from ..storage import StorageReader, StorageWriter, WriteResult
@@ -39,8 +42,6 @@ from .reading import read_items
 from .tensor_bytes import host_bytes, is_lazy_view
 from .windows import windows
 
-FILE_RESULT_PREFIX = "__file__:"
-
 
 def _done(value: Any) -> Future:
     fut: Future = Future()
@@ -49,7 +50,13 @@ def _done(value: Any) -> Future:
 
 
 class BlobStorageWriter(StorageWriter):
-    """The protocol's StorageWriter over a blob store; subclasses provide ``_store()``."""
+    """The protocol's StorageWriter over a blob store; subclasses provide ``_store()``.
+
+    It declares ``COLUMNAR_COMMIT`` (:mod:`distckpt.capabilities`): subclasses that wrap its methods keep
+    the columnar save path, as long as ``prepare_global_plan`` and ``finish`` still end in these.
+    """
+
+    capabilities = frozenset({COLUMNAR_COMMIT})
 
     def __init__(self, sync_files: Optional[bool] = None, thread_count: Optional[int] = None,
                  overwrite: Optional[bool] = None):
@@ -118,11 +125,14 @@ class BlobStorageWriter(StorageWriter):
         return _done(results)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        if isinstance(metadata, EncodedMetadata) and metadata.document is not None:
+            self._commit_document(metadata.document)  # built by columnar_document, checked there
+            return
         fsd = FileStorageData(save_id=self.save_id)
         for rank_results in results:
             for r in rank_results:
-                if isinstance(r.storage_data, FileInfo):
-                    fsd.files[r.index.fqn[len(FILE_RESULT_PREFIX):]] = r.storage_data
+                if isinstance(r, FileResult):
+                    fsd.files[r.file] = r.storage_data
                 elif isinstance(r.storage_data, StorageInfo):
                     fsd.items[r.index] = r.storage_data
         for fqn, entry in metadata.state_dict_metadata.items():  # whatever planner made it: never commit a gap
@@ -136,9 +146,13 @@ class BlobStorageWriter(StorageWriter):
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.checkpoint_id = self._checkpoint_id()
         metadata.storage_meta.save_id = fsd.save_id
-        self.commit_document(encode_metadata(metadata))
+        self._commit_document(encode_metadata(metadata))
 
-    def commit_document(self, document: bytes) -> None:
+    def columnar_document(self, plan: ColumnarPlan, results: list[ResultColumns]) -> bytes:
+        """The metadata document of this save from a columnar plan and the ranks' column results (coordinator)."""
+        return metadata_document(plan, results, self.save_id, self._checkpoint_id())
+
+    def _commit_document(self, document: bytes) -> None:
         """Write the metadata document of this save and commit the checkpoint (coordinator).
 
         The data files the document lists are checked first, by name and size: a commit never
@@ -306,7 +320,7 @@ def write_file(store: BlobStore, name: str, save_id: str, rank: int, plan: SaveP
     results = [WriteResult(item.index, e.nbytes, StorageInfo(f, off, e.nbytes, c))
                for item, e, off, c, f in zip(plan.items, entries, offsets, crcs, item_file)]
     for file_name, size, lead_crc in files:
-        results.append(WriteResult(MetadataIndex(FILE_RESULT_PREFIX + file_name), size, FileInfo(size, rank, lead_crc)))
+        results.append(FileResult.of(file_name, FileInfo(size, rank, lead_crc)))
     return results
 
 
@@ -343,7 +357,13 @@ def _batches(sizes: list[int], limit: int) -> list[list[int]]:
 
 
 class BlobStorageReader(StorageReader):
-    """The protocol's StorageReader over a blob store; subclasses provide ``_store()``."""
+    """The protocol's StorageReader over a blob store; subclasses provide ``_store()``.
+
+    It declares ``SHARED_VERIFICATION`` (:mod:`distckpt.capabilities`), and that its
+    ``prepare_global_plan`` keeps plans as they are.
+    """
+
+    capabilities = frozenset({SHARED_VERIFICATION})
 
     def __init__(self, verify_checksums: bool = True, thread_count: Optional[int] = None):
         self.verify_checksums = verify_checksums
@@ -397,12 +417,16 @@ class BlobStorageReader(StorageReader):
         self.metadata = metadata
         self.is_coordinator = is_coordinator
         self.store = self._store().data_store(metadata.storage_data.save_id)
-        # chunks this rank reads only partly and another rank verifies whole (set by the load sequence)
         self.verified_elsewhere: set = set()
+
+    def skip_verification(self, chunks: set) -> None:
+        """Chunks this rank reads only partly and another rank of the load verifies whole (from the load sequence)."""
+        self.verified_elsewhere = set(chunks)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
 
+    @keeps_plans
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         return plans
 

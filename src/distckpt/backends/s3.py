@@ -32,7 +32,7 @@ from typing import Any, Iterable, Optional, Union
 from .. import faults, knobs
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StorageIOError
 from ..format import METADATA_FILE
-from ..format.codec import parse_metadata
+from ..format.codec import stored_save_id
 from .blob_storage import BlobStorageReader, BlobStorageWriter
 from .blobs import BlobReader, BlobStore, BlobWriter
 from .leases import Lease, save_is_dead
@@ -55,6 +55,7 @@ __all__ = ["S3Writer", "S3Reader", "S3Store"]
 
 SCHEME = "s3://"
 SAVES = "saves"
+SAVE_ID_TAG = "distckpt-save-id"  # user metadata of the committed metadata object: the save it commits
 LEASES = "leases"
 _SAVE_ID = re.compile(r"[0-9A-Za-z_-]{1,64}\Z")
 
@@ -137,7 +138,7 @@ class S3Store(BlobStore):
         except s3_failures() as exc:
             raise s3_error("writing", self.describe(name), exc) from exc
 
-    def _put(self, name: str, data: bytes, **conditions: str) -> None:
+    def _put(self, name: str, data: bytes, **conditions: Any) -> None:
         faults.point("write", self.describe(name))
         self.client.put_object(Bucket=self.bucket, Key=self.key(name), Body=data, **conditions)
 
@@ -210,10 +211,12 @@ class S3Store(BlobStore):
         where = self.describe(METADATA_FILE)
         try:
             faults.point("rename", where)
+            # the commit names its save in the object's own metadata: finding the committed save needs no document
+            tag = {"Metadata": {SAVE_ID_TAG: staging.prefix.rsplit("/", 1)[-1]}}
             if overwrite:
-                self._put(METADATA_FILE, document)
+                self._put(METADATA_FILE, document, **tag)
             else:
-                self._put(METADATA_FILE, document, IfNoneMatch="*")
+                self._put(METADATA_FILE, document, IfNoneMatch="*", **tag)
         except s3_failures() as exc:
             if error_code(exc) in LOST_RACE:
                 if self._committed_save_id() == staging.prefix.rsplit("/", 1)[-1]:
@@ -230,14 +233,26 @@ class S3Store(BlobStore):
             self._delete_prefix(self.staging(old_save).prefix + "/")
 
     def _committed_save_id(self) -> Optional[str]:
-        """The save id the committed metadata names, or None (no checkpoint, or one too damaged to tell)."""
-        document = self._get(METADATA_FILE)
-        if document is None:
-            return None
+        """The save id the commit recorded on the metadata object, or None (no checkpoint).
+
+        A metadata object without the record was committed by an earlier distckpt: its save id is read
+        from the document's data-file table (the last member), or None where the document is damaged.
+        """
         try:
-            return getattr(parse_metadata(document, self.describe(METADATA_FILE)).storage_data, "save_id", None)
+            head = self.client.head_object(Bucket=self.bucket, Key=self.key(METADATA_FILE))
+        except s3_failures() as exc:
+            if error_code(exc) in NOT_FOUND:
+                return None
+            raise s3_error("looking up", self.describe(METADATA_FILE), exc) from exc
+        recorded = head.get("Metadata", {}).get(SAVE_ID_TAG)
+        if recorded is not None:
+            return recorded if _SAVE_ID.match(recorded) else None
+        document = self._get(METADATA_FILE)
+        try:
+            save_id = None if document is None else stored_save_id(document)
         except CheckpointError:
             return None
+        return save_id if save_id is not None and _SAVE_ID.match(save_id) else None
 
     def discard(self, staging: BlobStore) -> None:
         assert isinstance(staging, S3Store)

@@ -45,7 +45,7 @@ from .fields import MAX_INT as _MAX_INT
 from .fields import ints as _ints
 from .locations import add_item, check_cover, check_no_overlap, checked_chunk, cross_check, decode_file_table, inline_chunks
 from .names import check_file_name
-from .records import FileInfo, FileStorageData, StorageInfo
+from .records import FileInfo, FileResult, FileStorageData, StorageInfo
 from .values import from_data, to_data
 
 MAX_KEYS = 10_000_000
@@ -157,6 +157,9 @@ def encode_write_results(results: list[WriteResult]) -> list:
     out = []
     for r in results:
         sd = r.storage_data
+        if isinstance(r, FileResult):
+            out.append([{"$file": r.file}, r.size_in_bytes, {"$fi": [sd.size, sd.rank, sd.header_crc32c]}])
+            continue
         if isinstance(sd, StorageInfo):
             sd = {"$si": [sd.file, sd.offset, sd.length, sd.crc32c]}
         elif isinstance(sd, FileInfo):
@@ -170,6 +173,9 @@ def encode_write_results(results: list[WriteResult]) -> list:
 def decode_write_results(data: list) -> list[WriteResult]:
     out = []
     for idx, size, sd in data:
+        if isinstance(idx, dict) and set(idx) == {"$file"} and isinstance(sd, dict) and set(sd) == {"$fi"}:
+            out.append(FileResult.of(str(idx["$file"]), FileInfo(*sd["$fi"])))
+            continue
         if isinstance(sd, dict) and "$si" in sd and len(sd) == 1:
             sd = StorageInfo(*sd["$si"])
         elif isinstance(sd, dict) and "$fi" in sd and len(sd) == 1:
@@ -244,18 +250,37 @@ _TRAILER = re.compile(rb',"crc32c":"([0-9a-f]{8})"}\n\Z')
 _FILES_MEMBER = b'"storage_data":{"$files":'
 
 
-def stored_file_sizes(document: bytes) -> dict[str, int]:
-    """The data files a format-2.x metadata document lists, with their sizes, read from its tail
-    without decoding the rest (a document of thousands of ranks is tens of MB). Empty for
-    documents whose storage data is not distckpt's file table."""
+def _file_table(document: bytes) -> Optional[dict]:
+    """The data-file table of a format-2.x metadata document, read from its tail without decoding the
+    rest (a document of thousands of ranks is tens of MB); None where the storage data is not distckpt's."""
     at = document.rfind(_FILES_MEMBER)
     if at < 0:
-        return {}
+        return None
     try:
         table, _ = json.JSONDecoder().raw_decode(document[at + len(_FILES_MEMBER):].decode("utf-8"))
-        return {str(row[0]): int(row[1]) for row in table["files"]}
+    except ValueError as exc:
+        raise CorruptCheckpointError(f"metadata document: malformed data-file table ({exc})") from None
+    if not isinstance(table, dict):
+        raise CorruptCheckpointError("metadata document: malformed data-file table")
+    return table
+
+
+def stored_file_sizes(document: bytes) -> dict[str, int]:
+    """The data files a metadata document lists, with their sizes (empty where it has no distckpt file table)."""
+    table = _file_table(document)
+    try:
+        return {} if table is None else {str(row[0]): int(row[1]) for row in table["files"]}
     except (ValueError, KeyError, TypeError, IndexError) as exc:
         raise CorruptCheckpointError(f"metadata document: malformed data-file table ({exc})") from None
+
+
+def stored_save_id(document: bytes) -> Optional[str]:
+    """The save id a metadata document's data-file table names, or None where it has none."""
+    table = _file_table(document)
+    save_id = None if table is None else table.get("save_id")
+    return save_id if isinstance(save_id, str) else None
+
+
 SUPPORTED_MAJORS = (1, 2)
 
 
@@ -321,11 +346,14 @@ def metadata_document(sdm: dict, storage: Any, planner: Any, sm: Optional[Storag
 _METADATA_FIELDS = frozenset(("state_dict_metadata", "planner_data", "storage_data", "storage_meta", "version"))
 
 
-class _LazyMetadata(Metadata):
-    """Metadata whose document is checked now and decoded on first use of any field.
+class EncodedMetadata(Metadata):
+    """Metadata that came as a document: its checksum is checked at once, the rest is decoded on first use
+    of any field.
 
     What save() returns on every rank: at thousands of ranks the document has
-    millions of chunks, and most callers never look at it.
+    millions of chunks, and most callers never look at it. ``document`` holds
+    the exact bytes until a field is assigned; a storage layer's ``finish``
+    commits them as they are.
     """
 
     def __init__(self, raw: bytes, where: str) -> None:  # noqa: D107 - replaces the dataclass __init__ on purpose
@@ -333,6 +361,7 @@ class _LazyMetadata(Metadata):
         if m is None or crc32c(raw[: m.start()]) != int(m.group(1), 16):
             parse_metadata(raw, where)  # raises the precise error
         object.__setattr__(self, "_pending", (raw, where))
+        object.__setattr__(self, "document", raw)
 
     def _decode(self) -> None:
         state = object.__getattribute__(self, "__dict__")
@@ -343,11 +372,12 @@ class _LazyMetadata(Metadata):
 
     def __getattribute__(self, name: str) -> Any:
         if name in _METADATA_FIELDS:
-            _LazyMetadata._decode(self)
+            EncodedMetadata._decode(self)
         return object.__getattribute__(self, name)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        _LazyMetadata._decode(self)
+        EncodedMetadata._decode(self)
+        object.__setattr__(self, "document", None)  # the bytes no longer say what the fields say
         object.__setattr__(self, name, value)
 
     @property  # type: ignore[misc]
@@ -358,9 +388,9 @@ class _LazyMetadata(Metadata):
         return (Metadata, tuple(getattr(self, f.name) for f in dataclasses.fields(Metadata)))
 
 
-def lazy_metadata(raw: bytes, where: str) -> Metadata:
+def lazy_metadata(raw: bytes, where: str) -> EncodedMetadata:
     """A Metadata for the document ``raw``: its checksum is verified now, the rest is decoded when first used."""
-    return _LazyMetadata(raw, where)
+    return EncodedMetadata(raw, where)
 
 
 def parse_metadata(raw: bytes, where: str) -> Metadata:

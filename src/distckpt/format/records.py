@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..metadata import MetadataIndex
+from ..storage import WriteResult
 
-__all__ = ["StorageInfo", "FileInfo", "FileStorageData"]
+__all__ = ["StorageInfo", "FileInfo", "FileResult", "FileStorageData"]
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,25 @@ class FileInfo:
     size: int
     rank: int
     header_crc32c: int
+
+
+@dataclass(frozen=True)
+class FileResult(WriteResult):
+    """A data file a rank wrote, reported by ``write_data`` after the items' WriteResults.
+
+    It is a WriteResult so that code written for the protocol can iterate a
+    rank's results unchanged; ``index`` carries the file's name, and
+    ``storage_data`` its :class:`FileInfo`. Storage layers tell the two kinds
+    apart by type, never by the name.
+    """
+
+    @staticmethod
+    def of(name: str, info: FileInfo) -> "FileResult":
+        return FileResult(MetadataIndex(name), info.size, info)
+
+    @property
+    def file(self) -> str:
+        return self.index.fqn
 
 
 @dataclass

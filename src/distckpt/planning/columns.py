@@ -22,7 +22,7 @@ import torch
 
 from ..format.codec import dec_props, enc_props, opaque_from, opaque_to
 from ..format.frames import decode_frame, encode_frame, pack_json, smallest_uint, unpack_json
-from ..format.records import FileInfo, StorageInfo
+from ..format.records import FileInfo, FileResult, StorageInfo
 from ..metadata import ChunkStorageMetadata, MetadataIndex
 from ..planner import BytesIOWriteData, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from ..storage import WriteResult
@@ -202,17 +202,17 @@ class ResultColumns:
             raise ValueError(f"{where}: malformed column results")
         return ResultColumns(files, file_no.astype(np.int64), offset.astype(np.int64), length.astype(np.int64), crc.astype(np.int64))
 
-    def to_results(self, plan_items: list, file_prefix: str) -> list[WriteResult]:
+    def to_results(self, plan_items: list) -> list[WriteResult]:
         out = [WriteResult(it.index, ln, StorageInfo(self.files[f][0], off, ln, c))
                for it, f, off, ln, c in zip(plan_items, self.file_no.tolist(), self.offset.tolist(), self.length.tolist(),
                                             self.crc.tolist())]
-        out += [WriteResult(MetadataIndex(file_prefix + name), size, FileInfo(size, rank, hcrc)) for name, size, rank, hcrc in self.files]
+        out += [FileResult.of(name, FileInfo(size, rank, hcrc)) for name, size, rank, hcrc in self.files]
         return out
 
 
-def encode_result_columns(results: list[WriteResult], plan: SavePlan, file_prefix: str) -> Optional[bytes]:
+def encode_result_columns(results: list[WriteResult], plan: SavePlan) -> Optional[bytes]:
     """Results of writing ``plan`` as columns, or None unless they are exactly one StorageInfo per
-    plan item, in plan order, followed by one FileInfo per data file."""
+    plan item, in plan order, followed by one FileResult per data file."""
     n = len(plan.items)
     if len(results) < n:
         return None
@@ -220,9 +220,9 @@ def encode_result_columns(results: list[WriteResult], plan: SavePlan, file_prefi
     files: list = []
     for r in results[n:]:
         sd = r.storage_data
-        if not isinstance(sd, FileInfo) or not r.index.fqn.startswith(file_prefix):
+        if not isinstance(r, FileResult) or not isinstance(sd, FileInfo):
             return None
-        name = r.index.fqn[len(file_prefix):]
+        name = r.file
         names[name] = len(files)
         files.append([name, sd.size, sd.rank, sd.header_crc32c])
     cols = np.zeros((4, n), dtype=np.int64)

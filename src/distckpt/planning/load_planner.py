@@ -7,6 +7,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..capabilities import keeps_plans
 from ..errors import CheckpointError, DTypeMismatchError, MissingKeyError, ShapeMismatchError
 from ..format.values import decode_value
 from ..metadata import STATE_DICT_TYPE, BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
@@ -147,6 +148,7 @@ class DefaultLoadPlanner(LoadPlanner):
                 ))
         return reads
 
+    @keeps_plans
     def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
         return global_plan
 

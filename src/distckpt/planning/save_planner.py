@@ -7,6 +7,7 @@ from typing import Any, Optional, Union
 
 import torch
 
+from ..capabilities import plans_on_columns
 from ..errors import CheckpointError, UnsupportedTensorError
 from ..format.dtypes import dtype_name
 from ..format.values import encode_value
@@ -21,8 +22,11 @@ from ..metadata import (
     TensorStorageMetadata,
 )
 from ..planner import BytesIOWriteData, SavePlan, SavePlanner, TensorWriteData, WriteItem, WriteItemType
+from .columnar import ColumnarPlan, plan_columns, to_metadata
+from .columns import PlanColumns
 from .dedup import dedup_and_balance
 from .flatten import flatten_state_dict
+from .plan_cache import PlanCache
 from .resharding import volume
 from .tensors import dtype_of, is_dtensor, is_sharded_tensor, local_pieces, piece_at
 
@@ -68,6 +72,11 @@ class DefaultSavePlanner(SavePlanner):
             Off by default: such a value raises UnsafeValueError at planning.
         enable_plan_caching: reuse the previous save's global plan when no
             rank's local plan changed. Pass the same planner object to every save.
+
+    Its ``create_global_plan`` declares (``capabilities.plans_on_columns``)
+    that the coordinator may plan on columns instead, through
+    ``create_global_plan_columns``; a subclass that overrides
+    ``create_global_plan`` plans through its override.
     """
 
     def __init__(
@@ -86,6 +95,29 @@ class DefaultSavePlanner(SavePlanner):
         self.mappings: dict = {}
         self.rank = 0  # set by distckpt.save before set_up_planner
         self._encoded: dict[str, bytes] = {}
+        self._plan_cache: Optional[PlanCache] = None
+        self._metadata: Optional[Metadata] = None
+        self._columnar: Optional[ColumnarPlan] = None
+
+    @property
+    def plan_cache(self) -> Optional[PlanCache]:
+        """What this planner remembers between saves, while ``enable_plan_caching`` is set."""
+        if not self.enable_plan_caching:
+            return None
+        if self._plan_cache is None:
+            self._plan_cache = PlanCache()
+        return self._plan_cache
+
+    @property
+    def metadata(self) -> Optional[Metadata]:
+        """The metadata of the last global plan (coordinator), without storage data."""
+        if self._metadata is None and self._columnar is not None:
+            self._metadata = to_metadata(self._columnar)  # built when asked: at scale it is millions of objects
+        return self._metadata
+
+    @metadata.setter
+    def metadata(self, value: Optional[Metadata]) -> None:
+        self._metadata, self._columnar = value, None
 
     # ------------------------------------------------------------ every rank
 
@@ -154,12 +186,19 @@ class DefaultSavePlanner(SavePlanner):
 
     # ------------------------------------------------------------ coordinator
 
+    @plans_on_columns
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         if self.dedup_replicated_tensors:
             all_plans = dedup_and_balance(all_plans)
         metadata = build_metadata(all_plans)
         self.metadata = metadata
         return all_plans, metadata
+
+    def create_global_plan_columns(self, all_cols: list[PlanColumns]) -> ColumnarPlan:
+        """What ``create_global_plan`` does, on the ranks' column plans (raises ``Declined`` where it cannot decide)."""
+        plan = plan_columns(all_cols, self.dedup_replicated_tensors)
+        self._metadata, self._columnar = None, plan
+        return plan
 
 
 def build_metadata(all_plans: list[SavePlan]) -> Metadata:

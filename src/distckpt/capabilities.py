@@ -1,0 +1,71 @@
+"""What planners and storage layers declare they support, so that save and load may take a fast path.
+
+A fast path replaces some of the protocol's calls by cheaper work that has the
+same outcome. It is taken only where every class involved declares so; nothing
+is inferred from which methods a subclass left alone.
+
+**Storage layers** declare with a class attribute ``capabilities``, a frozenset
+of the names below. A subclass inherits them: one that wraps ``write_data`` or
+``finish`` (logging, metrics) keeps the fast path, one that changes what a
+declared step does sets ``capabilities`` to what still holds.
+
+**Planners' global steps** declare on the method itself, with the decorators
+below: the declaration describes one method's behaviour, so a subclass that
+overrides that method gets the protocol's path unless its override declares
+the same (decorate it to keep the fast path, for example around a wrapper that
+only logs and calls ``super()``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, TypeVar
+
+__all__ = [
+    "COLUMNAR_COMMIT",
+    "SHARED_VERIFICATION",
+    "supports",
+    "plans_on_columns",
+    "keeps_plans",
+    "declares",
+]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+COLUMNAR_COMMIT = "columnar-commit"
+"""A StorageWriter whose ``prepare_global_plan`` gives each rank its storage data without reading the plans'
+items (it may be called with empty plans), which has a ``columnar_document(plan, results)`` that builds the
+metadata document from a columnar plan and the ranks' column results, and whose ``finish`` commits a metadata
+whose ``document`` attribute holds the encoded document, exactly as given (:class:`format.codec.EncodedMetadata`)."""
+
+SHARED_VERIFICATION = "shared-verification"
+"""A StorageReader with ``verify_checksums`` and ``skip_verification(chunks)``: chunks another rank of the same
+load verifies whole, which this rank then reads only in part without checking their checksums."""
+
+_COLUMNAR = "_distckpt_plans_on_columns"
+_KEEPS = "_distckpt_keeps_plans"
+
+
+def supports(storage: Any, capability: str) -> bool:
+    """Whether ``storage`` (a writer or reader) declares ``capability``."""
+    return capability in getattr(storage, "capabilities", ())
+
+
+def plans_on_columns(method: F) -> F:
+    """Declare that a SavePlanner's ``create_global_plan`` is the default one (dedup of replicas, balance,
+    metadata from the plans), so that the coordinator may do the same work on columns with the planner's
+    ``create_global_plan_columns``."""
+    setattr(method, _COLUMNAR, True)
+    return method
+
+
+def keeps_plans(method: F) -> F:
+    """Declare that a global planning step (a LoadPlanner's ``create_global_plan``, a StorageReader's
+    ``prepare_global_plan``) returns every rank's plan unchanged, so that plans need not travel."""
+    setattr(method, _KEEPS, True)
+    return method
+
+
+def declares(obj: Any, method: str, decorator: Callable) -> bool:
+    """Whether the ``method`` that ``obj`` would call carries the declaration ``decorator`` makes."""
+    mark = {plans_on_columns: _COLUMNAR, keeps_plans: _KEEPS}[decorator]
+    return bool(getattr(getattr(type(obj), method, None), mark, False))
