@@ -51,8 +51,8 @@ def distckpt_path(world: int, items: int) -> dict:
     from distckpt.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
     from distckpt.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
     from distckpt.planning.columnar import metadata_document, plan_columns
-    from distckpt.planning.columns import PlanColumns, ResultColumns, decode_keep, encode_keep, encode_plan_columns, encode_result_columns
     from distckpt.storage import WriteResult
+    from distckpt.wire.columns import PlanColumns, ResultColumns, decode_keep, encode_keep, encode_plan_columns, encode_result_columns
 
     props = TensorProperties(torch.float32)
     local_plans, local_bytes = [], []

@@ -7,9 +7,9 @@ import warnings
 from typing import Any, Optional, Union
 
 from ._sequence import pick_storage, prepare, storage_by_position
-from .backends import shared_verification as sv
 from .capabilities import SHARED_VERIFICATION, declares, keeps_plans, supports
 from .distributed import RAW, Coordinator, Wire
+from .engine import shared_verification as sv
 from .format.codec import decode_load_plan, dumps, encode_load_plan, loads
 from .gc_pause import gc_paused
 from .metadata import STATE_DICT_TYPE, Metadata

@@ -9,8 +9,8 @@ import re
 from typing import Any, Optional, Union
 
 from . import backends
-from .backends.blobs import BlobStore
 from .distributed import Coordinator
+from .engine.blobs import BlobStore
 from .errors import CheckpointError, CheckpointNotFoundError, InvalidStepError
 from .loading import load
 from .metadata import STATE_DICT_TYPE, Metadata

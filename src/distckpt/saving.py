@@ -22,13 +22,14 @@ from .format.codec import (
     lazy_metadata,
     loads,
 )
-from .format.frames import frame_kind
 from .gc_pause import gc_paused
 from .metadata import STATE_DICT_TYPE, Metadata
 from .planner import SavePlan, SavePlanner
 from .planning import DefaultSavePlanner
 from .planning.columnar import ColumnarPlan, Declined
-from .planning.columns import (
+from .planning.plan_cache import NO_CACHE_MESSAGE, PlanCache
+from .storage import StorageWriter
+from .wire.columns import (
     KEEP_MAGIC,
     PLAN_MAGIC,
     RESULTS_MAGIC,
@@ -39,8 +40,7 @@ from .planning.columns import (
     encode_plan_columns,
     encode_result_columns,
 )
-from .planning.plan_cache import NO_CACHE_MESSAGE, PlanCache
-from .storage import StorageWriter
+from .wire.frames import frame_kind
 
 __all__ = ["save", "save_state_dict"]
 
@@ -108,7 +108,7 @@ def run_save(state_dict: STATE_DICT_TYPE, writer: Optional[StorageWriter], plann
 
     Where the planner's ``create_global_plan`` declares ``plans_on_columns``
     and the writer declares ``COLUMNAR_COMMIT`` (:mod:`distckpt.capabilities`),
-    plans travel as columns (``planning/columns.py``): the coordinator plans
+    plans travel as columns (``wire/columns.py``): the coordinator plans
     on arrays, replies with a bit per item, and the writer commits the
     metadata document built straight from the ranks' column write results.
     The outcome is the same as the object path's, which runs for everything

@@ -36,9 +36,9 @@ import torch
 
 from . import faults, knobs
 from ._sequence import pick_storage, split_stateful, storage_by_position, tell_rank
-from .backends.device_copy import pin_in_place, unpin_in_place
 from .backends.direct_io import release_bounce_buffers
 from .distributed import Coordinator, dist
+from .engine.device_copy import pin_in_place, unpin_in_place
 from .errors import CheckpointError, RankFailuresError, StagingMemoryError
 from .metadata import STATE_DICT_TYPE, Metadata
 from .planner import SavePlanner

@@ -8,7 +8,7 @@ from typing import Optional, Union
 
 from . import backends, knobs
 from .backends.blob_storage import BlobStorageReader
-from .backends.reading import ChunkShapes, open_and_validate
+from .engine.read import ChunkShapes, open_and_validate
 from .errors import CheckpointError, CorruptCheckpointError
 from .format.checksum import crc32c
 from .format.datafile import VALUE_FORM, check_header_entry, header_spans, read_header, stored_form

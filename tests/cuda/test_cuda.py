@@ -142,7 +142,7 @@ def test_staging_pins_one_arena_without_rounding_up(tmp_path):
 
 
 def test_a_refused_pin_leaves_no_cuda_error_for_the_training_code():
-    from distckpt.backends.device_copy import pin_in_place, unpin_in_place
+    from distckpt.engine.device_copy import pin_in_place, unpin_in_place
 
     buf = torch.empty(1 << 20, dtype=torch.uint8)
     assert pin_in_place(buf)

@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from distckpt.backends.shared_verification import assign_verifiers
+from distckpt.engine.shared_verification import assign_verifiers
 from distckpt.testing import run_ranks
 
 from . import workers

@@ -266,7 +266,7 @@ def test_a_fifo_in_place_of_a_file_is_refused_at_once(tmp_path, which):
 
 
 def test_truncation_during_a_resharding_load_is_a_typed_error(tmp_path, monkeypatch):
-    from distckpt.backends import reading
+    from distckpt.engine import read as reading
 
     path = str(tmp_path / "ck")
     distckpt.save({"w": torch.arange(1 << 20, dtype=torch.float32).reshape(1024, 1024)}, checkpoint_id=path)

@@ -14,8 +14,8 @@ from distckpt.format.records import FileInfo, FileResult, FileStorageData, Stora
 from distckpt.metadata import ChunkStorageMetadata, MetadataIndex, StorageMeta, TensorProperties
 from distckpt.planner import BytesIOWriteData, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from distckpt.planning.columnar import Declined, metadata_document, plan_columns, to_metadata
-from distckpt.planning.columns import PlanColumns, ResultColumns, decode_keep, encode_keep, encode_plan_columns, encode_result_columns
 from distckpt.storage import WriteResult
+from distckpt.wire.columns import PlanColumns, ResultColumns, decode_keep, encode_keep, encode_plan_columns, encode_result_columns
 
 DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.complex64]
 

@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import distckpt
-from distckpt.backends import reading
-from distckpt.backends.windows import windows
+from distckpt.engine import read as reading
+from distckpt.engine.windows import windows
 from distckpt.errors import CorruptCheckpointError
 from distckpt.format import datafile
 from distckpt.format.checksum import crc32c

@@ -4,7 +4,9 @@ import pytest
 import torch
 
 import distckpt
-from distckpt.backends import blob_storage, budget, direct_io, reading
+from distckpt.backends import direct_io
+from distckpt.engine import budget, write
+from distckpt.engine import read as reading
 
 
 class Recording(budget.ByteBudget):
@@ -18,7 +20,7 @@ class Recording(budget.ByteBudget):
 def _patch(monkeypatch):
     Recording.seen = []
     monkeypatch.setattr(reading, "ByteBudget", Recording)
-    monkeypatch.setattr(blob_storage, "ByteBudget", Recording)
+    monkeypatch.setattr(write, "ByteBudget", Recording)
 
 
 def test_read_buffers_respect_the_budget(tmp_path, monkeypatch):

@@ -11,8 +11,9 @@ from hypothesis import strategies as st
 
 import distckpt
 from bench.measure import drop_cache
-from distckpt.backends import filesystem, reading
-from distckpt.backends.reading import split_lanes
+from distckpt.backends import filesystem
+from distckpt.engine import read as reading
+from distckpt.engine.read import split_lanes
 from distckpt.errors import CorruptCheckpointError
 
 

@@ -10,37 +10,27 @@ destination where its memory is contiguous.
 from __future__ import annotations
 
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, Optional
 
-import torch
 from torch.futures import Future
 
 from .. import knobs
 from ..capabilities import COLUMNAR_COMMIT, SHARED_VERIFICATION, keeps_plans
+from ..engine.blobs import BlobStore
+from ..engine.read import read_items
+from ..engine.write import write_file
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ..format import FORMAT_VERSION_STR, METADATA_FILE
-from ..format.checksum import crc32c
 from ..format.codec import EncodedMetadata, encode_metadata, parse_metadata, stored_file_sizes
-from ..format.datafile import Entry, build_header, entry_name, stored_form
-from ..format.dtypes import itemsize
 from ..format.locations import check_cover, checked_chunk
-from ..format.records import FileInfo, FileResult, FileStorageData, StorageInfo
+from ..format.records import FileResult, FileStorageData, StorageInfo
 from ..metadata import Metadata, StorageMeta, TensorStorageMetadata
-from ..planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner, WriteItemType
+from ..planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
 from ..planning.columnar import ColumnarPlan, metadata_document
-from ..planning.columns import ResultColumns
-from ..planning.resharding import volume
-from ..progress import Progress
 from ..storage import StorageReader, StorageWriter, WriteResult
-from .blobs import BlobStore
-from .budget import ByteBudget
-from .device_copy import PendingCopies, caller_streams, to_host
+from ..wire.columns import ResultColumns
 from .leases import Lease
-from .reading import read_items
-from .tensor_bytes import host_bytes, is_lazy_view
-from .windows import windows
 
 
 def _done(value: Any) -> Future:
@@ -192,168 +182,6 @@ class BlobStorageWriter(StorageWriter):
             except (OSError, CheckpointError):
                 pass
         self._release_lease()
-
-
-_LINE = 64  # bytes: a cache line, and the alignment of torch's CPU allocations
-
-
-def write_file(store: BlobStore, name: str, save_id: str, rank: int, plan: SavePlan, planner: SavePlanner,
-               *, threads: int, sync: bool, is_coordinator: bool = True) -> list[WriteResult]:
-    """Write one rank's items into data files; return a WriteResult per item, plus one per file.
-
-    Items keep plan order and are split into up to ``threads`` contiguous runs
-    of similar size (at least 64 MiB each), one file per run, each written by
-    its own thread: threads sharing one file contend on it in the kernel.
-    Within a file, adjacent items go out in batches of about
-    ``io_batch_bytes`` with one vectored write each, straight from tensor memory.
-    """
-    entries, payloads = [], []
-    for item in plan.items:
-        if item.type == WriteItemType.BYTE_IO:
-            raw = planner.resolve_data(item).getvalue()
-            entries.append(Entry(item.index.fqn, "U8", (len(raw),), len(raw)))
-            payloads.append(raw)
-        else:
-            td = item.tensor_data
-            nbytes = volume(td.chunk.sizes) * itemsize(td.properties.dtype)
-            code, shape = stored_form(td.properties.dtype, tuple(td.chunk.sizes), nbytes)
-            entries.append(Entry(entry_name(item.index.fqn, tuple(item.index.offset or ())), code, shape, nbytes))
-            payloads.append(None)
-    streams = caller_streams()  # device copies happen in worker threads, ordered on the caller's stream
-    crcs = [0] * len(entries)
-    offsets = [0] * len(entries)
-    files: list[tuple[str, int, int]] = []  # (name, size, header crc)
-    item_file = [""] * len(entries)
-    groups = _split([e.nbytes for e in entries], max(1, min(threads, sum(e.nbytes for e in entries) // knobs.min_file_bytes())))
-    # the files' writers split half the memory budget for their buffers (direct I/O's bounce buffers, an object
-    # store's parts); host copies of tensors get what the writers leave
-    limit = knobs.memory_budget_bytes()
-    share = limit // (2 * len(groups))
-    budget = ByteBudget(limit - len(groups) * store.write_buffer_bytes(share))
-
-    def item_bytes(i: int, pending: PendingCopies) -> tuple[memoryview, object, int]:
-        """The bytes of item ``i``, the object that owns them, and how many are a transient copy.
-
-        A device tensor's bytes are only queued for copying into ``pending``: wait for it before reading them.
-        """
-        if payloads[i] is not None:
-            return memoryview(payloads[i]), None, 0
-        item = plan.items[i]
-        tensor = planner.resolve_data(item)
-        if not isinstance(tensor, torch.Tensor):
-            raise CheckpointError(f"resolve_data for tensor item {item.index.fqn!r} returned {type(tensor).__name__}")
-        copied = 0
-        want = item.tensor_data.properties.dtype
-        if tensor.dtype == torch.bool and want == torch.bool and tensor.numel():
-            raw = tensor.view(torch.uint8)
-            if bool(raw.gt(1).any()):  # bools stored as other bytes than 0 and 1 (format.md, section 4): make them so
-                tensor = raw.ne(0)
-        if tensor.dtype != want or tensor.device.type != "cpu" or not tensor.is_contiguous() or is_lazy_view(tensor):
-            copied = entries[i].nbytes
-            budget.acquire(copied)
-            try:
-                tensor = to_host(tensor, want, pending)
-            except BaseException:
-                budget.release(copied)
-                raise
-        data, owner = host_bytes(tensor)
-        if len(data) != entries[i].nbytes:
-            budget.release(copied)
-            raise CheckpointError(f"key {item.index.fqn!r}: resolve_data returned {len(data)} bytes, the plan expects {entries[i].nbytes}")
-        return data, owner, copied
-
-    def write_one_file(file_name: str, members: list[int]) -> tuple[str, int, int]:
-        # items whose size is a multiple of a cache line first: one odd-sized item (a 4-byte step
-        # counter) would otherwise leave every item after it misaligned, and copies slower
-        members = sorted(members, key=lambda i: entries[i].nbytes % _LINE != 0)
-        local = []
-        names = set()
-        for i in members:  # a key may itself look like "<key>@<offsets>": keep names unique in the file
-            e = entries[i]
-            if e.name in names:
-                e = Entry(f"{e.name}#{i}", e.code, e.shape, e.nbytes)
-            names.add(e.name)
-            local.append(e)
-        lead, local_offsets = build_header(local, save_id, rank)
-        for i, off in zip(members, local_offsets):
-            offsets[i] = off
-            item_file[i] = file_name
-        blob = store.create(file_name, share)
-        try:
-            blob.pwrite(memoryview(lead), 0)
-            for batch in _batches([entries[i].nbytes for i in members], knobs.io_batch_bytes()):
-                views, owners, held = [], [], 0
-                pending = PendingCopies(streams)
-                try:
-                    for j in batch:  # device-to-host copies of the whole batch are queued together
-                        data, owner, copied = item_bytes(members[j], pending)
-                        held += copied
-                        owners.append(owner)  # keeps the memory behind each view alive until written
-                        views.append(data)
-                    pending.wait()
-                    position = offsets[members[batch[0]]]
-                    for pieces in windows(views):  # checksum each window just written, from cache
-                        blob.pwritev([piece for _, piece in pieces], position)
-                        for j, piece in pieces:
-                            crcs[members[batch[j]]] = crc32c(piece, crcs[members[batch[j]]])
-                        position += sum(len(piece) for _, piece in pieces)
-                    progress.advance(sum(len(v) for v in views))
-                finally:
-                    if held:
-                        budget.release(held)
-        except BaseException:
-            blob.abort()
-            raise
-        blob.close(sync)
-        return file_name, len(lead) + sum(entries[i].nbytes for i in members), crc32c(lead)
-
-    progress = Progress("save", sum(e.nbytes for e in entries), is_coordinator)
-    stem = name[: -len(".safetensors")] if name.endswith(".safetensors") else name
-    names = [name] + [f"{stem}-{g}.safetensors" for g in range(1, len(groups))]
-    if len(groups) == 1:
-        files.append(write_one_file(name, groups[0]))
-    else:
-        with ThreadPoolExecutor(len(groups), thread_name_prefix="distckpt-write") as pool:
-            futures = [pool.submit(write_one_file, n, g) for n, g in zip(names, groups)]
-            files.extend(f.result() for f in futures)
-    progress.close()
-    results = [WriteResult(item.index, e.nbytes, StorageInfo(f, off, e.nbytes, c))
-               for item, e, off, c, f in zip(plan.items, entries, offsets, crcs, item_file)]
-    for file_name, size, lead_crc in files:
-        results.append(FileResult.of(file_name, FileInfo(size, rank, lead_crc)))
-    return results
-
-
-def _split(sizes: list[int], parts: int) -> list[list[int]]:
-    """Split indices into at most ``parts`` contiguous runs of similar total size (never empty)."""
-    total = sum(sizes)
-    if parts <= 1 or not sizes:
-        return [list(range(len(sizes)))]
-    target = total / parts
-    out: list[list[int]] = [[]]
-    acc = 0
-    for i, n in enumerate(sizes):
-        if out[-1] and acc + n / 2 > target * len(out) and len(out) < parts:
-            out.append([])
-        out[-1].append(i)
-        acc += n
-    return out
-
-
-def _batches(sizes: list[int], limit: int) -> list[list[int]]:
-    """Group consecutive indices into runs of at most ``limit`` bytes (a larger item stands alone)."""
-    out: list[list[int]] = []
-    cur: list[int] = []
-    total = 0
-    for i, n in enumerate(sizes):
-        if cur and total + n > limit:
-            out.append(cur)
-            cur, total = [], 0
-        cur.append(i)
-        total += n
-    if cur:
-        out.append(cur)
-    return out
 
 
 class BlobStorageReader(StorageReader):

@@ -36,7 +36,7 @@ from typing import Optional
 import numpy as np
 
 from .. import faults, knobs
-from .blobs import BlobWriter
+from ..engine.blobs import BlobWriter
 from .fs_objects import create_exclusive
 
 ALIGN = knobs.PAGE_BYTES

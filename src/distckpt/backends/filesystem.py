@@ -9,10 +9,10 @@ import uuid
 from typing import Any, Iterable, Optional, Union
 
 from .. import faults
+from ..engine.blobs import BlobReader, BlobStore, BlobWriter
 from ..errors import CheckpointError, CheckpointNotFoundError, StorageIOError
 from ..format import FORMAT_NAME, METADATA_FILE
 from .blob_storage import BlobStorageReader, BlobStorageWriter
-from .blobs import BlobReader, BlobStore, BlobWriter
 from .dcp_reader import is_dcp_directory
 from .direct_io import DirectWriter, bounce_buffer_bytes, direct_io_wanted, pwrite_all
 from .fs_objects import create_exclusive, is_real_dir, open_dir, open_regular, remove_tree

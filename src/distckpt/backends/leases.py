@@ -31,7 +31,7 @@ import time
 from typing import Any, Optional
 
 from .. import knobs
-from .blobs import BlobStore
+from ..engine.blobs import BlobStore
 
 
 def _read(path: str) -> str:

@@ -10,10 +10,10 @@ import threading
 from typing import Iterable, Optional, Union
 
 from .. import faults
+from ..engine.blobs import BlobReader, BlobStore, BlobWriter
 from ..errors import CheckpointError, CheckpointNotFoundError
 from ..format import METADATA_FILE
 from .blob_storage import BlobStorageReader, BlobStorageWriter
-from .blobs import BlobReader, BlobStore, BlobWriter
 from .leases import save_is_dead
 
 __all__ = ["MemoryWriter", "MemoryReader", "MemoryStore", "clear_memory_store"]

@@ -30,11 +30,11 @@ import time
 from typing import Any, Iterable, Optional, Union
 
 from .. import faults, knobs
+from ..engine.blobs import BlobReader, BlobStore, BlobWriter
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StorageIOError
 from ..format import METADATA_FILE
 from ..format.codec import stored_save_id
 from .blob_storage import BlobStorageReader, BlobStorageWriter
-from .blobs import BlobReader, BlobStore, BlobWriter
 from .leases import Lease, save_is_dead
 from .s3_objects import (
     LOST_RACE,

@@ -14,8 +14,8 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, Iterable, Optional
 
 from .. import faults, knobs
+from ..engine.blobs import BlobReader, BlobWriter
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StorageIOError
-from .blobs import BlobReader, BlobWriter
 
 MIN_PART_BYTES = 5 << 20  # S3's smallest part, except the last
 _MAX_PARTS = 10_000

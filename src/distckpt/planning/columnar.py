@@ -26,7 +26,7 @@ from ..format.codec import dec_props, opaque_from
 from ..format.codec import metadata_document as document_bytes
 from ..format.dtypes import dtype_from_name, itemsize
 from ..metadata import BytesStorageMetadata, ChunkStorageMetadata, Metadata, StorageMeta, TensorProperties, TensorStorageMetadata
-from .columns import BYTES_CODE, PlanColumns, ResultColumns
+from ..wire.columns import BYTES_CODE, PlanColumns, ResultColumns
 
 __all__ = ["Declined", "ColumnarPlan", "plan_columns"]
 

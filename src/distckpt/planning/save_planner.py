@@ -22,8 +22,8 @@ from ..metadata import (
     TensorStorageMetadata,
 )
 from ..planner import BytesIOWriteData, SavePlan, SavePlanner, TensorWriteData, WriteItem, WriteItemType
+from ..wire.columns import PlanColumns
 from .columnar import ColumnarPlan, plan_columns, to_metadata
-from .columns import PlanColumns
 from .dedup import dedup_and_balance
 from .flatten import flatten_state_dict
 from .plan_cache import PlanCache

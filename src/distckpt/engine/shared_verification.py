@@ -23,7 +23,7 @@ from ..errors import CorruptCheckpointError
 from ..format.records import FileStorageData
 from ..metadata import Metadata, MetadataIndex
 from ..planner import LoadItemType, LoadPlan
-from .reading import ChunkShapes
+from .read import ChunkShapes
 
 __all__ = ["partial_chunks", "encode_chunks", "decode_chunks", "assign_verifiers", "verified_elsewhere"]
 

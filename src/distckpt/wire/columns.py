@@ -21,11 +21,11 @@ import numpy as np
 import torch
 
 from ..format.codec import dec_props, enc_props, opaque_from, opaque_to
-from ..format.frames import decode_frame, encode_frame, pack_json, smallest_uint, unpack_json
 from ..format.records import FileInfo, FileResult, StorageInfo
 from ..metadata import ChunkStorageMetadata, MetadataIndex
 from ..planner import BytesIOWriteData, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from ..storage import WriteResult
+from .frames import decode_frame, encode_frame, pack_json, smallest_uint, unpack_json
 
 __all__ = ["PLAN_MAGIC", "KEEP_MAGIC", "RESULTS_MAGIC", "PlanColumns", "ResultColumns", "encode_plan_columns",
            "encode_keep", "decode_keep", "encode_result_columns", "plain_dict"]

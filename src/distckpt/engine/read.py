@@ -1,0 +1,515 @@
+"""The read engine: validate files, then read each stored chunk once, in parallel."""
+
+from __future__ import annotations
+
+import io
+import threading
+from collections import defaultdict
+from typing import Optional
+
+import torch
+
+from .. import knobs
+from ..errors import CheckpointError, CorruptCheckpointError, UnsupportedTensorError
+from ..format.checksum import crc32c
+from ..format.datafile import VALUE_FORM, HeaderInfo, check_header_entry, header_spans, read_header, stored_form
+from ..format.dtypes import itemsize
+from ..format.records import FileStorageData, StorageInfo
+from ..metadata import Metadata, MetadataIndex, TensorStorageMetadata
+from ..planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from ..planning.resharding import volume
+from ..progress import Progress
+from .blobs import BlobReader, BlobStore
+from .budget import ByteBudget
+from .device_copy import PendingCopies, caller_streams, host_buffer, to_device, uses_pinned
+from .tasks import run_lanes
+from .tensor_bytes import writable_bytes
+from .windows import WINDOW_BYTES, windows
+
+
+def open_and_validate(store: BlobStore, fsd: FileStorageData, names, where: str,
+                      spans: Optional[dict] = None) -> dict[str, BlobReader]:
+    """Open the named data files and check size, header and save id of each, before anything is read
+    into place; with ``spans``, put each file's header entries there (see :func:`header_spans`)."""
+    blobs: dict[str, BlobReader] = {}
+    try:
+        for name in sorted(names):
+            info = fsd.files.get(name)
+            if info is None:
+                raise CorruptCheckpointError(f"{where}: data file {name!r} is not listed in the metadata")
+            blob = store.open(name)
+            blobs[name] = blob
+            here = f"{where}, file {name!r}"
+            if blob.size != info.size:
+                raise CorruptCheckpointError(
+                    f"{here}: size is {blob.size} bytes, the metadata records {info.size}; the file is truncated or was replaced")
+            header = _check_header(blob, info, fsd.save_id, here)
+            if spans is not None:
+                spans[name] = header_spans(header)
+    except BaseException:
+        for b in blobs.values():
+            b.close()
+        raise
+    return blobs
+
+
+def _check_header(blob: BlobReader, info, save_id: str, here: str) -> HeaderInfo:
+    """Parse and check the header (every rule of docs/format.md, section 4), its save id and its CRC.
+
+    A CRC that matches the metadata's is not enough: metadata and header may have been forged
+    together, so the header is always parsed, and the load cross-checks each chunk against it.
+    """
+    header = read_header(blob.pread, blob.size, here)  # raises if malformed
+    if header.save_id != save_id:
+        raise CorruptCheckpointError(
+            f"{here}: belongs to save {header.save_id}, but this checkpoint is save {save_id}; "
+            "a file from another checkpoint was copied in. Restore the original file.")
+    if header.lead_crc32c != info.header_crc32c:
+        raise CorruptCheckpointError(
+            f"{here}: header checksum mismatch (offset 0 to {header.data_start}): stored {info.header_crc32c:08x}, "
+            f"computed {header.lead_crc32c:08x}. The file is damaged; restore it from a copy.")
+    return header
+
+
+def read_items(store: BlobStore, md: Metadata, plan: LoadPlan, planner: LoadPlanner, checkpoint_id: str,
+               *, verify: bool, threads: int, verified_elsewhere: set = frozenset(), is_coordinator: bool = True) -> None:
+    """Read every item of ``plan``.
+
+    Stored chunks that one read item needs whole, into a contiguous CPU
+    destination of the same dtype, are read straight into the destination;
+    adjacent ones are batched into one vectored read. Any other chunk is read
+    once into a buffer (within the memory budget) and copied to every
+    destination that needs part of it: whole, to verify its checksum, unless
+    it is in ``verified_elsewhere`` (another rank of this load verifies it;
+    see shared_verification.py), in which case only the rows needed are read.
+    """
+    read = _Read(store, md, plan, planner, f"checkpoint {checkpoint_id!r}", verify, verified_elsewhere)
+    read.open_files()
+    try:
+        read.execute(threads, is_coordinator)
+    finally:
+        read.close()
+
+
+_Direct = tuple  # (chunk index, destination tensor, the destination's bytes)
+
+
+class _Read:
+    """One rank's read of a plan: the chunks it needs, where they are stored, and the steps that read them."""
+
+    def __init__(self, store: BlobStore, md: Metadata, plan: LoadPlan, planner: LoadPlanner, where: str, verify: bool,
+                 verified_elsewhere: set) -> None:
+        self.store, self.md, self.planner, self.where, self.verify = store, md, planner, where, verify
+        self.verified_elsewhere = verified_elsewhere
+        self.fsd: FileStorageData = md.storage_data
+        self.streams = caller_streams()  # copies to a device happen in worker threads, ordered on the caller's stream
+        self.by_chunk: dict[MetadataIndex, list[ReadItem]] = defaultdict(list)
+        for item in plan.items:
+            self.by_chunk[item.storage_index].append(item)
+        self.infos: dict[MetadataIndex, StorageInfo] = {}
+        self.chunk_shapes: dict[MetadataIndex, tuple[int, ...]] = {}
+        shapes = ChunkShapes(md)
+        for index, items in self.by_chunk.items():
+            info = self.fsd.items.get(index)
+            shape = shapes.get(index) if items[0].type == LoadItemType.TENSOR else ()
+            if info is None or shape is None:
+                raise CorruptCheckpointError(f"{where}: key {index.fqn!r} chunk {list(index.offset or [])} has no storage "
+                                             "entry in the metadata")
+            self.infos[index], self.chunk_shapes[index] = info, shape
+        self.lock = threading.Lock()
+        self.budget = ByteBudget(knobs.memory_budget_bytes())
+        self.per_thread = threading.local()
+        self.blobs: dict[str, BlobReader] = {}
+        self.extra: list[BlobReader] = []
+
+    def here(self, index: MetadataIndex) -> str:
+        chunk = f", chunk {list(index.offset)}" if index.offset is not None else ""
+        return f"{self.where}: key {index.fqn!r}{chunk}"
+
+    # ------------------------------------------------------------ before any destination is touched
+
+    def open_files(self) -> None:
+        """Open and validate every file read; check each chunk is what its file's header says (dtype, shape, place)."""
+        spans: dict = {}
+        self.blobs = open_and_validate(self.store, self.fsd, {i.file for i in self.infos.values()}, self.where, spans)
+        try:
+            for index, info in self.infos.items():
+                entry = self.md.state_dict_metadata.get(index.fqn)
+                if isinstance(entry, TensorStorageMetadata):
+                    form = stored_form(entry.properties.dtype, self.chunk_shapes[index], info.length)
+                else:
+                    form = (VALUE_FORM, (info.length,))
+                check_header_entry(spans[info.file], info.offset, info.length, form, f"{self.here(index)}, file {info.file!r}")
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        for b in list(self.blobs.values()) + self.extra:
+            b.close()
+
+    # ------------------------------------------------------------ what goes where
+
+    def split_direct(self) -> tuple[list[_Direct], list[MetadataIndex]]:
+        """In file order: chunks read straight into their destination, and chunks that go through a buffer."""
+        direct: list[_Direct] = []
+        buffered: list[MetadataIndex] = []
+        for index in sorted(self.by_chunk, key=lambda ix: (self.infos[ix].file, self.infos[ix].offset)):
+            items, shape = self.by_chunk[index], self.chunk_shapes[index]
+            if items[0].type == LoadItemType.TENSOR and len(items) == 1 and tuple(items[0].lengths) == shape:
+                dest = self.planner.resolve_tensor(items[0])
+                entry = self.md.state_dict_metadata[index.fqn]
+                same = dest.dtype == entry.properties.dtype and tuple(dest.shape) == shape
+                view = writable_bytes(dest) if same else None
+                if view is not None:
+                    direct.append((index, dest, view))
+                    continue
+            buffered.append(index)
+        return direct, buffered
+
+    def tasks(self) -> list[tuple]:
+        """(step, argument) pairs: runs of adjacent direct chunks up to ``io_batch_bytes``, then each buffered chunk."""
+        direct, buffered = self.split_direct()
+        tasks: list = []
+        limit = knobs.io_batch_bytes()
+        run: list = []
+        total = 0
+        for job in direct:
+            info = self.infos[job[0]]
+            if run:
+                prev = self.infos[run[-1][0]]
+                if prev.file != info.file or prev.offset + prev.length != info.offset or total + info.length > limit:
+                    tasks.append((self.run_direct, run))
+                    run, total = [], 0
+            run.append(job)
+            total += info.length
+        if run:
+            tasks.append((self.run_direct, run))
+        tasks.extend((self.run_buffered, index) for index in buffered)
+        return tasks
+
+    def task_chunk(self, task: tuple) -> MetadataIndex:
+        fn, arg = task
+        return arg[0][0] if fn == self.run_direct else arg
+
+    def task_bytes(self, task: tuple, delivered: bool = False) -> int:
+        """Bytes a task reads (or, ``delivered``, brings into destinations)."""
+        fn, arg = task
+        if fn == self.run_direct:
+            return sum(self.infos[index].length for index, _, _ in arg)
+        if delivered:
+            return _item_bytes(self.md, self.by_chunk[arg], self.infos[arg])
+        return self.infos[arg].length
+
+    # ------------------------------------------------------------ execution
+
+    def execute(self, threads: int, is_coordinator: bool) -> None:
+        """Run every task in lanes: each file front to back on one thread at a time (see run_lanes)."""
+        tasks = self.tasks()
+        files = [self.infos[self.task_chunk(t)] for t in tasks]
+        order = sorted(range(len(tasks)), key=lambda i: (files[i].file, files[i].offset))
+        lanes = split_lanes([files[i].file for i in order], [self.task_bytes(tasks[i]) for i in order], threads)
+        lanes = [(name, [order[i] for i in lane]) for name, lane in lanes]
+        if knobs.progress_mode() != "off":
+            sizes = [self.task_bytes(t, delivered=True) for t in tasks]
+            progress = Progress("load", sum(sizes), is_coordinator)
+            tasks = [(_counted(fn, progress, n), arg) for (fn, arg), n in zip(tasks, sizes)]
+        else:
+            progress = Progress("load", 0, is_coordinator)
+        # a file read by several lanes gets a reader per lane: the kernel keeps read-ahead state per open file
+        seen: set = set()
+        self.own_reader = []
+        for name, _ in lanes:
+            self.own_reader.append(name in seen)
+            seen.add(name)
+        self.lanes = lanes
+        weight = lambda arg: len(arg) if isinstance(arg, list) else len(self.by_chunk[arg])  # noqa: E731
+        run_lanes([[(tasks[i][0], tasks[i][1], weight(tasks[i][1])) for i in lane] for _, lane in lanes], threads,
+                  "distckpt-read", self.start_lane)
+        progress.close()
+
+    def start_lane(self, i: int) -> None:
+        self.per_thread.readers = self.per_thread.cached = None
+        if self.own_reader[i]:
+            name = self.lanes[i][0]
+            blob = self.store.open(name)
+            with self.lock:
+                self.extra.append(blob)
+            if blob.size != self.blobs[name].size:
+                raise CorruptCheckpointError(f"{self.where}, file {name!r}: changed size while it was being read; it was replaced")
+            self.per_thread.readers = {name: blob}
+
+    def reader(self, name: str) -> BlobReader:
+        """This lane's own reader of ``name`` where it has one, else the shared one."""
+        own = getattr(self.per_thread, "readers", None)
+        return own[name] if own and name in own else self.blobs[name]
+
+    def slab_buffer(self, n: int, pinned: bool) -> torch.Tensor:
+        """This thread's reusable read buffer: fresh pages for every chunk would cost page faults.
+
+        Pinned when the bytes go on to a CUDA device, so that the copy there runs at the bus's speed.
+        """
+        name = "pinned" if pinned else "buf"
+        buf = getattr(self.per_thread, name, None)
+        if buf is None or buf.numel() < n:
+            buf = host_buffer(n, pinned)
+            setattr(self.per_thread, name, buf)
+        return buf[:n]
+
+    # ------------------------------------------------------------ the steps
+
+    def direct_window(self, blob: BlobReader, views: list[memoryview], position: int) -> int:
+        """How many bytes to read at a time into a direct batch.
+
+        Where reads are cheap, a cache-sized window is read and checksummed while still in cache; where a
+        lane's file is not in the page cache, each batch is one read: small reads that each wait for the
+        disk leave it idle in between (docs/performance.md). Whether it is cached is asked once per lane:
+        a non-blocking read starts read-ahead of its own.
+        """
+        total = sum(len(v) for v in views)
+        if not (self.verify and blob.small_reads_are_cheap):
+            return total
+        if getattr(self.per_thread, "cached", None) is None:
+            probe = [piece for _, piece in next(windows(views, WINDOW_BYTES))]
+            got = blob.readv_cached(probe, position)
+            self.per_thread.cached = got is None or got == sum(len(p) for p in probe)
+        return WINDOW_BYTES if self.per_thread.cached else total
+
+    def run_direct(self, batch: list[_Direct]) -> None:
+        """Read adjacent chunks straight into their destinations with vectored reads, checksumming on the way."""
+        first = self.infos[batch[0][0]]
+        blob = self.reader(first.file)
+        views = [view for _, _, view in batch]
+        crcs = [0] * len(views)
+        position = first.offset
+        for pieces in windows(views, self.direct_window(blob, views, position)):
+            want = sum(len(piece) for _, piece in pieces)
+            got = blob.readv([piece for _, piece in pieces], position)
+            if got != want:
+                raise CorruptCheckpointError(f"{self.here(batch[0][0])}: file {first.file!r} ends at {position + got}, "
+                                             f"before offset {position + want}; it is truncated")
+            if self.verify:
+                for j, piece in pieces:
+                    crcs[j] = crc32c(piece, crcs[j])
+            position += want
+        bad = [(index, dest, crc) for (index, dest, _), crc in zip(batch, crcs) if self.verify and crc != self.infos[index].crc32c]
+        if bad:  # every chunk of the batch that failed is zeroed, not only the first
+            _check(self.verify, bad[0][2], self.infos[bad[0][0]], self.here(bad[0][0]), [dest for _, dest, _ in bad])
+        for index, dest, _ in batch:
+            with self.lock:
+                self.planner.commit_tensor(self.by_chunk[index][0], dest)
+
+    def run_buffered(self, index: MetadataIndex) -> None:
+        """Read one chunk through a buffer into every destination that needs part of it."""
+        items, info = self.by_chunk[index], self.infos[index]
+        check = self.verify and index not in self.verified_elsewhere
+        if items[0].type == LoadItemType.BYTE_IO:
+            data = _read_exact(self.reader(info.file), info.length, info.offset, self.here(index), info.file)
+            _check(check, crc32c(data), info, self.here(index))
+            with self.lock:
+                self.planner.load_bytes(items[0], io.BytesIO(data))
+            return
+        dests = self.destinations(index)
+        if info.length:  # nothing stored, nothing to copy
+            self.stream_chunk(index, dests, check)
+        with self.lock:
+            for item, dest in zip(items, dests):
+                self.planner.commit_tensor(item, dest)
+
+    def destinations(self, index: MetadataIndex) -> list[torch.Tensor]:
+        """The destination tensor of each read item of a chunk, checked to be real and of the item's shape."""
+        items = self.by_chunk[index]
+        with self.lock:
+            dests = [self.planner.resolve_tensor(item) for item in items]
+        for item, dest in zip(items, dests):
+            if self.infos[index].length and dest.device.type == "meta":  # planning on meta is fine; loading would drop data
+                raise UnsupportedTensorError(
+                    f"{self.here(index)}: the destination is on the meta device and has no memory to load into; "
+                    "materialise it first (for a module: .to_empty(device=...)), or return a real tensor from resolve_tensor")
+            if self.infos[index].length and tuple(dest.shape) != tuple(item.lengths):
+                raise CheckpointError(f"{self.here(index)}: resolve_tensor returned shape {tuple(dest.shape)}, the read "
+                                      f"item needs {tuple(item.lengths)}")
+        return dests
+
+    def stream_chunk(self, index: MetadataIndex, dests: list[torch.Tensor], check: bool) -> None:
+        """Stream a chunk through one reused buffer, a slab of whole rows at a time: every byte is read once,
+        the checksum is computed on the way, memory stays bounded. With ``check`` off, only the rows some
+        item needs are read."""
+        items, info, shape = self.by_chunk[index], self.infos[index], self.chunk_shapes[index]
+        rows, row_bytes = (shape[0], info.length // shape[0]) if shape else (1, info.length)
+        slab_rows = max(1, min(rows, min(knobs.read_slab_bytes(), self.budget.limit) // max(1, row_bytes)))
+        to_gpu = any(uses_pinned(dest.device) for dest in dests)
+        pending = PendingCopies(self.streams) if to_gpu else None
+        first, end = 0, rows
+        if not check and shape:
+            first = min(item.storage_offsets[0] for item in items)
+            end = max(item.storage_offsets[0] + item.lengths[0] for item in items)
+        crc = 0
+        with self.budget.hold(slab_rows * row_bytes):
+            buf = self.slab_buffer(slab_rows * row_bytes, to_gpu)
+            for a in range(first, end, slab_rows):
+                b = min(end, a + slab_rows)
+                wanted = [(item, dest) for item, dest in zip(items, dests) if _rows_meet(item, a, b, shape)]
+                if wanted or check:
+                    crc = self.read_slab(index, buf, a, b, row_bytes, wanted, check, crc, pending)
+        _check(check, crc, info, self.here(index), dests)
+
+    def read_slab(self, index: MetadataIndex, buf: torch.Tensor, a: int, b: int, row_bytes: int, wanted: list,
+                  check: bool, crc: int, pending: Optional[PendingCopies]) -> int:
+        """Read rows [a, b) of a chunk into ``buf`` and copy them out; return the running checksum.
+
+        Always into a buffer, never out of a mapping of the file: a file truncated by another process while
+        mapped kills the process with SIGBUS instead of raising an error.
+        """
+        info, shape = self.infos[index], self.chunk_shapes[index]
+        dtype = self.md.state_dict_metadata[index.fqn].properties.dtype
+        n = (b - a) * row_bytes
+        raw = memoryview(buf.numpy()).cast("B")[:n] if n else memoryview(bytearray(0))
+        _read_into(self.reader(info.file), raw, info.offset + a * row_bytes, self.here(index), info.file)
+        try:
+            data = buf[:n]
+            slab = data.view(dtype).reshape(((b - a),) + tuple(shape[1:])) if shape else data.view(dtype).reshape(())
+            # checksum a cache-sized run of rows, then copy from it while it is still in cache; not on the way
+            # to a GPU, whose copy is DMA from the pinned slab, where smaller copies only add launches
+            step = max(1, WINDOW_BYTES // max(1, row_bytes)) if check and shape and pending is None else b - a
+            for c in range(a, b, step):
+                d = min(b, c + step)
+                if check:
+                    crc = crc32c(raw[(c - a) * row_bytes:(d - a) * row_bytes], crc)
+                part = slab.narrow(0, c - a, d - c) if shape else slab
+                for item, dest in wanted:
+                    if _rows_meet(item, c, d, shape):
+                        _copy_rows(item, dest, part, c, d, shape, pending)
+        finally:
+            if pending:  # the next slab reuses the buffer
+                pending.wait()
+        return crc
+
+
+def split_lanes(files: list[str], sizes: list[int], threads: int) -> list[tuple[str, list[int]]]:
+    """Lanes over tasks given in file order: one per file, and where there are fewer files than
+    threads, the largest lanes halved (by bytes, keeping file order) until every thread has one.
+
+    Returns (file, task positions) per lane, in file order.
+    """
+    lanes: list[tuple[str, list[int]]] = []
+    for i, name in enumerate(files):
+        if lanes and lanes[-1][0] == name:
+            lanes[-1][1].append(i)
+        else:
+            lanes.append((name, [i]))
+    while len(lanes) < threads:
+        splittable = [j for j, (_, lane) in enumerate(lanes) if len(lane) > 1]
+        if not splittable:
+            break
+        j = max(splittable, key=lambda j: sum(sizes[i] for i in lanes[j][1]))
+        name, lane = lanes[j]
+        half, acc, cut = sum(sizes[i] for i in lane) / 2, 0, 1
+        for k, i in enumerate(lane[:-1], start=1):
+            acc += sizes[i]
+            cut = k
+            if acc >= half:
+                break
+        lanes[j:j + 1] = [(name, lane[:cut]), (name, lane[cut:])]
+    return lanes
+
+
+def _counted(fn, progress: Progress, n: int):
+    """``fn``, then ``n`` bytes more done."""
+    def run(arg) -> None:
+        fn(arg)
+        progress.advance(n)
+    return run
+
+
+def _item_bytes(md: Metadata, items: list, info: StorageInfo) -> int:
+    """Bytes the read items of one buffered chunk bring into their destinations."""
+    if items[0].type != LoadItemType.TENSOR:
+        return info.length
+    size = itemsize(md.state_dict_metadata[items[0].storage_index.fqn].properties.dtype)
+    return sum(volume(item.lengths) * size for item in items)
+
+
+def _rows_meet(item: ReadItem, a: int, b: int, shape: tuple) -> bool:
+    if not shape:
+        return True
+    r0 = item.storage_offsets[0]
+    return max(a, r0) < min(b, r0 + item.lengths[0])
+
+
+def _copy_rows(item: ReadItem, dest: torch.Tensor, slab: torch.Tensor, a: int, b: int, shape: tuple,
+               pending: PendingCopies | None) -> None:
+    """Copy the part of ``item`` that lies in rows [a, b) of its chunk from ``slab`` into ``dest``.
+
+    With ``pending``, a copy from a pinned slab to a device is only queued there.
+    """
+    if not shape:
+        _copy(dest, slab, pending)
+        return
+    r0 = item.storage_offsets[0]
+    lo, hi = max(a, r0), min(b, r0 + item.lengths[0])
+    src = slab.narrow(0, lo - a, hi - lo)
+    for dim in range(1, len(shape)):
+        src = src.narrow(dim, item.storage_offsets[dim], item.lengths[dim])
+    _copy(dest.narrow(0, lo - r0, hi - lo), src, pending)
+
+
+def _copy(dest: torch.Tensor, src: torch.Tensor, pending: PendingCopies | None) -> None:
+    if pending is None:
+        dest.copy_(src)
+    else:
+        to_device(dest, src, pending)
+
+
+class ChunkShapes:
+    """Shapes of stored chunks, looked up by MetadataIndex.
+
+    The ``index`` hint of a MetadataIndex (set by the load planners) finds the
+    chunk directly; a key's chunks are scanned into a table only when a hint
+    is missing or stale. So a load touches the metadata of the chunks it reads,
+    not of every chunk of the checkpoint (at 1,024 ranks a table of all chunks
+    took longer than decoding the metadata).
+    """
+
+    def __init__(self, md: Metadata) -> None:
+        self.md = md
+        self.tables: dict[str, dict] = {}
+
+    def get(self, index: MetadataIndex) -> tuple[int, ...] | None:
+        """The chunk's shape, or None if the metadata has no such chunk."""
+        entry = self.md.state_dict_metadata.get(index.fqn)
+        chunks = entry.chunks if isinstance(entry, TensorStorageMetadata) else None
+        if not chunks:
+            return None
+        hint = index.index
+        if hint is not None and 0 <= hint < len(chunks) and chunks[hint].offsets == index.offset:
+            return tuple(chunks[hint].sizes)
+        table = self.tables.get(index.fqn)
+        if table is None:
+            table = self.tables[index.fqn] = {tuple(c.offsets): tuple(c.sizes) for c in chunks}
+        return table.get(tuple(index.offset or ()))
+
+
+def _check(verify: bool, got: int, info: StorageInfo, here: str, dests: list = ()) -> None:
+    """Raise if the checksum of a chunk read differs from the stored one, first zeroing ``dests``:
+    bytes that failed their checksum never stay in the caller's tensors."""
+    if verify and got != info.crc32c:
+        for dest in dests:
+            if isinstance(dest, torch.Tensor) and dest.device.type != "meta":
+                dest.zero_()
+        raise CorruptCheckpointError(
+            f"{here}: checksum mismatch in file {info.file!r} at offset {info.offset} ({info.length} bytes): "
+            f"stored {info.crc32c:08x}, computed {got:08x}. The data is damaged; restore the file from a copy.")
+
+
+def _read_into(blob: BlobReader, view: memoryview, offset: int, here: str, file: str) -> None:
+    got = blob.readinto(view, offset)
+    if got != len(view):
+        raise CorruptCheckpointError(f"{here}: file {file!r} ends at {offset + got}, before the {len(view)} bytes at offset "
+                                     f"{offset}; it is truncated")
+
+
+def _read_exact(blob: BlobReader, n: int, offset: int, here: str, file: str) -> bytes:
+    buf = bytearray(n)
+    _read_into(blob, memoryview(buf), offset, here, file)
+    return bytes(buf)

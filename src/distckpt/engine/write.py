@@ -1,0 +1,213 @@
+"""The write pipeline: one rank's items into data files over any BlobStore, from several threads."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Optional
+
+import torch
+
+from .. import knobs
+from ..errors import CheckpointError
+from ..format.checksum import crc32c
+from ..format.datafile import Entry, build_header, entry_name, stored_form
+from ..format.dtypes import itemsize
+from ..format.records import FileInfo, FileResult, StorageInfo
+from ..planner import SavePlan, SavePlanner, WriteItemType
+from ..planning.resharding import volume
+from ..progress import Progress
+from ..storage import WriteResult
+from .blobs import BlobStore, BlobWriter
+from .budget import ByteBudget
+from .device_copy import PendingCopies, caller_streams, to_host
+from .tensor_bytes import host_bytes, is_lazy_view
+from .windows import windows
+
+__all__ = ["write_file"]
+
+
+_LINE = 64  # bytes: a cache line, and the alignment of torch's CPU allocations
+
+
+def write_file(store: BlobStore, name: str, save_id: str, rank: int, plan: SavePlan, planner: SavePlanner,
+               *, threads: int, sync: bool, is_coordinator: bool = True) -> list[WriteResult]:
+    """Write one rank's items into data files; return a WriteResult per item, plus a FileResult per file.
+
+    Items keep plan order and are split into up to ``threads`` contiguous runs
+    of similar size (at least ``min_file_bytes`` each), one file per run, each
+    written by its own thread: threads sharing one file contend on it in the
+    kernel. Within a file, adjacent items go out in batches of about
+    ``io_batch_bytes`` with one vectored write each, straight from tensor memory.
+    """
+    return _RankWrite(store, save_id, rank, plan, planner, threads, sync, is_coordinator).run(name)
+
+
+def _entries(plan: SavePlan, planner: SavePlanner) -> tuple[list[Entry], list[Optional[bytes]]]:
+    """Each item's data-file entry, and the encoded bytes of each value item (None for tensors)."""
+    entries, payloads = [], []
+    for item in plan.items:
+        if item.type == WriteItemType.BYTE_IO:
+            raw = planner.resolve_data(item).getvalue()
+            entries.append(Entry(item.index.fqn, "U8", (len(raw),), len(raw)))
+            payloads.append(raw)
+        else:
+            td = item.tensor_data
+            nbytes = volume(td.chunk.sizes) * itemsize(td.properties.dtype)
+            code, shape = stored_form(td.properties.dtype, tuple(td.chunk.sizes), nbytes)
+            entries.append(Entry(entry_name(item.index.fqn, tuple(item.index.offset or ())), code, shape, nbytes))
+            payloads.append(None)
+    return entries, payloads
+
+
+def _file_entries(entries: list[Entry], members: list[int]) -> list[Entry]:
+    """The entries of one file: a key may itself look like "<key>@<offsets>", so names are made unique."""
+    local, names = [], set()
+    for i in members:
+        e = entries[i]
+        if e.name in names:
+            e = Entry(f"{e.name}#{i}", e.code, e.shape, e.nbytes)
+        names.add(e.name)
+        local.append(e)
+    return local
+
+
+class _RankWrite:
+    """One rank's write: its entries, how they split into files, and where each item landed."""
+
+    def __init__(self, store: BlobStore, save_id: str, rank: int, plan: SavePlan, planner: SavePlanner,
+                 threads: int, sync: bool, is_coordinator: bool) -> None:
+        self.store, self.save_id, self.rank, self.plan, self.planner, self.sync = store, save_id, rank, plan, planner, sync
+        self.entries, self.payloads = _entries(plan, planner)
+        n = len(self.entries)
+        self.crcs, self.offsets, self.item_file = [0] * n, [0] * n, [""] * n
+        total = sum(e.nbytes for e in self.entries)
+        self.groups = _split([e.nbytes for e in self.entries], max(1, min(threads, total // knobs.min_file_bytes())))
+        # the files' writers split half the memory budget for their buffers (direct I/O's bounce buffers, an object
+        # store's parts); host copies of tensors get what the writers leave
+        limit = knobs.memory_budget_bytes()
+        self.share = limit // (2 * len(self.groups))
+        self.budget = ByteBudget(limit - len(self.groups) * store.write_buffer_bytes(self.share))
+        self.streams = caller_streams()  # device copies happen in worker threads, ordered on the caller's stream
+        self.progress = Progress("save", total, is_coordinator)
+
+    def run(self, name: str) -> list[WriteResult]:
+        stem = name[: -len(".safetensors")] if name.endswith(".safetensors") else name
+        names = [name] + [f"{stem}-{g}.safetensors" for g in range(1, len(self.groups))]
+        if len(self.groups) == 1:
+            files = [self.write_one_file(name, self.groups[0])]
+        else:
+            with ThreadPoolExecutor(len(self.groups), thread_name_prefix="distckpt-write") as pool:
+                futures = [pool.submit(self.write_one_file, n, g) for n, g in zip(names, self.groups)]
+                files = [f.result() for f in futures]
+        self.progress.close()
+        results: list[WriteResult] = [
+            WriteResult(item.index, e.nbytes, StorageInfo(f, off, e.nbytes, c))
+            for item, e, off, c, f in zip(self.plan.items, self.entries, self.offsets, self.crcs, self.item_file)]
+        results += [FileResult.of(file_name, FileInfo(size, self.rank, lead_crc)) for file_name, size, lead_crc in files]
+        return results
+
+    def write_one_file(self, file_name: str, members: list[int]) -> tuple[str, int, int]:
+        """Write the items ``members`` into ``file_name``; return its name, size and header checksum."""
+        # items whose size is a multiple of a cache line first: one odd-sized item (a 4-byte step
+        # counter) would otherwise leave every item after it misaligned, and copies slower
+        members = sorted(members, key=lambda i: self.entries[i].nbytes % _LINE != 0)
+        lead, local_offsets = build_header(_file_entries(self.entries, members), self.save_id, self.rank)
+        for i, off in zip(members, local_offsets):
+            self.offsets[i] = off
+            self.item_file[i] = file_name
+        blob = self.store.create(file_name, self.share)
+        try:
+            blob.pwrite(memoryview(lead), 0)
+            for batch in _batches([self.entries[i].nbytes for i in members], knobs.io_batch_bytes()):
+                self.write_batch(blob, [members[j] for j in batch])
+        except BaseException:
+            blob.abort()
+            raise
+        blob.close(self.sync)
+        return file_name, len(lead) + sum(self.entries[i].nbytes for i in members), crc32c(lead)
+
+    def write_batch(self, blob: BlobWriter, batch: list[int]) -> None:
+        """Write the adjacent items ``batch`` with vectored writes, checksumming each window just written."""
+        views, owners, held = [], [], 0
+        pending = PendingCopies(self.streams)
+        try:
+            for i in batch:  # device-to-host copies of the whole batch are queued together
+                data, owner, copied = self.item_bytes(i, pending)
+                held += copied
+                owners.append(owner)  # keeps the memory behind each view alive until written
+                views.append(data)
+            pending.wait()
+            position = self.offsets[batch[0]]
+            for pieces in windows(views):  # checksum from cache
+                blob.pwritev([piece for _, piece in pieces], position)
+                for j, piece in pieces:
+                    self.crcs[batch[j]] = crc32c(piece, self.crcs[batch[j]])
+                position += sum(len(piece) for _, piece in pieces)
+            self.progress.advance(sum(len(v) for v in views))
+        finally:
+            if held:
+                self.budget.release(held)
+
+    def item_bytes(self, i: int, pending: PendingCopies) -> tuple[memoryview, object, int]:
+        """The bytes of item ``i``, the object that owns them, and how many are a transient copy.
+
+        A device tensor's bytes are only queued for copying into ``pending``: wait for it before reading them.
+        """
+        if self.payloads[i] is not None:
+            return memoryview(self.payloads[i]), None, 0
+        item = self.plan.items[i]
+        tensor = self.planner.resolve_data(item)
+        if not isinstance(tensor, torch.Tensor):
+            raise CheckpointError(f"resolve_data for tensor item {item.index.fqn!r} returned {type(tensor).__name__}")
+        copied = 0
+        want = item.tensor_data.properties.dtype
+        if tensor.dtype == torch.bool and want == torch.bool and tensor.numel():
+            raw = tensor.view(torch.uint8)
+            if bool(raw.gt(1).any()):  # bools stored as other bytes than 0 and 1 (format.md, section 4): make them so
+                tensor = raw.ne(0)
+        if tensor.dtype != want or tensor.device.type != "cpu" or not tensor.is_contiguous() or is_lazy_view(tensor):
+            copied = self.entries[i].nbytes
+            self.budget.acquire(copied)
+            try:
+                tensor = to_host(tensor, want, pending)
+            except BaseException:
+                self.budget.release(copied)
+                raise
+        data, owner = host_bytes(tensor)
+        if len(data) != self.entries[i].nbytes:
+            self.budget.release(copied)
+            raise CheckpointError(f"key {item.index.fqn!r}: resolve_data returned {len(data)} bytes, the plan expects "
+                                  f"{self.entries[i].nbytes}")
+        return data, owner, copied
+
+
+def _split(sizes: list[int], parts: int) -> list[list[int]]:
+    """Split indices into at most ``parts`` contiguous runs of similar total size (never empty)."""
+    total = sum(sizes)
+    if parts <= 1 or not sizes:
+        return [list(range(len(sizes)))]
+    target = total / parts
+    out: list[list[int]] = [[]]
+    acc = 0
+    for i, n in enumerate(sizes):
+        if out[-1] and acc + n / 2 > target * len(out) and len(out) < parts:
+            out.append([])
+        out[-1].append(i)
+        acc += n
+    return out
+
+
+def _batches(sizes: list[int], limit: int) -> list[list[int]]:
+    """Group consecutive indices into runs of at most ``limit`` bytes (a larger item stands alone)."""
+    out: list[list[int]] = []
+    cur: list[int] = []
+    total = 0
+    for i, n in enumerate(sizes):
+        if cur and total + n > limit:
+            out.append(cur)
+            cur, total = [], 0
+        cur.append(i)
+        total += n
+    if cur:
+        out.append(cur)
+    return out

@@ -1,0 +1,1 @@
+"""distckpt.wire.frames"""
