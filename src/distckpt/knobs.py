@@ -16,7 +16,6 @@ __all__ = [
     "io_threads",
     "min_file_bytes",
     "read_slab_bytes",
-    "verify_piece_bytes",
     "s3_pool_threads",
     "io_batch_bytes",
     "fsync_enabled",
@@ -129,12 +128,6 @@ def read_slab_bytes() -> int:
     (DISTCKPT_READ_SLAB_BYTES, default 32 MiB, capped by the memory budget): large enough that each read
     is a long sequential one, small enough to stay in the last-level cache's neighbourhood."""
     return _int("DISTCKPT_READ_SLAB_BYTES", 32 << 20, minimum=PAGE_BYTES)
-
-
-def verify_piece_bytes() -> int:
-    """Bytes ``distckpt verify`` reads and checksums at a time (DISTCKPT_VERIFY_PIECE_BYTES, default 16 MiB):
-    its memory use, whatever the size of the chunks."""
-    return _int("DISTCKPT_VERIFY_PIECE_BYTES", 16 << 20, minimum=PAGE_BYTES)
 
 
 def s3_pool_threads() -> int:

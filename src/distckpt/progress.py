@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import Optional
 
 from . import knobs
 
@@ -31,11 +32,11 @@ class Progress:
     """Bytes done out of ``total`` for one phase (``what``: "save" or "load") on this rank.
 
     With ``bar``, only the coordinator draws one (many ranks sharing a terminal
-    would garble it); with ``log``, every rank logs.
+    would garble it); with ``log``, every rank logs. ``mode`` overrides the knob.
     """
 
-    def __init__(self, what: str, total: int, is_coordinator: bool = True):
-        mode = knobs.progress_mode()
+    def __init__(self, what: str, total: int, is_coordinator: bool = True, mode: Optional[str] = None):
+        mode = mode or knobs.progress_mode()
         self.rank = _global_rank() if mode != "off" else 0
         self.what, self.total, self.done = what, total, 0
         self.mode = mode if (mode != "bar" or is_coordinator) else "off"

@@ -231,6 +231,12 @@ class BlobStorageReader(StorageReader):
         md.storage_meta.load_id = self.load_id
         return md
 
+    def data_store(self, metadata: Metadata) -> BlobStore:
+        """The store holding the data files of the checkpoint ``metadata`` describes."""
+        if not isinstance(metadata.storage_data, FileStorageData):
+            raise CorruptCheckpointError(f"checkpoint {self._checkpoint_id()!r}: metadata has no data-file table")
+        return self._store().data_store(metadata.storage_data.save_id)
+
     def data_file_sizes(self, metadata: Metadata) -> dict[str, int]:
         """The data files of the checkpoint ``metadata`` describes, with their sizes as stored now."""
         if not isinstance(metadata.storage_data, FileStorageData):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import threading
 from collections import defaultdict
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -203,19 +204,22 @@ class _Read:
 
     # ------------------------------------------------------------ execution
 
-    def execute(self, threads: int, is_coordinator: bool) -> None:
+    def execute(self, threads: int, is_coordinator: bool, progress: Optional[Progress] = None) -> None:
         """Run every task in lanes: each file front to back on one thread at a time (see run_lanes)."""
         tasks = self.tasks()
         files = [self.infos[self.task_chunk(t)] for t in tasks]
         order = sorted(range(len(tasks)), key=lambda i: (files[i].file, files[i].offset))
         lanes = split_lanes([files[i].file for i in order], [self.task_bytes(tasks[i]) for i in order], threads)
         lanes = [(name, [order[i] for i in lane]) for name, lane in lanes]
-        if knobs.progress_mode() != "off":
+        if progress is None and knobs.progress_mode() != "off":
             sizes = [self.task_bytes(t, delivered=True) for t in tasks]
             progress = Progress("load", sum(sizes), is_coordinator)
-            tasks = [(_counted(fn, progress, n), arg) for (fn, arg), n in zip(tasks, sizes)]
-        else:
+        elif progress is not None:
+            sizes = [self.task_bytes(t) for t in tasks]
+        if progress is None:
             progress = Progress("load", 0, is_coordinator)
+        else:
+            tasks = [(_counted(fn, progress, n), arg) for (fn, arg), n in zip(tasks, sizes)]
         # a file read by several lanes gets a reader per lane: the kernel keeps read-ahead state per open file
         seen: set = set()
         self.own_reader = []
@@ -384,6 +388,96 @@ class _Read:
             if pending:  # the next slab reuses the buffer
                 pending.wait()
         return crc
+
+
+@dataclass
+class CheckResult:
+    """What :func:`check_stored` read: files opened, items and bytes checked, and every problem found."""
+
+    files: int = 0
+    items: int = 0
+    bytes_checked: int = 0
+    problems: list[str] = field(default_factory=list)
+
+
+def check_stored(store: BlobStore, md: Metadata, where: str, *, threads: int, progress: Optional[Progress] = None) -> CheckResult:
+    """Read every stored chunk and value ``md`` lists, as a load does, checking each file and each checksum.
+
+    Nothing is copied anywhere: each chunk streams through the read buffers, and a problem does not stop
+    the check; every one is collected in the result.
+    """
+    fsd: FileStorageData = md.storage_data
+    shapes = ChunkShapes(md)
+    items = []
+    for index in fsd.items:
+        entry = md.state_dict_metadata.get(index.fqn)
+        if isinstance(entry, TensorStorageMetadata):
+            shape = shapes.get(index) or ()
+            items.append(ReadItem(LoadItemType.TENSOR, index, torch.Size([0] * len(shape)), index,
+                                  torch.Size([0] * len(shape)), torch.Size(shape)))
+        else:
+            items.append(ReadItem(LoadItemType.BYTE_IO, index, torch.Size([]), index, torch.Size([]), torch.Size([])))
+    check = _Check(store, md, LoadPlan(items), None, where, True, frozenset())
+    check.open_files()
+    try:
+        check.execute(threads, True, progress)
+    finally:
+        check.close()
+    return check.result
+
+
+class _Check(_Read):
+    """A read that checks instead of delivering: every chunk goes through the buffers, problems are collected."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.result = CheckResult()
+
+    def problem(self, text: str) -> None:
+        with self.lock:
+            self.result.problems.append(text)
+
+    def open_files(self) -> None:
+        by_file: dict[str, list[MetadataIndex]] = defaultdict(list)
+        for index, info in self.infos.items():
+            by_file[info.file].append(index)
+        self.result.files = len(self.fsd.files)
+        for name in sorted(self.fsd.files):
+            spans: dict = {}
+            try:
+                self.blobs.update(open_and_validate(self.store, self.fsd, [name], self.where, spans))
+            except CheckpointError as exc:
+                self.problem(str(exc))
+                for index in by_file.pop(name, []):
+                    del self.by_chunk[index]
+                continue
+            for index in by_file.get(name, []):
+                info = self.infos[index]
+                entry = self.md.state_dict_metadata.get(index.fqn)
+                form = (stored_form(entry.properties.dtype, self.chunk_shapes[index], info.length)
+                        if isinstance(entry, TensorStorageMetadata) else (VALUE_FORM, (info.length,)))
+                try:
+                    check_header_entry(spans[name], info.offset, info.length, form, f"{self.where}: key {index.fqn!r}, file {name!r}")
+                except CheckpointError as exc:
+                    self.problem(str(exc))
+
+    def split_direct(self) -> tuple[list[_Direct], list[MetadataIndex]]:
+        return [], sorted(self.by_chunk, key=lambda ix: (self.infos[ix].file, self.infos[ix].offset))
+
+    def run_buffered(self, index: MetadataIndex) -> None:
+        info = self.infos[index]
+        try:
+            if self.by_chunk[index][0].type == LoadItemType.BYTE_IO:
+                _check(True, crc32c(_read_exact(self.reader(info.file), info.length, info.offset, self.here(index), info.file)),
+                       info, self.here(index))
+            elif info.length:
+                self.stream_chunk(index, [], True)
+        except CheckpointError as exc:
+            self.problem(str(exc))
+            return
+        with self.lock:
+            self.result.items += 1
+            self.result.bytes_checked += info.length
 
 
 def split_lanes(files: list[str], sizes: list[int], threads: int) -> list[tuple[str, list[int]]]:
