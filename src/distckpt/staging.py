@@ -43,7 +43,7 @@ from .errors import CheckpointError, RankFailuresError, StagingMemoryError
 from .metadata import STATE_DICT_TYPE, Metadata
 from .planner import SavePlanner
 from .planning import DefaultSavePlanner, RankLocal
-from .planning.flatten import RANK_LOCAL
+from .planning.flatten import leaves
 from .planning.tensors import is_dtensor, is_sharded_tensor, local_tensor, with_local_shards
 from .saving import run_save
 from .storage import StorageWriter
@@ -281,24 +281,20 @@ def _as_checkpoint_error(exc: BaseException) -> CheckpointError:
     return error
 
 
-def _leaves(obj: Any, path: tuple, out: list) -> None:
-    """Every tensor in ``obj`` (a DTensor's local shard) with its key path, in traversal order."""
-    if is_sharded_tensor(obj):
-        out.extend((path + (i,), shard.tensor) for i, shard in enumerate(obj.local_shards()))
-    elif isinstance(obj, torch.Tensor):
-        out.append((path, local_tensor(obj)))
-    elif isinstance(obj, RankLocal):
-        _leaves(obj.value, path + (RANK_LOCAL,), out)
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            _leaves(v, path + (k,), out)
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            _leaves(v, path + (i,), out)
+def _tensor_leaves(obj: Any) -> list[tuple[tuple, torch.Tensor]]:
+    """Every tensor in ``obj`` (a DTensor's local shard, each local shard of a ShardedTensor) with its key path,
+    in the order of the state-dict walk (planning.flatten.leaves)."""
+    out: list = []
+    for path, value, _ in leaves(obj):
+        if is_sharded_tensor(value):
+            out.extend((path + (i,), shard.tensor) for i, shard in enumerate(value.local_shards()))
+        elif isinstance(value, torch.Tensor):
+            out.append((path, local_tensor(value)))
+    return out
 
 
 def _rebuild(obj: Any, buffers: Iterator[torch.Tensor]) -> Any:
-    """``obj`` with its tensors replaced, in :func:`_leaves` order, by ``buffers``."""
+    """``obj`` with its tensors replaced, in :func:`_tensor_leaves` order, by ``buffers`` (the same walk)."""
     if is_sharded_tensor(obj):
         return with_local_shards(obj, [next(buffers) for _ in obj.local_shards()])
     if isinstance(obj, torch.Tensor):
@@ -326,8 +322,7 @@ def _stage(obj: Any, pool: _BufferPool) -> Any:
     Copies from CUDA are queued without blocking on each device's current
     stream (after the kernels that produced the tensors) and waited for once.
     """
-    leaves: list = []
-    _leaves(obj, (), leaves)
+    leaves = _tensor_leaves(obj)
     try:
         faults.point("stage", "host buffers")
         buffers = pool.buffers_for(leaves)

@@ -284,6 +284,23 @@ def stored_save_id(document: bytes) -> Optional[str]:
 SUPPORTED_MAJORS = (1, 2)
 
 
+def tensor_row(size: list, properties: list, chunks: list) -> dict:
+    """A tensor's entry of ``state_dict_metadata``; each chunk is [offsets, sizes] or, with locations
+    inline, [offsets, sizes, file number, offset, crc32c] (docs/format.md, section 3)."""
+    return {"type": "tensor", "size": size, "properties": properties, "chunks": chunks}
+
+
+def bytes_row(at: Optional[tuple]) -> dict:
+    """A value's entry of ``state_dict_metadata``; ``at`` is (file number, offset, length, crc32c), or None
+    where locations are not inline."""
+    return {"type": "bytes"} if at is None else {"type": "bytes", "at": at}
+
+
+def file_table(save_id: str, files: list) -> dict:
+    """``storage_data`` of a document with inline locations: the save id and [name, size, rank, header crc] per file."""
+    return {"$files": {"save_id": save_id, "files": files}}
+
+
 def encode_metadata(md: Metadata) -> bytes:
     """The metadata document (format 2.x): JSON whose last member is the CRC-32C of all bytes before it.
 
@@ -311,15 +328,14 @@ def encode_metadata(md: Metadata) -> bytes:
                     si = where_is(MetadataIndex(fqn, c.offsets))
                     row += [file_no[si.file], si.offset, si.crc32c]
                 chunks.append(row)
-            sdm[fqn] = {"type": "tensor", "size": list(entry.size), "properties": enc_props(entry.properties), "chunks": chunks}
+            sdm[fqn] = tensor_row(list(entry.size), enc_props(entry.properties), chunks)
         elif fsd is not None:
             si = where_is(MetadataIndex(fqn))
-            sdm[fqn] = {"type": "bytes", "at": [file_no[si.file], si.offset, si.length, si.crc32c]}
+            sdm[fqn] = bytes_row((file_no[si.file], si.offset, si.length, si.crc32c))
         else:
-            sdm[fqn] = {"type": "bytes"}
+            sdm[fqn] = bytes_row(None)
     if fsd is not None:
-        storage = {"$files": {"save_id": fsd.save_id,
-                              "files": [[n, fsd.files[n].size, fsd.files[n].rank, fsd.files[n].header_crc32c] for n in names]}}
+        storage = file_table(fsd.save_id, [[n, fsd.files[n].size, fsd.files[n].rank, fsd.files[n].header_crc32c] for n in names])
     else:
         storage = opaque_to(md.storage_data, "metadata storage_data", False)
     return metadata_document(sdm, storage, opaque_to(md.planner_data, "metadata planner_data", False), md.storage_meta)
@@ -357,9 +373,7 @@ class EncodedMetadata(Metadata):
     """
 
     def __init__(self, raw: bytes, where: str) -> None:  # noqa: D107 - replaces the dataclass __init__ on purpose
-        m = _TRAILER.search(raw)
-        if m is None or crc32c(raw[: m.start()]) != int(m.group(1), 16):
-            parse_metadata(raw, where)  # raises the precise error
+        check_document(raw, where)
         object.__setattr__(self, "_pending", (raw, where))
         object.__setattr__(self, "document", raw)
 
@@ -410,17 +424,21 @@ def parse_metadata(raw: bytes, where: str) -> Metadata:
         raise CorruptCheckpointError(f"{where}: malformed metadata ({type(exc).__name__}: {exc})") from None
 
 
-def _parse_metadata(raw: bytes, where: str) -> Metadata:
+def check_document(raw: bytes, where: str) -> None:
+    """Raise CorruptCheckpointError unless ``raw`` ends with the CRC-32C of everything before its checksum member."""
     m = _TRAILER.search(raw)
     if m is None:
         raise CorruptCheckpointError(f"{where}: metadata does not end with its checksum; the file is truncated or not a "
                                      "distckpt metadata file")
-    prefix = raw[: m.start()]
     want = int(m.group(1), 16)
-    got = crc32c(prefix)
+    got = crc32c(raw[: m.start()])
     if got != want:
         raise CorruptCheckpointError(f"{where}: metadata checksum mismatch (stored {want:08x}, computed {got:08x}); the file "
                                      "is damaged, restore it from a copy")
+
+
+def _parse_metadata(raw: bytes, where: str) -> Metadata:
+    check_document(raw, where)
     body = loads(raw[:-1], where)
     if not isinstance(body, dict) or body.get("format") != FORMAT_NAME:
         raise CorruptCheckpointError(f"{where}: not a distckpt metadata document")

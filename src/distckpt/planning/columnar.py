@@ -22,7 +22,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from ..format.codec import dec_props, opaque_from
+from ..format.codec import bytes_row, dec_props, file_table, opaque_from, tensor_row
 from ..format.codec import metadata_document as document_bytes
 from ..format.dtypes import dtype_from_name, itemsize
 from ..metadata import BytesStorageMetadata, ChunkStorageMetadata, Metadata, StorageMeta, TensorProperties, TensorStorageMetadata
@@ -232,11 +232,10 @@ def metadata_document(plan: ColumnarPlan, results: list[ResultColumns], save_id:
         fqn, code, props, gsize, _ = plan.rows[g]
         a, b = int(lo[g]), int(hi[g])
         if code == BYTES_CODE:
-            sdm[fqn] = {"type": "bytes", "at": (f_l[a], b_l[a], len_l[a], c_l[a])}
+            sdm[fqn] = bytes_row((f_l[a], b_l[a], len_l[a], c_l[a]))
         else:
-            sdm[fqn] = {"type": "tensor", "size": gsize, "properties": props,
-                        "chunks": list(zip(offs[a:b], sizes[a:b], f_l[a:b], b_l[a:b], c_l[a:b]))}
-    storage = {"$files": {"save_id": save_id, "files": [files[n] for n in names]}}
+            sdm[fqn] = tensor_row(gsize, props, list(zip(offs[a:b], sizes[a:b], f_l[a:b], b_l[a:b], c_l[a:b])))
+    storage = file_table(save_id, [files[n] for n in names])
     return document_bytes(sdm, storage, _planner_json(plan.all_cols), StorageMeta(checkpoint_id=checkpoint_id, save_id=save_id))
 
 

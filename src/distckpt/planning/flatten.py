@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
 from ..errors import CheckpointError
+from .tensors import is_sharded_tensor
 
-__all__ = ["flatten_state_dict", "set_element", "get_element", "RankLocal", "rank_local_key"]
+__all__ = ["leaves", "flatten_state_dict", "set_element", "get_element", "RankLocal", "rank_local_key"]
 
 Path = tuple
 
@@ -45,13 +46,34 @@ def rank_local_key(fqn: str, rank: int) -> str:
 
 
 def _has_tensor(obj: Any) -> bool:
-    if isinstance(obj, torch.Tensor):
+    if isinstance(obj, torch.Tensor) or is_sharded_tensor(obj):
         return True
     if isinstance(obj, dict):
         return any(_has_tensor(v) for v in obj.values())
     if isinstance(obj, (list, tuple)):
         return any(_has_tensor(v) for v in obj)
     return False
+
+
+def leaves(obj: Any, path: Path = (), local: bool = False) -> Iterator[tuple[Path, Any, bool]]:
+    """Every leaf of ``obj``, in traversal order, with its key path and whether it lies inside a RankLocal.
+
+    The one walk of a state dict that saving, staging and loading share: non-empty dicts are traversed,
+    lists and tuples only where they hold a tensor, and a RankLocal adds the step ``RANK_LOCAL``.
+    """
+    if isinstance(obj, RankLocal):
+        yield from leaves(obj.value, path + (RANK_LOCAL,), True)
+    elif isinstance(obj, dict) and obj:
+        for k, v in obj.items():
+            if k == RANK_LOCAL:
+                raise CheckpointError(f"state dict key {k!r} at {'.'.join(map(str, path)) or '<root>'} is reserved by "
+                                      "distckpt (it marks a RankLocal in key paths); rename it")
+            yield from leaves(v, path + (k,), local)
+    elif isinstance(obj, (list, tuple)) and _has_tensor(obj):
+        for i, v in enumerate(obj):
+            yield from leaves(v, path + (i,), local)
+    else:
+        yield path, obj, local
 
 
 def flatten_state_dict(state_dict: dict, rank: int = 0) -> tuple[dict[str, Any], dict[str, Path]]:
@@ -61,35 +83,24 @@ def flatten_state_dict(state_dict: dict, rank: int = 0) -> tuple[dict[str, Any],
     for k, v in state_dict.items():
         if not isinstance(k, str):
             raise CheckpointError(f"top-level state dict key {k!r} must be a str")
-        _visit(v, (k,), rank, flat, mappings)
+        for path, value, local in leaves(v, (k,)):
+            _add(_key(path, local, rank), value, path, flat, mappings)
     return flat, mappings
 
 
-# module-level functions, not closures: a recursive closure is a reference cycle that would keep the
-# flattened tensors (an async save's staging buffers among them) alive until the garbage collector runs
-def _visit(obj: Any, path: Path, rank: int, flat: dict[str, Any], mappings: dict[str, Path], local: bool = False) -> None:
-    if isinstance(obj, RankLocal):
-        _visit(obj.value, path + (RANK_LOCAL,), rank, flat, mappings, True)
-    elif isinstance(obj, dict) and obj and not isinstance(obj, torch.Tensor):
-        for k, v in obj.items():
-            if not isinstance(k, (str, int)):
-                raise CheckpointError(f"state dict key {k!r} at {'.'.join(map(str, path)) or '<root>'} must be a str or int")
-            if k == RANK_LOCAL:
-                raise CheckpointError(f"state dict key {k!r} at {'.'.join(map(str, path)) or '<root>'} is reserved by "
-                                      "distckpt (it marks a RankLocal in key paths); rename it")
-            _visit(v, path + (k,), rank, flat, mappings, local)
-    elif isinstance(obj, (list, tuple)) and _has_tensor(obj):
-        for i, v in enumerate(obj):
-            _visit(v, path + (i,), rank, flat, mappings, local)
-    else:
-        key = ".".join(str(p) for p in path if p != RANK_LOCAL)
-        if local:
-            key = rank_local_key(key, rank)
-        elif _RANK_SUFFIX.search(key):
-            raise CheckpointError(
-                f"key {key!r} ends like the stored name of a RankLocal value (<key>@rank<r>), which it could be taken "
-                "for on another rank; rename it, or wrap the value in distckpt.RankLocal(...)")
-        _add(key, obj, path, flat, mappings)
+def _key(path: Path, local: bool, rank: int) -> str:
+    """The dotted key of the leaf at ``path``."""
+    for depth, k in enumerate(path):
+        if not isinstance(k, (str, int)):
+            raise CheckpointError(f"state dict key {k!r} at {'.'.join(map(str, path[:depth])) or '<root>'} must be a str or int")
+    key = ".".join(str(p) for p in path if p != RANK_LOCAL)
+    if local:
+        return rank_local_key(key, rank)
+    if _RANK_SUFFIX.search(key):
+        raise CheckpointError(
+            f"key {key!r} ends like the stored name of a RankLocal value (<key>@rank<r>), which it could be taken "
+            "for on another rank; rename it, or wrap the value in distckpt.RankLocal(...)")
+    return key
 
 
 def _add(key: str, value: Any, path: Path, flat: dict[str, Any], mappings: dict[str, Path]) -> None:
