@@ -2,6 +2,9 @@
 
 import uuid
 
+from distckpt.backends.filesystem import FsStore
+from distckpt.backends.memory import MemoryStore
+from distckpt.testing.blob_store_suite import BlobStoreSuite
 from distckpt.testing.storage_suite import StorageSuite
 
 
@@ -64,3 +67,13 @@ def test_a_registered_backend_is_picked_by_its_checkpoint_ids():
     finally:
         backends._BACKENDS.remove((TeamWriter, TeamReader))
         backends.clear_memory_store()
+
+
+class TestFsBlobStore(BlobStoreSuite):
+    def make_store(self, tmp_path, name):
+        return FsStore(str(tmp_path / name))
+
+
+class TestMemoryBlobStore(BlobStoreSuite):
+    def make_store(self, tmp_path, name):
+        return MemoryStore(f"{tmp_path.name}/{name}")

@@ -17,6 +17,7 @@ from distckpt.backends.s3 import S3Store
 from distckpt.cli import main as cli
 from distckpt.faults import Fault, inject
 from distckpt.testing import run_ranks
+from distckpt.testing.blob_store_suite import BlobStoreSuite
 from distckpt.testing.storage_suite import StorageSuite
 
 from ..crash.test_manager import ManagerMachine
@@ -40,6 +41,15 @@ class TestS3(StorageSuite):
 
     def checkpoint_id(self, tmp_path, name):
         return f"s3://{self.bucket}/{tmp_path.name}/{name}"
+
+
+class TestS3BlobStore(BlobStoreSuite):
+    @pytest.fixture(autouse=True)
+    def _bucket(self, bucket):
+        self.bucket = bucket
+
+    def make_store(self, tmp_path, name):
+        return S3Store(self.bucket, f"contract/{tmp_path.name}/{name}")
 
 
 def _state():

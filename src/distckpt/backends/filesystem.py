@@ -9,7 +9,7 @@ import uuid
 from typing import Any, Iterable, Optional, Union
 
 from .. import faults
-from ..engine.blobs import BlobReader, BlobStore, BlobWriter
+from ..engine.blobs import LEASES, RUNS, BlobReader, BlobStore, BlobWriter
 from ..errors import CheckpointError, CheckpointNotFoundError, StorageIOError
 from ..format import FORMAT_NAME, METADATA_FILE
 from .blob_storage import BlobStorageReader, BlobStorageWriter
@@ -159,6 +159,7 @@ def _fsync_dir(path: str) -> None:
 class FsStore(BlobStore):
     """Blobs as files in one directory."""
 
+    capabilities = frozenset({RUNS, LEASES})
 
     def __init__(self, root: Union[str, os.PathLike]):
         self.root = os.fspath(root)

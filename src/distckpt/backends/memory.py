@@ -10,7 +10,7 @@ import threading
 from typing import Iterable, Optional, Union
 
 from .. import faults
-from ..engine.blobs import BlobReader, BlobStore, BlobWriter
+from ..engine.blobs import LEASES, RUNS, BlobReader, BlobStore, BlobWriter
 from ..errors import CheckpointError, CheckpointNotFoundError
 from ..format import METADATA_FILE
 from .blob_storage import BlobStorageReader, BlobStorageWriter
@@ -65,6 +65,9 @@ class _MemReader(BlobReader):
 
 
 class MemoryStore(BlobStore):
+    """Blobs in this process's memory, under one name."""
+
+    capabilities = frozenset({RUNS, LEASES})
 
     def __init__(self, name: str):
         self.name = name
@@ -148,6 +151,8 @@ class MemoryStore(BlobStore):
 
     def put_lease(self, save_id: str, record: bytes) -> None:
         with _LOCK:
+            if (self.name, save_id) in _LEASES:
+                raise CheckpointError(f"memory://{self.name}: save {save_id} holds a lease already")
             _LEASES[(self.name, save_id)] = record
 
     def renew_lease(self, save_id: str) -> None:

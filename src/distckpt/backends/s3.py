@@ -30,6 +30,7 @@ import time
 from typing import Any, Iterable, Optional, Union
 
 from .. import faults, knobs
+from ..engine import blobs
 from ..engine.blobs import BlobReader, BlobStore, BlobWriter
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StorageIOError
 from ..format import METADATA_FILE
@@ -76,6 +77,8 @@ def parse_s3_url(checkpoint_id: Union[str, os.PathLike]) -> tuple[str, str]:
 
 class S3Store(BlobStore):
     """One checkpoint prefix (or one save's data prefix) in a bucket."""
+
+    capabilities = frozenset({blobs.RUNS, blobs.LEASES})
 
     def __init__(self, bucket: str, prefix: str, *, endpoint_url: Optional[str] = None, region_name: Optional[str] = None,
                  part_size: Optional[int] = None, upload_concurrency: Optional[int] = None, client: Any = None,

@@ -76,8 +76,23 @@ class BlobReader(abc.ABC):
         pass
 
 
+RUNS = "runs"
+"""A store that can be the parent of a run of checkpoints: ``child``, ``children``, ``remove``,
+``remove_incomplete_below`` (what CheckpointManager needs)."""
+
+LEASES = "leases"
+"""A store that keeps leases of saves in flight: ``put_lease``, ``renew_lease``, ``read_lease``, ``drop_lease``."""
+
+
 class BlobStore(abc.ABC):
-    """One checkpoint's directory (or prefix) of blobs."""
+    """One checkpoint's directory (or prefix) of blobs.
+
+    ``capabilities`` declares which optional parts of the interface the store
+    implements (:data:`RUNS`, :data:`LEASES`); the shipped contract suite
+    (:mod:`distckpt.testing.blob_store_suite`) tests those and skips the rest.
+    """
+
+    capabilities: frozenset = frozenset()
 
     @abc.abstractmethod
     def prepare(self) -> None:
