@@ -107,6 +107,11 @@ class CheckpointManager:
                 steps.append(int(m.group(1)))
         return sorted(steps)
 
+    def incomplete_saves(self, step: int) -> list[str]:
+        """Uncommitted saves of ``step`` left at this run's location: what a save that died leaves until
+        cleanup finds its saver dead (``remove_stale_temporaries``)."""
+        return self._store.child(_step_name(step)).incomplete_saves()
+
     def latest_step(self) -> Optional[int]:
         """The newest committed step, or None."""
         steps = self.all_steps()

@@ -8,58 +8,23 @@ import pytest
 import torch
 
 import distckpt
-from distckpt.testing import RankFailure, run_ranks
+from distckpt.testing import crash_model, run_ranks
 
 from . import workers
 
-ENV = {"DISTCKPT_FSYNC": "1", "DISTCKPT_TIMEOUT_S": "30"}
+ENV = crash_model.ENV
+
+
+def _tmp_leftovers(root, mgr):
+    return [n for n in os.listdir(root) if "distckpt-tmp" in n]
 
 
 def _assert_consistent(root, results, killed_rank=None):
-    mgr = distckpt.CheckpointManager(root, keep_last=2, cleanup=False)
-    for rank, res in enumerate(results):
-        if rank == killed_rank or isinstance(res, RankFailure):
-            continue
-        # a survivor either saw the save through, or raised a CheckpointError
-        assert res["raised"] in (None, "RankFailuresError", "CheckpointError", "StorageIOError"), res
-    out = workers.blank()
-    assert mgr.load(out, step=1) == 1
-    want = workers.state(1)
-    assert all(torch.equal(out[k], want[k]) for k in want if k != "meta") and out["meta"] == want["meta"]
-    distckpt.verify(mgr.path(1))
-    if 2 in mgr.all_steps():
-        out = workers.blank()
-        mgr.load(out, step=2)
-        want = workers.state(2)
-        assert all(torch.equal(out[k], want[k]) for k in want if k != "meta")
-        distckpt.verify(mgr.path(2))
-        return "committed"
-    assert mgr.latest_step() == 1
-    with pytest.raises(distckpt.CheckpointNotFoundError):
-        distckpt.verify(mgr.path(2))
-    # a restarted manager removes what the crash left behind
-    distckpt.CheckpointManager(root, keep_last=2)
-    assert not [n for n in os.listdir(root) if "distckpt-tmp" in n]
-    return "invisible"
-
-
-def _points(tmp_path, world_size):
-    root = str(tmp_path / "record")
-    return run_ranks(workers.record_points, world_size, root, env=ENV)
+    return crash_model.check_consistent(root, results, killed_rank, _tmp_leftovers)
 
 
 def _sweep(tmp_path, world_size, ranks=None, stride=1):
-    points = _points(tmp_path, world_size)
-    outcomes = {}
-    for rank in ranks if ranks is not None else range(world_size):
-        kinds = {k for k, _ in points[rank]}
-        assert {"write", "collective"} <= kinds
-        for index in range(0, len(points[rank]), stride):
-            root = str(tmp_path / f"k{rank}-{index}")
-            results = run_ranks(workers.killed_save, world_size, root, rank, index, env=ENV, allow_failures=True, timeout_s=120)
-            assert isinstance(results[rank], RankFailure) and results[rank].exitcode == -9, results[rank]
-            outcomes[(rank, index, points[rank][index])] = _assert_consistent(root, results, killed_rank=rank)
-    return points, outcomes
+    return crash_model.sweep(lambda name: str(tmp_path / name), world_size, ranks, stride, _tmp_leftovers)
 
 
 def test_kill_one_rank_at_every_boundary_two_ranks(tmp_path):
@@ -77,11 +42,11 @@ def test_random_kill_times(tmp_path, world_size):
         root = str(tmp_path / f"t{trial}")
         kill_rank, delay = rng.randrange(world_size), rng.uniform(0.0, 1.5)
         # step 1 first, so that the timer races only with the save of step 2
-        run_ranks(workers.record_points, world_size, root, env=ENV)
+        run_ranks(crash_model.record_points, world_size, root, env=ENV)
         import shutil
 
         shutil.rmtree(os.path.join(root, "step-0000000002"))
-        results = run_ranks(workers.timed_kill_save, world_size, root, kill_rank, delay, env=ENV, allow_failures=True, timeout_s=120)
+        results = run_ranks(crash_model.timed_kill_save, world_size, root, kill_rank, delay, env=ENV, allow_failures=True, timeout_s=120)
         _assert_consistent(root, results, killed_rank=kill_rank)
 
 
@@ -97,12 +62,12 @@ def test_many_random_kill_times(tmp_path):
     for trial in range(20):
         world_size = rng.choice([2, 3, 4])
         root = str(tmp_path / f"t{trial}")
-        run_ranks(workers.record_points, world_size, root, env=ENV)
+        run_ranks(crash_model.record_points, world_size, root, env=ENV)
         import shutil
 
         shutil.rmtree(os.path.join(root, "step-0000000002"))
         kill_rank, delay = rng.randrange(world_size), rng.uniform(0.0, 2.0)
-        results = run_ranks(workers.timed_kill_save, world_size, root, kill_rank, delay, env=ENV, allow_failures=True, timeout_s=120)
+        results = run_ranks(crash_model.timed_kill_save, world_size, root, kill_rank, delay, env=ENV, allow_failures=True, timeout_s=120)
         _assert_consistent(root, results, killed_rank=kill_rank)
 
 
@@ -110,7 +75,7 @@ def test_many_random_kill_times(tmp_path):
 @pytest.mark.parametrize("kind", ["write", "fsync", "rename"])
 def test_io_faults_surface_as_checkpoint_errors_and_keep_the_previous_checkpoint(tmp_path, action, kind):
     root = str(tmp_path / "io")
-    run_ranks(workers.record_points, 2, root, env=ENV)  # steps 1 and 2 committed
+    run_ranks(crash_model.record_points, 2, root, env=ENV)  # steps 1 and 2 committed
     import shutil
 
     shutil.rmtree(os.path.join(root, "step-0000000002"))
@@ -134,7 +99,7 @@ def test_concurrent_commit_exactly_one_wins(tmp_path):
     loser = next(r for r in results if not r["won"])
     assert "committed by another save" in loser["text"]
     winner = [i for i, r in enumerate(results) if r["won"]][0]
-    out = workers.blank()
+    out = crash_model.blank()
     distckpt.CheckpointManager(root).load(out, step=2)
-    want = workers.state(10 + winner)
+    want = crash_model.state(10 + winner)
     assert all(torch.equal(out[k], want[k]) for k in want if k != "meta")

@@ -6,6 +6,7 @@ import torch
 
 import distckpt
 from distckpt.format.checksum import crc32c
+from distckpt.testing.states import blank_like  # noqa: F401 - the tests here import it from this module
 
 
 def make_checkpoint(path, seed=0, scale=1):
@@ -20,18 +21,6 @@ def make_checkpoint(path, seed=0, scale=1):
     }
     distckpt.save(sd, checkpoint_id=path)
     return sd
-
-
-def blank_like(sd):
-    out = {}
-    for k, v in sd.items():
-        if isinstance(v, torch.Tensor):
-            out[k] = torch.zeros_like(v)
-        elif isinstance(v, dict):
-            out[k] = {kk: None for kk in v}
-        else:
-            out[k] = None
-    return out
 
 
 def snapshot(sd):

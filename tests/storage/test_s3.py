@@ -18,6 +18,7 @@ from distckpt.cli import main as cli
 from distckpt.faults import Fault, inject
 from distckpt.testing import run_ranks
 from distckpt.testing.blob_store_suite import BlobStoreSuite
+from distckpt.testing.states import blank_like, seeded
 from distckpt.testing.storage_suite import StorageSuite
 
 from ..crash.test_manager import ManagerMachine
@@ -53,12 +54,11 @@ class TestS3BlobStore(BlobStoreSuite):
 
 
 def _state():
-    g = torch.Generator().manual_seed(3)
-    return {"big": torch.randn(3 << 20, generator=g), "small": torch.arange(10), "step": 7}
+    return seeded({"big": 3 << 20, "small": torch.arange(10)}, seed=3, values={"step": 7})
 
 
 def _load(cid, **reader_args):
-    out = {"big": torch.zeros(3 << 20), "small": torch.zeros(10, dtype=torch.int64), "step": 0}
+    out = blank_like(_state())
     distckpt.load(out, checkpoint_id=cid, storage_reader=S3Reader(**reader_args))
     return out
 
@@ -353,41 +353,14 @@ def test_async_save_to_s3_writes_the_staged_state(bucket):
 # ---- real SIGKILLs at every boundary of a 2-rank save to S3 (the sweep of tests/crash, on S3)
 
 def test_kill_a_rank_at_every_boundary_of_an_s3_save(bucket):
-    from distckpt.testing import RankFailure
-
-    from ..crash import test_crash_consistency as crash
-    from ..crash import workers as crash_workers
+    """The shipped crash model (distckpt.testing.crash_model) against the object store."""
+    from distckpt.testing import crash_model
 
     run = f"s3://{bucket}/kill-{uuid.uuid4().hex[:8]}"
-    points = run_ranks(crash_workers.record_points, 2, f"{run}/record", env=crash.ENV)
+    points, outcomes = crash_model.sweep(lambda name: f"{run}/{name}", 2, leftovers=stray_objects)
     kinds = {k for rank_points in points for k, _ in rank_points}
     assert {"write", "fsync", "rename", "collective"} <= kinds, kinds
-    outcomes = []
-    for rank in (0, 1):
-        for index in range(len(points[rank])):
-            root = f"{run}/k{rank}-{index}"
-            results = run_ranks(crash_workers.killed_save, 2, root, rank, index, env=crash.ENV, allow_failures=True,
-                                timeout_s=120)
-            assert isinstance(results[rank], RankFailure) and results[rank].exitcode == -9, results[rank]
-            for r, res in enumerate(results):
-                if r != rank:
-                    assert res["raised"] in (None, "RankFailuresError", "CheckpointError", "StorageIOError"), res
-            mgr = distckpt.CheckpointManager(root, keep_last=2, cleanup=False)
-            out = crash_workers.blank()
-            assert mgr.load(out, step=1) == 1 and distckpt.verify(mgr.path(1)).ok
-            if 2 in mgr.all_steps():
-                out = crash_workers.blank()
-                mgr.load(out, step=2)
-                want = crash_workers.state(2)
-                assert all(torch.equal(out[k], want[k]) for k in want if k != "meta")
-                outcomes.append("committed")
-            else:
-                with pytest.raises(distckpt.CheckpointNotFoundError):
-                    distckpt.verify(mgr.path(2))
-                outcomes.append("invisible")
-            restarted = distckpt.CheckpointManager(root, keep_last=2)  # cleans up after the crash
-            assert stray_objects(root, restarted) == [], (rank, index, points[rank][index])
-    assert "invisible" in outcomes and "committed" in outcomes
+    assert "invisible" in outcomes.values() and "committed" in outcomes.values()
 
 
 @pytest.mark.parametrize("save_id", ["../../elsewhere", "a/b", "", "x" * 65])

@@ -15,6 +15,7 @@ from distckpt.backends import S3Reader, S3Writer, s3_objects
 from distckpt.backends.leases import Lease, simulate_process_death
 from distckpt.backends.s3 import S3Store
 from distckpt.testing.fault_proxy import FaultProxy, Rule
+from distckpt.testing.states import blank_like, seeded
 
 
 @pytest.fixture
@@ -30,11 +31,11 @@ def _cid(bucket, name):
 
 
 def _state(n=3 << 20):
-    return {"big": torch.arange(n, dtype=torch.float32), "step": 7}
+    return seeded({"big": torch.arange(n, dtype=torch.float32)}, values={"step": 7})
 
 
 def _load(cid):
-    out = {"big": torch.zeros(3 << 20), "step": 0}
+    out = blank_like(_state())
     distckpt.load(out, checkpoint_id=cid)
     return out
 

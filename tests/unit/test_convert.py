@@ -8,30 +8,15 @@ from click.testing import CliRunner
 import distckpt
 from distckpt.cli import main
 from distckpt.convert import from_dcp, from_safetensors, from_torch_save, to_dcp, to_safetensors, to_torch_save
+from distckpt.testing.states import assert_same, blank_like, seeded
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # DCP, run in one process
 
 
 def _state():
-    g = torch.Generator().manual_seed(3)
-    return {
-        "model": {"layers.0.w": torch.randn(6, 5, generator=g), "emb": torch.randn(4, 3, generator=g).to(torch.bfloat16)},
-        "optim": {"step": 12, "lr": 0.5, "name": "adamw", "ids": torch.arange(7)},
-    }
-
-
-def _blank(sd):
-    if isinstance(sd, dict):
-        return {k: _blank(v) for k, v in sd.items()}
-    return torch.zeros_like(sd) if isinstance(sd, torch.Tensor) else None
-
-
-def _equal(a, b):
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
-    if isinstance(a, torch.Tensor):
-        return a.dtype == b.dtype and torch.equal(a, b)
-    return a == b
+    model = seeded({"layers.0.w": (6, 5), "emb": (4, 3)}, seed=3)
+    model["emb"] = model["emb"].to(torch.bfloat16)
+    return {"model": model, "optim": {"step": 12, "lr": 0.5, "name": "adamw", "ids": torch.arange(7)}}
 
 
 def test_dcp_to_distckpt_and_back_is_exact(tmp_path):
@@ -41,13 +26,13 @@ def test_dcp_to_distckpt_and_back_is_exact(tmp_path):
         from_dcp(tmp_path / "dcp", tmp_path / "ours")
     assert from_dcp(tmp_path / "dcp", tmp_path / "ours", trust_pickle=True) == 6
     distckpt.verify(tmp_path / "ours")
-    got = _blank(want)
+    got = blank_like(want)
     distckpt.load(got, checkpoint_id=tmp_path / "ours")
-    assert _equal(want, got)
+    assert_same(got, want)
     assert to_dcp(tmp_path / "ours", tmp_path / "dcp2") == 6
-    again = _blank(want)
+    again = blank_like(want)
     dcp.load(again, checkpoint_id=str(tmp_path / "dcp2"), no_dist=True)
-    assert _equal(want, again)
+    assert_same(again, want)
 
 
 def test_convert_command(tmp_path):
@@ -56,9 +41,9 @@ def test_convert_command(tmp_path):
     runner = CliRunner()
     res = runner.invoke(main, ["convert", "--to-dcp", str(tmp_path / "ours"), str(tmp_path / "dcp")])
     assert res.exit_code == 0 and "6 keys" in res.output, res.output
-    got = _blank(want)
+    got = blank_like(want)
     dcp.load(got, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
-    assert _equal(want, got)
+    assert_same(got, want)
     res = runner.invoke(main, ["convert", "--from-dcp", str(tmp_path / "dcp"), str(tmp_path / "back")])
     assert res.exit_code == 1 and "--trust-pickle" in res.output
     res = runner.invoke(main, ["convert", "--from-dcp", "--trust-pickle", str(tmp_path / "dcp"), str(tmp_path / "back")])
@@ -92,13 +77,14 @@ def test_safetensors_round_trip_consolidates_shards_and_keeps_values(tmp_path):
     tensors = load_file(str(tmp_path / "m.safetensors"))  # an ordinary safetensors file
     flat = _flat(want)
     assert tensors.keys() == {k for k, v in flat.items() if isinstance(v, torch.Tensor)}
-    assert all(_equal(flat[k], t) for k, t in tensors.items())
+    for k, t in tensors.items():
+        assert_same(flat[k], t, k)
     with pytest.raises(distckpt.CheckpointError, match="already exists"):
         to_safetensors(tmp_path / "ours", tmp_path / "m.safetensors")
     assert from_safetensors(tmp_path / "m.safetensors", tmp_path / "back") == 8
-    got = _blank(want)
+    got = blank_like(want)
     distckpt.load(got, checkpoint_id=tmp_path / "back")
-    assert _equal(want, got)
+    assert_same(got, want)
 
 
 def test_a_plain_safetensors_file_converts(tmp_path):
@@ -118,12 +104,12 @@ def test_torch_save_round_trip_and_unsafe_files_are_refused(tmp_path):
     want = _state()
     torch.save(want, tmp_path / "model.pt")
     assert from_torch_save(tmp_path / "model.pt", tmp_path / "ours") == 2
-    got = _blank(want)
+    got = blank_like(want)
     distckpt.load(got, checkpoint_id=tmp_path / "ours")
-    assert _equal(want, got)
+    assert_same(got, want)
     assert to_torch_save(tmp_path / "ours", tmp_path / "flat.pt") == 6
     flat = torch.load(tmp_path / "flat.pt", weights_only=True)
-    assert _equal(_flat(want), flat)
+    assert_same(flat, _flat(want))
 
     torch.save({"w": torch.ones(1), "f": _Unsafe()}, tmp_path / "unsafe.pt")
     with pytest.raises(distckpt.CheckpointError, match="weights_only=True"):
@@ -149,9 +135,9 @@ def test_convert_command_other_formats(tmp_path):
     assert res.exit_code == 0, res.output
     res = runner.invoke(main, ["convert", "--from", "torch-save", str(tmp_path / "m.pt"), str(tmp_path / "b2")])
     assert res.exit_code == 0, res.output
-    got = _blank(want)
+    got = blank_like(want)
     distckpt.load(got, checkpoint_id=tmp_path / "b2")
-    assert _equal(want, got)
+    assert_same(got, want)
     res = runner.invoke(main, ["convert", "--to", "dcp", "--from", "dcp", str(tmp_path / "b2"), str(tmp_path / "x")])
     assert res.exit_code == 2
     res = runner.invoke(main, ["convert", "--from", "torch-save", str(tmp_path / "missing.pt"), str(tmp_path / "y")])

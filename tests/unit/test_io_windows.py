@@ -13,6 +13,7 @@ from distckpt.engine.windows import windows
 from distckpt.errors import CorruptCheckpointError
 from distckpt.format import datafile
 from distckpt.format.checksum import crc32c
+from distckpt.testing.states import seeded
 
 
 @settings(max_examples=200, deadline=None)
@@ -30,9 +31,7 @@ def test_windows_cover_each_view_in_order_and_fill_every_window_but_the_last(siz
 
 
 def _state():
-    g = torch.Generator().manual_seed(0)
-    return {"big": torch.randn(5 << 18, generator=g),  # 5 MiB: split over three windows
-            "small": torch.randn(100, generator=g), "ids": torch.arange(1000)}
+    return seeded({"big": 5 << 18, "small": 100, "ids": torch.arange(1000)})  # big: 5 MiB, split over three windows
 
 
 def test_save_and_load_across_windows_are_exact_and_a_flip_in_a_later_window_is_caught(tmp_path):

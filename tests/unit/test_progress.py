@@ -6,10 +6,11 @@ import pytest
 import torch
 
 import distckpt
+from distckpt.testing.states import seeded
 
 
 def _state():
-    return {"a": torch.randn(1000, 100), "b": torch.arange(10), "step": 3}
+    return seeded({"a": (1000, 100), "b": torch.arange(10)}, values={"step": 3})
 
 
 def test_log_mode_reports_every_byte_of_save_and_load(tmp_path, monkeypatch, caplog):
