@@ -1,7 +1,7 @@
 """Coordinator cost of planning a save at thousands of ranks, simulated without data.
 
 distckpt's side is what distckpt.save's coordinator runs with the default
-planner and its own writer: plans travel as columns (planning/columns.py),
+planner and its own writer: plans travel as columns (wire/columns.py),
 global planning runs on arrays (planning/columnar.py), and the metadata
 document is written from the column write results.
 

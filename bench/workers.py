@@ -80,13 +80,13 @@ def _raw_io(local: dict, path: str, rank: int, write: bool, sequential: bool = F
     from concurrent.futures import ThreadPoolExecutor
 
     import distckpt.knobs as knobs
-    from distckpt.backends.blob_storage import _split
+    from distckpt.engine.write import split_runs
 
     views = _raw_views(local)
     # the same contiguous runs of tensors, one per thread and file, as distckpt's writer makes
     total = sum(len(v) for v in views)
     files = max(1, min(knobs.io_threads(), total // knobs.min_file_bytes()))
-    parts = [[views[i] for i in group] for group in _split([len(v) for v in views], files)]
+    parts = [[views[i] for i in group] for group in split_runs([len(v) for v in views], files)]
     if sequential:
         parts = [views]
     piece_bytes = _SEQ_PIECE if sequential else 1 << 30

@@ -23,7 +23,7 @@ from .device_copy import PendingCopies, caller_streams, to_host
 from .tensor_bytes import host_bytes, is_lazy_view
 from .windows import windows
 
-__all__ = ["write_file"]
+__all__ = ["write_file", "split_runs"]
 
 
 _LINE = 64  # bytes: a cache line, and the alignment of torch's CPU allocations
@@ -81,7 +81,7 @@ class _RankWrite:
         n = len(self.entries)
         self.crcs, self.offsets, self.item_file = [0] * n, [0] * n, [""] * n
         total = sum(e.nbytes for e in self.entries)
-        self.groups = _split([e.nbytes for e in self.entries], max(1, min(threads, total // knobs.min_file_bytes())))
+        self.groups = split_runs([e.nbytes for e in self.entries], max(1, min(threads, total // knobs.min_file_bytes())))
         # the files' writers split half the memory budget for their buffers (direct I/O's bounce buffers, an object
         # store's parts); host copies of tensors get what the writers leave
         limit = knobs.memory_budget_bytes()
@@ -181,7 +181,7 @@ class _RankWrite:
         return data, owner, copied
 
 
-def _split(sizes: list[int], parts: int) -> list[list[int]]:
+def split_runs(sizes: list[int], parts: int) -> list[list[int]]:
     """Split indices into at most ``parts`` contiguous runs of similar total size (never empty)."""
     total = sum(sizes)
     if parts <= 1 or not sizes:
