@@ -9,8 +9,9 @@ import re
 from typing import Any, Optional, Union
 
 from . import backends
+from .backends.blob_storage import BlobStorageWriter
 from .distributed import Coordinator
-from .engine.blobs import BlobStore
+from .engine.blobs import RUNS, BlobStore
 from .errors import CheckpointError, CheckpointNotFoundError, InvalidStepError
 from .loading import load
 from .metadata import STATE_DICT_TYPE, Metadata
@@ -221,7 +222,8 @@ def _root_store(root: str, options: dict[str, Any]) -> BlobStore:
     """The store of the location that holds the run's checkpoints, from the backend that accepts ``root``."""
     writer = backends.writer_for(root, **options)
     writer.reset(root)
-    store = writer._store() if hasattr(writer, "_store") else None
-    if not isinstance(store, BlobStore):
-        raise CheckpointError(f"CheckpointManager cannot keep a run at {root!r}: its backend is not one of distckpt's blob stores")
+    store = writer.blob_store() if isinstance(writer, BlobStorageWriter) else None
+    if not isinstance(store, BlobStore) or RUNS not in store.capabilities:
+        raise CheckpointError(f"CheckpointManager cannot keep a run at {root!r}: its backend is not a blob store that "
+                              "declares it can hold a run of checkpoints (engine.blobs.RUNS)")
     return store

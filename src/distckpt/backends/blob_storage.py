@@ -63,6 +63,10 @@ class BlobStorageWriter(StorageWriter):
     def _checkpoint_id(self) -> str:
         raise NotImplementedError
 
+    def blob_store(self) -> BlobStore:
+        """The blob store at this writer's checkpoint id."""
+        return self._store()
+
     def _replaces(self) -> bool:
         """Whether this save may replace a committed checkpoint: ``overwrite``, else the DISTCKPT_OVERWRITE setting."""
         return knobs.overwrite_committed() if self.overwrite is None else bool(self.overwrite)

@@ -13,6 +13,7 @@ import torch
 from .. import knobs
 from ..errors import CheckpointError, CorruptCheckpointError, UnsupportedTensorError
 from ..format.checksum import crc32c
+from ..format.chunk_codec import codec_named
 from ..format.datafile import VALUE_FORM, HeaderInfo, check_header_entry, header_spans, read_header, stored_form
 from ..format.dtypes import itemsize
 from ..format.records import FileStorageData, StorageInfo
@@ -117,6 +118,7 @@ class _Read:
                 raise CorruptCheckpointError(f"{where}: key {index.fqn!r} chunk {list(index.offset or [])} has no storage "
                                              "entry in the metadata")
             self.infos[index], self.chunk_shapes[index] = info, shape
+        self.codecs = {index: codec_named(info.codec, self.here(index)) for index, info in self.infos.items()}
         self.lock = threading.Lock()
         self.budget = ByteBudget(knobs.memory_budget_bytes())
         self.per_thread = threading.local()
@@ -135,15 +137,19 @@ class _Read:
         self.blobs = open_and_validate(self.store, self.fsd, {i.file for i in self.infos.values()}, self.where, spans)
         try:
             for index, info in self.infos.items():
-                entry = self.md.state_dict_metadata.get(index.fqn)
-                if isinstance(entry, TensorStorageMetadata):
-                    form = stored_form(entry.properties.dtype, self.chunk_shapes[index], info.length)
-                else:
-                    form = (VALUE_FORM, (info.length,))
-                check_header_entry(spans[info.file], info.offset, info.length, form, f"{self.here(index)}, file {info.file!r}")
+                check_header_entry(spans[info.file], info.offset, info.length, self.form(index),
+                                   f"{self.here(index)}, file {info.file!r}")
         except BaseException:
             self.close()
             raise
+
+    def form(self, index: MetadataIndex) -> tuple:
+        """The header entry (dtype code, shape) a stored chunk must have."""
+        info = self.infos[index]
+        entry = self.md.state_dict_metadata.get(index.fqn)
+        if isinstance(entry, TensorStorageMetadata) and self.codecs[index].identity:
+            return stored_form(entry.properties.dtype, self.chunk_shapes[index], info.length)
+        return (VALUE_FORM, (info.length,))
 
     def close(self) -> None:
         for b in list(self.blobs.values()) + self.extra:
@@ -157,7 +163,8 @@ class _Read:
         buffered: list[MetadataIndex] = []
         for index in sorted(self.by_chunk, key=lambda ix: (self.infos[ix].file, self.infos[ix].offset)):
             items, shape = self.by_chunk[index], self.chunk_shapes[index]
-            if items[0].type == LoadItemType.TENSOR and len(items) == 1 and tuple(items[0].lengths) == shape:
+            if (items[0].type == LoadItemType.TENSOR and len(items) == 1 and tuple(items[0].lengths) == shape
+                    and self.codecs[index].identity):
                 dest = self.planner.resolve_tensor(items[0])
                 entry = self.md.state_dict_metadata[index.fqn]
                 same = dest.dtype == entry.properties.dtype and tuple(dest.shape) == shape
@@ -314,7 +321,9 @@ class _Read:
                 self.planner.load_bytes(items[0], io.BytesIO(data))
             return
         dests = self.destinations(index)
-        if info.length:  # nothing stored, nothing to copy
+        if not self.codecs[index].identity:
+            self.decode_chunk(index, dests, check)
+        elif info.length:  # nothing stored, nothing to copy
             self.stream_chunk(index, dests, check)
         with self.lock:
             for item, dest in zip(items, dests):
@@ -334,6 +343,23 @@ class _Read:
                 raise CheckpointError(f"{self.here(index)}: resolve_tensor returned shape {tuple(dest.shape)}, the read "
                                       f"item needs {tuple(item.lengths)}")
         return dests
+
+    def decode_chunk(self, index: MetadataIndex, dests: list[torch.Tensor], check: bool) -> None:
+        """Read a chunk stored through a codec whole, check the stored bytes, decode, and copy out."""
+        info, shape, items = self.infos[index], self.chunk_shapes[index], self.by_chunk[index]
+        dtype = self.md.state_dict_metadata[index.fqn].properties.dtype
+        nbytes = volume(shape) * itemsize(dtype)
+        with self.budget.hold(info.length + nbytes):
+            stored = _read_exact(self.reader(info.file), info.length, info.offset, self.here(index), info.file)
+            _check(check, crc32c(stored), info, self.here(index), dests)
+            raw = self.codecs[index].decode(memoryview(stored), nbytes, self.here(index))
+            chunk = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
+            chunk = chunk.view(dtype).reshape(shape)
+            pending = PendingCopies(self.streams) if any(uses_pinned(d.device) for d in dests) else None
+            for item, dest in zip(items, dests):
+                _copy_rows(item, dest, chunk, 0, shape[0] if shape else 1, shape, pending)
+            if pending:
+                pending.wait()
 
     def stream_chunk(self, index: MetadataIndex, dests: list[torch.Tensor], check: bool) -> None:
         """Stream a chunk through one reused buffer, a slab of whole rows at a time: every byte is read once,
@@ -453,11 +479,9 @@ class _Check(_Read):
                 continue
             for index in by_file.get(name, []):
                 info = self.infos[index]
-                entry = self.md.state_dict_metadata.get(index.fqn)
-                form = (stored_form(entry.properties.dtype, self.chunk_shapes[index], info.length)
-                        if isinstance(entry, TensorStorageMetadata) else (VALUE_FORM, (info.length,)))
                 try:
-                    check_header_entry(spans[name], info.offset, info.length, form, f"{self.where}: key {index.fqn!r}, file {name!r}")
+                    check_header_entry(spans[name], info.offset, info.length, self.form(index),
+                                       f"{self.where}: key {index.fqn!r}, file {name!r}")
                 except CheckpointError as exc:
                     self.problem(str(exc))
 
@@ -470,6 +494,8 @@ class _Check(_Read):
             if self.by_chunk[index][0].type == LoadItemType.BYTE_IO:
                 _check(True, crc32c(_read_exact(self.reader(info.file), info.length, info.offset, self.here(index), info.file)),
                        info, self.here(index))
+            elif not self.codecs[index].identity:
+                self.decode_chunk(index, [], True)
             elif info.length:
                 self.stream_chunk(index, [], True)
         except CheckpointError as exc:

@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from .. import knobs
 from ..errors import CheckpointError
 from ..format.checksum import crc32c
-from ..format.datafile import Entry, build_header, entry_name, stored_form
+from ..format.chunk_codec import IDENTITY, ChunkCodec
+from ..format.datafile import VALUE_FORM, Entry, build_header, entry_name, stored_form
 from ..format.dtypes import itemsize
 from ..format.records import FileInfo, FileResult, StorageInfo
-from ..planner import SavePlan, SavePlanner, WriteItemType
+from ..planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from ..planning.resharding import volume
 from ..progress import Progress
 from ..storage import WriteResult
@@ -30,7 +31,8 @@ _LINE = 64  # bytes: a cache line, and the alignment of torch's CPU allocations
 
 
 def write_file(store: BlobStore, name: str, save_id: str, rank: int, plan: SavePlan, planner: SavePlanner,
-               *, threads: int, sync: bool, is_coordinator: bool = True) -> list[WriteResult]:
+               *, threads: int, sync: bool, is_coordinator: bool = True,
+               codec_of: Callable[[WriteItem], ChunkCodec] = lambda item: IDENTITY) -> list[WriteResult]:
     """Write one rank's items into data files; return a WriteResult per item, plus a FileResult per file.
 
     Items keep plan order and are split into up to ``threads`` contiguous runs
@@ -38,17 +40,20 @@ def write_file(store: BlobStore, name: str, save_id: str, rank: int, plan: SaveP
     written by its own thread: threads sharing one file contend on it in the
     kernel. Within a file, adjacent items go out in batches of about
     ``io_batch_bytes`` with one vectored write each, straight from tensor memory.
+    A tensor item whose ``codec_of`` is not the identity is encoded whole first, and stored as a byte entry.
     """
-    return _RankWrite(store, save_id, rank, plan, planner, threads, sync, is_coordinator).run(name)
+    return _RankWrite(store, save_id, rank, plan, planner, threads, sync, is_coordinator, codec_of).run(name)
 
 
-def _entries(plan: SavePlan, planner: SavePlanner) -> tuple[list[Entry], list[Optional[bytes]]]:
-    """Each item's data-file entry, and the encoded bytes of each value item (None for tensors)."""
+def _entries(plan: SavePlan, planner: SavePlanner, codecs: list[ChunkCodec]) -> tuple[list[Entry], list[Optional[bytes]]]:
+    """Each item's data-file entry, and the bytes of each item stored as a byte entry (None for tensors
+    written from their memory)."""
     entries, payloads = [], []
-    for item in plan.items:
-        if item.type == WriteItemType.BYTE_IO:
-            raw = planner.resolve_data(item).getvalue()
-            entries.append(Entry(item.index.fqn, "U8", (len(raw),), len(raw)))
+    for item, codec in zip(plan.items, codecs):
+        if item.type == WriteItemType.BYTE_IO or not codec.identity:
+            raw = planner.resolve_data(item).getvalue() if item.type == WriteItemType.BYTE_IO else _encoded(item, planner, codec)
+            entries.append(Entry(entry_name(item.index.fqn, tuple(item.index.offset or ())) if item.tensor_data else item.index.fqn,
+                                 VALUE_FORM, (len(raw),), len(raw)))
             payloads.append(raw)
         else:
             td = item.tensor_data
@@ -57,6 +62,15 @@ def _entries(plan: SavePlan, planner: SavePlanner) -> tuple[list[Entry], list[Op
             entries.append(Entry(entry_name(item.index.fqn, tuple(item.index.offset or ())), code, shape, nbytes))
             payloads.append(None)
     return entries, payloads
+
+
+def _encoded(item: WriteItem, planner: SavePlanner, codec: ChunkCodec) -> bytes:
+    """A tensor item's bytes through ``codec``."""
+    tensor = planner.resolve_data(item)
+    if not isinstance(tensor, torch.Tensor):
+        raise CheckpointError(f"resolve_data for tensor item {item.index.fqn!r} returned {type(tensor).__name__}")
+    data, _owner = host_bytes(tensor.detach().to("cpu", item.tensor_data.properties.dtype).contiguous())
+    return codec.encode(data)
 
 
 def _file_entries(entries: list[Entry], members: list[int]) -> list[Entry]:
@@ -75,9 +89,10 @@ class _RankWrite:
     """One rank's write: its entries, how they split into files, and where each item landed."""
 
     def __init__(self, store: BlobStore, save_id: str, rank: int, plan: SavePlan, planner: SavePlanner,
-                 threads: int, sync: bool, is_coordinator: bool) -> None:
+                 threads: int, sync: bool, is_coordinator: bool, codec_of: Callable[[WriteItem], ChunkCodec]) -> None:
         self.store, self.save_id, self.rank, self.plan, self.planner, self.sync = store, save_id, rank, plan, planner, sync
-        self.entries, self.payloads = _entries(plan, planner)
+        self.codecs = [IDENTITY if item.type == WriteItemType.BYTE_IO else codec_of(item) for item in plan.items]
+        self.entries, self.payloads = _entries(plan, planner, self.codecs)
         n = len(self.entries)
         self.crcs, self.offsets, self.item_file = [0] * n, [0] * n, [""] * n
         total = sum(e.nbytes for e in self.entries)
@@ -101,8 +116,8 @@ class _RankWrite:
                 files = [f.result() for f in futures]
         self.progress.close()
         results: list[WriteResult] = [
-            WriteResult(item.index, e.nbytes, StorageInfo(f, off, e.nbytes, c))
-            for item, e, off, c, f in zip(self.plan.items, self.entries, self.offsets, self.crcs, self.item_file)]
+            WriteResult(item.index, e.nbytes, StorageInfo(f, off, e.nbytes, c, codec.name))
+            for item, e, off, c, f, codec in zip(self.plan.items, self.entries, self.offsets, self.crcs, self.item_file, self.codecs)]
         results += [FileResult.of(file_name, FileInfo(size, self.rank, lead_crc)) for file_name, size, lead_crc in files]
         return results
 

@@ -39,6 +39,7 @@ from ..planner import (
 from ..storage import WriteResult
 from . import FORMAT_NAME, FORMAT_VERSION_STR
 from .checksum import crc32c, format_crc
+from .chunk_codec import IDENTITY
 from .datafile import unique_members
 from .dtypes import dtype_from_name, dtype_name, itemsize
 from .fields import MAX_INT as _MAX_INT
@@ -161,7 +162,7 @@ def encode_write_results(results: list[WriteResult]) -> list:
             out.append([{"$file": r.file}, r.size_in_bytes, {"$fi": [sd.size, sd.rank, sd.header_crc32c]}])
             continue
         if isinstance(sd, StorageInfo):
-            sd = {"$si": [sd.file, sd.offset, sd.length, sd.crc32c]}
+            sd = {"$si": [sd.file, sd.offset, sd.length, sd.crc32c] + ([] if sd.codec == IDENTITY.name else [sd.codec])}
         elif isinstance(sd, FileInfo):
             sd = {"$fi": [sd.size, sd.rank, sd.header_crc32c]}
         else:
@@ -316,6 +317,9 @@ def encode_metadata(md: Metadata) -> bytes:
         si = fsd.items.get(index)
         if si is None or si.file not in file_no:
             raise CheckpointError(f"key {index.fqn!r}: no stored location for {list(index.offset or [])} (internal error)")
+        if si.codec != IDENTITY.name:
+            raise CheckpointError(f"key {index.fqn!r}: stored with chunk codec {si.codec!r}, which format "
+                                  f"{FORMAT_VERSION_STR} cannot record; save without it")
         return si
 
     sdm = {}

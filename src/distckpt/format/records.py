@@ -18,6 +18,7 @@ class StorageInfo:
     offset: int
     length: int
     crc32c: int
+    codec: str = "identity"  # how the bytes are stored (format/chunk_codec.py); identity in every format-2.0 checkpoint
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from ..format.chunk_codec import IDENTITY
 from ..format.codec import dec_props, enc_props, opaque_from, opaque_to
 from ..format.records import FileInfo, FileResult, StorageInfo
 from ..metadata import ChunkStorageMetadata, MetadataIndex
@@ -228,7 +229,8 @@ def encode_result_columns(results: list[WriteResult], plan: SavePlan) -> Optiona
     cols = np.zeros((4, n), dtype=np.int64)
     for i, (r, it) in enumerate(zip(results, plan.items)):
         sd = r.storage_data
-        if not isinstance(sd, StorageInfo) or r.index != it.index or sd.length != r.size_in_bytes or sd.file not in names:
+        if (not isinstance(sd, StorageInfo) or r.index != it.index or sd.length != r.size_in_bytes or sd.file not in names
+                or sd.codec != IDENTITY.name):
             return None
         cols[0, i], cols[1, i], cols[2, i], cols[3, i] = names[sd.file], sd.offset, sd.length, sd.crc32c
     return encode_frame(RESULTS_MAGIC, [pack_json(files)] + [smallest_uint(c) for c in cols])
