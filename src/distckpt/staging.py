@@ -433,20 +433,7 @@ def async_save(
     """
     if max_in_flight < 1:
         raise CheckpointError("max_in_flight must be at least 1")
-    failure: Optional[BaseException] = None
-    while True:
-        with _STATE.lock:
-            _STATE.in_flight = [h for h in _STATE.in_flight if not h.done()]
-            if len(_STATE.in_flight) < max_in_flight:
-                break
-            oldest = _STATE.in_flight[0]
-        if not wait_for_previous:  # other ranks may have room: they hear of this in the agreement
-            failure = CheckpointError(
-                f"an async save of {str(oldest.checkpoint_id)!r} is still in flight; wait for handle.result() "
-                "or pass wait_for_previous=True or a larger max_in_flight")
-            break
-        _wait_for(oldest)
-
+    failure = _wait_for_room(max_in_flight, wait_for_previous)
     channel = None if no_dist else _channel(process_group)
     handle = AsyncSaveHandle(checkpoint_id)
     with _STATE.lock:
@@ -478,26 +465,45 @@ def async_save(
         handle.committed.set_exception(exc)
         raise
     handle.staged.set_result(None)
-
-    def background() -> None:
-        md: Optional[Metadata] = None
-        error: Optional[BaseException] = None
-        try:
-            _lower_priority()
-            md = run_save(staged, storage_writer, planner, coord)
-            if on_commit is not None:
-                on_commit(md)
-        except BaseException as exc:  # noqa: BLE001 - delivered on the handle
-            error = exc
-        finally:
-            if coord.transport_failed and channel is not None:
-                channel.broken = f"async save #{number} of {str(checkpoint_id)!r}: {error}"
-            with _STATE.lock:  # back before the handle resolves: the next save, or release_buffers, finds it
-                _STATE.free_pools.append(pool)
-        if error is not None:
-            handle.committed.set_exception(error)
-        else:
-            handle.committed.set_result(md)
-
-    executor.submit(background)
+    executor.submit(_background, handle, staged, storage_writer, planner, coord, channel, number, pool, on_commit)
     return handle
+
+
+def _wait_for_room(max_in_flight: int, wait_for_previous: bool) -> Optional[BaseException]:
+    """Wait until fewer than ``max_in_flight`` saves are in flight; or, without ``wait_for_previous``, the error
+    this call fails with (raised on every rank by the agreement: other ranks may have room)."""
+    while True:
+        with _STATE.lock:
+            _STATE.in_flight = [h for h in _STATE.in_flight if not h.done()]
+            if len(_STATE.in_flight) < max_in_flight:
+                return None
+            oldest = _STATE.in_flight[0]
+        if not wait_for_previous:
+            return CheckpointError(
+                f"an async save of {str(oldest.checkpoint_id)!r} is still in flight; wait for handle.result() "
+                "or pass wait_for_previous=True or a larger max_in_flight")
+        _wait_for(oldest)
+
+
+def _background(handle: AsyncSaveHandle, staged: Any, storage_writer: StorageWriter, planner: SavePlanner,
+                coord: Coordinator, channel: Any, number: int, pool: "_BufferPool",
+                on_commit: Optional[Callable[[Metadata], None]]) -> None:
+    """The write and commit of a staged save, in the background thread; the outcome goes on ``handle``."""
+    md: Optional[Metadata] = None
+    error: Optional[BaseException] = None
+    try:
+        _lower_priority()
+        md = run_save(staged, storage_writer, planner, coord)
+        if on_commit is not None:
+            on_commit(md)
+    except BaseException as exc:  # noqa: BLE001 - delivered on the handle
+        error = exc
+    finally:
+        if coord.transport_failed and channel is not None:
+            channel.broken = f"async save #{number} of {str(handle.checkpoint_id)!r}: {error}"
+        with _STATE.lock:  # back before the handle resolves: the next save, or release_buffers, finds it
+            _STATE.free_pools.append(pool)
+    if error is not None:
+        handle.committed.set_exception(error)
+    else:
+        handle.committed.set_result(md)
