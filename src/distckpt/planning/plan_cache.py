@@ -33,9 +33,6 @@ class PlanCache:
     metadata: Any = None
     sent: Optional[list] = None
 
-    def forget_global(self) -> None:
-        self.global_plans = self.metadata = None
-
     @staticmethod
     def resolve(previous: Optional[list], plans: list, unchanged: list[bool]) -> list:
         """``plans`` with each entry marked unchanged replaced by what that rank sent last time."""
