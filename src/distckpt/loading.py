@@ -10,12 +10,13 @@ from ._sequence import pick_storage, prepare, storage_by_position
 from .capabilities import SHARED_VERIFICATION, declares, keeps_plans, supports
 from .distributed import RAW, Coordinator, Wire
 from .engine import shared_verification as sv
-from .format.codec import decode_load_plan, dumps, encode_load_plan, loads
+from .format.codec import dumps, loads
 from .gc_pause import gc_paused
 from .metadata import STATE_DICT_TYPE, Metadata
 from .planner import LoadPlan, LoadPlanner
 from .planning import DefaultLoadPlanner
 from .storage import StorageReader
+from .wire.plans import decode_load_plan, encode_load_plan
 
 __all__ = ["load", "load_state_dict", "read_metadata"]
 

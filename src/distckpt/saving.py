@@ -11,17 +11,7 @@ from ._sequence import call_set_up, prepare, storage_by_position
 from .capabilities import COLUMNAR_COMMIT, declares, plans_on_columns, supports
 from .distributed import Coordinator, Wire
 from .errors import CheckpointError
-from .format.codec import (
-    EncodedMetadata,
-    decode_save_plan,
-    decode_write_results,
-    dumps,
-    encode_metadata,
-    encode_save_plan,
-    encode_write_results,
-    lazy_metadata,
-    loads,
-)
+from .format.codec import EncodedMetadata, dumps, encode_metadata, lazy_metadata, loads
 from .gc_pause import gc_paused
 from .metadata import STATE_DICT_TYPE, Metadata
 from .planner import SavePlan, SavePlanner
@@ -41,6 +31,7 @@ from .wire.columns import (
     encode_result_columns,
 )
 from .wire.frames import frame_kind
+from .wire.plans import decode_save_plan, decode_write_results, encode_save_plan, encode_write_results
 
 __all__ = ["save", "save_state_dict"]
 

@@ -26,17 +26,6 @@ from ..metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from ..planner import (
-    BytesIOWriteData,
-    LoadItemType,
-    LoadPlan,
-    ReadItem,
-    SavePlan,
-    TensorWriteData,
-    WriteItem,
-    WriteItemType,
-)
-from ..storage import WriteResult
 from . import FORMAT_NAME, FORMAT_VERSION_STR
 from .checksum import crc32c, format_crc
 from .chunk_codec import IDENTITY
@@ -46,7 +35,7 @@ from .fields import MAX_INT as _MAX_INT
 from .fields import ints as _ints
 from .locations import add_item, check_cover, check_no_overlap, checked_chunk, cross_check, decode_file_table, inline_chunks
 from .names import check_file_name
-from .records import FileInfo, FileResult, FileStorageData, StorageInfo
+from .records import FileInfo, FileStorageData, StorageInfo
 from .values import from_data, to_data
 
 MAX_KEYS = 10_000_000
@@ -55,11 +44,11 @@ MAX_CHUNKS = 10_000_000
 # ---------------------------------------------------------------- small parts
 
 
-def _enc_index(index: MetadataIndex) -> list:
+def enc_index(index: MetadataIndex) -> list:
     return [index.fqn, None if index.offset is None else list(index.offset), index.index]
 
 
-def _dec_index(data: Any, where: str) -> MetadataIndex:
+def dec_index(data: Any, where: str) -> MetadataIndex:
     if not isinstance(data, list) or len(data) != 3 or not isinstance(data[0], str):
         raise CorruptCheckpointError(f"{where}: malformed item index {data!r:.200}")
     hint = data[2]
@@ -89,11 +78,11 @@ def dec_props(data: Any, where: str) -> TensorProperties:
     return TensorProperties(dtype_from_name(dt, where), _LAYOUTS[layout], rg, _MEMORY_FORMATS[mf], pin)
 
 
-def _enc_chunk(c: ChunkStorageMetadata) -> list:
+def enc_chunk(c: ChunkStorageMetadata) -> list:
     return [list(c.offsets), list(c.sizes)]
 
 
-def _dec_chunk(data: Any, where: str) -> ChunkStorageMetadata:
+def dec_chunk(data: Any, where: str) -> ChunkStorageMetadata:
     if not isinstance(data, list) or len(data) != 2:
         raise CorruptCheckpointError(f"{where}: malformed chunk {data!r:.200}")
     off, size = _ints(data[0], where), _ints(data[1], where)
@@ -112,79 +101,6 @@ def opaque_from(data: Any, where: str, transport: bool) -> Any:
     if isinstance(data, dict) and len(data) == 1 and "$fs" in data:
         return _dec_file_storage(data["$fs"], where)
     return from_data(data, allow_pickle=transport and knobs.allow_pickle_transport(), where=where)
-
-
-# ---------------------------------------------------------------- plans
-
-
-def encode_save_plan(plan: SavePlan) -> dict:
-    items = []
-    for it in plan.items:
-        td = it.tensor_data
-        items.append([
-            _enc_index(it.index),
-            it.type.value,
-            None if it.bytes_io_data is None else it.bytes_io_data.nbytes,
-            None if td is None else [_enc_chunk(td.chunk), enc_props(td.properties), list(td.size)],
-        ])
-    return {"items": items, "storage_data": opaque_to(plan.storage_data, "plan storage_data", True),
-            "planner_data": opaque_to(plan.planner_data, "plan planner_data", True), "usable": plan.usable}
-
-
-def decode_save_plan(data: dict) -> SavePlan:
-    items = []
-    for idx, typ, nbytes, td in data["items"]:
-        tensor_data = None if td is None else TensorWriteData(_dec_chunk(td[0], "plan"), dec_props(td[1], "plan"), torch.Size(td[2]))
-        items.append(WriteItem(_dec_index(idx, "plan"), WriteItemType(typ),
-                               None if nbytes is None else BytesIOWriteData(nbytes), tensor_data))
-    return SavePlan(items, opaque_from(data["storage_data"], "plan", True),
-                    opaque_from(data["planner_data"], "plan", True), data["usable"])
-
-
-def encode_load_plan(plan: LoadPlan) -> dict:
-    items = [[it.type.value, _enc_index(it.dest_index), list(it.dest_offsets), _enc_index(it.storage_index),
-              list(it.storage_offsets), list(it.lengths)] for it in plan.items]
-    return {"items": items, "storage_data": opaque_to(plan.storage_data, "plan storage_data", True),
-            "planner_data": opaque_to(plan.planner_data, "plan planner_data", True)}
-
-
-def decode_load_plan(data: dict) -> LoadPlan:
-    items = [ReadItem(LoadItemType(t), _dec_index(d, "plan"), torch.Size(do), _dec_index(s, "plan"), torch.Size(so), torch.Size(ln))
-             for t, d, do, s, so, ln in data["items"]]
-    return LoadPlan(items, opaque_from(data["storage_data"], "plan", True), opaque_from(data["planner_data"], "plan", True))
-
-
-def encode_write_results(results: list[WriteResult]) -> list:
-    out = []
-    for r in results:
-        sd = r.storage_data
-        if isinstance(r, FileResult):
-            out.append([{"$file": r.file}, r.size_in_bytes, {"$fi": [sd.size, sd.rank, sd.header_crc32c]}])
-            continue
-        if isinstance(sd, StorageInfo):
-            sd = {"$si": [sd.file, sd.offset, sd.length, sd.crc32c] + ([] if sd.codec == IDENTITY.name else [sd.codec])}
-        elif isinstance(sd, FileInfo):
-            sd = {"$fi": [sd.size, sd.rank, sd.header_crc32c]}
-        else:
-            sd = opaque_to(sd, "write result", True)
-        out.append([_enc_index(r.index), r.size_in_bytes, sd])
-    return out
-
-
-def decode_write_results(data: list) -> list[WriteResult]:
-    out = []
-    for idx, size, sd in data:
-        if isinstance(idx, dict) and set(idx) == {"$file"} and isinstance(sd, dict) and set(sd) == {"$fi"}:
-            out.append(FileResult.of(str(idx["$file"]), FileInfo(*sd["$fi"])))
-            continue
-        if isinstance(sd, dict) and "$si" in sd and len(sd) == 1:
-            sd = StorageInfo(*sd["$si"])
-        elif isinstance(sd, dict) and "$fi" in sd and len(sd) == 1:
-            sd = FileInfo(*sd["$fi"])
-        else:
-            sd = opaque_from(sd, "write result", True)
-        out.append(WriteResult(_dec_index(idx, "write result"), size, sd))
-    return out
 
 
 def dumps(data: Any) -> bytes:
@@ -489,7 +405,7 @@ def _parse_metadata(raw: bytes, where: str) -> Metadata:
             raise CorruptCheckpointError(f"{where}: more than {MAX_CHUNKS} chunks")
         width = itemsize(props.dtype)
         if fsd is None:
-            chunks = [checked_chunk(_dec_chunk(c, here), size, here) for c in chunks_raw]
+            chunks = [checked_chunk(dec_chunk(c, here), size, here) for c in chunks_raw]
             check_cover(chunks, size, here)
         else:
             chunks = inline_chunks(chunks_raw, fqn, size, width, locations, here)  # checks the cover too
