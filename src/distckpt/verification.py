@@ -8,7 +8,7 @@ from typing import Optional, Union
 
 from . import backends, knobs
 from .backends.blob_storage import BlobStorageReader
-from .engine.read import check_stored
+from .engine.check import check_stored
 from .errors import CheckpointError, CorruptCheckpointError
 from .format.records import FileStorageData
 from .progress import Progress

@@ -150,8 +150,8 @@ def test_verify_reads_through_the_load_engine_and_reports_every_problem(tmp_path
     files = sorted(md.storage_data.files)
     assert len(files) == 3
     slabs = []
-    real = read._Read.read_slab
-    monkeypatch.setattr(read._Read, "read_slab", lambda self, *a: slabs.append(1) or real(self, *a))
+    real = read.Read.read_slab
+    monkeypatch.setattr(read.Read, "read_slab", lambda self, *a: slabs.append(1) or real(self, *a))
     monkeypatch.setenv("DISTCKPT_MEMORY_BUDGET_BYTES", str(16 << 10))  # a chunk is 64 KiB: it goes in slabs
     assert distckpt.verify(path).ok and len(slabs) >= 6 * 4
     in_first = [ix for ix, si in md.storage_data.items.items() if si.file == files[0] and ix.fqn.startswith("w")][0]

@@ -6,7 +6,8 @@ import torch
 
 from distckpt import CheckpointError, CorruptCheckpointError, DefaultLoadPlanner, DefaultSavePlanner
 from distckpt.backends.filesystem import FsStore
-from distckpt.engine.read import check_stored, read_items
+from distckpt.engine.check import check_stored
+from distckpt.engine.read import read_items
 from distckpt.engine.write import write_file
 from distckpt.format.chunk_codec import IDENTITY, ChunkCodec, register_codec
 from distckpt.format.codec import encode_metadata

@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 import threading
 from collections import defaultdict
-from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -85,7 +84,7 @@ def read_items(store: BlobStore, md: Metadata, plan: LoadPlan, planner: LoadPlan
     it is in ``verified_elsewhere`` (another rank of this load verifies it;
     see shared_verification.py), in which case only the rows needed are read.
     """
-    read = _Read(store, md, plan, planner, f"checkpoint {checkpoint_id!r}", verify, verified_elsewhere)
+    read = Read(store, md, plan, planner, f"checkpoint {checkpoint_id!r}", verify, verified_elsewhere)
     read.open_files()
     try:
         read.execute(threads, is_coordinator)
@@ -96,7 +95,7 @@ def read_items(store: BlobStore, md: Metadata, plan: LoadPlan, planner: LoadPlan
 _Direct = tuple  # (chunk index, destination tensor, the destination's bytes)
 
 
-class _Read:
+class Read:
     """One rank's read of a plan: the chunks it needs, where they are stored, and the steps that read them."""
 
     def __init__(self, store: BlobStore, md: Metadata, plan: LoadPlan, planner: LoadPlanner, where: str, verify: bool,
@@ -305,7 +304,7 @@ class _Read:
             position += want
         bad = [(index, dest, crc) for (index, dest, _), crc in zip(batch, crcs) if self.verify and crc != self.infos[index].crc32c]
         if bad:  # every chunk of the batch that failed is zeroed, not only the first
-            _check(self.verify, bad[0][2], self.infos[bad[0][0]], self.here(bad[0][0]), [dest for _, dest, _ in bad])
+            check_checksum(self.verify, bad[0][2], self.infos[bad[0][0]], self.here(bad[0][0]), [dest for _, dest, _ in bad])
         for index, dest, _ in batch:
             with self.lock:
                 self.planner.commit_tensor(self.by_chunk[index][0], dest)
@@ -315,8 +314,8 @@ class _Read:
         items, info = self.by_chunk[index], self.infos[index]
         check = self.verify and index not in self.verified_elsewhere
         if items[0].type == LoadItemType.BYTE_IO:
-            data = _read_exact(self.reader(info.file), info.length, info.offset, self.here(index), info.file)
-            _check(check, crc32c(data), info, self.here(index))
+            data = read_exact(self.reader(info.file), info.length, info.offset, self.here(index), info.file)
+            check_checksum(check, crc32c(data), info, self.here(index))
             with self.lock:
                 self.planner.load_bytes(items[0], io.BytesIO(data))
             return
@@ -350,8 +349,8 @@ class _Read:
         dtype = self.md.state_dict_metadata[index.fqn].properties.dtype
         nbytes = volume(shape) * itemsize(dtype)
         with self.budget.hold(info.length + nbytes):
-            stored = _read_exact(self.reader(info.file), info.length, info.offset, self.here(index), info.file)
-            _check(check, crc32c(stored), info, self.here(index), dests)
+            stored = read_exact(self.reader(info.file), info.length, info.offset, self.here(index), info.file)
+            check_checksum(check, crc32c(stored), info, self.here(index), dests)
             raw = self.codecs[index].decode(memoryview(stored), nbytes, self.here(index))
             chunk = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
             chunk = chunk.view(dtype).reshape(shape)
@@ -382,7 +381,7 @@ class _Read:
                 wanted = [(item, dest) for item, dest in zip(items, dests) if _rows_meet(item, a, b, shape)]
                 if wanted or check:
                     crc = self.read_slab(index, buf, a, b, row_bytes, wanted, check, crc, pending)
-        _check(check, crc, info, self.here(index), dests)
+        check_checksum(check, crc, info, self.here(index), dests)
 
     def read_slab(self, index: MetadataIndex, buf: torch.Tensor, a: int, b: int, row_bytes: int, wanted: list,
                   check: bool, crc: int, pending: Optional[PendingCopies]) -> int:
@@ -414,96 +413,6 @@ class _Read:
             if pending:  # the next slab reuses the buffer
                 pending.wait()
         return crc
-
-
-@dataclass
-class CheckResult:
-    """What :func:`check_stored` read: files opened, items and bytes checked, and every problem found."""
-
-    files: int = 0
-    items: int = 0
-    bytes_checked: int = 0
-    problems: list[str] = field(default_factory=list)
-
-
-def check_stored(store: BlobStore, md: Metadata, where: str, *, threads: int, progress: Optional[Progress] = None) -> CheckResult:
-    """Read every stored chunk and value ``md`` lists, as a load does, checking each file and each checksum.
-
-    Nothing is copied anywhere: each chunk streams through the read buffers, and a problem does not stop
-    the check; every one is collected in the result.
-    """
-    fsd: FileStorageData = md.storage_data
-    shapes = ChunkShapes(md)
-    items = []
-    for index in fsd.items:
-        entry = md.state_dict_metadata.get(index.fqn)
-        if isinstance(entry, TensorStorageMetadata):
-            shape = shapes.get(index) or ()
-            items.append(ReadItem(LoadItemType.TENSOR, index, torch.Size([0] * len(shape)), index,
-                                  torch.Size([0] * len(shape)), torch.Size(shape)))
-        else:
-            items.append(ReadItem(LoadItemType.BYTE_IO, index, torch.Size([]), index, torch.Size([]), torch.Size([])))
-    check = _Check(store, md, LoadPlan(items), None, where, True, frozenset())
-    check.open_files()
-    try:
-        check.execute(threads, True, progress)
-    finally:
-        check.close()
-    return check.result
-
-
-class _Check(_Read):
-    """A read that checks instead of delivering: every chunk goes through the buffers, problems are collected."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.result = CheckResult()
-
-    def problem(self, text: str) -> None:
-        with self.lock:
-            self.result.problems.append(text)
-
-    def open_files(self) -> None:
-        by_file: dict[str, list[MetadataIndex]] = defaultdict(list)
-        for index, info in self.infos.items():
-            by_file[info.file].append(index)
-        self.result.files = len(self.fsd.files)
-        for name in sorted(self.fsd.files):
-            spans: dict = {}
-            try:
-                self.blobs.update(open_and_validate(self.store, self.fsd, [name], self.where, spans))
-            except CheckpointError as exc:
-                self.problem(str(exc))
-                for index in by_file.pop(name, []):
-                    del self.by_chunk[index]
-                continue
-            for index in by_file.get(name, []):
-                info = self.infos[index]
-                try:
-                    check_header_entry(spans[name], info.offset, info.length, self.form(index),
-                                       f"{self.where}: key {index.fqn!r}, file {name!r}")
-                except CheckpointError as exc:
-                    self.problem(str(exc))
-
-    def split_direct(self) -> tuple[list[_Direct], list[MetadataIndex]]:
-        return [], sorted(self.by_chunk, key=lambda ix: (self.infos[ix].file, self.infos[ix].offset))
-
-    def run_buffered(self, index: MetadataIndex) -> None:
-        info = self.infos[index]
-        try:
-            if self.by_chunk[index][0].type == LoadItemType.BYTE_IO:
-                _check(True, crc32c(_read_exact(self.reader(info.file), info.length, info.offset, self.here(index), info.file)),
-                       info, self.here(index))
-            elif not self.codecs[index].identity:
-                self.decode_chunk(index, [], True)
-            elif info.length:
-                self.stream_chunk(index, [], True)
-        except CheckpointError as exc:
-            self.problem(str(exc))
-            return
-        with self.lock:
-            self.result.items += 1
-            self.result.bytes_checked += info.length
 
 
 def split_lanes(files: list[str], sizes: list[int], threads: int) -> list[tuple[str, list[int]]]:
@@ -610,7 +519,7 @@ class ChunkShapes:
         return table.get(tuple(index.offset or ()))
 
 
-def _check(verify: bool, got: int, info: StorageInfo, here: str, dests: list = ()) -> None:
+def check_checksum(verify: bool, got: int, info: StorageInfo, here: str, dests: list = ()) -> None:
     """Raise if the checksum of a chunk read differs from the stored one, first zeroing ``dests``:
     bytes that failed their checksum never stay in the caller's tensors."""
     if verify and got != info.crc32c:
@@ -629,7 +538,7 @@ def _read_into(blob: BlobReader, view: memoryview, offset: int, here: str, file:
                                      f"{offset}; it is truncated")
 
 
-def _read_exact(blob: BlobReader, n: int, offset: int, here: str, file: str) -> bytes:
+def read_exact(blob: BlobReader, n: int, offset: int, here: str, file: str) -> bytes:
     buf = bytearray(n)
     _read_into(blob, memoryview(buf), offset, here, file)
     return bytes(buf)
