@@ -26,7 +26,9 @@ __all__ = [
     "supports",
     "plans_on_columns",
     "keeps_plans",
+    "resolves_columns",
     "declares",
+    "resolves_in_bulk",
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -43,6 +45,8 @@ load verifies whole, which this rank then reads only in part without checking th
 
 _COLUMNAR = "_distckpt_plans_on_columns"
 _KEEPS = "_distckpt_keeps_plans"
+_RESOLVES = "_distckpt_resolves_columns"
+_RESOLVE_STEPS = ("resolve_data", "lookup_object", "transform_object")
 
 
 def supports(storage: Any, capability: str) -> bool:
@@ -65,7 +69,21 @@ def keeps_plans(method: F) -> F:
     return method
 
 
+def resolves_columns(method: F) -> F:
+    """Declare that a SavePlanner's ``resolve_data`` (and the ``lookup_object`` and ``transform_object`` it
+    calls) return, for each item of a plan whose items are intact :class:`~distckpt.item_columns.WriteColumns`,
+    that item's ``data`` column (a tensor detached, a value's bytes in a BytesIO), so that the writer may read
+    the column instead of calling it per item. All three methods must carry the declaration."""
+    setattr(method, _RESOLVES, True)
+    return method
+
+
 def declares(obj: Any, method: str, decorator: Callable) -> bool:
     """Whether the ``method`` that ``obj`` would call carries the declaration ``decorator`` makes."""
-    mark = {plans_on_columns: _COLUMNAR, keeps_plans: _KEEPS}[decorator]
+    mark = {plans_on_columns: _COLUMNAR, keeps_plans: _KEEPS, resolves_columns: _RESOLVES}[decorator]
     return bool(getattr(getattr(type(obj), method, None), mark, False))
+
+
+def resolves_in_bulk(planner: Any) -> bool:
+    """Whether ``planner`` declares :func:`resolves_columns` on every step of resolving an item's data."""
+    return all(declares(planner, m, resolves_columns) for m in _RESOLVE_STEPS)

@@ -23,6 +23,7 @@ from .wire.columns import (
     KEEP_MAGIC,
     PLAN_MAGIC,
     RESULTS_MAGIC,
+    ColumnResults,
     PlanColumns,
     ResultColumns,
     decode_keep,
@@ -115,8 +116,7 @@ class _Save:
                  coord: Coordinator, failure: Optional[BaseException]) -> None:
         self.state_dict, self.writer, self.planner, self.coord, self.failure = state_dict, writer, planner, coord, failure
         self.cache: Optional[PlanCache] = getattr(planner, "plan_cache", None)
-        self.columnar = (coord.use_dist and declares(planner, "create_global_plan", plans_on_columns)
-                         and supports(writer, COLUMNAR_COMMIT))
+        self.columnar = declares(planner, "create_global_plan", plans_on_columns) and supports(writer, COLUMNAR_COMMIT)
         self.local_plan: Optional[SavePlan] = None
         self.fast: Optional[ColumnarPlan] = None  # coordinator: set when global planning ran on columns
         self.object_metadata: Optional[Metadata] = None  # coordinator: set when it ran on objects
@@ -130,6 +130,8 @@ class _Save:
         except CheckpointError:
             self.discard()  # the coordinator may have taken the save's lease already
             raise
+        if isinstance(central_plan, bytes):  # one process: the reply did not travel, nor was it decoded
+            central_plan = self.dec_reply(central_plan)
         central_plan = self.cached_central(central_plan)
         try:
             return self.coord.all_reduce("save write", lambda: self.write_step(central_plan), self.finish_step,
@@ -156,6 +158,8 @@ class _Save:
         return plan
 
     def global_step(self, all_plans: list) -> list:
+        if self.columnar and not self.coord.use_dist:  # the plan did not travel: take its columns as a rank's would come
+            all_plans = [self.dec_plan(self.enc_plan(p)) if isinstance(p, SavePlan) and p.usable else p for p in all_plans]
         if self.columnar and self.cache is not None:
             marks = _unchanged(all_plans)
             if not all(marks):
@@ -250,6 +254,7 @@ class _Save:
         return dumps(encode_write_results(results))
 
     def finish_step(self, all_results: list) -> Metadata:
+        all_results = [r.columns if isinstance(r, ColumnResults) else r for r in all_results]
         if self.fast is not None:
             if all(isinstance(r, ResultColumns) for r in all_results):
                 metadata = lazy_metadata(self.writer.columnar_document(self.fast, all_results), "the save's metadata")

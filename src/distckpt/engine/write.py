@@ -5,23 +5,27 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional
 
+import numpy as np
 import torch
 
 from .. import knobs
+from ..capabilities import resolves_in_bulk
 from ..errors import CheckpointError
 from ..format.checksum import crc32c
 from ..format.chunk_codec import IDENTITY, ChunkCodec
 from ..format.datafile import VALUE_FORM, Entry, build_header, entry_name, stored_form
 from ..format.dtypes import itemsize
 from ..format.records import FileInfo, FileResult, StorageInfo
+from ..item_columns import BYTES, WriteColumns
 from ..planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from ..planning.resharding import volume
 from ..progress import Progress
 from ..storage import WriteResult
+from ..wire.columns import ColumnResults, ResultColumns
 from .blobs import BlobStore, BlobWriter
 from .budget import ByteBudget
 from .device_copy import PendingCopies, caller_streams, to_host
-from .tensor_bytes import host_bytes, is_lazy_view
+from .tensor_bytes import flat_bytes, host_bytes, is_lazy_view
 from .windows import windows
 
 __all__ = ["write_file", "split_runs"]
@@ -30,9 +34,14 @@ __all__ = ["write_file", "split_runs"]
 _LINE = 64  # bytes: a cache line, and the alignment of torch's CPU allocations
 
 
+def identity_codec(item: WriteItem) -> ChunkCodec:
+    """Every item stored as it is (format 2.0)."""
+    return IDENTITY
+
+
 def write_file(store: BlobStore, name: str, save_id: str, rank: int, plan: SavePlan, planner: SavePlanner,
                *, threads: int, sync: bool, is_coordinator: bool = True,
-               codec_of: Callable[[WriteItem], ChunkCodec] = lambda item: IDENTITY) -> list[WriteResult]:
+               codec_of: Callable[[WriteItem], ChunkCodec] = identity_codec) -> list[WriteResult]:
     """Write one rank's items into data files; return a WriteResult per item, plus a FileResult per file.
 
     Items keep plan order and are split into up to ``threads`` contiguous runs
@@ -41,6 +50,10 @@ def write_file(store: BlobStore, name: str, save_id: str, rank: int, plan: SaveP
     kernel. Within a file, adjacent items go out in batches of about
     ``io_batch_bytes`` with one vectored write each, straight from tensor memory.
     A tensor item whose ``codec_of`` is not the identity is encoded whole first, and stored as a byte entry.
+
+    A plan whose items are intact :class:`WriteColumns`, from a planner that declares
+    :func:`~distckpt.capabilities.resolves_columns`, is written from the columns: no item object is built,
+    and the results come as :class:`ColumnResults` (the same WriteResults, built when read).
     """
     return _RankWrite(store, save_id, rank, plan, planner, threads, sync, is_coordinator, codec_of).run(name)
 
@@ -60,6 +73,20 @@ def _entries(plan: SavePlan, planner: SavePlanner, codecs: list[ChunkCodec]) -> 
             nbytes = volume(td.chunk.sizes) * itemsize(td.properties.dtype)
             code, shape = stored_form(td.properties.dtype, tuple(td.chunk.sizes), nbytes)
             entries.append(Entry(entry_name(item.index.fqn, tuple(item.index.offset or ())), code, shape, nbytes))
+            payloads.append(None)
+    return entries, payloads
+
+
+def _column_entries(cols: WriteColumns) -> tuple[list[Entry], list[Optional[bytes]]]:
+    """:func:`_entries` of a plan's columns."""
+    entries, payloads = [], []
+    for fqn, code, dtype, offsets, sizes, nbytes, data in zip(cols.fqn, cols.code, cols.dtype, cols.offsets, cols.sizes,
+                                                              cols.nbytes, cols.data):
+        if code == BYTES:
+            entries.append(Entry(fqn, VALUE_FORM, (nbytes,), nbytes))
+            payloads.append(data)
+        else:
+            entries.append(Entry(entry_name(fqn, offsets), *stored_form(dtype, sizes, nbytes), nbytes))
             payloads.append(None)
     return entries, payloads
 
@@ -91,8 +118,15 @@ class _RankWrite:
     def __init__(self, store: BlobStore, save_id: str, rank: int, plan: SavePlan, planner: SavePlanner,
                  threads: int, sync: bool, is_coordinator: bool, codec_of: Callable[[WriteItem], ChunkCodec]) -> None:
         self.store, self.save_id, self.rank, self.plan, self.planner, self.sync = store, save_id, rank, plan, planner, sync
-        self.codecs = [IDENTITY if item.type == WriteItemType.BYTE_IO else codec_of(item) for item in plan.items]
-        self.entries, self.payloads = _entries(plan, planner, self.codecs)
+        items = plan.items
+        self.columns = items if (isinstance(items, WriteColumns) and items.intact and codec_of is identity_codec
+                                 and resolves_in_bulk(planner)) else None
+        if self.columns is not None:
+            self.codecs = [IDENTITY] * len(items)
+            self.entries, self.payloads = _column_entries(self.columns)
+        else:
+            self.codecs = [IDENTITY if item.type == WriteItemType.BYTE_IO else codec_of(item) for item in items]
+            self.entries, self.payloads = _entries(plan, planner, self.codecs)
         n = len(self.entries)
         self.crcs, self.offsets, self.item_file = [0] * n, [0] * n, [""] * n
         total = sum(e.nbytes for e in self.entries)
@@ -115,6 +149,12 @@ class _RankWrite:
                 futures = [pool.submit(self.write_one_file, n, g) for n, g in zip(names, self.groups)]
                 files = [f.result() for f in futures]
         self.progress.close()
+        if self.columns is not None:
+            number = {file_name: i for i, (file_name, _, _) in enumerate(files)}
+            return ColumnResults(ResultColumns(
+                [[file_name, size, self.rank, lead_crc] for file_name, size, lead_crc in files],
+                np.array([number[f] for f in self.item_file], dtype=np.int64), np.array(self.offsets, dtype=np.int64),
+                np.array([e.nbytes for e in self.entries], dtype=np.int64), np.array(self.crcs, dtype=np.int64)), self.columns)
         results: list[WriteResult] = [
             WriteResult(item.index, e.nbytes, StorageInfo(f, off, e.nbytes, c, codec.name))
             for item, e, off, c, f, codec in zip(self.plan.items, self.entries, self.offsets, self.crcs, self.item_file, self.codecs)]
@@ -170,12 +210,14 @@ class _RankWrite:
         """
         if self.payloads[i] is not None:
             return memoryview(self.payloads[i]), None, 0
-        item = self.plan.items[i]
-        tensor = self.planner.resolve_data(item)
+        if self.columns is not None:
+            fqn, tensor, want = self.columns.fqn[i], self.columns.data[i], self.columns.dtype[i]
+        else:
+            item = self.plan.items[i]
+            fqn, tensor, want = item.index.fqn, self.planner.resolve_data(item), item.tensor_data.properties.dtype
         if not isinstance(tensor, torch.Tensor):
-            raise CheckpointError(f"resolve_data for tensor item {item.index.fqn!r} returned {type(tensor).__name__}")
+            raise CheckpointError(f"resolve_data for tensor item {fqn!r} returned {type(tensor).__name__}")
         copied = 0
-        want = item.tensor_data.properties.dtype
         if tensor.dtype == torch.bool and want == torch.bool and tensor.numel():
             raw = tensor.view(torch.uint8)
             if bool(raw.gt(1).any()):  # bools stored as other bytes than 0 and 1 (format.md, section 4): make them so
@@ -188,10 +230,10 @@ class _RankWrite:
             except BaseException:
                 self.budget.release(copied)
                 raise
-        data, owner = host_bytes(tensor)
+        data, owner = host_bytes(tensor) if copied else (flat_bytes(tensor), tensor)
         if len(data) != self.entries[i].nbytes:
             self.budget.release(copied)
-            raise CheckpointError(f"key {item.index.fqn!r}: resolve_data returned {len(data)} bytes, the plan expects "
+            raise CheckpointError(f"key {fqn!r}: resolve_data returned {len(data)} bytes, the plan expects "
                                   f"{self.entries[i].nbytes}")
         return data, owner, copied
 

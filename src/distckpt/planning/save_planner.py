@@ -7,21 +7,21 @@ from typing import Any, Optional, Union
 
 import torch
 
-from ..capabilities import plans_on_columns
+from ..capabilities import plans_on_columns, resolves_columns
 from ..errors import CheckpointError, UnsupportedTensorError
-from ..format.dtypes import dtype_name
+from ..format.dtypes import dtype_name, itemsize
 from ..format.values import encode_value
+from ..item_columns import SHARD, TENSOR, WriteColumns
 from ..metadata import (
     STATE_DICT_TYPE,
     BytesStorageMetadata,
-    ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
     StorageMeta,
     TensorProperties,
     TensorStorageMetadata,
 )
-from ..planner import BytesIOWriteData, SavePlan, SavePlanner, TensorWriteData, WriteItem, WriteItemType
+from ..planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from ..wire.columns import PlanColumns
 from .columnar import ColumnarPlan, plan_columns, to_metadata
 from .dedup import dedup_and_balance
@@ -134,33 +134,37 @@ class DefaultSavePlanner(SavePlanner):
         self.is_coordinator = is_coordinator
 
     def create_local_plan(self) -> SavePlan:
-        items = []
+        """One write item per chunk this rank holds and per value, as :class:`WriteColumns`: the items are built
+        as objects only when something reads them (a subclass, a custom storage writer)."""
+        cols = WriteColumns()
         self._encoded = {}
         for fqn, obj in self.state_dict.items():
             if isinstance(obj, torch.Tensor):
-                items.extend(self._tensor_items(fqn, obj))
+                _check_storable(fqn, obj)
+                if is_dtensor(obj) or is_sharded_tensor(obj):
+                    global_size, pieces = local_pieces(fqn, obj)
+                    dtype, requires_grad = dtype_of(obj)
+                    size, width = tuple(global_size), itemsize(dtype)
+                    for local, offsets, sizes in pieces:
+                        cols.add_tensor(fqn, SHARD, local, dtype, requires_grad, size, tuple(offsets), tuple(sizes),
+                                        local.numel() * width)
+                else:
+                    shape = tuple(obj.shape)
+                    cols.add_tensor(fqn, TENSOR, obj, obj.dtype, obj.requires_grad, shape, (0,) * len(shape), shape,
+                                    obj.nbytes)
             else:
                 raw = encode_value(obj, allow_pickle=self.allow_pickle, where=f"state dict key {fqn!r}")
                 self._encoded[fqn] = raw
-                items.append(WriteItem(MetadataIndex(fqn), WriteItemType.BYTE_IO, BytesIOWriteData(len(raw))))
-        plan = SavePlan(items, planner_data=self.mappings if self.flatten_state_dict else None)
+                cols.add_bytes(fqn, raw)
+        plan = SavePlan(cols, planner_data=self.mappings if self.flatten_state_dict else None)
         self.plan = plan
         return plan
-
-    def _tensor_items(self, fqn: str, tensor: torch.Tensor) -> list[WriteItem]:
-        _check_storable(fqn, tensor)
-        global_size, pieces = local_pieces(fqn, tensor)
-        dtype, requires_grad = dtype_of(tensor)
-        props = TensorProperties(dtype=dtype, requires_grad=requires_grad)
-        kind = WriteItemType.SHARD if is_dtensor(tensor) or is_sharded_tensor(tensor) else WriteItemType.TENSOR
-        return [WriteItem(MetadataIndex(fqn, offsets), kind, tensor_data=TensorWriteData(
-                    ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)), props, torch.Size(global_size)))
-                for _, offsets, sizes in pieces]
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
         self.plan = new_plan
         return new_plan
 
+    @resolves_columns
     def resolve_data(self, write_item: WriteItem) -> Union[torch.Tensor, io.BytesIO]:
         fqn = write_item.index.fqn
         if write_item.type == WriteItemType.BYTE_IO:
@@ -170,6 +174,7 @@ class DefaultSavePlanner(SavePlanner):
             return io.BytesIO(raw)
         return self.transform_object(write_item, self.lookup_object(write_item.index))
 
+    @resolves_columns
     def lookup_object(self, index: MetadataIndex) -> Any:
         """The state dict value behind ``index`` (the local shard, for a DTensor or ShardedTensor)."""
         try:
@@ -180,6 +185,7 @@ class DefaultSavePlanner(SavePlanner):
             return piece_at(index.fqn, obj, index.offset)
         return obj
 
+    @resolves_columns
     def transform_object(self, write_item: WriteItem, obj: Any) -> Any:
         """Hook for subclasses: change an object just before it is written."""
         return obj.detach() if isinstance(obj, torch.Tensor) else obj

@@ -14,6 +14,7 @@ caller then sends the plan in the general JSON form.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -23,13 +24,14 @@ import torch
 from ..format.chunk_codec import IDENTITY
 from ..format.codec import dec_props, enc_props, opaque_from, opaque_to
 from ..format.records import FileInfo, FileResult, StorageInfo
-from ..metadata import ChunkStorageMetadata, MetadataIndex
+from ..item_columns import WriteColumns
+from ..metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from ..planner import BytesIOWriteData, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from ..storage import WriteResult
 from .frames import decode_frame, encode_frame, pack_json, smallest_uint, unpack_json
 
 __all__ = ["PLAN_MAGIC", "KEEP_MAGIC", "RESULTS_MAGIC", "PlanColumns", "ResultColumns", "encode_plan_columns",
-           "encode_keep", "decode_keep", "encode_result_columns", "plain_dict"]
+           "encode_keep", "decode_keep", "encode_result_columns", "plain_dict", "ColumnResults"]
 
 PLAN_MAGIC = b"\x00DPL"
 KEEP_MAGIC = b"\x00DKP"
@@ -117,6 +119,8 @@ def encode_plan_columns(plan: SavePlan) -> Optional[bytes]:
     """The plan as a column frame, or None when its items do not have the regular shape columns hold."""
     if plan.planner_data is not None and not plain_dict(plan.planner_data):
         return None
+    if isinstance(plan.items, WriteColumns) and plan.items.intact:
+        return _encode_write_columns(plan, plan.items)
     key_row: dict[str, int] = {}
     keys: list = []
     item_key: list[int] = []
@@ -164,6 +168,42 @@ def encode_plan_columns(plan: SavePlan) -> Optional[bytes]:
                                      smallest_uint(np.asarray(item_key, dtype=np.int64)), smallest_uint(off_arr), smallest_uint(size_arr)])
 
 
+def _encode_write_columns(plan: SavePlan, cols: WriteColumns) -> Optional[bytes]:
+    """:func:`encode_plan_columns` straight from the planner's columns, without building the items."""
+    key_row: dict[str, int] = {}
+    keys: list = []
+    item_key: list[int] = []
+    props: dict = {}
+    for fqn, code, dtype, rg, size, nbytes in zip(cols.fqn, cols.code, cols.dtype, cols.requires_grad, cols.size, cols.nbytes):
+        if code == BYTES_CODE:
+            row = [fqn, code, None, None, nbytes]
+        else:
+            p = props.get((dtype, rg))
+            if p is None:
+                p = props[(dtype, rg)] = enc_props(TensorProperties(dtype=dtype, requires_grad=bool(rg)))
+            row = [fqn, code, p, list(size), None]
+        k = key_row.get(fqn)
+        if k is None:
+            k = key_row[fqn] = len(keys)
+            keys.append(row)
+        elif keys[k] != row:
+            return None
+        item_key.append(k)
+    depth = max(map(len, cols.offsets), default=0)
+    n = len(item_key)
+    off_arr = np.zeros((n, depth), dtype=np.int64)
+    size_arr = np.zeros((n, depth), dtype=np.int64)
+    for nd in set(map(len, cols.offsets)):
+        if nd:
+            rows = [i for i, o in enumerate(cols.offsets) if len(o) == nd]
+            off_arr[rows, :nd] = [cols.offsets[i] for i in rows]
+            size_arr[rows, :nd] = [cols.sizes[i] for i in rows]
+    planner_json = None if plan.planner_data is None else opaque_to(plan.planner_data, "plan planner_data", True)
+    meta = {"storage_data": opaque_to(plan.storage_data, "plan storage_data", True), "usable": bool(plan.usable)}
+    return encode_frame(PLAN_MAGIC, [pack_json(keys), pack_json(meta), pack_json(planner_json),
+                                     smallest_uint(np.asarray(item_key, dtype=np.int64)), smallest_uint(off_arr), smallest_uint(size_arr)])
+
+
 def encode_keep(keep: np.ndarray, storage_data: Any) -> bytes:
     """The coordinator's reply to a column plan: which of the rank's items it writes, and the storage data."""
     return encode_frame(KEEP_MAGIC, [pack_json({"n": int(len(keep)), "storage_data": opaque_to(storage_data, "plan storage_data", True)}),
@@ -178,7 +218,10 @@ def decode_keep(raw: bytes, local: SavePlan) -> SavePlan:
     if n != len(local.items):
         raise ValueError(f"the coordinator's reply covers {n} items, this rank planned {len(local.items)}")
     keep = np.unpackbits(bits, count=n).astype(bool).tolist()
-    items = [it for it, k in zip(local.items, keep) if k]
+    if isinstance(local.items, WriteColumns) and local.items.intact:
+        items = local.items.select(keep)
+    else:
+        items = [it for it, k in zip(local.items, keep) if k]
     return SavePlan(items, opaque_from(meta["storage_data"], "save plan", True), local.planner_data, True)
 
 
@@ -211,9 +254,49 @@ class ResultColumns:
         return out
 
 
+class ColumnResults(Sequence):
+    """A rank's write results as :class:`ResultColumns`, standing in for the list of WriteResults
+    ``write_data`` returns: the objects are built (once) when someone reads them."""
+
+    def __init__(self, columns: ResultColumns, items: WriteColumns) -> None:
+        self.columns, self._plan_items = columns, items
+        self._results: Optional[list[WriteResult]] = None
+
+    def results(self) -> list[WriteResult]:
+        if self._results is None:
+            self._results = self.columns.to_results(list(self._plan_items))
+        return self._results
+
+    def __len__(self) -> int:
+        return len(self.columns.file_no) + len(self.columns.files)
+
+    def __getitem__(self, i):
+        return self.results()[i]
+
+    def __iter__(self):
+        return iter(self.results())
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, (list, ColumnResults)) and self.results() == list(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __add__(self, other) -> list:
+        return self.results() + list(other)
+
+    def __radd__(self, other) -> list:
+        return list(other) + self.results()
+
+    def __repr__(self) -> str:
+        return f"ColumnResults({len(self.columns.file_no)} items, {len(self.columns.files)} files)"
+
+
 def encode_result_columns(results: list[WriteResult], plan: SavePlan) -> Optional[bytes]:
     """Results of writing ``plan`` as columns, or None unless they are exactly one StorageInfo per
     plan item, in plan order, followed by one FileResult per data file."""
+    if isinstance(results, ColumnResults) and results.columns.file_no.shape[0] == len(plan.items):
+        c = results.columns
+        return encode_frame(RESULTS_MAGIC, [pack_json(c.files)] + [smallest_uint(a) for a in (c.file_no, c.offset, c.length, c.crc)])
     n = len(plan.items)
     if len(results) < n:
         return None

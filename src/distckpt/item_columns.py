@@ -1,0 +1,160 @@
+"""A save plan's items as columns: the protocol's WriteItems, built only when someone asks for one.
+
+A state dict of tens of thousands of small tensors spends its save time per
+item, and most of it building objects (a WriteItem, its index, its chunk, its
+properties, three sizes) that the default planner, the coordinator and the
+storage writer only read field by field. :class:`WriteColumns` keeps those
+fields in lists, one entry per item, next to the data each item writes, and
+stands in for ``SavePlan.items``: it is a sequence of WriteItems to anyone who
+reads it as one.
+
+Reading one item (indexing, iterating) builds the WriteItems once and from
+then on they are the plan: a planner may change them in place, as the
+protocol allows (an fp16 planner rewrites ``properties.dtype``), so the
+columns are no longer trusted (``intact`` turns false) and every later step
+takes the protocol's object path. Code that knows the columns asks
+``intact`` first and reads the lists.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import MutableSequence
+from typing import Any, Iterable, Iterator, Optional
+
+import torch
+
+from .metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from .planner import BytesIOWriteData, TensorWriteData, WriteItem, WriteItemType
+
+__all__ = ["WriteColumns", "TENSOR", "SHARD", "BYTES"]
+
+TENSOR, SHARD, BYTES = 0, 1, 2  # the item's WriteItemType, as stored in ``code``
+_TYPES = (WriteItemType.TENSOR, WriteItemType.SHARD, WriteItemType.BYTE_IO)
+
+
+class WriteColumns(MutableSequence):
+    """Write items, one entry per item in each list.
+
+    ``fqn``; ``code`` (TENSOR, SHARD or BYTES); for tensor items ``dtype``,
+    ``requires_grad``, ``size`` (the global size), ``offsets`` and ``sizes``
+    (the chunk) as tuples; ``nbytes`` (the stored bytes of a chunk, the
+    encoded length of a value); ``data``: what ``resolve_data`` would return
+    before its transform (the local tensor of the chunk, or the value's bytes).
+    """
+
+    __slots__ = ("fqn", "code", "dtype", "requires_grad", "size", "offsets", "sizes", "nbytes", "data", "_items")
+
+    def __init__(self) -> None:
+        self.fqn: list[str] = []
+        self.code: list[int] = []
+        self.dtype: list[Optional[torch.dtype]] = []
+        self.requires_grad: list[bool] = []
+        self.size: list[tuple] = []
+        self.offsets: list[tuple] = []
+        self.sizes: list[tuple] = []
+        self.nbytes: list[int] = []
+        self.data: list[Any] = []
+        self._items: Optional[list[WriteItem]] = None
+
+    def add_tensor(self, fqn: str, code: int, data: torch.Tensor, dtype: torch.dtype, requires_grad: bool,
+                   size: tuple, offsets: tuple, sizes: tuple, nbytes: int) -> None:
+        self.fqn.append(fqn)
+        self.code.append(code)
+        self.dtype.append(dtype)
+        self.requires_grad.append(requires_grad)
+        self.size.append(size)
+        self.offsets.append(offsets)
+        self.sizes.append(sizes)
+        self.nbytes.append(nbytes)
+        self.data.append(data)
+
+    def add_bytes(self, fqn: str, raw: bytes) -> None:
+        self.fqn.append(fqn)
+        self.code.append(BYTES)
+        self.dtype.append(None)
+        self.requires_grad.append(False)
+        self.size.append(())
+        self.offsets.append(())
+        self.sizes.append(())
+        self.nbytes.append(len(raw))
+        self.data.append(raw)
+
+    @property
+    def intact(self) -> bool:
+        """Whether the columns still are the plan (no item was handed out, so none can have changed)."""
+        return self._items is None
+
+    def select(self, keep: list[bool]) -> "WriteColumns":
+        """The items whose ``keep`` is true, as columns (this object itself when all are kept)."""
+        if not self.intact:
+            raise ValueError("the columns were given up for items; select on the items instead")
+        if all(keep):
+            return self
+        out = WriteColumns()
+        for name in ("fqn", "code", "dtype", "requires_grad", "size", "offsets", "sizes", "nbytes", "data"):
+            setattr(out, name, [v for v, k in zip(getattr(self, name), keep) if k])
+        return out
+
+    # ------------------------------------------------------------ the sequence of WriteItems
+
+    def items(self) -> list[WriteItem]:
+        """The WriteItems (built on first call; from then on they, not the columns, are the plan)."""
+        if self._items is None:
+            self._items = list(self._build())
+        return self._items
+
+    def _build(self) -> Iterator[WriteItem]:
+        for fqn, code, dtype, rg, size, offs, sizes, nbytes in zip(self.fqn, self.code, self.dtype, self.requires_grad,
+                                                                    self.size, self.offsets, self.sizes, self.nbytes):
+            if code == BYTES:
+                yield WriteItem(MetadataIndex(fqn), WriteItemType.BYTE_IO, BytesIOWriteData(nbytes))
+                continue
+            offsets = torch.Size(offs)
+            yield WriteItem(MetadataIndex(fqn, offsets), _TYPES[code], tensor_data=TensorWriteData(
+                ChunkStorageMetadata(offsets, torch.Size(sizes)), TensorProperties(dtype=dtype, requires_grad=rg),
+                torch.Size(size)))
+
+    def __len__(self) -> int:
+        return len(self.fqn) if self._items is None else len(self._items)
+
+    def __getitem__(self, i):
+        return self.items()[i]
+
+    def __setitem__(self, i, value) -> None:
+        self.items()[i] = value
+
+    def __delitem__(self, i) -> None:
+        del self.items()[i]
+
+    def insert(self, i: int, value: WriteItem) -> None:
+        self.items().insert(i, value)
+
+    def __iter__(self) -> Iterator[WriteItem]:
+        return iter(self.items())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, WriteColumns) and self.intact and other.intact:
+            return (self.fqn == other.fqn and self.code == other.code and self.dtype == other.dtype
+                    and self.requires_grad == other.requires_grad and self.size == other.size
+                    and self.offsets == other.offsets and self.sizes == other.sizes and self.nbytes == other.nbytes)
+        if isinstance(other, (list, WriteColumns)):
+            return self.items() == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __add__(self, other: Iterable[WriteItem]) -> list[WriteItem]:
+        return self.items() + list(other)
+
+    def __radd__(self, other: Iterable[WriteItem]) -> list[WriteItem]:
+        return list(other) + self.items()
+
+    def __repr__(self) -> str:
+        return f"WriteColumns({len(self)} items)"
+
+    def __deepcopy__(self, memo: dict) -> list[WriteItem]:
+        return copy.deepcopy(self.items(), memo)  # items, not the data they refer to
+
+    def __reduce__(self):
+        return list, (self.items(),)
