@@ -30,6 +30,7 @@ from .wire.columns import (
     encode_keep,
     encode_plan_columns,
     encode_result_columns,
+    local_plan_columns,
 )
 from .wire.frames import frame_kind
 from .wire.plans import decode_save_plan, decode_write_results, encode_save_plan, encode_write_results
@@ -159,7 +160,7 @@ class _Save:
 
     def global_step(self, all_plans: list) -> list:
         if self.columnar and not self.coord.use_dist:  # the plan did not travel: take its columns as a rank's would come
-            all_plans = [self.dec_plan(self.enc_plan(p)) if isinstance(p, SavePlan) and p.usable else p for p in all_plans]
+            all_plans = [self.in_columns(p) if isinstance(p, SavePlan) and p.usable else p for p in all_plans]
         if self.columnar and self.cache is not None:
             marks = _unchanged(all_plans)
             if not all(marks):
@@ -217,6 +218,11 @@ class _Save:
         if self.cache.central is None:
             raise CheckpointError(f"the coordinator sent a cached plan this rank does not have; {NO_CACHE_MESSAGE}")
         return replace(self.cache.central, storage_data=central_plan.storage_data)
+
+    def in_columns(self, p: SavePlan):
+        """A plan of this process as the coordinator would receive it from a rank."""
+        local = local_plan_columns(p)
+        return local if local is not None else self.dec_plan(self.enc_plan(p))
 
     def enc_plan(self, p: SavePlan) -> bytes:
         raw = encode_plan_columns(p) if self.columnar and p.usable else None

@@ -201,16 +201,34 @@ def stored_save_id(document: bytes) -> Optional[str]:
 SUPPORTED_MAJORS = (1, 2)
 
 
-def tensor_row(size: list, properties: list, chunks: list) -> dict:
-    """A tensor's entry of ``state_dict_metadata``; each chunk is [offsets, sizes] or, with locations
-    inline, [offsets, sizes, file number, offset, crc32c] (docs/format.md, section 3)."""
-    return {"type": "tensor", "size": size, "properties": properties, "chunks": chunks}
+_PROPS_TEXT: dict[tuple, str] = {}  # a few distinct property lists: dtypes x requires_grad
+_quote = json.encoder.encode_basestring  # a JSON string literal, as dumps(..., ensure_ascii=False) writes it
 
 
-def bytes_row(at: Optional[tuple]) -> dict:
-    """A value's entry of ``state_dict_metadata``; ``at`` is (file number, offset, length, crc32c), or None
-    where locations are not inline."""
-    return {"type": "bytes"} if at is None else {"type": "bytes", "at": at}
+def _join(values) -> str:
+    return ",".join(map(str, values))
+
+
+def tensor_row(size: list, properties: list, chunks: list) -> str:
+    """A tensor's entry of ``state_dict_metadata``, as JSON text; each chunk is [offsets, sizes] or, with
+    locations inline, [offsets, sizes, file number, offset, crc32c] (docs/format.md, section 3).
+
+    Rows are written as text, not built as dicts for ``json.dumps``: a document of many small tensors is
+    mostly rows, and this is its one writer for both planning paths (the text is what ``dumps`` gives)."""
+    parts = []
+    for c in chunks:
+        head = f"[[{_join(c[0])}],[{_join(c[1])}]"
+        parts.append(f"{head},{c[2]},{c[3]},{c[4]}]" if len(c) == 5 else head + "]")
+    props = _PROPS_TEXT.get(tuple(properties))
+    if props is None:
+        props = _PROPS_TEXT[tuple(properties)] = dumps(properties).decode()
+    return f'{{"type":"tensor","size":[{_join(size)}],"properties":{props},"chunks":[{",".join(parts)}]}}'
+
+
+def bytes_row(at: Optional[tuple]) -> str:
+    """A value's entry of ``state_dict_metadata``, as JSON text; ``at`` is (file number, offset, length,
+    crc32c), or None where locations are not inline."""
+    return '{"type":"bytes"}' if at is None else f'{{"type":"bytes","at":[{_join(at)}]}}'
 
 
 def file_table(save_id: str, files: list) -> dict:
@@ -261,21 +279,16 @@ def encode_metadata(md: Metadata) -> bytes:
     return metadata_document(sdm, storage, opaque_to(md.planner_data, "metadata planner_data", False), md.storage_meta)
 
 
-def metadata_document(sdm: dict, storage: Any, planner: Any, sm: Optional[StorageMeta]) -> bytes:
-    """Serialise the already-encoded members of a metadata document and append its checksum."""
-    body = {
-        "format": FORMAT_NAME,
-        "format_version": FORMAT_VERSION_STR,
-        "state_dict_metadata": sdm,
-        "storage_data": storage,
-        "planner_data": planner,
-        "storage_meta": None if sm is None else {
-            "checkpoint_id": None if sm.checkpoint_id is None else str(sm.checkpoint_id),
-            "save_id": sm.save_id, "load_id": sm.load_id, "modules": list(sm.modules)},
-    }
-    text = dumps(body)
-    assert text.endswith(b"}")
-    prefix = text[:-1]
+def metadata_document(sdm: dict[str, str], storage: Any, planner: Any, sm: Optional[StorageMeta]) -> bytes:
+    """Serialise the already-encoded members of a metadata document (``sdm``: key to the JSON text of its
+    row) and append its checksum."""
+    rows = ",".join(f"{_quote(fqn)}:{row}" for fqn, row in sdm.items())
+    meta = None if sm is None else {
+        "checkpoint_id": None if sm.checkpoint_id is None else str(sm.checkpoint_id),
+        "save_id": sm.save_id, "load_id": sm.load_id, "modules": list(sm.modules)}
+    prefix = b"".join((b'{"format":', dumps(FORMAT_NAME), b',"format_version":', dumps(FORMAT_VERSION_STR),
+                       b',"state_dict_metadata":{', rows.encode("utf-8"), b'},"storage_data":', dumps(storage),
+                       b',"planner_data":', dumps(planner), b',"storage_meta":', dumps(meta)))
     return prefix + b',"crc32c":"' + format_crc(crc32c(prefix)).encode() + b'"}\n'
 
 

@@ -16,6 +16,7 @@ error that names the problem.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -128,7 +129,7 @@ def plan_columns(all_cols: list[PlanColumns], dedup: bool = True) -> ColumnarPla
         raise Declined("replicas disagree, or a rank lists an item twice")
     cover = np.zeros(n_keys, dtype=np.int64)
     np.add.at(cover, g_s[starts], elems[order][starts])
-    full = np.array([int(np.prod(r[3])) if r[3] is not None else 0 for r in rows], dtype=np.int64)
+    full = np.array([math.prod(r[3]) if r[3] is not None else 0 for r in rows], dtype=np.int64)
     if (cover[is_tensor] != full[is_tensor]).any():
         raise Declined("chunks do not cover their tensors")
 

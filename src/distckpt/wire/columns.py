@@ -31,7 +31,8 @@ from ..storage import WriteResult
 from .frames import decode_frame, encode_frame, pack_json, smallest_uint, unpack_json
 
 __all__ = ["PLAN_MAGIC", "KEEP_MAGIC", "RESULTS_MAGIC", "PlanColumns", "ResultColumns", "encode_plan_columns",
-           "encode_keep", "decode_keep", "encode_result_columns", "plain_dict", "ColumnResults"]
+           "encode_keep", "decode_keep", "encode_result_columns", "plain_dict", "ColumnResults",
+           "local_plan_columns"]
 
 PLAN_MAGIC = b"\x00DPL"
 KEEP_MAGIC = b"\x00DKP"
@@ -170,6 +171,30 @@ def encode_plan_columns(plan: SavePlan) -> Optional[bytes]:
 
 def _encode_write_columns(plan: SavePlan, cols: WriteColumns) -> Optional[bytes]:
     """:func:`encode_plan_columns` straight from the planner's columns, without building the items."""
+    parts = _write_column_parts(plan, cols)
+    if parts is None:
+        return None
+    keys, meta, planner_json, item_key, off_arr, size_arr = parts
+    return encode_frame(PLAN_MAGIC, [pack_json(keys), pack_json(meta), pack_json(planner_json),
+                                     smallest_uint(item_key), smallest_uint(off_arr), smallest_uint(size_arr)])
+
+
+def local_plan_columns(plan: SavePlan) -> Optional[PlanColumns]:
+    """The PlanColumns a plan of intact WriteColumns would arrive as, without the frame: for a process that
+    plans its own save alone. None for any other plan."""
+    cols = plan.items
+    if not (isinstance(cols, WriteColumns) and cols.intact) or (plan.planner_data is not None and not plain_dict(plan.planner_data)):
+        return None
+    parts = _write_column_parts(plan, cols)
+    if parts is None:
+        return None
+    keys, _, planner_json, item_key, off_arr, size_arr = parts
+    out = PlanColumns(b"this process", item_key, off_arr, size_arr, b"", plan.storage_data, plan.usable)
+    out._keys, out._planner = keys, planner_json
+    return out
+
+
+def _write_column_parts(plan: SavePlan, cols: WriteColumns) -> Optional[tuple]:
     key_row: dict[str, int] = {}
     keys: list = []
     item_key: list[int] = []
@@ -200,8 +225,7 @@ def _encode_write_columns(plan: SavePlan, cols: WriteColumns) -> Optional[bytes]
             size_arr[rows, :nd] = [cols.sizes[i] for i in rows]
     planner_json = None if plan.planner_data is None else opaque_to(plan.planner_data, "plan planner_data", True)
     meta = {"storage_data": opaque_to(plan.storage_data, "plan storage_data", True), "usable": bool(plan.usable)}
-    return encode_frame(PLAN_MAGIC, [pack_json(keys), pack_json(meta), pack_json(planner_json),
-                                     smallest_uint(np.asarray(item_key, dtype=np.int64)), smallest_uint(off_arr), smallest_uint(size_arr)])
+    return keys, meta, planner_json, np.asarray(item_key, dtype=np.int64), off_arr, size_arr
 
 
 def encode_keep(keep: np.ndarray, storage_data: Any) -> bytes:
