@@ -86,6 +86,7 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gib", type=float, default=2.0, help="size of the GPT-like state")
     p.add_argument("--small", type=int, default=20000, help="count of small tensors")
+    p.add_argument("--tiny", type=int, default=200000, help="count of tiny tensors (0: skip)")
     p.add_argument("--disk-dir", default=None,
                    help="a directory on the disk to measure (default: a temporary one under the current directory)")
     p.add_argument("--tmpfs-dir", default="/dev/shm")
@@ -121,11 +122,15 @@ def main(argv=None) -> dict:
                 block = table(f"{loc_name}, {n} rank(s){', cold-cache loads' if cold else ', warm loads'}", rows)
                 print("\n".join(block), flush=True)
                 lines += block
-        rows = run_ranks(workers.small_round, 1, a.small, tmpfs, a.repeat, env=env, timeout_s=3600)[0]
-        results["small"] = rows
-        block = table(f"{a.small} small tensors (1-64 KiB), tmpfs, 1 rank", rows)
-        print("\n".join(block), flush=True)
-        lines += block
+        for key, count, tiny, what in (("small", a.small, False, "small tensors (1-64 KiB)"),
+                                       ("tiny", a.tiny, True, "tiny tensors (64 B-4 KiB)")):
+            if not count:
+                continue
+            rows = run_ranks(workers.small_round, 1, count, tmpfs, a.repeat, tiny, env=env, timeout_s=3600)[0]
+            results[key] = rows
+            block = table(f"{count} {what}, tmpfs, 1 rank", rows)
+            print("\n".join(block), flush=True)
+            lines += block
         run_ranks(workers.reshard_save, 2, total, tmpfs, env=env, timeout_s=3600)
         for n in (1, 2):
             rows = _merge(run_ranks(workers.reshard_load, n, total, tmpfs, 2, a.repeat, env=env, timeout_s=3600))

@@ -25,10 +25,12 @@ def gpt_like(total_bytes: int, seed: int = 0) -> dict[str, torch.Tensor]:
     return sd
 
 
-def many_small(count: int, seed: int = 0) -> dict[str, torch.Tensor]:
-    """``count`` fp32 tensors of 1 to 64 KiB, like per-parameter optimizer state."""
+def many_small(count: int, seed: int = 0, tiny: bool = False) -> dict[str, torch.Tensor]:
+    """``count`` fp32 tensors of 1 to 64 KiB, like per-parameter optimizer state (``tiny``: 64 B to 4 KiB,
+    like biases, norms and per-expert scalars)."""
     g = torch.Generator().manual_seed(seed)
-    sizes = torch.randint(256, 16 * 1024 + 1, (count,), generator=g).tolist()
+    low, high = (16, 1024) if tiny else (256, 16 * 1024)
+    sizes = torch.randint(low, high + 1, (count,), generator=g).tolist()
     return {f"state.{i}.exp_avg": torch.randn(n, generator=g) for i, n in enumerate(sizes)}
 
 

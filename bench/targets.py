@@ -1,4 +1,4 @@
-"""The speed targets of issue 5, checked against one run of ``bench.run``.
+"""The speed targets of issues 5 and 22, checked against one run of ``bench.run``.
 
     python -m bench.targets results.json    # a run saved with bench.run --json
 
@@ -81,6 +81,17 @@ def evaluate(results: dict) -> list[Target]:
     if small:
         for op in ("save", "load"):
             out.append(Target(f"small tensors {op}: DCP time / distckpt", _time_ratio(small, op, "dcp", "distckpt"), 5.0, True))
+    # issue 22: the per-item cost, against the floor of the same bytes
+    if small and "raw|save" in small:
+        for op in ("save", "load"):
+            out.append(Target(f"small tensors {op}: raw time / distckpt", _time_ratio(small, op, "raw", "distckpt"), 0.6, True, 1.0))
+            out.append(Target(f"small tensors {op}: DCP time / distckpt (22)", _time_ratio(small, op, "dcp", "distckpt"), 10.0, True,
+                              _time_ratio(small, op, "dcp", "raw")))
+    for ranks in (1, 2):
+        rows = results.get(f"tmpfs/{ranks}")
+        if rows and "raw|load" in rows:
+            out.append(Target(f"tmpfs {ranks} rank(s) warm load: raw time / distckpt", _time_ratio(rows, "load", "raw", "distckpt"),
+                              0.9, True, 1.0))
     for ranks in (1, 2):
         rows = results.get(f"reshard/{ranks}")
         if rows:

@@ -267,12 +267,14 @@ def peers_round(rank, world_size, total, location, cold, repeat=1):
     return {f"{p}|{o}": best(v).as_dict() for (p, o), v in runs.items()}
 
 
-def small_round(rank, world_size, count, location, repeat=1):
-    sd = many_small(count)
+def small_round(rank, world_size, count, location, repeat=1, tiny=False):
+    """Many small tensors (1-64 KiB; with ``tiny``, 64 B-4 KiB) saved and loaded by distckpt, DCP and the raw
+    floor (the same bytes with vectored I/O into as many files as distckpt writes, nothing else)."""
+    sd = many_small(count, tiny=tiny)
     size = nbytes(sd)
     runs: dict = {}
     for _ in range(repeat):
-        for peer in ("distckpt", "dcp"):  # alternating, as in peers_round
+        for peer in ("distckpt", "dcp", "raw"):  # alternating, as in peers_round
             path = os.path.join(location, f"small-{peer}")
             shutil.rmtree(path, ignore_errors=True)
             runs.setdefault(f"{peer}|save", []).append(measure(lambda: _save(peer, sd, sd, path, rank), size))

@@ -4,7 +4,8 @@ from bench import run
 
 
 def test_bench_suite_runs_every_peer_at_a_tiny_size(tmp_path, capsys):
-    results = run.main(["--gib", "0.004", "--small", "100", "--planning-ranks", "4", "--repeat", "2", "--disk-dir", str(tmp_path),
+    results = run.main(["--gib", "0.004", "--small", "100", "--tiny", "200", "--planning-ranks", "4", "--repeat", "2",
+                        "--disk-dir", str(tmp_path),
                         "--json", str(tmp_path / "r.json")])
     out = capsys.readouterr().out
     for peer in ("distckpt", "dcp", "torch.save", "safetensors", "raw"):
@@ -19,7 +20,9 @@ def test_bench_suite_runs_every_peer_at_a_tiny_size(tmp_path, capsys):
     assert {r["peer"] for r in results["planning"]} == {"distckpt", "dcp"}
     assert all(r["load_plan_s"] is not None and r["load_plan_s"] > 0 for r in results["planning"])  # DTensors on a simulated world
     assert results["baselines"]["write_fsync_gbps"] > 0
-    assert "targets (issue 5), this run:" in out and len([t for t in results["targets"] if not t["reference"]]) == 20
+    # many small and tiny tensors, beside DCP and the raw floor of the same bytes
+    assert set(results["small"]) == set(results["tiny"]) == {f"{p}|{op}" for p in ("distckpt", "dcp", "raw") for op in ("save", "load")}
+    assert "targets (issue 5), this run:" in out and len([t for t in results["targets"] if not t["reference"]]) == 26
     assert [t["name"].strip() for t in results["targets"] if t["reference"]] == ["same vs O_DIRECT sequential save",
                                                                                   "same vs O_DIRECT sequential load"]
     assert (tmp_path / "r.json").exists()
@@ -63,7 +66,9 @@ def test_targets_are_ratios_within_one_run_with_the_raw_floor_beside_them():
                      {"ranks": 8, "peer": "dcp", "total_s": 9.0, "gathered_bytes": 100, "metadata_bytes": 100}],
     }
     got = {t.name: t for t in targets.evaluate(results)}
-    assert len(got) == 13
+    assert len(got) == 14
+    warm = got["tmpfs 1 rank(s) warm load: raw time / distckpt"]  # issue 22: 0.5 s of raw against 1.0 s
+    assert not warm.met and warm.measured == 0.5 and warm.floor == 1.0
     save, load = got["disk 1 rank save vs raw write+fsync bandwidth"], got["disk 1 rank load vs raw cold read bandwidth"]
     assert save.met and abs(save.measured - 1.0) < 1e-9 and abs(save.floor - 1 / 0.9) < 1e-9
     assert not load.met and abs(load.measured - 0.5) < 1e-9 and abs(load.floor - 1.0) < 1e-9
@@ -80,7 +85,7 @@ def test_targets_are_ratios_within_one_run_with_the_raw_floor_beside_them():
     lines = targets.report(list(got.values()))
     reshard = got["reshard 2 -> 2 load: DCP time / distckpt"]
     assert not reshard.met and abs(reshard.measured - 1.6) < 1e-9 and abs(reshard.floor - 0.64 / 0.3) < 1e-9
-    assert lines[0].endswith("5 of 13 met")
+    assert lines[0].endswith("5 of 14 met")
     # a sequential row taken between the rounds is the bandwidth the disk targets are read against
     results["disk/1"] |= {"seq|save": _row(0.8), "seq|load": _row(0.96)}
     got = {t.name: t for t in targets.evaluate(results)}
@@ -93,4 +98,9 @@ def test_targets_are_ratios_within_one_run_with_the_raw_floor_beside_them():
     got = targets.evaluate(results)
     ref = [t for t in got if t.reference]
     assert [round(t.measured, 9) for t in ref] == [0.5, 1.0] and all(t.line().lstrip().startswith("ref") for t in ref)
-    assert targets.report(got)[0].endswith("of 13 met")
+    assert targets.report(got)[0].endswith("of 14 met")
+    results["small"] = {"distckpt|save": _row(0.5), "dcp|save": _row(6.0), "raw|save": _row(0.3),
+                        "distckpt|load": _row(1.0), "dcp|load": _row(6.0), "raw|load": _row(0.25)}
+    got = {t.name: t for t in targets.evaluate(results)}
+    assert got["small tensors save: raw time / distckpt"].met and got["small tensors save: DCP time / distckpt (22)"].met
+    assert not got["small tensors load: raw time / distckpt"].met and not got["small tensors load: DCP time / distckpt (22)"].met
