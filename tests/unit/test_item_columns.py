@@ -1,0 +1,114 @@
+"""The columnar save path (WriteColumns items, bulk resolve, column results) against the protocol's object path."""
+
+import copy
+
+import pytest
+import torch
+
+import distckpt
+from distckpt import DefaultSavePlanner
+from distckpt.backends.filesystem import FileSystemReader
+from distckpt.item_columns import WriteColumns
+from distckpt.planner import WriteItem
+
+
+def _state():
+    g = torch.Generator().manual_seed(3)
+    return {
+        "f32": torch.randn(33, 7, generator=g),
+        "bf16": torch.randn(5, 9, generator=g).to(torch.bfloat16),
+        "i64": torch.arange(11),
+        "flag": torch.tensor([True, False, True]),
+        "cplx": torch.randn(4, generator=g, dtype=torch.complex64),
+        "f8": torch.randn(6, generator=g).to(torch.float8_e4m3fn),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.zeros(0, 3),
+        "grad": torch.randn(3, generator=g, requires_grad=True),
+        "step": 17,
+        "nested": {"lr": 0.1, "name": "adam"},
+    }
+
+
+class _ObjectPath(DefaultSavePlanner):
+    """Overrides transform_object without declaring resolves_columns: the writer must call resolve_data per item."""
+
+    calls = 0
+
+    def transform_object(self, write_item, obj):
+        type(self).calls += 1
+        return super().transform_object(write_item, obj)
+
+
+class _HalfPlanner(DefaultSavePlanner):
+    """The protocol's fp16 pattern: rewrite the dtype of the local plan's float items in place."""
+
+    def create_local_plan(self):
+        plan = super().create_local_plan()
+        for item in plan.items:
+            if item.tensor_data is not None and item.tensor_data.properties.dtype == torch.float32:
+                item.tensor_data.properties.dtype = torch.float16
+        return plan
+
+
+def _locations(path):
+    md = FileSystemReader(path).read_metadata()
+    return md, {ix: (si.length, si.crc32c) for ix, si in md.storage_data.items.items()}
+
+
+def _blank(sd):
+    out = {}
+    for k, v in sd.items():
+        out[k] = torch.zeros_like(v).detach() if isinstance(v, torch.Tensor) else (dict(v) if isinstance(v, dict) else v)
+    return out
+
+
+def test_columns_and_objects_store_the_same_items_of_every_dtype(tmp_path):
+    sd = _state()
+    distckpt.save(sd, checkpoint_id=tmp_path / "cols")
+    _ObjectPath.calls = 0
+    distckpt.save(sd, checkpoint_id=tmp_path / "objs", planner=_ObjectPath())
+    assert _ObjectPath.calls == 9  # one per tensor: the object path ran there
+    md_c, loc_c = _locations(tmp_path / "cols")
+    md_o, loc_o = _locations(tmp_path / "objs")
+    assert md_c.state_dict_metadata == md_o.state_dict_metadata and md_c.planner_data == md_o.planner_data
+    assert loc_c == loc_o  # the same lengths and checksums, item for item
+    for name in ("cols", "objs"):
+        dest = _blank(sd)
+        distckpt.load(dest, checkpoint_id=tmp_path / name)
+        for k, v in sd.items():
+            if isinstance(v, torch.Tensor):
+                assert dest[k].dtype == v.dtype and torch.equal(dest[k].reshape(-1).view(torch.uint8), v.detach().reshape(-1).view(torch.uint8)), k
+        assert dest["step"] == 17 and dest["nested"] == {"lr": 0.1, "name": "adam"}
+    assert distckpt.verify(tmp_path / "cols").ok
+
+
+def test_a_planner_that_changes_its_items_in_place_is_saved_as_changed(tmp_path):
+    sd = {"w": torch.randn(8, 8), "ids": torch.arange(4)}
+    distckpt.save(sd, checkpoint_id=tmp_path / "ck", planner=_HalfPlanner())
+    md = FileSystemReader(tmp_path / "ck").read_metadata()
+    assert md.state_dict_metadata["w"].properties.dtype == torch.float16
+    assert md.state_dict_metadata["ids"].properties.dtype == torch.int64
+    dest = {"w": torch.zeros(8, 8, dtype=torch.float16), "ids": torch.zeros(4, dtype=torch.int64)}
+    distckpt.load(dest, checkpoint_id=tmp_path / "ck")
+    assert torch.equal(dest["w"], sd["w"].half()) and torch.equal(dest["ids"], sd["ids"])
+
+
+def test_write_columns_build_items_only_when_read_and_then_give_up_the_columns():
+    planner = DefaultSavePlanner()
+    planner.set_up_planner({"a": torch.ones(2, 3), "b": 5}, None, True)
+    plan = planner.create_local_plan()
+    cols = plan.items
+    assert isinstance(cols, WriteColumns) and cols.intact and len(cols) == 2 and cols.intact
+    again = DefaultSavePlanner()
+    again.set_up_planner({"a": torch.ones(2, 3), "b": 5}, None, True)
+    assert again.create_local_plan().items == cols and cols.intact  # compared column-wise
+    assert cols.select([False, True]).fqn == ["b"] and cols.select([True, True]) is cols
+    copied = copy.deepcopy(plan)
+    assert isinstance(copied.items, list) and all(isinstance(i, WriteItem) for i in copied.items)
+    first = cols[0]
+    assert not cols.intact and first.index.fqn == "a" and list(first.tensor_data.size) == [2, 3]
+    assert cols == copied.items and cols + [] == copied.items
+    with pytest.raises(ValueError):
+        cols.select([True, False])
+    cols.append(first)
+    assert len(cols) == 3
