@@ -77,7 +77,8 @@ def test_columns_and_objects_store_the_same_items_of_every_dtype(tmp_path):
         distckpt.load(dest, checkpoint_id=tmp_path / name)
         for k, v in sd.items():
             if isinstance(v, torch.Tensor):
-                assert dest[k].dtype == v.dtype and torch.equal(dest[k].reshape(-1).view(torch.uint8), v.detach().reshape(-1).view(torch.uint8)), k
+                got, want = dest[k].reshape(-1).view(torch.uint8), v.detach().reshape(-1).view(torch.uint8)
+                assert dest[k].dtype == v.dtype and torch.equal(got, want), k
         assert dest["step"] == 17 and dest["nested"] == {"lr": 0.1, "name": "adam"}
     assert distckpt.verify(tmp_path / "cols").ok
 
