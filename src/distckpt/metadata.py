@@ -95,6 +95,17 @@ class MetadataIndex:
         object.__setattr__(self, "offset", offset if offset is None or type(offset) is torch.Size else torch.Size(offset))
         object.__setattr__(self, "index", index)
 
+    def __hash__(self) -> int:
+        # kept once computed: a load looks each index up in several tables, tens of thousands of times
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.fqn, self.offset))
+            object.__setattr__(self, "_hash", h)
+        return h
+
+    def __reduce__(self):
+        return MetadataIndex, (self.fqn, self.offset, self.index)  # not the hash: string hashes differ between processes
+
 
 @dataclass
 class StorageMeta:

@@ -92,7 +92,7 @@ def read_items(store: BlobStore, md: Metadata, plan: LoadPlan, planner: LoadPlan
         read.close()
 
 
-_Direct = tuple  # (chunk index, destination tensor, the destination's bytes)
+_Direct = tuple  # (chunk index, destination tensor, the destination's bytes, its StorageInfo, its ReadItem)
 
 
 class Read:
@@ -117,7 +117,13 @@ class Read:
                 raise CorruptCheckpointError(f"{where}: key {index.fqn!r} chunk {list(index.offset or [])} has no storage "
                                              "entry in the metadata")
             self.infos[index], self.chunk_shapes[index] = info, shape
-        self.codecs = {index: codec_named(info.codec, self.here(index)) for index, info in self.infos.items()}
+        by_name: dict = {}
+        self.codecs = {}
+        for index, info in self.infos.items():
+            codec = by_name.get(info.codec)
+            if codec is None:
+                codec = by_name[info.codec] = codec_named(info.codec, self.here(index))
+            self.codecs[index] = codec
         self.lock = threading.Lock()
         self.budget = ByteBudget(knobs.memory_budget_bytes())
         self.per_thread = threading.local()
@@ -136,8 +142,9 @@ class Read:
         self.blobs = open_and_validate(self.store, self.fsd, {i.file for i in self.infos.values()}, self.where, spans)
         try:
             for index, info in self.infos.items():
-                check_header_entry(spans[info.file], info.offset, info.length, self.form(index),
-                                   f"{self.here(index)}, file {info.file!r}")
+                form, file_spans = self.form(index), spans[info.file]
+                if form not in file_spans.get((info.offset, info.offset + info.length), ()):  # the error names the chunk
+                    check_header_entry(file_spans, info.offset, info.length, form, f"{self.here(index)}, file {info.file!r}")
         except BaseException:
             self.close()
             raise
@@ -160,16 +167,16 @@ class Read:
         """In file order: chunks read straight into their destination, and chunks that go through a buffer."""
         direct: list[_Direct] = []
         buffered: list[MetadataIndex] = []
-        for index in sorted(self.by_chunk, key=lambda ix: (self.infos[ix].file, self.infos[ix].offset)):
+        sdm = self.md.state_dict_metadata
+        for index, info in sorted(self.infos.items(), key=lambda kv: (kv[1].file, kv[1].offset)):
             items, shape = self.by_chunk[index], self.chunk_shapes[index]
             if (items[0].type == LoadItemType.TENSOR and len(items) == 1 and tuple(items[0].lengths) == shape
                     and self.codecs[index].identity):
                 dest = self.planner.resolve_tensor(items[0])
-                entry = self.md.state_dict_metadata[index.fqn]
-                same = dest.dtype == entry.properties.dtype and tuple(dest.shape) == shape
+                same = dest.dtype == sdm[index.fqn].properties.dtype and tuple(dest.shape) == shape
                 view = writable_bytes(dest) if same else None
                 if view is not None:
-                    direct.append((index, dest, view))
+                    direct.append((index, dest, view, info, items[0]))
                     continue
             buffered.append(index)
         return direct, buffered
@@ -182,9 +189,9 @@ class Read:
         run: list = []
         total = 0
         for job in direct:
-            info = self.infos[job[0]]
+            info = job[3]
             if run:
-                prev = self.infos[run[-1][0]]
+                prev = run[-1][3]
                 if prev.file != info.file or prev.offset + prev.length != info.offset or total + info.length > limit:
                     tasks.append((self.run_direct, run))
                     run, total = [], 0
@@ -203,7 +210,7 @@ class Read:
         """Bytes a task reads (or, ``delivered``, brings into destinations)."""
         fn, arg = task
         if fn == self.run_direct:
-            return sum(self.infos[index].length for index, _, _ in arg)
+            return sum(job[3].length for job in arg)
         if delivered:
             return _item_bytes(self.md, self.by_chunk[arg], self.infos[arg])
         return self.infos[arg].length
@@ -287,9 +294,9 @@ class Read:
 
     def run_direct(self, batch: list[_Direct]) -> None:
         """Read adjacent chunks straight into their destinations with vectored reads, checksumming on the way."""
-        first = self.infos[batch[0][0]]
+        first = batch[0][3]
         blob = self.reader(first.file)
-        views = [view for _, _, view in batch]
+        views = [job[2] for job in batch]
         crcs = [0] * len(views)
         position = first.offset
         for pieces in windows(views, self.direct_window(blob, views, position)):
@@ -302,12 +309,12 @@ class Read:
                 for j, piece in pieces:
                     crcs[j] = crc32c(piece, crcs[j])
             position += want
-        bad = [(index, dest, crc) for (index, dest, _), crc in zip(batch, crcs) if self.verify and crc != self.infos[index].crc32c]
+        bad = [(job, crc) for job, crc in zip(batch, crcs) if self.verify and crc != job[3].crc32c]
         if bad:  # every chunk of the batch that failed is zeroed, not only the first
-            check_checksum(self.verify, bad[0][2], self.infos[bad[0][0]], self.here(bad[0][0]), [dest for _, dest, _ in bad])
-        for index, dest, _ in batch:
-            with self.lock:
-                self.planner.commit_tensor(self.by_chunk[index][0], dest)
+            check_checksum(self.verify, bad[0][1], bad[0][0][3], self.here(bad[0][0][0]), [job[1] for job, _ in bad])
+        with self.lock:
+            for _, dest, _, _, item in batch:
+                self.planner.commit_tensor(item, dest)
 
     def run_buffered(self, index: MetadataIndex) -> None:
         """Read one chunk through a buffer into every destination that needs part of it."""

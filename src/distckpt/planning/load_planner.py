@@ -133,6 +133,12 @@ class DefaultLoadPlanner(LoadPlanner):
             raise DTypeMismatchError(
                 f"key {fqn!r}: your tensor has dtype {dtype} but {self._checkpoint_name()} stores "
                 f"{md.properties.dtype}; pass planner=DefaultLoadPlanner(allow_dtype_conversion=True) to convert")
+        if len(md.chunks) == 1 and len(pieces) == 1:
+            chunk, (_, offsets, sizes) = md.chunks[0], pieces[0]
+            if tuple(chunk.sizes) == tuple(md.size) == tuple(sizes):  # one whole chunk into one whole tensor
+                zeros = torch.Size([0] * len(sizes))
+                return [ReadItem(LoadItemType.TENSOR, MetadataIndex(fqn, offsets), zeros, MetadataIndex(fqn, chunk.offsets, 0),
+                                 zeros, md.size)]
         reads = []
         chunks = ChunkIndex(md.chunks)
         for _, offsets, sizes in pieces:
@@ -173,6 +179,8 @@ class DefaultLoadPlanner(LoadPlanner):
 
     def transform_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> torch.Tensor:
         """The region of ``tensor`` that ``read_item`` fills."""
+        if read_item.lengths == tensor.shape:  # all of it
+            return tensor
         for dim, (off, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
             tensor = tensor.narrow(dim, off, length)
         return tensor
