@@ -68,14 +68,24 @@ def enc_props(p: TensorProperties) -> list:
     return [dtype_name(p.dtype), layout, bool(p.requires_grad), mf, bool(p.pin_memory)]
 
 
+_DECODED_PROPS: dict[tuple, tuple] = {}  # property lists already checked (a few: dtypes x flags), as fields
+
+
 def dec_props(data: Any, where: str) -> TensorProperties:
+    if type(data) is list and len(data) == 5 and all(type(x) is str or type(x) is bool for x in data):
+        fields = _DECODED_PROPS.get(tuple(data))
+        if fields is not None:
+            return TensorProperties(*fields)  # a new object each time: planners may change one in place
     if not isinstance(data, list) or len(data) != 5:
         raise CorruptCheckpointError(f"{where}: malformed tensor properties {data!r:.200}")
     dt, layout, rg, mf, pin = data
     if (not isinstance(layout, str) or not isinstance(mf, str) or layout not in _LAYOUTS or mf not in _MEMORY_FORMATS
             or type(rg) is not bool or type(pin) is not bool):
         raise CorruptCheckpointError(f"{where}: malformed tensor properties {data!r:.200}")
-    return TensorProperties(dtype_from_name(dt, where), _LAYOUTS[layout], rg, _MEMORY_FORMATS[mf], pin)
+    fields = (dtype_from_name(dt, where), _LAYOUTS[layout], rg, _MEMORY_FORMATS[mf], pin)
+    if type(dt) is str and len(_DECODED_PROPS) < 1024:
+        _DECODED_PROPS[tuple(data)] = fields
+    return TensorProperties(*fields)
 
 
 def enc_chunk(c: ChunkStorageMetadata) -> list:

@@ -125,6 +125,11 @@ def _from(data: Any, allow_pickle: bool, where: str, depth: int, budget: list[in
             return float(v)
         if tag == "tuple":
             _need(isinstance(v, list))
+            if all(type(x) is str or type(x) is int for x in v):  # a key's path in the state dict: no nesting
+                budget[0] -= len(v)
+                if budget[0] < 0:
+                    raise CorruptCheckpointError(f"{where}: more than {MAX_NODES} nested values")
+                return tuple(v)
             return tuple(_from(x, allow_pickle, where, depth + 1, budget) for x in v)
         if tag == "bytes":
             _need(isinstance(v, str))
