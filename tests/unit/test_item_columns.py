@@ -113,3 +113,29 @@ def test_write_columns_build_items_only_when_read_and_then_give_up_the_columns()
         cols.select([True, False])
     cols.append(first)
     assert len(cols) == 3
+
+
+def test_a_damaged_item_inside_a_batch_is_named_alone_across_two_files(tmp_path, monkeypatch):
+    monkeypatch.setenv("DISTCKPT_IO_THREADS", "2")
+    monkeypatch.setenv("DISTCKPT_MIN_FILE_BYTES", "4096")  # two data files, each written by its own thread
+    dtypes = [torch.float32, torch.bfloat16, torch.int32, torch.float64, torch.uint8]
+    g = torch.Generator().manual_seed(5)
+    sd = {f"p{i}": torch.randint(0, 100, (64 + i,), generator=g).to(dtypes[i % len(dtypes)]) for i in range(300)}
+    distckpt.save(sd, checkpoint_id=tmp_path / "ck")
+    md = FileSystemReader(tmp_path / "ck").read_metadata()
+    files = sorted(md.storage_data.files)
+    assert len(files) == 2
+    in_second = sorted((si.offset, ix.fqn, si) for ix, si in md.storage_data.items.items() if si.file == files[1])
+    _, victim, si = in_second[len(in_second) // 2]  # one item in the middle of a batch of the second file
+    with open(tmp_path / "ck" / si.file, "r+b") as f:
+        f.seek(si.offset + si.length // 2)
+        byte = f.read(1)
+        f.seek(si.offset + si.length // 2)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    dest = {k: torch.zeros_like(v) for k, v in sd.items()}
+    with pytest.raises(distckpt.CorruptCheckpointError) as info:
+        distckpt.load(dest, checkpoint_id=tmp_path / "ck")
+    named = [k for k in sd if f"'{k}'" in str(info.value)]
+    assert named == [victim], str(info.value)
+    with pytest.raises(distckpt.CorruptCheckpointError, match=f"key '{victim}'"):
+        distckpt.verify(tmp_path / "ck")
