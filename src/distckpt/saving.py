@@ -260,8 +260,8 @@ class _Save:
         return dumps(encode_write_results(results))
 
     def finish_step(self, all_results: list) -> Metadata:
-        all_results = [r.columns if isinstance(r, ColumnResults) else r for r in all_results]
         if self.fast is not None:
+            all_results = [r.columns if isinstance(r, ColumnResults) else r for r in all_results]
             if all(isinstance(r, ResultColumns) for r in all_results):
                 metadata = lazy_metadata(self.writer.columnar_document(self.fast, all_results), "the save's metadata")
                 self.writer.finish(metadata=metadata, results=all_results)

@@ -139,3 +139,22 @@ def test_a_damaged_item_inside_a_batch_is_named_alone_across_two_files(tmp_path,
     assert named == [victim], str(info.value)
     with pytest.raises(distckpt.CorruptCheckpointError, match=f"key '{victim}'"):
         distckpt.verify(tmp_path / "ck")
+
+
+def test_a_writer_that_does_not_commit_columns_gets_the_items_as_objects(tmp_path):
+    from distckpt import FileSystemWriter
+
+    class _ObjectWriter(FileSystemWriter):
+        capabilities = frozenset()  # no COLUMNAR_COMMIT: global planning and commit on objects
+
+        def write_data(self, plan, planner):
+            assert not (isinstance(plan.items, WriteColumns) and plan.items.intact)
+            return super().write_data(plan, planner)
+
+    sd = _state()
+    distckpt.save(sd, storage_writer=_ObjectWriter(tmp_path / "ck"))
+    distckpt.save(sd, checkpoint_id=tmp_path / "cols")
+    assert _locations(tmp_path / "ck")[1] == _locations(tmp_path / "cols")[1]
+    dest = _blank(sd)
+    distckpt.load(dest, checkpoint_id=tmp_path / "ck")
+    assert torch.equal(dest["f32"], sd["f32"]) and dest["nested"] == {"lr": 0.1, "name": "adam"}
