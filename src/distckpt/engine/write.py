@@ -212,6 +212,11 @@ class _RankWrite:
             return memoryview(self.payloads[i]), None, 0
         if self.columns is not None:
             fqn, tensor, want = self.columns.fqn[i], self.columns.data[i], self.columns.dtype[i]
+            if (type(tensor) is torch.Tensor and tensor.dtype is want and want is not torch.bool and tensor.is_cpu
+                    and tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg()):
+                data = flat_bytes(tensor)  # the common case, checked in one go: host memory of the stored form
+                if len(data) == self.entries[i].nbytes:
+                    return data, tensor, 0
         else:
             item = self.plan.items[i]
             fqn, tensor, want = item.index.fqn, self.planner.resolve_data(item), item.tensor_data.properties.dtype
