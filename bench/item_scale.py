@@ -5,7 +5,7 @@ the steps distckpt.save runs before and after the bytes move (the default planne
 columns, global planning on columns, the metadata document from column results), and the steps a
 load runs before it reads (parsing that document, the default load planner's local plan). DCP's
 planning of the same state (its local and global plan, metadata built) is timed beside it at the
-counts where it finishes in reasonable time.
+counts where it finishes in reasonable time, with the size of its pickled metadata.
 
     python -m bench.item_scale [--items 20000 200000 2000000] [--dcp-max 200000]
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import pickle
 import time
 
 import numpy as np
@@ -80,7 +81,7 @@ def dcp_steps(sd: dict) -> dict:
         load_s = time.perf_counter() - t
     finally:
         gc.enable()
-    return {"save_plan_s": save_s, "load_plan_s": load_s}
+    return {"save_plan_s": save_s, "load_plan_s": load_s, "metadata_bytes": len(pickle.dumps(md))}
 
 
 def main(argv=None) -> list[dict]:
@@ -98,7 +99,7 @@ def main(argv=None) -> list[dict]:
             r = fn(sd) | {"items": n, "peer": peer}
             rows.append(r)
             doc = f"{r['document_s']:11.3f} {r['metadata_bytes'] / 1e6:12.1f} {r['parse_s']:8.3f}" if "document_s" in r else \
-                f"{'':11} {'':12} {'':8}"
+                f"{'':11} {r['metadata_bytes'] / 1e6:12.1f} {'':8}"
             print(f"{n:9d} {peer:<9} {r['save_plan_s']:12.3f} {r['save_plan_s'] / n * 1e6:8.2f} {doc} "
                   f"{r['load_plan_s']:12.3f} {r['load_plan_s'] / n * 1e6:8.2f}", flush=True)
     return rows

@@ -104,3 +104,12 @@ def test_targets_are_ratios_within_one_run_with_the_raw_floor_beside_them():
     got = {t.name: t for t in targets.evaluate(results)}
     assert got["small tensors save: raw time / distckpt"].met and got["small tensors save: DCP time / distckpt (22)"].met
     assert not got["small tensors load: raw time / distckpt"].met and not got["small tensors load: DCP time / distckpt (22)"].met
+
+
+def test_item_scale_reports_planning_per_item_beside_dcp(capsys):
+    from bench import item_scale
+
+    rows = item_scale.main(["--items", "300", "600", "--dcp-max", "300"])
+    assert [(r["items"], r["peer"]) for r in rows] == [(300, "distckpt"), (300, "dcp"), (600, "distckpt")]
+    assert all(r["save_plan_s"] > 0 and r["load_plan_s"] > 0 and r["metadata_bytes"] > 0 for r in rows)
+    assert rows[0]["parse_s"] > 0 and "us/item" in capsys.readouterr().out
