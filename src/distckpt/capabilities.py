@@ -46,7 +46,8 @@ load verifies whole, which this rank then reads only in part without checking th
 _COLUMNAR = "_distckpt_plans_on_columns"
 _KEEPS = "_distckpt_keeps_plans"
 _RESOLVES = "_distckpt_resolves_columns"
-_RESOLVE_STEPS = ("resolve_data", "lookup_object", "transform_object")
+_RESOLVE_STEPS = {"save": ("resolve_data", "lookup_object", "transform_object"),
+                  "load": ("resolve_tensor", "lookup_tensor", "transform_tensor", "commit_tensor")}
 
 
 def supports(storage: Any, capability: str) -> bool:
@@ -73,7 +74,11 @@ def resolves_columns(method: F) -> F:
     """Declare that a SavePlanner's ``resolve_data`` (and the ``lookup_object`` and ``transform_object`` it
     calls) return, for each item of a plan whose items are intact :class:`~distckpt.item_columns.WriteColumns`,
     that item's ``data`` column (a tensor detached, a value's bytes in a BytesIO), so that the writer may read
-    the column instead of calling it per item. All three methods must carry the declaration."""
+    the column instead of calling it per item. All three methods must carry the declaration.
+
+    On a LoadPlanner, on ``resolve_tensor``, ``lookup_tensor``, ``transform_tensor`` and ``commit_tensor``:
+    for each column item of intact :class:`~distckpt.item_columns.ReadColumns`, ``resolve_tensor`` returns its
+    ``dest`` column and ``commit_tensor`` does nothing, so that the reader may fill ``dest`` directly."""
     setattr(method, _RESOLVES, True)
     return method
 
@@ -84,6 +89,7 @@ def declares(obj: Any, method: str, decorator: Callable) -> bool:
     return bool(getattr(getattr(type(obj), method, None), mark, False))
 
 
-def resolves_in_bulk(planner: Any) -> bool:
-    """Whether ``planner`` declares :func:`resolves_columns` on every step of resolving an item's data."""
-    return all(declares(planner, m, resolves_columns) for m in _RESOLVE_STEPS)
+def resolves_in_bulk(planner: Any, direction: str = "save") -> bool:
+    """Whether ``planner`` declares :func:`resolves_columns` on every step of resolving an item's data
+    (``direction``: "save" or "load")."""
+    return all(declares(planner, m, resolves_columns) for m in _RESOLVE_STEPS[direction])

@@ -1,4 +1,4 @@
-"""A save plan's items as columns: the protocol's WriteItems, built only when someone asks for one.
+"""Plans' items as columns: the protocol's WriteItems and ReadItems, built only when someone asks for one.
 
 A state dict of tens of thousands of small tensors spends its save time per
 item, and most of it building objects (a WriteItem, its index, its chunk, its
@@ -25,9 +25,9 @@ from typing import Any, Iterable, Iterator, Optional
 import torch
 
 from .metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-from .planner import BytesIOWriteData, TensorWriteData, WriteItem, WriteItemType
+from .planner import BytesIOWriteData, LoadItemType, ReadItem, TensorWriteData, WriteItem, WriteItemType
 
-__all__ = ["WriteColumns", "TENSOR", "SHARD", "BYTES"]
+__all__ = ["WriteColumns", "ReadColumns", "TENSOR", "SHARD", "BYTES"]
 
 TENSOR, SHARD, BYTES = 0, 1, 2  # the item's WriteItemType, as stored in ``code``
 _TYPES = (WriteItemType.TENSOR, WriteItemType.SHARD, WriteItemType.BYTE_IO)
@@ -155,6 +155,111 @@ class WriteColumns(MutableSequence):
 
     def __deepcopy__(self, memo: dict) -> list[WriteItem]:
         return copy.deepcopy(self.items(), memo)  # items, not the data they refer to
+
+    def __reduce__(self):
+        return list, (self.items(),)
+
+
+class ReadColumns(MutableSequence):
+    """Read items of a load plan: whole stored chunks into whole destinations as columns, the rest as ReadItems.
+
+    Column items, one entry per item in each list: ``fqn``; ``code`` (TENSOR or BYTES); for tensors
+    ``dest_offsets`` (where the destination sits in the global tensor: its ``dest_index``), ``chunk_offsets``
+    and ``chunk_index`` (the stored chunk: its ``storage_index``), ``size`` (the chunk's and the destination's
+    shape: the item copies all of it) and ``dest`` (the destination tensor ``resolve_tensor`` would return).
+    ``general`` holds every other item as a ReadItem. As with :class:`WriteColumns`, reading an item builds
+    them all, and from then on the objects are the plan (``intact`` is false).
+    """
+
+    __slots__ = ("fqn", "code", "dest_offsets", "chunk_offsets", "chunk_index", "size", "dest", "general", "_items")
+
+    def __init__(self) -> None:
+        self.fqn: list[str] = []
+        self.code: list[int] = []
+        self.dest_offsets: list[tuple] = []
+        self.chunk_offsets: list[tuple] = []
+        self.chunk_index: list[int] = []
+        self.size: list[tuple] = []
+        self.dest: list[Optional[torch.Tensor]] = []
+        self.general: list[ReadItem] = []
+        self._items: Optional[list[ReadItem]] = None
+
+    def add_whole(self, fqn: str, dest: torch.Tensor, dest_offsets: tuple, chunk_offsets: tuple, chunk_index: int,
+                  size: tuple) -> None:
+        self.fqn.append(fqn)
+        self.code.append(TENSOR)
+        self.dest_offsets.append(dest_offsets)
+        self.chunk_offsets.append(chunk_offsets)
+        self.chunk_index.append(chunk_index)
+        self.size.append(size)
+        self.dest.append(dest)
+
+    def add_bytes(self, fqn: str) -> None:
+        self.fqn.append(fqn)
+        self.code.append(BYTES)
+        self.dest_offsets.append(())
+        self.chunk_offsets.append(())
+        self.chunk_index.append(0)
+        self.size.append(())
+        self.dest.append(None)
+
+    @property
+    def intact(self) -> bool:
+        """Whether the columns still are the plan (no item was handed out)."""
+        return self._items is None
+
+    def column_item(self, i: int) -> ReadItem:
+        """The ReadItem of column item ``i``, built alone (the columns stay the plan)."""
+        fqn = self.fqn[i]
+        if self.code[i] == BYTES:
+            index, empty = MetadataIndex(fqn), torch.Size([0])
+            return ReadItem(LoadItemType.BYTE_IO, index, empty, index, empty, empty)
+        zeros = torch.Size([0] * len(self.size[i]))
+        return ReadItem(LoadItemType.TENSOR, MetadataIndex(fqn, self.dest_offsets[i]), zeros,
+                        MetadataIndex(fqn, self.chunk_offsets[i], self.chunk_index[i]), zeros, torch.Size(self.size[i]))
+
+    def items(self) -> list[ReadItem]:
+        """The ReadItems (built on first call; from then on they, not the columns, are the plan)."""
+        if self._items is None:
+            self._items = [self.column_item(i) for i in range(len(self.fqn))] + self.general
+        return self._items
+
+    def __len__(self) -> int:
+        return len(self.fqn) + len(self.general) if self._items is None else len(self._items)
+
+    def __getitem__(self, i):
+        return self.items()[i]
+
+    def __setitem__(self, i, value) -> None:
+        self.items()[i] = value
+
+    def __delitem__(self, i) -> None:
+        del self.items()[i]
+
+    def insert(self, i: int, value: ReadItem) -> None:
+        self.items().insert(i, value)
+
+    def __iter__(self) -> Iterator[ReadItem]:
+        return iter(self.items())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (list, ReadColumns)):
+            return self.items() == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __add__(self, other: Iterable[ReadItem]) -> list[ReadItem]:
+        return self.items() + list(other)
+
+    def __radd__(self, other: Iterable[ReadItem]) -> list[ReadItem]:
+        return list(other) + self.items()
+
+    def __repr__(self) -> str:
+        return f"ReadColumns({len(self)} items)"
+
+    def __deepcopy__(self, memo: dict) -> list[ReadItem]:
+        return copy.deepcopy(self.items(), memo)
 
     def __reduce__(self):
         return list, (self.items(),)

@@ -158,3 +158,56 @@ def test_a_writer_that_does_not_commit_columns_gets_the_items_as_objects(tmp_pat
     dest = _blank(sd)
     distckpt.load(dest, checkpoint_id=tmp_path / "ck")
     assert torch.equal(dest["f32"], sd["f32"]) and dest["nested"] == {"lr": 0.1, "name": "adam"}
+
+
+class _ObjectLoad(distckpt.DefaultLoadPlanner):
+    """Overrides resolve_tensor without declaring resolves_columns: the reader must ask it per item."""
+
+    calls = 0
+
+    def resolve_tensor(self, read_item):
+        type(self).calls += 1
+        return super().resolve_tensor(read_item)
+
+
+def test_loads_from_columns_and_from_objects_fill_the_same_bytes(tmp_path):
+    sd = _state()
+    distckpt.save(sd, checkpoint_id=tmp_path / "ck")
+    dest_c, dest_o = _blank(sd), _blank(sd)
+    distckpt.load(dest_c, checkpoint_id=tmp_path / "ck")
+    _ObjectLoad.calls = 0
+    distckpt.load(dest_o, checkpoint_id=tmp_path / "ck", planner=_ObjectLoad())
+    assert _ObjectLoad.calls == 9
+    for k, v in sd.items():
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(dest_c[k].reshape(-1).view(torch.uint8), dest_o[k].reshape(-1).view(torch.uint8)), k
+            assert torch.equal(dest_c[k].reshape(-1).view(torch.uint8), v.detach().reshape(-1).view(torch.uint8)), k
+    assert dest_c["nested"] == dest_o["nested"] == {"lr": 0.1, "name": "adam"}
+
+
+def test_a_whole_chunk_into_another_dtype_or_a_strided_destination_goes_through_a_buffer(tmp_path):
+    sd = {"w": torch.randn(6, 4), "b": torch.arange(5, dtype=torch.int32)}
+    distckpt.save(sd, checkpoint_id=tmp_path / "ck")
+    strided = torch.zeros(4, 6).t()  # not contiguous: no byte view to read into
+    dest = {"w": strided, "b": torch.zeros(5, dtype=torch.int64)}
+    distckpt.load(dest, checkpoint_id=tmp_path / "ck", planner=distckpt.DefaultLoadPlanner(allow_dtype_conversion=True))
+    assert torch.equal(dest["w"], sd["w"]) and torch.equal(dest["b"], sd["b"].long())
+
+
+def test_read_columns_build_items_only_when_read():
+    from distckpt.item_columns import ReadColumns
+    from distckpt.metadata import BytesStorageMetadata, ChunkStorageMetadata, Metadata, TensorProperties, TensorStorageMetadata
+
+    sd = {"a": torch.ones(2, 3), "n": 4}
+    planner = distckpt.DefaultLoadPlanner()
+    chunk = ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([2, 3]))
+    md = Metadata({"a": TensorStorageMetadata(TensorProperties(torch.float32), torch.Size([2, 3]), [chunk]),
+                   "n": BytesStorageMetadata()})
+    planner.set_up_planner(sd, md, True)
+    cols = planner.create_local_plan().items
+    assert isinstance(cols, ReadColumns) and cols.intact and len(cols) == 2 and cols.intact
+    a = cols.column_item(0)
+    assert cols.intact and a.dest_index.fqn == "a" and list(a.lengths) == [2, 3] and a.storage_index.index == 0
+    assert planner.resolve_tensor(a) is cols.dest[0]
+    assert [i.dest_index.fqn for i in cols] == ["a", "n"] and not cols.intact
+    assert copy.deepcopy(cols) == list(cols)

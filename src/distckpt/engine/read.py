@@ -10,12 +10,15 @@ from typing import Optional
 import torch
 
 from .. import knobs
+from ..capabilities import resolves_in_bulk
 from ..errors import CheckpointError, CorruptCheckpointError, UnsupportedTensorError
 from ..format.checksum import crc32c
 from ..format.chunk_codec import codec_named
 from ..format.datafile import VALUE_FORM, HeaderInfo, check_header_entry, header_spans, read_header, stored_form
 from ..format.dtypes import itemsize
+from ..format.locations import ChunkLocations
 from ..format.records import FileStorageData, StorageInfo
+from ..item_columns import BYTES, ReadColumns
 from ..metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from ..planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from ..planning.resharding import volume
@@ -105,30 +108,48 @@ class Read:
         self.fsd: FileStorageData = md.storage_data
         self.streams = caller_streams()  # copies to a device happen in worker threads, ordered on the caller's stream
         self.by_chunk: dict[MetadataIndex, list[ReadItem]] = defaultdict(list)
-        for item in plan.items:
-            self.by_chunk[item.storage_index].append(item)
         self.infos: dict[MetadataIndex, StorageInfo] = {}
         self.chunk_shapes: dict[MetadataIndex, tuple[int, ...]] = {}
-        shapes = ChunkShapes(md)
-        for index, items in self.by_chunk.items():
-            info = self.fsd.items.get(index)
-            shape = shapes.get(index) if items[0].type == LoadItemType.TENSOR else ()
-            if info is None or shape is None:
-                raise CorruptCheckpointError(f"{where}: key {index.fqn!r} chunk {list(index.offset or [])} has no storage "
-                                             "entry in the metadata")
-            self.infos[index], self.chunk_shapes[index] = info, shape
-        by_name: dict = {}
-        self.codecs = {}
-        for index, info in self.infos.items():
-            codec = by_name.get(info.codec)
-            if codec is None:
-                codec = by_name[info.codec] = codec_named(info.codec, self.here(index))
-            self.codecs[index] = codec
+        self.codecs: dict = {}
+        self.shapes = ChunkShapes(md)
+        # whole chunks into whole destinations, straight from the planner's columns: (fqn, chunk offsets,
+        # destination, shape, StorageInfo, destination offsets); everything else goes through the tables above
+        self.whole: list[tuple] = []
+        cols = plan.items
+        locations = self.fsd.items
+        if (isinstance(cols, ReadColumns) and cols.intact and resolves_in_bulk(planner, "load")
+                and isinstance(locations, ChunkLocations)):
+            items = cols.general + [cols.column_item(i) for i, code in enumerate(cols.code) if code == BYTES]
+            for fqn, code, offsets, dest, size, at in zip(cols.fqn, cols.code, cols.chunk_offsets, cols.dest, cols.size,
+                                                          cols.dest_offsets):
+                if code == BYTES:
+                    continue
+                row = locations.row(fqn, offsets)
+                if row is None:
+                    raise CorruptCheckpointError(f"{where}: key {fqn!r} chunk {list(offsets)} has no storage entry in the metadata")
+                self.whole.append((fqn, offsets, dest, size, locations.info(row), at))
+        else:
+            items = plan.items
+        for item in items:
+            self.by_chunk[item.storage_index].append(item)
+        for index in list(self.by_chunk):
+            self.add_chunk(index)
         self.lock = threading.Lock()
         self.budget = ByteBudget(knobs.memory_budget_bytes())
         self.per_thread = threading.local()
         self.blobs: dict[str, BlobReader] = {}
         self.extra: list[BlobReader] = []
+
+    def add_chunk(self, index: MetadataIndex) -> None:
+        """Find where the chunk ``index`` (which ``by_chunk`` lists) is stored, its shape and its codec."""
+        items = self.by_chunk[index]
+        info = self.fsd.items.get(index)
+        shape = self.shapes.get(index) if items[0].type == LoadItemType.TENSOR else ()
+        if info is None or shape is None:
+            raise CorruptCheckpointError(f"{self.where}: key {index.fqn!r} chunk {list(index.offset or [])} has no storage "
+                                         "entry in the metadata")
+        self.infos[index], self.chunk_shapes[index] = info, shape
+        self.codecs[index] = codec_named(info.codec, self.here(index))
 
     def here(self, index: MetadataIndex) -> str:
         chunk = f", chunk {list(index.offset)}" if index.offset is not None else ""
@@ -139,12 +160,19 @@ class Read:
     def open_files(self) -> None:
         """Open and validate every file read; check each chunk is what its file's header says (dtype, shape, place)."""
         spans: dict = {}
-        self.blobs = open_and_validate(self.store, self.fsd, {i.file for i in self.infos.values()}, self.where, spans)
+        names = {i.file for i in self.infos.values()} | {whole[4].file for whole in self.whole}
+        self.blobs = open_and_validate(self.store, self.fsd, names, self.where, spans)
+        sdm = self.md.state_dict_metadata
         try:
             for index, info in self.infos.items():
                 form, file_spans = self.form(index), spans[info.file]
                 if form not in file_spans.get((info.offset, info.offset + info.length), ()):  # the error names the chunk
                     check_header_entry(file_spans, info.offset, info.length, form, f"{self.here(index)}, file {info.file!r}")
+            for fqn, offsets, _, size, info, _ in self.whole:
+                form, file_spans = stored_form(sdm[fqn].properties.dtype, size, info.length), spans[info.file]
+                if form not in file_spans.get((info.offset, info.offset + info.length), ()):
+                    check_header_entry(file_spans, info.offset, info.length, form,
+                                       f"{self.here(MetadataIndex(fqn, offsets))}, file {info.file!r}")
         except BaseException:
             self.close()
             raise
@@ -168,6 +196,16 @@ class Read:
         direct: list[_Direct] = []
         buffered: list[MetadataIndex] = []
         sdm = self.md.state_dict_metadata
+        for fqn, offsets, dest, size, info, at in self.whole:
+            index = MetadataIndex(fqn, offsets, 0)
+            view = writable_bytes(dest) if dest.dtype == sdm[fqn].properties.dtype and tuple(dest.shape) == size else None
+            if view is not None:
+                direct.append((index, dest, view, info, None))  # None: commit_tensor does nothing (resolves_columns)
+            else:  # another dtype, or memory not writable in place: the general path, through a buffer
+                zeros = torch.Size([0] * len(size))
+                self.by_chunk[index].append(ReadItem(LoadItemType.TENSOR, MetadataIndex(fqn, at), zeros, index, zeros,
+                                                     torch.Size(size)))
+                self.add_chunk(index)
         for index, info in sorted(self.infos.items(), key=lambda kv: (kv[1].file, kv[1].offset)):
             items, shape = self.by_chunk[index], self.chunk_shapes[index]
             if (items[0].type == LoadItemType.TENSOR and len(items) == 1 and tuple(items[0].lengths) == shape
@@ -179,6 +217,7 @@ class Read:
                     direct.append((index, dest, view, info, items[0]))
                     continue
             buffered.append(index)
+        direct.sort(key=lambda job: (job[3].file, job[3].offset))
         return direct, buffered
 
     def tasks(self) -> list[tuple]:
@@ -202,10 +241,6 @@ class Read:
         tasks.extend((self.run_buffered, index) for index in buffered)
         return tasks
 
-    def task_chunk(self, task: tuple) -> MetadataIndex:
-        fn, arg = task
-        return arg[0][0] if fn == self.run_direct else arg
-
     def task_bytes(self, task: tuple, delivered: bool = False) -> int:
         """Bytes a task reads (or, ``delivered``, brings into destinations)."""
         fn, arg = task
@@ -220,7 +255,7 @@ class Read:
     def execute(self, threads: int, is_coordinator: bool, progress: Optional[Progress] = None) -> None:
         """Run every task in lanes: each file front to back on one thread at a time (see run_lanes)."""
         tasks = self.tasks()
-        files = [self.infos[self.task_chunk(t)] for t in tasks]
+        files = [arg[0][3] if fn == self.run_direct else self.infos[arg] for fn, arg in tasks]
         order = sorted(range(len(tasks)), key=lambda i: (files[i].file, files[i].offset))
         lanes = split_lanes([files[i].file for i in order], [self.task_bytes(tasks[i]) for i in order], threads)
         lanes = [(name, [order[i] for i in lane]) for name, lane in lanes]
@@ -314,7 +349,8 @@ class Read:
             check_checksum(self.verify, bad[0][1], bad[0][0][3], self.here(bad[0][0][0]), [job[1] for job, _ in bad])
         with self.lock:
             for _, dest, _, _, item in batch:
-                self.planner.commit_tensor(item, dest)
+                if item is not None:
+                    self.planner.commit_tensor(item, dest)
 
     def run_buffered(self, index: MetadataIndex) -> None:
         """Read one chunk through a buffer into every destination that needs part of it."""

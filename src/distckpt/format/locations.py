@@ -175,6 +175,18 @@ class ChunkLocations(Mapping):
         i = self._row(index)
         return StorageInfo(self.file_list[self.file_no[i]][0], self.begin[i], self.length[i], self.crc[i])
 
+    def row(self, fqn: str, offsets: tuple) -> Optional[int]:
+        """The row of the chunk of tensor ``fqn`` at ``offsets``, or None if the document has none."""
+        entry = self.keys_.get(fqn)
+        if entry is None or entry[1] is None:
+            return None
+        at = entry[1].get(offsets)
+        return None if at is None else entry[0] + at
+
+    def info(self, row: int) -> StorageInfo:
+        """Where the chunk of ``row`` is stored."""
+        return StorageInfo(self.file_list[self.file_no[row]][0], self.begin[row], self.length[row], self.crc[row])
+
     def __contains__(self, index: object) -> bool:
         try:
             self._row(index)

@@ -7,9 +7,10 @@ from typing import Any, Optional
 
 import torch
 
-from ..capabilities import keeps_plans
+from ..capabilities import keeps_plans, resolves_columns
 from ..errors import CheckpointError, DTypeMismatchError, MissingKeyError, ShapeMismatchError
 from ..format.values import decode_value
+from ..item_columns import ReadColumns
 from ..metadata import STATE_DICT_TYPE, BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 from ..planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from .flatten import flatten_state_dict, set_element
@@ -69,9 +70,11 @@ class DefaultLoadPlanner(LoadPlanner):
         return f"checkpoint {str(sm.checkpoint_id)!r}" if sm is not None and sm.checkpoint_id is not None else "the checkpoint"
 
     def create_local_plan(self) -> LoadPlan:
+        """The reads of this rank, as :class:`ReadColumns`: a whole stored chunk into a whole destination is a
+        column item; every other read (resharding) a ReadItem beside them."""
         assert self.metadata is not None, "set_up_planner must be given the checkpoint metadata"
         sdm = self.metadata.state_dict_metadata
-        items: list[ReadItem] = []
+        cols = ReadColumns()
         missing: list[str] = []
         problems: list[CheckpointError] = []
         pieces = {fqn: local_pieces(fqn, obj) for fqn, obj in self.state_dict.items()
@@ -89,7 +92,7 @@ class DefaultLoadPlanner(LoadPlanner):
                         f"key {fqn!r} is a tensor in your state dict but a non-tensor value in {self._checkpoint_name()}"))
                     continue
                 try:
-                    items.extend(self._tensor_reads(fqn, obj, md, *pieces[fqn]))
+                    self._tensor_reads(cols, fqn, obj, md, *pieces[fqn])
                 except (ShapeMismatchError, DTypeMismatchError) as exc:
                     problems.append(exc)
             else:
@@ -98,15 +101,14 @@ class DefaultLoadPlanner(LoadPlanner):
                         f"key {fqn!r} is a non-tensor value in your state dict but a tensor in {self._checkpoint_name()}; "
                         "put a tensor of the saved shape there to load it"))
                     continue
-                idx = MetadataIndex(fqn)
-                items.append(ReadItem(LoadItemType.BYTE_IO, idx, torch.Size([0]), idx, torch.Size([0]), torch.Size([0])))
+                cols.add_bytes(fqn)
         if missing:
             raise MissingKeyError(self._missing_message(missing))
         if problems:
             first = problems[0]
             more = "".join(f"\n  also: {p}" for p in problems[1:_MAX_LISTED])
             raise type(first)(f"{first}{more}")
-        self.plan = LoadPlan(items)
+        self.plan = LoadPlan(cols)
         return self.plan
 
     def _missing_message(self, missing: list[str]) -> str:
@@ -122,8 +124,8 @@ class DefaultLoadPlanner(LoadPlanner):
                 f"not in {self._checkpoint_name()}).{hint} "
                 "Check the key names, or pass planner=DefaultLoadPlanner(allow_partial_load=True) to skip them.")
 
-    def _tensor_reads(self, fqn: str, tensor: torch.Tensor, md: TensorStorageMetadata, global_size: torch.Size,
-                      pieces: list) -> list[ReadItem]:
+    def _tensor_reads(self, cols: ReadColumns, fqn: str, tensor: torch.Tensor, md: TensorStorageMetadata,
+                      global_size: torch.Size, pieces: list) -> None:
         if torch.Size(global_size) != md.size:
             raise ShapeMismatchError(
                 f"Size mismatch between saved {list(md.size)} and current: {list(global_size)} for key {fqn!r} in "
@@ -134,17 +136,16 @@ class DefaultLoadPlanner(LoadPlanner):
                 f"key {fqn!r}: your tensor has dtype {dtype} but {self._checkpoint_name()} stores "
                 f"{md.properties.dtype}; pass planner=DefaultLoadPlanner(allow_dtype_conversion=True) to convert")
         if len(md.chunks) == 1 and len(pieces) == 1:
-            chunk, (_, offsets, sizes) = md.chunks[0], pieces[0]
-            if tuple(chunk.sizes) == tuple(md.size) == tuple(sizes):  # one whole chunk into one whole tensor
-                zeros = torch.Size([0] * len(sizes))
-                return [ReadItem(LoadItemType.TENSOR, MetadataIndex(fqn, offsets), zeros, MetadataIndex(fqn, chunk.offsets, 0),
-                                 zeros, md.size)]
-        reads = []
+            chunk, (local, offsets, sizes) = md.chunks[0], pieces[0]
+            size = tuple(md.size)
+            if tuple(chunk.sizes) == size == tuple(sizes):  # one whole chunk into one whole tensor
+                cols.add_whole(fqn, local, tuple(offsets), tuple(chunk.offsets), 0, size)
+                return
         chunks = ChunkIndex(md.chunks)
         for _, offsets, sizes in pieces:
             for ov in chunks.overlaps(offsets, sizes):
                 chunk = md.chunks[ov.chunk_index]
-                reads.append(ReadItem(
+                cols.general.append(ReadItem(
                     LoadItemType.TENSOR,
                     MetadataIndex(fqn, offsets),
                     torch.Size(ov.dest_offsets),
@@ -152,7 +153,6 @@ class DefaultLoadPlanner(LoadPlanner):
                     torch.Size(ov.storage_offsets),
                     torch.Size(ov.lengths),
                 ))
-        return reads
 
     @keeps_plans
     def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
@@ -173,10 +173,12 @@ class DefaultLoadPlanner(LoadPlanner):
         else:
             self.state_dict[fqn] = obj
 
+    @resolves_columns
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         """The destination tensor behind ``index`` (the local shard, for a DTensor or ShardedTensor)."""
         return piece_at(index.fqn, self.state_dict[index.fqn], index.offset)
 
+    @resolves_columns
     def transform_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> torch.Tensor:
         """The region of ``tensor`` that ``read_item`` fills."""
         if read_item.lengths == tensor.shape:  # all of it
@@ -185,8 +187,10 @@ class DefaultLoadPlanner(LoadPlanner):
             tensor = tensor.narrow(dim, off, length)
         return tensor
 
+    @resolves_columns
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         return self.transform_tensor(read_item, self.lookup_tensor(read_item.dest_index))
 
+    @resolves_columns
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
         """Nothing to do: ``resolve_tensor`` returned a view of the destination."""
