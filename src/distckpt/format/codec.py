@@ -72,8 +72,11 @@ _DECODED_PROPS: dict[tuple, tuple] = {}  # property lists already checked (a few
 
 
 def dec_props(data: Any, where: str) -> TensorProperties:
-    if type(data) is list and len(data) == 5 and all(type(x) is str or type(x) is bool for x in data):
-        fields = _DECODED_PROPS.get(tuple(data))
+    if type(data) is list and len(data) == 5:
+        try:
+            fields = _DECODED_PROPS.get(tuple(data))
+        except TypeError:  # an unhashable member: malformed, said below
+            fields = None
         if fields is not None:
             return TensorProperties(*fields)  # a new object each time: planners may change one in place
     if not isinstance(data, list) or len(data) != 5:
@@ -83,7 +86,7 @@ def dec_props(data: Any, where: str) -> TensorProperties:
             or type(rg) is not bool or type(pin) is not bool):
         raise CorruptCheckpointError(f"{where}: malformed tensor properties {data!r:.200}")
     fields = (dtype_from_name(dt, where), _LAYOUTS[layout], rg, _MEMORY_FORMATS[mf], pin)
-    if type(dt) is str and len(_DECODED_PROPS) < 1024:
+    if type(dt) is str and type(rg) is bool and type(pin) is bool and len(_DECODED_PROPS) < 1024:
         _DECODED_PROPS[tuple(data)] = fields
     return TensorProperties(*fields)
 

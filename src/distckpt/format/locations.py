@@ -257,6 +257,24 @@ def inline_chunks(chunks_raw: list, fqn: str, size: torch.Size, width: int, loca
     file_sizes = locations.file_sizes
     nfiles = len(file_sizes)
     rows = locations.tensor_rows(fqn, here)
+    if len(chunks_raw) == 1 and not rows:  # the common case of one chunk as large as the tensor, checked in one go
+        c = chunks_raw[0]
+        if type(c) is list and len(c) == 5:
+            o_raw, s_raw, file_no, begin, crc = c
+            if (type(o_raw) is list and type(s_raw) is list and len(s_raw) == ndim and list(dims) == s_raw
+                    and o_raw == [0] * ndim and all(type(x) is int for x in s_raw) and all(type(x) is int for x in o_raw)):
+                nbytes = width * math.prod(dims)
+                if (type(file_no) is int and 0 <= file_no < nfiles and type(begin) is int and 0 <= begin
+                        and type(crc) is int and 0 <= crc <= 0xFFFFFFFF and begin + nbytes <= file_sizes[file_no]):
+                    chunk = _new(ChunkStorageMetadata)
+                    chunk.offsets = torch.Size(o_raw)
+                    chunk.sizes = size if type(size) is torch.Size else torch.Size(s_raw)
+                    rows[chunk.offsets] = 0
+                    locations.file_no.append(file_no)
+                    locations.begin.append(begin)
+                    locations.length.append(nbytes)
+                    locations.crc.append(crc)
+                    return [chunk]
     add_file, add_begin, add_length, add_crc = (locations.file_no.append, locations.begin.append, locations.length.append,
                                                 locations.crc.append)
     chunks = []
