@@ -33,7 +33,76 @@ TENSOR, SHARD, BYTES = 0, 1, 2  # the item's WriteItemType, as stored in ``code`
 _TYPES = (WriteItemType.TENSOR, WriteItemType.SHARD, WriteItemType.BYTE_IO)
 
 
-class WriteColumns(MutableSequence):
+class _ColumnItems(MutableSequence):
+    """A plan's items as columns; a list of item objects to anyone who reads it as one (see the module's text).
+
+    Subclasses keep their columns and say how many items they hold (``column_count``) and how to build them
+    (``build``)."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self) -> None:
+        self._items: Optional[list] = None
+
+    @property
+    def intact(self) -> bool:
+        """Whether the columns still are the plan (no item was handed out, so none can have changed)."""
+        return self._items is None
+
+    def column_count(self) -> int:
+        raise NotImplementedError
+
+    def build(self) -> list:
+        raise NotImplementedError
+
+    def items(self) -> list:
+        """The item objects (built on first call; from then on they, not the columns, are the plan)."""
+        if self._items is None:
+            self._items = self.build()
+        return self._items
+
+    def __len__(self) -> int:
+        return self.column_count() if self._items is None else len(self._items)
+
+    def __getitem__(self, i):
+        return self.items()[i]
+
+    def __setitem__(self, i, value) -> None:
+        self.items()[i] = value
+
+    def __delitem__(self, i) -> None:
+        del self.items()[i]
+
+    def insert(self, i: int, value) -> None:
+        self.items().insert(i, value)
+
+    def __iter__(self) -> Iterator:
+        return iter(self.items())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (list, _ColumnItems)):
+            return self.items() == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __add__(self, other: Iterable) -> list:
+        return self.items() + list(other)
+
+    def __radd__(self, other: Iterable) -> list:
+        return list(other) + self.items()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({len(self)} items)"
+
+    def __deepcopy__(self, memo: dict) -> list:
+        return copy.deepcopy(self.items(), memo)  # items, not the data they refer to
+
+    def __reduce__(self):
+        return list, (self.items(),)
+
+
+class WriteColumns(_ColumnItems):
     """Write items, one entry per item in each list.
 
     ``fqn``; ``code`` (TENSOR, SHARD or BYTES); for tensor items ``dtype``,
@@ -43,9 +112,10 @@ class WriteColumns(MutableSequence):
     before its transform (the local tensor of the chunk, or the value's bytes).
     """
 
-    __slots__ = ("fqn", "code", "dtype", "requires_grad", "size", "offsets", "sizes", "nbytes", "data", "_items")
+    __slots__ = ("fqn", "code", "dtype", "requires_grad", "size", "offsets", "sizes", "nbytes", "data")
 
     def __init__(self) -> None:
+        super().__init__()
         self.fqn: list[str] = []
         self.code: list[int] = []
         self.dtype: list[Optional[torch.dtype]] = []
@@ -55,7 +125,6 @@ class WriteColumns(MutableSequence):
         self.sizes: list[tuple] = []
         self.nbytes: list[int] = []
         self.data: list[Any] = []
-        self._items: Optional[list[WriteItem]] = None
 
     def add_tensor(self, fqn: str, code: int, data: torch.Tensor, dtype: torch.dtype, requires_grad: bool,
                    size: tuple, offsets: tuple, sizes: tuple, nbytes: int) -> None:
@@ -80,11 +149,6 @@ class WriteColumns(MutableSequence):
         self.nbytes.append(len(raw))
         self.data.append(raw)
 
-    @property
-    def intact(self) -> bool:
-        """Whether the columns still are the plan (no item was handed out, so none can have changed)."""
-        return self._items is None
-
     def select(self, keep: list[bool]) -> "WriteColumns":
         """The items whose ``keep`` is true, as columns (this object itself when all are kept)."""
         if not self.intact:
@@ -98,11 +162,11 @@ class WriteColumns(MutableSequence):
 
     # ------------------------------------------------------------ the sequence of WriteItems
 
-    def items(self) -> list[WriteItem]:
-        """The WriteItems (built on first call; from then on they, not the columns, are the plan)."""
-        if self._items is None:
-            self._items = list(self._build())
-        return self._items
+    def column_count(self) -> int:
+        return len(self.fqn)
+
+    def build(self) -> list[WriteItem]:
+        return list(self._build())
 
     def _build(self) -> Iterator[WriteItem]:
         for fqn, code, dtype, rg, size, offs, sizes, nbytes in zip(self.fqn, self.code, self.dtype, self.requires_grad,
@@ -115,24 +179,6 @@ class WriteColumns(MutableSequence):
                 ChunkStorageMetadata(offsets, torch.Size(sizes)), TensorProperties(dtype=dtype, requires_grad=rg),
                 torch.Size(size)))
 
-    def __len__(self) -> int:
-        return len(self.fqn) if self._items is None else len(self._items)
-
-    def __getitem__(self, i):
-        return self.items()[i]
-
-    def __setitem__(self, i, value) -> None:
-        self.items()[i] = value
-
-    def __delitem__(self, i) -> None:
-        del self.items()[i]
-
-    def insert(self, i: int, value: WriteItem) -> None:
-        self.items().insert(i, value)
-
-    def __iter__(self) -> Iterator[WriteItem]:
-        return iter(self.items())
-
     def __eq__(self, other: object) -> bool:
         if isinstance(other, WriteColumns) and self.intact and other.intact:
             return (self.fqn == other.fqn and self.code == other.code and self.dtype == other.dtype
@@ -144,23 +190,8 @@ class WriteColumns(MutableSequence):
 
     __hash__ = None  # type: ignore[assignment]
 
-    def __add__(self, other: Iterable[WriteItem]) -> list[WriteItem]:
-        return self.items() + list(other)
 
-    def __radd__(self, other: Iterable[WriteItem]) -> list[WriteItem]:
-        return list(other) + self.items()
-
-    def __repr__(self) -> str:
-        return f"WriteColumns({len(self)} items)"
-
-    def __deepcopy__(self, memo: dict) -> list[WriteItem]:
-        return copy.deepcopy(self.items(), memo)  # items, not the data they refer to
-
-    def __reduce__(self):
-        return list, (self.items(),)
-
-
-class ReadColumns(MutableSequence):
+class ReadColumns(_ColumnItems):
     """Read items of a load plan: whole stored chunks into whole destinations as columns, the rest as ReadItems.
 
     Column items, one entry per item in each list: ``fqn``; ``code`` (TENSOR or BYTES); for tensors
@@ -171,9 +202,10 @@ class ReadColumns(MutableSequence):
     them all, and from then on the objects are the plan (``intact`` is false).
     """
 
-    __slots__ = ("fqn", "code", "dest_offsets", "chunk_offsets", "chunk_index", "size", "dest", "general", "_items")
+    __slots__ = ("fqn", "code", "dest_offsets", "chunk_offsets", "chunk_index", "size", "dest", "general")
 
     def __init__(self) -> None:
+        super().__init__()
         self.fqn: list[str] = []
         self.code: list[int] = []
         self.dest_offsets: list[tuple] = []
@@ -182,7 +214,6 @@ class ReadColumns(MutableSequence):
         self.size: list[tuple] = []
         self.dest: list[Optional[torch.Tensor]] = []
         self.general: list[ReadItem] = []
-        self._items: Optional[list[ReadItem]] = None
 
     def add_whole(self, fqn: str, dest: torch.Tensor, dest_offsets: tuple, chunk_offsets: tuple, chunk_index: int,
                   size: tuple) -> None:
@@ -203,11 +234,6 @@ class ReadColumns(MutableSequence):
         self.size.append(())
         self.dest.append(None)
 
-    @property
-    def intact(self) -> bool:
-        """Whether the columns still are the plan (no item was handed out)."""
-        return self._items is None
-
     def column_item(self, i: int) -> ReadItem:
         """The ReadItem of column item ``i``, built alone (the columns stay the plan)."""
         fqn = self.fqn[i]
@@ -218,48 +244,8 @@ class ReadColumns(MutableSequence):
         return ReadItem(LoadItemType.TENSOR, MetadataIndex(fqn, self.dest_offsets[i]), zeros,
                         MetadataIndex(fqn, self.chunk_offsets[i], self.chunk_index[i]), zeros, torch.Size(self.size[i]))
 
-    def items(self) -> list[ReadItem]:
-        """The ReadItems (built on first call; from then on they, not the columns, are the plan)."""
-        if self._items is None:
-            self._items = [self.column_item(i) for i in range(len(self.fqn))] + self.general
-        return self._items
+    def column_count(self) -> int:
+        return len(self.fqn) + len(self.general)
 
-    def __len__(self) -> int:
-        return len(self.fqn) + len(self.general) if self._items is None else len(self._items)
-
-    def __getitem__(self, i):
-        return self.items()[i]
-
-    def __setitem__(self, i, value) -> None:
-        self.items()[i] = value
-
-    def __delitem__(self, i) -> None:
-        del self.items()[i]
-
-    def insert(self, i: int, value: ReadItem) -> None:
-        self.items().insert(i, value)
-
-    def __iter__(self) -> Iterator[ReadItem]:
-        return iter(self.items())
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, (list, ReadColumns)):
-            return self.items() == list(other)
-        return NotImplemented
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def __add__(self, other: Iterable[ReadItem]) -> list[ReadItem]:
-        return self.items() + list(other)
-
-    def __radd__(self, other: Iterable[ReadItem]) -> list[ReadItem]:
-        return list(other) + self.items()
-
-    def __repr__(self) -> str:
-        return f"ReadColumns({len(self)} items)"
-
-    def __deepcopy__(self, memo: dict) -> list[ReadItem]:
-        return copy.deepcopy(self.items(), memo)
-
-    def __reduce__(self):
-        return list, (self.items(),)
+    def build(self) -> list[ReadItem]:
+        return [self.column_item(i) for i in range(len(self.fqn))] + self.general
