@@ -90,12 +90,18 @@ def save_through_wrappers(rank, world_size, root):
 
 def load_through_wrappers(rank, world_size, path):
     """Load with readers that wrap or change the global step; report what planning moved and whether data is right."""
+    from distckpt.engine import read as engine_read
+
     out = {}
+    whole: list[int] = []
+    split = engine_read.Read.split_direct
+    engine_read.Read.split_direct = lambda self: whole.append(len(self.whole)) or split(self)  # whole chunks from columns
     for name, reader in (("default", distckpt.FileSystemReader(path)), ("logging", LoggingReader(path)),
                          ("changing", ChangingReader(path)), ("declared", DeclaredReader(path))):
         dd.phase_bytes.clear()
+        whole.clear()
         sd = states.build(world_size, states.RESHARD_LAYOUT, fill=False)
         distckpt.load(sd, storage_reader=reader)
         out[name] = {"ok": not states.check(sd), "moved": dd.phase_bytes.get("load planning", 0),
-                     "reads": getattr(reader, "reads", None)}
+                     "reads": getattr(reader, "reads", None), "whole": sum(whole)}
     return out

@@ -50,5 +50,6 @@ def test_wrapping_readers_keep_plans_local_and_an_undeclared_global_step_moves_t
     for r in run_ranks(cw.load_through_wrappers, 3, path):
         assert all(way["ok"] for way in r.values()), r
         assert r["logging"]["reads"] == 1
+        assert r["default"]["whole"] > 0, r  # whole chunks went straight from the planner's columns, with shared verification on
         assert r["logging"]["moved"] == r["default"]["moved"] == r["declared"]["moved"], r
         assert r["changing"]["moved"] > 4 * r["default"]["moved"], r

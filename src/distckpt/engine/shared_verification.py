@@ -21,6 +21,7 @@ import numpy as np
 
 from ..errors import CorruptCheckpointError
 from ..format.records import FileStorageData
+from ..item_columns import ReadColumns
 from ..metadata import Metadata, MetadataIndex
 from ..planner import LoadItemType, LoadPlan
 from .read import ChunkShapes
@@ -34,7 +35,10 @@ def partial_chunks(md: Metadata, plan: LoadPlan) -> list[MetadataIndex]:
     """The stored tensor chunks that ``plan`` reads, but no single item of it reads whole."""
     shapes = ChunkShapes(md)
     whole: dict[MetadataIndex, bool] = {}
-    for item in plan.items:
+    items = plan.items
+    if isinstance(items, ReadColumns) and items.intact:
+        items = items.general  # a column item reads its chunk whole: only the others can read one in part
+    for item in items:
         if item.type != LoadItemType.TENSOR:
             continue
         index = item.storage_index
