@@ -25,6 +25,7 @@ from .errors import (
     UnsupportedTensorError,
     WrappedException,
 )
+from .format.stream_transforms import ExtensionRegistry, StreamTransformExtension, ZStandard
 from .loading import load, load_state_dict, read_metadata
 from .manager import CheckpointManager
 from .metadata import BytesStorageMetadata, ChunkStorageMetadata, Metadata, TensorStorageMetadata
@@ -61,6 +62,9 @@ __all__ = [
     "DCPReader",
     "MemoryWriter",
     "MemoryReader",
+    "ZStandard",
+    "StreamTransformExtension",
+    "ExtensionRegistry",
     "Stateful",
     "RankLocal",
     "init_optimizer_state",

@@ -1,7 +1,9 @@
-"""Write the golden checkpoints of the current format version into tests/golden/v<version>/.
+"""Write the golden checkpoints of the current format versions into tests/golden/v<version>/.
 
 Run once per released format version: python tests/golden/make_golden.py
-Existing directories are never overwritten.
+Existing directories are never overwritten. 2.0 is what a save writes by
+default; 2.1 is written when items go through a chunk codec, so its golden
+checkpoints are saved through ZStandard.
 """
 
 import os
@@ -11,12 +13,16 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
 import distckpt  # noqa: E402
-from distckpt.format import FORMAT_VERSION_STR  # noqa: E402
+from distckpt.format import CODEC_FORMAT_VERSION_STR, FORMAT_VERSION_STR  # noqa: E402
 from distckpt.testing import run_ranks  # noqa: E402
 from tests.golden.expected import plain_state, sharded_full  # noqa: E402
 
 
-def save_sharded(rank, world_size, path):
+def _writer(path, compressed):
+    return distckpt.FileSystemWriter(path, _extensions=[distckpt.ZStandard()] if compressed else None)
+
+
+def save_sharded(rank, world_size, path, compressed):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
@@ -28,20 +34,21 @@ def save_sharded(rank, world_size, path):
         "rep": distribute_tensor(full["rep"], mesh, [Replicate()]),
         "step": 7,
     }
-    distckpt.save(sd, checkpoint_id=path)
+    distckpt.save(sd, storage_writer=_writer(path, compressed))
 
 
 def main():
     os.environ.setdefault("DISTCKPT_FSYNC", "0")
-    root = os.path.join(HERE, f"v{FORMAT_VERSION_STR}")
-    os.makedirs(root, exist_ok=True)
-    plain = os.path.join(root, "plain")
-    if not os.path.exists(plain):
-        distckpt.save(plain_state(), checkpoint_id=plain)
-    sharded = os.path.join(root, "sharded-2ranks")
-    if not os.path.exists(sharded):
-        run_ranks(save_sharded, 2, sharded)
-    print(f"golden checkpoints in {root}")
+    for version, compressed in ((FORMAT_VERSION_STR, False), (CODEC_FORMAT_VERSION_STR, True)):
+        root = os.path.join(HERE, f"v{version}")
+        os.makedirs(root, exist_ok=True)
+        plain = os.path.join(root, "plain")
+        if not os.path.exists(plain):
+            distckpt.save(plain_state(), storage_writer=_writer(plain, compressed))
+        sharded = os.path.join(root, "sharded-2ranks")
+        if not os.path.exists(sharded):
+            run_ranks(save_sharded, 2, sharded, compressed)
+        print(f"golden checkpoints in {root}")
 
 
 if __name__ == "__main__":

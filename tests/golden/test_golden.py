@@ -31,10 +31,10 @@ def _equal(a, b):
     return a == b
 
 
-def test_there_is_a_golden_checkpoint_of_the_current_version():
-    from distckpt.format import FORMAT_VERSION_STR
+def test_there_is_a_golden_checkpoint_of_the_current_versions():
+    from distckpt.format import CODEC_FORMAT_VERSION_STR, FORMAT_VERSION_STR
 
-    assert f"v{FORMAT_VERSION_STR}" in VERSIONS
+    assert f"v{FORMAT_VERSION_STR}" in VERSIONS and f"v{CODEC_FORMAT_VERSION_STR}" in VERSIONS
 
 
 @pytest.mark.parametrize("version", VERSIONS)

@@ -1,16 +1,19 @@
 """The chunk-codec seam: the write and read engines store and load a chunk through a codec other than the
-identity without any change to their loops (format 2.0 records no codec, so this runs below the storage layer)."""
+identity without any change to their loops, and the metadata records the codec (format 2.1)."""
+
+import json
 
 import pytest
 import torch
 
-from distckpt import CheckpointError, CorruptCheckpointError, DefaultLoadPlanner, DefaultSavePlanner
+from distckpt import CorruptCheckpointError, DefaultLoadPlanner, DefaultSavePlanner
 from distckpt.backends.filesystem import FsStore
 from distckpt.engine.check import check_stored
 from distckpt.engine.read import read_items
 from distckpt.engine.write import write_file
+from distckpt.format.checksum import crc32c, format_crc
 from distckpt.format.chunk_codec import IDENTITY, ChunkCodec, register_codec
-from distckpt.format.codec import encode_metadata
+from distckpt.format.codec import encode_metadata, parse_metadata
 from distckpt.format.records import FileResult, FileStorageData
 from distckpt.metadata import MetadataIndex, StorageMeta
 from distckpt.testing.states import assert_same, seeded
@@ -91,7 +94,34 @@ def test_damaged_stored_bytes_are_caught_and_leave_the_destination_zeroed(tmp_pa
     assert len(problems) == 1 and "checksum mismatch" in problems[0]
 
 
-def test_format_2_0_refuses_to_record_a_codec(tmp_path):
-    store, md = _save(tmp_path, seeded({"w": (4, 4)}))
-    with pytest.raises(CheckpointError, match="chunk codec 'test-reversed'"):
-        encode_metadata(md)
+def test_the_document_records_a_codec_as_format_2_1_and_reads_it_back(tmp_path):
+    sd = seeded({"w": (4, 4), "plain": (3,)})
+    store, md = _save(tmp_path, sd, encoded=("w",))
+    doc = encode_metadata(md)
+    body = json.loads(doc)
+    assert body["format_version"] == "2.1"
+    assert body["state_dict_metadata"]["w"]["chunks"][0][5] == {"codec": ["test-reversed"], "length": 4 * 4 * 4 + 1}
+    assert len(body["state_dict_metadata"]["plain"]["chunks"][0]) == 5  # stored as it is: no record
+    back = parse_metadata(doc, "test")
+    assert back.storage_data.items[MetadataIndex("w", [0, 0])].codec == "test-reversed"
+    out = {"w": torch.zeros(4, 4), "plain": torch.zeros(3)}
+    _load(store, back, out)
+    assert_same(out, sd)
+    without = encode_metadata(_save(tmp_path / "b", sd, encoded=())[1])
+    assert json.loads(without)["format_version"] == "2.0"
+
+
+@pytest.mark.parametrize("record", [{"codec": []}, {"codec": ["a|b"], "length": 1}, {"codec": ["x"]}, {"codec": ["x"], "length": -1},
+                                    {"codec": "x", "length": 1}, {"codec": ["x"], "length": 1, "more": 1}])
+def test_malformed_codec_records_are_refused_by_key(tmp_path, record):
+    store, md = _save(tmp_path, seeded({"w": (4, 4)}), encoded=("w",))
+    body = json.loads(encode_metadata(md))
+    del body["crc32c"]
+    body["state_dict_metadata"]["w"]["chunks"][0][5] = record
+    with pytest.raises(CorruptCheckpointError, match="key 'w'"):
+        parse_metadata(_document(body), "test")
+
+
+def _document(body: dict) -> bytes:
+    prefix = json.dumps(body, separators=(",", ":"))[:-1].encode()
+    return prefix + b',"crc32c":"' + format_crc(crc32c(prefix)).encode() + b'"}\n'

@@ -19,9 +19,10 @@ from .. import knobs
 from ..capabilities import COLUMNAR_COMMIT, SHARED_VERIFICATION, keeps_plans
 from ..engine.blobs import BlobStore
 from ..engine.read import read_items
-from ..engine.write import write_file
+from ..engine.write import identity_codec, write_file
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
-from ..format import FORMAT_VERSION_STR, METADATA_FILE
+from ..format import CODEC_FORMAT_VERSION_STR, FORMAT_VERSION_STR, METADATA_FILE
+from ..format.chunk_codec import IDENTITY, ChunkCodec
 from ..format.codec import EncodedMetadata, encode_metadata, parse_metadata, stored_file_sizes
 from ..format.locations import check_cover, checked_chunk
 from ..format.records import FileResult, FileStorageData, StorageInfo
@@ -55,6 +56,7 @@ class BlobStorageWriter(StorageWriter):
         self.overwrite = overwrite
         self.rank = 0
         self.is_coordinator = True
+        self.chunk_codec: Optional[ChunkCodec] = None  # how every item is stored, if not as it is (format/chunk_codec.py)
 
     # subclasses
     def _store(self) -> BlobStore:
@@ -115,8 +117,12 @@ class BlobStorageWriter(StorageWriter):
         staging.prepare()
         results = write_file(staging, sd["file"], sd["save_id"], sd["rank"], plan, planner,
                              threads=self.thread_count or knobs.io_threads(), sync=self._sync(),
-                             is_coordinator=self.is_coordinator)
+                             is_coordinator=self.is_coordinator, codec_of=self._codec_of())
         return _done(results)
+
+    def _codec_of(self):
+        codec = self.chunk_codec
+        return identity_codec if codec is None or codec.identity else (lambda item: codec)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         if isinstance(metadata, EncodedMetadata) and metadata.document is not None:
@@ -135,7 +141,8 @@ class BlobStorageWriter(StorageWriter):
                     checked_chunk(c, entry.size, f"checkpoint {self._checkpoint_id()!r}: key {fqn!r}")
                 check_cover(entry.chunks, entry.size, f"checkpoint {self._checkpoint_id()!r}: key {fqn!r}")
         metadata.storage_data = fsd
-        metadata.version = FORMAT_VERSION_STR
+        coded = any(si.codec != IDENTITY.name for si in fsd.items.values())
+        metadata.version = CODEC_FORMAT_VERSION_STR if coded else FORMAT_VERSION_STR
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.checkpoint_id = self._checkpoint_id()
@@ -271,5 +278,6 @@ class BlobStorageReader(StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
         read_items(self.store, self.metadata, plan, planner, self._checkpoint_id(),
                    verify=self.verify_checksums, threads=self.thread_count or knobs.io_threads(),
-                   verified_elsewhere=getattr(self, "verified_elsewhere", set()), is_coordinator=self.is_coordinator)
+                   verified_elsewhere=getattr(self, "verified_elsewhere", set()), is_coordinator=self.is_coordinator,
+                   extension_registry=getattr(self, "extension_registry", None))
         return _done(None)

@@ -15,8 +15,9 @@ DCP stores its metadata (``.metadata``) as a pickle and every item in its
   reach the planner's ``load_bytes`` in distckpt's value encoding, as from a
   distckpt checkpoint.
 
-Items written with DCP's storage extensions (compression and other stream
-transforms) or its safetensors serialization are refused with a message
+Items written through DCP's stream extensions (``ZStandard``, or one of the
+caller's, rebuilt by ``_extension_registry=`` as with DCP) are undone before
+either. Items in DCP's safetensors serialization are refused with a message
 saying how to convert them. The files are read as regular files only, never
 through a symbolic link.
 """
@@ -37,6 +38,8 @@ from torch.futures import Future
 from .. import knobs
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, UnsafeValueError
 from ..format import METADATA_FILE
+from ..format.chunk_codec import CODEC_SEPARATOR
+from ..format.stream_transforms import codec_for
 from ..format.values import encode_value
 from ..metadata import (
     BytesStorageMetadata,
@@ -111,10 +114,11 @@ class DCPReader(StorageReader):
     directory; pass it as ``storage_reader=`` to choose it explicitly.
     """
 
-    def __init__(self, path: Union[str, os.PathLike, None] = None):
+    def __init__(self, path: Union[str, os.PathLike, None] = None, *, _extension_registry: Any = None):
         self.path = None if path is None else os.fspath(path)
         self.load_id = uuid.uuid4().hex
-        self._items: dict[MetadataIndex, tuple[str, int, int]] = {}
+        self.extension_registry = _extension_registry  # rebuilds DCP's stream extensions; None: one that knows ZStandard
+        self._items: dict[MetadataIndex, tuple[str, int, int, str]] = {}
 
     def reset(self, checkpoint_id: Union[str, os.PathLike, None] = None) -> None:
         if checkpoint_id is not None:
@@ -182,16 +186,13 @@ class DCPReader(StorageReader):
                 sdm[fqn] = TensorStorageMetadata(props, torch.Size(md.size), chunks)
             else:
                 raise CorruptCheckpointError(f"{self._where()}: key {fqn!r} has metadata of type {type(md).__name__}")
-        items: dict[MetadataIndex, tuple[str, int, int]] = {}
+        items: dict[MetadataIndex, tuple[str, int, int, str]] = {}
         for index, info in (getattr(dcp_md, "storage_data", None) or {}).items():
-            if getattr(info, "transform_descriptors", None):
-                raise CheckpointError(
-                    f"{self._where()}: item {index.fqn!r} in {info.relative_path} was written through DCP's storage "
-                    f"extensions ({', '.join(info.transform_descriptors)}), which distckpt does not read; convert "
-                    "the checkpoint with torch.distributed.checkpoint.format_utils.dcp_to_torch_save, or save it "
-                    "again without extensions")
+            descriptors = getattr(info, "transform_descriptors", None) or ()
+            if not (isinstance(descriptors, (list, tuple)) and all(isinstance(d, str) and d for d in descriptors)):
+                raise CorruptCheckpointError(f"{self._where()}: item {index.fqn!r} has malformed transform descriptors")
             key = MetadataIndex(index.fqn, index.offset)
-            items[key] = (str(info.relative_path), int(info.offset), int(info.length))
+            items[key] = (str(info.relative_path), int(info.offset), int(info.length), CODEC_SEPARATOR.join(descriptors))
         self._items = items
         sm = getattr(dcp_md, "storage_meta", None)
         meta = StorageMeta(checkpoint_id=self.path, save_id=getattr(sm, "save_id", None), load_id=self.load_id)
@@ -230,11 +231,13 @@ class DCPReader(StorageReader):
         if where is None:
             raise CorruptCheckpointError(f"{self._where()}: its metadata lists no stored bytes for "
                                          f"{item.storage_index.fqn!r} at {list(item.storage_index.offset or [])}")
-        name, offset, length = where
+        name, offset, length, transforms = where
         if name not in files:
             files[name] = self._open(name)
         raw = self._pread(files[name], name, offset, length)
         label = f"{self._where()}, key {item.storage_index.fqn!r} (file {name})"
+        if transforms:  # written through DCP's stream extensions: undone as DCP's reader does
+            raw = bytes(codec_for(transforms, self.extension_registry, label).decode(memoryview(raw), -1, label))
         if item.type == LoadItemType.BYTE_IO:
             planner.load_bytes(item, io.BytesIO(self._value_bytes(raw, planner, label)))
             return

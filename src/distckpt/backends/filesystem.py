@@ -12,6 +12,7 @@ from .. import faults
 from ..engine.blobs import LEASES, RUNS, BlobReader, BlobStore, BlobWriter
 from ..errors import CheckpointError, CheckpointNotFoundError, StorageIOError
 from ..format import FORMAT_NAME, METADATA_FILE
+from ..format.stream_transforms import StreamTransforms
 from .blob_storage import BlobStorageReader, BlobStorageWriter
 from .dcp_reader import is_dcp_directory
 from .direct_io import DirectWriter, bounce_buffer_bytes, direct_io_wanted, pwrite_all
@@ -464,9 +465,12 @@ class FileSystemWriter(_AtPath, BlobStorageWriter):
             code written for it runs; they change nothing here (one safetensors
             file per rank, I/O batching by DISTCKPT_IO_BATCH_BYTES, async_save
             keeps its staging buffers anyway).
-        _extensions: DCP's stream transforms (compression and the like). Not
-            supported: the data files hold raw tensor bytes that loads read in
-            place and check by CRC-32C; a non-empty list raises CheckpointError.
+        _extensions: stream transforms (DCP's name and protocol): every item is
+            written through them, e.g. ``[distckpt.ZStandard()]`` compresses. Such
+            items are encoded whole, their CRC-32C covers the stored bytes, and
+            loads decode them through a buffer instead of reading in place; the
+            metadata records them (format 2.1), so a reader needs no option unless
+            an extension is not one distckpt knows (then ``_extension_registry=``).
 
     The save writes into a hidden sibling directory ``.<name>.distckpt-tmp-<save id>``
     and the coordinator renames it into place after fsync: a reader sees the
@@ -480,11 +484,16 @@ class FileSystemWriter(_AtPath, BlobStorageWriter):
                  _extensions: Optional[Iterable[Any]] = None):
         super().__init__(sync_files=sync_files, thread_count=thread_count, overwrite=overwrite)
         self.path = _strip_file_scheme(path)
-        if _extensions:
-            raise CheckpointError(
-                f"FileSystemWriter({str(path)!r}): DCP's stream extensions ({', '.join(type(e).__name__ for e in _extensions)}) "
-                "are not supported: distckpt's data files hold raw tensor bytes, read in place and checked by CRC-32C. "
-                "Drop _extensions=, or compress the storage underneath (a compressing file system).")
+        extensions = list(_extensions or ())
+        for ext in extensions:
+            if not all(callable(getattr(ext, m, None)) for m in ("transform_to", "transform_from", "get_descriptor")):
+                raise CheckpointError(
+                    f"FileSystemWriter({str(path)!r}): extension {type(ext).__name__} is not a stream transform "
+                    "(it needs transform_to, transform_from and get_descriptor, as distckpt.StreamTransformExtension)")
+        if extensions:
+            self.chunk_codec = StreamTransforms(extensions)
+            # the columnar commit writes format 2.0 rows only: items stored through a codec take the object path
+            self.capabilities = frozenset()
 
     def _store(self) -> BlobStore:
         return FsStore(self._require_path())
@@ -497,12 +506,16 @@ class FileSystemReader(_AtPath, BlobStorageReader):
         path: the checkpoint directory (may also be given as ``checkpoint_id``).
         verify_checksums: check the CRC-32C of every item read (default True).
         thread_count: reader threads per rank (default: the DISTCKPT_IO_THREADS knob).
+        _extension_registry: rebuilds the stream transforms items were written
+            through, from the descriptors the metadata records (DCP's name; an
+            :class:`~distckpt.ExtensionRegistry` or DCP's). The default one knows
+            :class:`~distckpt.ZStandard`.
     """
 
     def __init__(self, path: Union[str, os.PathLike, None] = None, verify_checksums: bool = True, thread_count: int | None = None,
                  *, _extension_registry: Any = None):
-        # _extension_registry: DCP's, accepted so code written for it runs; distckpt's files use no stream extensions
         super().__init__(verify_checksums=verify_checksums, thread_count=thread_count)
+        self.extension_registry = _extension_registry
         self.path = _strip_file_scheme(path)
 
     def _store(self) -> BlobStore:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -31,11 +31,13 @@ class CheckResult:
     problems: list[str] = field(default_factory=list)
 
 
-def check_stored(store: BlobStore, md: Metadata, where: str, *, threads: int, progress: Optional[Progress] = None) -> CheckResult:
+def check_stored(store: BlobStore, md: Metadata, where: str, *, threads: int, progress: Optional[Progress] = None,
+                 extension_registry: Any = None) -> CheckResult:
     """Read every stored chunk and value ``md`` lists, as a load does, checking each file and each checksum.
 
     Nothing is copied anywhere: each chunk streams through the read buffers, and a problem does not stop
-    the check; every one is collected in the result.
+    the check; every one is collected in the result. Items stored through stream transforms are decoded
+    too, by extensions ``extension_registry`` rebuilds.
     """
     fsd: FileStorageData = md.storage_data
     shapes = ChunkShapes(md)
@@ -48,7 +50,7 @@ def check_stored(store: BlobStore, md: Metadata, where: str, *, threads: int, pr
                                   torch.Size([0] * len(shape)), torch.Size(shape)))
         else:
             items.append(ReadItem(LoadItemType.BYTE_IO, index, torch.Size([]), index, torch.Size([]), torch.Size([])))
-    check = _Check(store, md, LoadPlan(items), None, where, True, frozenset())
+    check = _Check(store, md, LoadPlan(items), None, where, True, frozenset(), extension_registry)
     check.open_files()
     try:
         check.execute(threads, True, progress)
@@ -99,6 +101,8 @@ class _Check(Read):
             if self.by_chunk[index][0].type == LoadItemType.BYTE_IO:
                 data = read_exact(self.reader(info.file), info.length, info.offset, self.here(index), info.file)
                 check_checksum(True, crc32c(data), info, self.here(index))
+                if not self.codecs[index].identity:
+                    self.codecs[index].decode(memoryview(data), -1, self.here(index))
             elif not self.codecs[index].identity:
                 self.decode_chunk(index, [], True)
             elif info.length:

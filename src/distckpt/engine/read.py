@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import threading
 from collections import defaultdict
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -13,11 +13,11 @@ from .. import knobs
 from ..capabilities import resolves_in_bulk
 from ..errors import CheckpointError, CorruptCheckpointError, UnsupportedTensorError
 from ..format.checksum import crc32c
-from ..format.chunk_codec import codec_named
 from ..format.datafile import VALUE_FORM, HeaderInfo, check_header_entry, header_spans, read_header, stored_form
 from ..format.dtypes import itemsize
 from ..format.locations import ChunkLocations
 from ..format.records import FileStorageData, StorageInfo
+from ..format.stream_transforms import codec_for
 from ..item_columns import BYTES, ReadColumns
 from ..metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from ..planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
@@ -76,7 +76,8 @@ def _check_header(blob: BlobReader, info, save_id: str, here: str) -> HeaderInfo
 
 
 def read_items(store: BlobStore, md: Metadata, plan: LoadPlan, planner: LoadPlanner, checkpoint_id: str,
-               *, verify: bool, threads: int, verified_elsewhere: set = frozenset(), is_coordinator: bool = True) -> None:
+               *, verify: bool, threads: int, verified_elsewhere: set = frozenset(), is_coordinator: bool = True,
+               extension_registry: Any = None) -> None:
     """Read every item of ``plan``.
 
     Stored chunks that one read item needs whole, into a contiguous CPU
@@ -86,8 +87,10 @@ def read_items(store: BlobStore, md: Metadata, plan: LoadPlan, planner: LoadPlan
     destination that needs part of it: whole, to verify its checksum, unless
     it is in ``verified_elsewhere`` (another rank of this load verifies it;
     see shared_verification.py), in which case only the rows needed are read.
+    Chunks stored through stream transforms are decoded by extensions that
+    ``extension_registry`` rebuilds (format/stream_transforms.py).
     """
-    read = Read(store, md, plan, planner, f"checkpoint {checkpoint_id!r}", verify, verified_elsewhere)
+    read = Read(store, md, plan, planner, f"checkpoint {checkpoint_id!r}", verify, verified_elsewhere, extension_registry)
     read.open_files()
     try:
         read.execute(threads, is_coordinator)
@@ -102,7 +105,7 @@ class Read:
     """One rank's read of a plan: the chunks it needs, where they are stored, and the steps that read them."""
 
     def __init__(self, store: BlobStore, md: Metadata, plan: LoadPlan, planner: LoadPlanner, where: str, verify: bool,
-                 verified_elsewhere: set) -> None:
+                 verified_elsewhere: set, registry: Any = None) -> None:
         self.store, self.md, self.planner, self.where, self.verify = store, md, planner, where, verify
         self.verified_elsewhere = verified_elsewhere
         self.fsd: FileStorageData = md.storage_data
@@ -111,6 +114,7 @@ class Read:
         self.infos: dict[MetadataIndex, StorageInfo] = {}
         self.chunk_shapes: dict[MetadataIndex, tuple[int, ...]] = {}
         self.codecs: dict = {}
+        self.registry = registry  # rebuilds stream transforms (format/stream_transforms.py); None: the default one
         self.shapes = ChunkShapes(md)
         # whole chunks into whole destinations, straight from the planner's columns: (fqn, chunk offsets,
         # destination, shape, StorageInfo, destination offsets); everything else goes through the tables above
@@ -118,7 +122,7 @@ class Read:
         cols = plan.items
         locations = self.fsd.items
         if (isinstance(cols, ReadColumns) and cols.intact and resolves_in_bulk(planner, "load")
-                and isinstance(locations, ChunkLocations)):
+                and isinstance(locations, ChunkLocations) and not locations.codecs):
             items = cols.general + [cols.column_item(i) for i, code in enumerate(cols.code) if code == BYTES]
             for fqn, code, offsets, dest, size, at in zip(cols.fqn, cols.code, cols.chunk_offsets, cols.dest, cols.size,
                                                           cols.dest_offsets):
@@ -149,7 +153,7 @@ class Read:
             raise CorruptCheckpointError(f"{self.where}: key {index.fqn!r} chunk {list(index.offset or [])} has no storage "
                                          "entry in the metadata")
         self.infos[index], self.chunk_shapes[index] = info, shape
-        self.codecs[index] = codec_named(info.codec, self.here(index))
+        self.codecs[index] = codec_for(info.codec, self.registry, self.here(index))
 
     def here(self, index: MetadataIndex) -> str:
         chunk = f", chunk {list(index.offset)}" if index.offset is not None else ""
@@ -359,6 +363,8 @@ class Read:
         if items[0].type == LoadItemType.BYTE_IO:
             data = read_exact(self.reader(info.file), info.length, info.offset, self.here(index), info.file)
             check_checksum(check, crc32c(data), info, self.here(index))
+            if not self.codecs[index].identity:
+                data = bytes(self.codecs[index].decode(memoryview(data), -1, self.here(index)))
             with self.lock:
                 self.planner.load_bytes(items[0], io.BytesIO(data))
             return

@@ -49,7 +49,7 @@ def write_file(store: BlobStore, name: str, save_id: str, rank: int, plan: SaveP
     written by its own thread: threads sharing one file contend on it in the
     kernel. Within a file, adjacent items go out in batches of about
     ``io_batch_bytes`` with one vectored write each, straight from tensor memory.
-    A tensor item whose ``codec_of`` is not the identity is encoded whole first, and stored as a byte entry.
+    An item whose ``codec_of`` is not the identity is encoded whole first, and stored as a byte entry.
 
     A plan whose items are intact :class:`WriteColumns`, from a planner that declares
     :func:`~distckpt.capabilities.resolves_columns`, is written from the columns: no item object is built,
@@ -64,7 +64,11 @@ def _entries(plan: SavePlan, planner: SavePlanner, codecs: list[ChunkCodec]) -> 
     entries, payloads = [], []
     for item, codec in zip(plan.items, codecs):
         if item.type == WriteItemType.BYTE_IO or not codec.identity:
-            raw = planner.resolve_data(item).getvalue() if item.type == WriteItemType.BYTE_IO else _encoded(item, planner, codec)
+            if item.type == WriteItemType.BYTE_IO:
+                raw = planner.resolve_data(item).getvalue()
+                raw = raw if codec.identity else codec.encode(memoryview(raw))
+            else:
+                raw = _encoded(item, planner, codec)
             entries.append(Entry(entry_name(item.index.fqn, tuple(item.index.offset or ())) if item.tensor_data else item.index.fqn,
                                  VALUE_FORM, (len(raw),), len(raw)))
             payloads.append(raw)
@@ -125,7 +129,7 @@ class _RankWrite:
             self.codecs = [IDENTITY] * len(items)
             self.entries, self.payloads = _column_entries(self.columns)
         else:
-            self.codecs = [IDENTITY if item.type == WriteItemType.BYTE_IO else codec_of(item) for item in items]
+            self.codecs = [codec_of(item) for item in items]
             self.entries, self.payloads = _entries(plan, planner, self.codecs)
         n = len(self.entries)
         self.crcs, self.offsets, self.item_file = [0] * n, [0] * n, [""] * n

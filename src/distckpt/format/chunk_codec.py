@@ -6,18 +6,21 @@ stream chunks in slabs. A codec that stores other bytes (compression, a
 reference to a chunk of another checkpoint) implements :class:`ChunkCodec`
 and registers; the engines then encode a whole item before its file's header
 is built, store it as a byte entry, checksum the stored bytes, and at load
-read the stored bytes whole, check them, decode and copy out. Recording a
-codec in the metadata document is a format change (a new minor version with
-golden files), left to the first codec that needs it.
+read the stored bytes whole, check them, decode and copy out. Format 2.1
+records a chunk's codec by name in the metadata document (docs/format.md);
+DCP's stream extensions are codecs too (:mod:`.stream_transforms`).
 """
 
 from __future__ import annotations
 
 import abc
+from typing import Optional
 
 from ..errors import CorruptCheckpointError
 
-__all__ = ["ChunkCodec", "IDENTITY", "register_codec", "codec_named"]
+__all__ = ["ChunkCodec", "IDENTITY", "CODEC_SEPARATOR", "register_codec", "registered_codec"]
+
+CODEC_SEPARATOR = "|"  # a codec recorded as a chain of transforms is named by their names, joined by this
 
 
 class ChunkCodec(abc.ABC):
@@ -32,8 +35,8 @@ class ChunkCodec(abc.ABC):
 
     @abc.abstractmethod
     def decode(self, stored: memoryview, nbytes: int, where: str) -> memoryview:
-        """The ``nbytes`` bytes of the chunk stored as ``stored``; raise CorruptCheckpointError (naming ``where``)
-        if they cannot be recovered."""
+        """The ``nbytes`` bytes of the chunk stored as ``stored`` (all it decodes to, for a value: ``nbytes`` is -1);
+        raise CorruptCheckpointError (naming ``where``) if they cannot be recovered."""
 
 
 class _Identity(ChunkCodec):
@@ -44,7 +47,7 @@ class _Identity(ChunkCodec):
         return bytes(data)
 
     def decode(self, stored: memoryview, nbytes: int, where: str) -> memoryview:
-        if len(stored) != nbytes:
+        if nbytes >= 0 and len(stored) != nbytes:
             raise CorruptCheckpointError(f"{where}: stored {len(stored)} bytes for a chunk of {nbytes}")
         return stored
 
@@ -58,9 +61,6 @@ def register_codec(codec: ChunkCodec) -> None:
     _CODECS[codec.name] = codec
 
 
-def codec_named(name: str, where: str) -> ChunkCodec:
-    codec = _CODECS.get(name)
-    if codec is None:
-        raise CorruptCheckpointError(f"{where}: stored with chunk codec {name!r}, which this distckpt does not know; "
-                                     "upgrade distckpt, or register the codec")
-    return codec
+def registered_codec(name: str) -> Optional[ChunkCodec]:
+    """The codec registered as ``name``, if any."""
+    return _CODECS.get(name)

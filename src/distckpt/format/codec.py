@@ -26,14 +26,14 @@ from ..metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from . import FORMAT_NAME, FORMAT_VERSION_STR
+from . import CODEC_FORMAT_VERSION_STR, FORMAT_NAME, FORMAT_VERSION_STR
 from .checksum import crc32c, format_crc
-from .chunk_codec import IDENTITY
+from .chunk_codec import CODEC_SEPARATOR, IDENTITY
 from .datafile import unique_members
 from .dtypes import dtype_from_name, dtype_name, itemsize
 from .fields import MAX_INT as _MAX_INT
 from .fields import ints as _ints
-from .locations import add_item, check_cover, check_no_overlap, checked_chunk, cross_check, decode_file_table, inline_chunks
+from .locations import add_item, check_cover, check_no_overlap, checked_chunk, cross_check, decode_file_table, inline_chunks, stored_codec
 from .names import check_file_name
 from .records import FileInfo, FileStorageData, StorageInfo
 from .values import from_data, to_data
@@ -231,7 +231,12 @@ def tensor_row(size: list, properties: list, chunks: list) -> str:
     parts = []
     for c in chunks:
         head = f"[[{_join(c[0])}],[{_join(c[1])}]"
-        parts.append(f"{head},{c[2]},{c[3]},{c[4]}]" if len(c) == 5 else head + "]")
+        if len(c) == 5:
+            parts.append(f"{head},{c[2]},{c[3]},{c[4]}]")
+        elif len(c) == 6:  # stored through a codec (format 2.1)
+            parts.append(f"{head},{c[2]},{c[3]},{c[4]},{dumps(c[5]).decode()}]")
+        else:
+            parts.append(head + "]")
     props = _PROPS_TEXT.get(tuple(properties))
     if props is None:
         props = _PROPS_TEXT[tuple(properties)] = dumps(properties).decode()
@@ -240,8 +245,12 @@ def tensor_row(size: list, properties: list, chunks: list) -> str:
 
 def bytes_row(at: Optional[tuple]) -> str:
     """A value's entry of ``state_dict_metadata``, as JSON text; ``at`` is (file number, offset, length,
-    crc32c), or None where locations are not inline."""
-    return '{"type":"bytes"}' if at is None else f'{{"type":"bytes","at":[{_join(at)}]}}'
+    crc32c) and, when stored through a codec (format 2.1), its codec record; or None where locations are not inline."""
+    if at is None:
+        return '{"type":"bytes"}'
+    if len(at) == 5:
+        return f'{{"type":"bytes","at":[{_join(at[:4])},{dumps(at[4]).decode()}]}}'
+    return f'{{"type":"bytes","at":[{_join(at)}]}}'
 
 
 def file_table(save_id: str, files: list) -> dict:
@@ -265,9 +274,17 @@ def encode_metadata(md: Metadata) -> bytes:
         if si is None or si.file not in file_no:
             raise CheckpointError(f"key {index.fqn!r}: no stored location for {list(index.offset or [])} (internal error)")
         if si.codec != IDENTITY.name:
-            raise CheckpointError(f"key {index.fqn!r}: stored with chunk codec {si.codec!r}, which format "
-                                  f"{FORMAT_VERSION_STR} cannot record; save without it")
+            coded.append(index)
         return si
+
+    def record(si: StorageInfo, tensor: bool) -> list:
+        """The codec record an item stored through a codec carries (format 2.1), or nothing."""
+        if si.codec == IDENTITY.name:
+            return []
+        return [{"codec": si.codec.split(CODEC_SEPARATOR), "length": si.length} if tensor
+                else {"codec": si.codec.split(CODEC_SEPARATOR)}]
+
+    coded: list = []
 
     sdm = {}
     for fqn, entry in md.state_dict_metadata.items():
@@ -277,29 +294,32 @@ def encode_metadata(md: Metadata) -> bytes:
                 row = [list(c.offsets), list(c.sizes)]
                 if fsd is not None:
                     si = where_is(MetadataIndex(fqn, c.offsets))
-                    row += [file_no[si.file], si.offset, si.crc32c]
+                    row += [file_no[si.file], si.offset, si.crc32c] + record(si, True)
                 chunks.append(row)
             sdm[fqn] = tensor_row(list(entry.size), enc_props(entry.properties), chunks)
         elif fsd is not None:
             si = where_is(MetadataIndex(fqn))
-            sdm[fqn] = bytes_row((file_no[si.file], si.offset, si.length, si.crc32c))
+            sdm[fqn] = bytes_row((file_no[si.file], si.offset, si.length, si.crc32c, *record(si, False)))
         else:
             sdm[fqn] = bytes_row(None)
     if fsd is not None:
         storage = file_table(fsd.save_id, [[n, fsd.files[n].size, fsd.files[n].rank, fsd.files[n].header_crc32c] for n in names])
     else:
         storage = opaque_to(md.storage_data, "metadata storage_data", False)
-    return metadata_document(sdm, storage, opaque_to(md.planner_data, "metadata planner_data", False), md.storage_meta)
+    return metadata_document(sdm, storage, opaque_to(md.planner_data, "metadata planner_data", False), md.storage_meta,
+                             CODEC_FORMAT_VERSION_STR if coded else FORMAT_VERSION_STR)
 
 
-def metadata_document(sdm: dict[str, str], storage: Any, planner: Any, sm: Optional[StorageMeta]) -> bytes:
+def metadata_document(sdm: dict[str, str], storage: Any, planner: Any, sm: Optional[StorageMeta],
+                      version: str = FORMAT_VERSION_STR) -> bytes:
     """Serialise the already-encoded members of a metadata document (``sdm``: key to the JSON text of its
-    row) and append its checksum."""
+    row) and append its checksum. ``version`` is the lowest that records what the rows hold: 2.1 where an
+    item is stored through a codec, else 2.0."""
     rows = ",".join(f"{_quote(fqn)}:{row}" for fqn, row in sdm.items())
     meta = None if sm is None else {
         "checkpoint_id": None if sm.checkpoint_id is None else str(sm.checkpoint_id),
         "save_id": sm.save_id, "load_id": sm.load_id, "modules": list(sm.modules)}
-    prefix = b"".join((b'{"format":', dumps(FORMAT_NAME), b',"format_version":', dumps(FORMAT_VERSION_STR),
+    prefix = b"".join((b'{"format":', dumps(FORMAT_NAME), b',"format_version":', dumps(version),
                        b',"state_dict_metadata":{', rows.encode("utf-8"), b'},"storage_data":', dumps(storage),
                        b',"planner_data":', dumps(planner), b',"storage_meta":', dumps(meta)))
     return prefix + b',"crc32c":"' + format_crc(crc32c(prefix)).encode() + b'"}\n'
@@ -417,9 +437,10 @@ def _parse_metadata(raw: bytes, where: str) -> Metadata:
             sdm[fqn] = BytesStorageMetadata()
             if fsd is not None:
                 at = entry.get("at")
-                if not isinstance(at, list) or len(at) != 4:
+                if not isinstance(at, list) or len(at) not in (4, 5):
                     raise CorruptCheckpointError(f"{here}: value has no valid location")
-                add_item(locations, fqn, None, at[0], at[1], at[2], at[3], here)
+                codec = stored_codec(at[4], False, here)[0] if len(at) == 5 else None
+                add_item(locations, fqn, None, at[0], at[1], at[2], at[3], here, codec)
             continue
         size = _ints(entry.get("size"), here)
         props = dec_props(entry.get("properties"), here)

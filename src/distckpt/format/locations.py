@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from array import array
 from collections.abc import Iterator, Mapping
+from dataclasses import replace
 from typing import Any, Optional
 
 import numpy as np
@@ -19,6 +20,7 @@ import torch
 
 from ..errors import CorruptCheckpointError
 from ..metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
+from .chunk_codec import CODEC_SEPARATOR
 from .dtypes import itemsize
 from .fields import MAX_INT, ints
 from .names import check_file_name
@@ -130,6 +132,7 @@ class ChunkLocations(Mapping):
         self.begin = array("q")
         self.length = array("q")
         self.crc = array("q")
+        self.codecs: dict[int, str] = {}  # row -> codec name, for the rows not stored as they are (format 2.1)
 
     def tensor_rows(self, fqn: str, here: str) -> dict:
         """The offsets table of tensor ``fqn``, whose chunks are then appended to the columns in order."""
@@ -140,8 +143,10 @@ class ChunkLocations(Mapping):
             raise CorruptCheckpointError(f"{here}: key is listed twice")
         return entry[1]
 
-    def add(self, fqn: str, offsets: Optional[torch.Size], file_no: int, begin: int, length: int, crc: int, here: str) -> None:
-        """One location whose fields are already checked: a chunk of ``fqn`` at ``offsets``, or its value if None."""
+    def add(self, fqn: str, offsets: Optional[torch.Size], file_no: int, begin: int, length: int, crc: int, here: str,
+            codec: Optional[str] = None) -> None:
+        """One location whose fields are already checked: a chunk of ``fqn`` at ``offsets``, or its value if None;
+        ``codec`` names how its bytes are stored, if not as they are."""
         if offsets is None:
             if fqn in self.keys_:
                 raise CorruptCheckpointError(f"{here}: key is listed twice")
@@ -152,6 +157,8 @@ class ChunkLocations(Mapping):
             rows[offsets] = count
             if len(rows) == count:
                 raise CorruptCheckpointError(f"{here}: chunk {list(offsets)} is listed twice")
+        if codec is not None:
+            self.codecs[len(self.begin)] = codec
         self.file_no.append(file_no)
         self.begin.append(begin)
         self.length.append(length)
@@ -172,8 +179,7 @@ class ChunkLocations(Mapping):
         raise KeyError(index)
 
     def __getitem__(self, index: MetadataIndex) -> StorageInfo:
-        i = self._row(index)
-        return StorageInfo(self.file_list[self.file_no[i]][0], self.begin[i], self.length[i], self.crc[i])
+        return self.info(self._row(index))
 
     def row(self, fqn: str, offsets: tuple) -> Optional[int]:
         """The row of the chunk of tensor ``fqn`` at ``offsets``, or None if the document has none."""
@@ -185,7 +191,8 @@ class ChunkLocations(Mapping):
 
     def info(self, row: int) -> StorageInfo:
         """Where the chunk of ``row`` is stored."""
-        return StorageInfo(self.file_list[self.file_no[row]][0], self.begin[row], self.length[row], self.crc[row])
+        info = StorageInfo(self.file_list[self.file_no[row]][0], self.begin[row], self.length[row], self.crc[row])
+        return info if not self.codecs or row not in self.codecs else replace(info, codec=self.codecs[row])
 
     def __contains__(self, index: object) -> bool:
         try:
@@ -232,13 +239,30 @@ class ChunkLocations(Mapping):
 
 
 def inline_chunk(c: Any, fqn: str, size: torch.Size, width: int, locations: ChunkLocations, here: str) -> ChunkStorageMetadata:
-    """One format-2.x chunk ``[offsets, sizes, file, begin, crc]``, checked field by field: the reference
-    for :func:`inline_chunks`, and what names the fault when its fast checks fail."""
-    if type(c) is not list or len(c) != 5:
+    """One format-2.x chunk ``[offsets, sizes, file, begin, crc]`` (format 2.1: and ``{"codec": [...], "length":
+    n}`` when stored through a codec), checked field by field: the reference for :func:`inline_chunks`, and what
+    names the fault when its fast checks fail."""
+    if type(c) is not list or len(c) not in (5, 6):
         raise CorruptCheckpointError(f"{here}: malformed chunk {c!r:.200}")
     chunk = checked_chunk(ChunkStorageMetadata(ints(c[0], here), ints(c[1], here)), size, here)
-    add_item(locations, fqn, chunk.offsets, c[2], c[3], math.prod(chunk.sizes) * width, c[4], here)
+    length, codec = math.prod(chunk.sizes) * width, None
+    if len(c) == 6:
+        codec, length = stored_codec(c[5], True, here)
+    add_item(locations, fqn, chunk.offsets, c[2], c[3], length, c[4], here, codec)
     return chunk
+
+
+def stored_codec(data: Any, tensor: bool, here: str) -> tuple[str, Optional[int]]:
+    """The codec record of an item (format 2.1): its codec's name and, for a tensor chunk, its stored length."""
+    want = {"codec", "length"} if tensor else {"codec"}
+    names = data.get("codec") if type(data) is dict and set(data) == want else None
+    if not (type(names) is list and 0 < len(names) <= 16
+            and all(type(n) is str and 0 < len(n) <= 200 and CODEC_SEPARATOR not in n for n in names)):
+        raise CorruptCheckpointError(f"{here}: malformed codec record {data!r:.200}")
+    length = data.get("length")
+    if tensor and not (type(length) is int and 0 <= length <= MAX_INT):
+        raise CorruptCheckpointError(f"{here}: malformed stored length {length!r:.40}")
+    return CODEC_SEPARATOR.join(names), length
 
 
 _new = object.__new__
@@ -345,7 +369,7 @@ def is_crc(value: Any) -> bool:
 
 
 def add_item(locations: ChunkLocations, fqn: str, offsets: Optional[torch.Size], file_no: Any, begin: Any, length: int,
-             crc: Any, where: str) -> None:
+             crc: Any, where: str, codec: Optional[str] = None) -> None:
     """Check one location's fields and add it: a chunk of ``fqn`` at ``offsets``, or its value if None."""
     file_list = locations.file_list
     if type(file_no) is not int or not 0 <= file_no < len(file_list):
@@ -355,7 +379,7 @@ def add_item(locations: ChunkLocations, fqn: str, offsets: Optional[torch.Size],
         raise CorruptCheckpointError(f"{where}: stored bytes {begin!r:.20}+{length} lie outside data file {name!r}")
     if type(crc) is not int or not 0 <= crc <= 0xFFFFFFFF:
         raise CorruptCheckpointError(f"{where}: malformed checksum {crc!r:.20}")
-    locations.add(fqn, offsets, file_no, begin, length, crc, where)
+    locations.add(fqn, offsets, file_no, begin, length, crc, where, codec)
 
 
 def cross_check(md: Metadata, fsd: FileStorageData, where: str) -> None:
