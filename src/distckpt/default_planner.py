@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from .errors import CheckpointError
+from .format.locations import check_cover, checked_chunk
 from .metadata import STATE_DICT_TYPE, ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties, TensorStorageMetadata
 from .planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from .planning import DefaultLoadPlanner, DefaultSavePlanner
@@ -65,6 +67,21 @@ def create_default_local_load_plan(state_dict: dict[str, Any], metadata: Metadat
 def create_default_global_load_plan(all_plans: list[LoadPlan]) -> list[LoadPlan]:
     """Loads need no global coordination: the plans as they are."""
     return all_plans
+
+
+def _validate_global_plan(global_plan: list[SavePlan], metadata: Metadata) -> bool:
+    """Whether every tensor of ``metadata`` is covered exactly once by chunks inside its bounds (DCP's check;
+    distckpt's writers run the same check, raising, before any commit)."""
+    for fqn, entry in metadata.state_dict_metadata.items():
+        if not isinstance(entry, TensorStorageMetadata):
+            continue
+        try:
+            for chunk in entry.chunks:
+                checked_chunk(chunk, entry.size, f"key {fqn!r}")
+            check_cover(entry.chunks, entry.size, f"key {fqn!r}")
+        except CheckpointError:
+            return False
+    return True
 
 
 def _create_default_local_metadata(state_dict: STATE_DICT_TYPE) -> Metadata:

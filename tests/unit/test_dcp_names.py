@@ -7,13 +7,18 @@ import pytest
 import torch
 
 import distckpt
+from distckpt._dedup_save_plans import dedup_save_plans
 from distckpt.default_planner import (
     _create_default_local_metadata,
+    _validate_global_plan,
     create_default_global_load_plan,
     create_default_global_save_plan,
     create_default_local_load_plan,
     create_default_local_save_plan,
 )
+from distckpt.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties, TensorStorageMetadata
+from distckpt.planner import SavePlan
+from distckpt.planner_helpers import _compare_save_plans, _merge_delta_local_plans, create_read_items_for_chunk_list
 
 
 @pytest.mark.parametrize("module,names", [
@@ -22,7 +27,10 @@ from distckpt.default_planner import (
                   "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "SavePlan", "LoadPlan",
                   "SavePlanner", "LoadPlanner", "ReadItem", "WriteItem", "StorageReader", "StorageWriter"]),
     ("distckpt.api", ["CheckpointException"]),
-    ("distckpt.filesystem", ["FileSystemReader", "FileSystemWriter"]),
+    ("distckpt.filesystem", ["FileSystemReader", "FileSystemWriter", "CURRENT_DCP_VERSION"]),
+    ("distckpt._extension", ["ZStandard", "StreamTransformExtension", "ExtensionRegistry", "Extension"]),
+    ("distckpt._dedup_save_plans", ["dedup_save_plans"]),
+    ("distckpt.planner_helpers", ["create_read_items_for_chunk_list", "_compare_save_plans", "_merge_delta_local_plans"]),
     ("distckpt.state_dict_saver", ["save", "save_state_dict", "async_save"]),
     ("distckpt.state_dict_loader", ["load", "load_state_dict"]),
     ("distckpt.default_planner", ["DefaultSavePlanner", "DefaultLoadPlanner", "create_default_local_save_plan"]),
@@ -131,3 +139,28 @@ def test_dcps_file_system_options_are_taken_and_non_transforms_refused_by_name(t
 
     with pytest.raises(distckpt.CheckpointError, match="extension Compressor is not a stream transform"):
         distckpt.FileSystemWriter(tmp_path / "z", _extensions=[Compressor()])
+
+
+def _box(offsets, sizes):
+    return ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))
+
+
+def test_dcps_plan_helpers():
+    md = TensorStorageMetadata(TensorProperties(torch.float32), torch.Size([16, 2]), [_box([0, 0], [8, 2]), _box([8, 0], [8, 2])])
+    reads = create_read_items_for_chunk_list("foo", md, [_box([4, 1], [7, 1])])
+    assert [(r.storage_index, tuple(r.storage_offsets), r.dest_index, tuple(r.dest_offsets), tuple(r.lengths)) for r in reads] == [
+        (MetadataIndex("foo", [0, 0]), (4, 1), MetadataIndex("foo", [4, 1]), (0, 0), (4, 1)),
+        (MetadataIndex("foo", [8, 0]), (0, 1), MetadataIndex("foo", [4, 1]), (4, 0), (3, 1))]
+    assert _validate_global_plan([SavePlan([])], Metadata({"w": md}))
+    overlapping = TensorStorageMetadata(TensorProperties(torch.float32), torch.Size([4]), [_box([0], [2]), _box([1], [2])])
+    assert not _validate_global_plan([SavePlan([])], Metadata({"w": overlapping}))
+
+    plans = [create_default_local_save_plan({"rep": torch.ones(4), "big": torch.ones(64)}, r == 0) for r in range(3)]
+    for lowest in (False, True):
+        deduped = dedup_save_plans(plans, save_to_lowest_rank=lowest)
+        holders = [r for r, p in enumerate(deduped) if any(i.index.fqn == "rep" for i in p.items)]
+        big = [r for r, p in enumerate(deduped) if any(i.index.fqn == "big" for i in p.items)]
+        assert len(holders) == 1 and len(big) == 1 and (holders == big == [0] if lowest else holders != big)
+    assert _compare_save_plans(plans[0], plans[0]) and not _compare_save_plans(plans[0], deduped[1])
+    merged = _merge_delta_local_plans(plans[:2], [SavePlan([], usable=False), deduped[1]])
+    assert merged[0] is plans[0] and merged[1] is deduped[1]
