@@ -118,6 +118,28 @@ def test_overwrite_refuses_a_run_root_or_any_directory_that_is_not_a_checkpoint(
     assert out["step"] == 9
 
 
+def test_a_directory_holding_other_files_is_refused_before_anything_is_written(tmp_path):
+    target = tmp_path / "mine"
+    target.mkdir()
+    (target / "model.pt").write_bytes(b"not ours")
+    with pytest.raises(CheckpointError, match=r"holds files that are not a distckpt checkpoint \(model\.pt\)"):
+        distckpt.save(_state(1), checkpoint_id=str(target))
+    assert sorted(os.listdir(tmp_path)) == ["mine"] and os.listdir(target) == ["model.pt"]  # no staging left either
+
+
+def test_an_overwrite_keeps_the_files_the_replaced_checkpoint_did_not_list(tmp_path):
+    path = str(tmp_path / "ck")
+    distckpt.save(_state(1), checkpoint_id=path)
+    with open(os.path.join(path, "NOTES.txt"), "w") as f:
+        f.write("run 7: lr 3e-4")
+    distckpt.save(_state(2), storage_writer=distckpt.FileSystemWriter(path, overwrite=True))
+    assert open(os.path.join(path, "NOTES.txt")).read() == "run 7: lr 3e-4"
+    assert sorted(os.listdir(tmp_path)) == ["ck"]  # the replaced checkpoint is gone, and only it
+    out = {"w": torch.zeros(64), "step": 0}
+    distckpt.load(out, checkpoint_id=path)
+    assert out["step"] == 2 and distckpt.verify(path).ok
+
+
 # ---- 4 and 11: chunks must cover their tensor; conversion allocates only what is stored
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import time
 import uuid
@@ -12,6 +13,7 @@ from .. import faults
 from ..engine.blobs import LEASES, RUNS, BlobReader, BlobStore, BlobWriter
 from ..errors import CheckpointError, CheckpointNotFoundError, StorageIOError
 from ..format import FORMAT_NAME, METADATA_FILE
+from ..format.codec import stored_file_sizes
 from ..format.stream_transforms import StreamTransforms
 from .blob_storage import BlobStorageReader, BlobStorageWriter
 from .dcp_reader import is_dcp_directory
@@ -19,6 +21,8 @@ from .direct_io import DirectWriter, bounce_buffer_bytes, direct_io_wanted, pwri
 from .fs_objects import create_exclusive, is_real_dir, open_dir, open_regular, remove_tree
 from .leases import save_is_dead
 from .rename import exchange, rename_noreplace
+
+log = logging.getLogger("distckpt")
 
 TMP_MARK = ".distckpt-tmp-"
 LEASE_MARK = ".distckpt-lease-"
@@ -269,7 +273,8 @@ class FsStore(BlobStore):
                 exchange(staging.root, final)  # atomic swap: the old checkpoint is now at staging.root
                 if sync:
                     _fsync_dir(os.path.dirname(final))
-                remove_tree(staging.root)
+                if _carry_foreign(staging.root, final):
+                    remove_tree(staging.root)
             else:
                 rename_noreplace(staging.root, final)
             if sync:
@@ -403,6 +408,32 @@ def _age(path: str, now: float) -> Optional[float]:
         return None
 
 
+def _carry_foreign(old: str, new: str) -> bool:
+    """Move what the replaced checkpoint at ``old`` holds but does not list (a user's notes, another tool's
+    files) into the checkpoint that replaced it at ``new``; return whether ``old`` is left holding only
+    distckpt's own files. What cannot move (its name is taken) stays in ``old``, which is then kept."""
+    try:
+        fd = open_regular(os.path.join(old, METADATA_FILE))
+        try:
+            listed = set(stored_file_sizes(os.pread(fd, os.fstat(fd).st_size, 0)))
+        finally:
+            os.close(fd)
+    except (CheckpointError, OSError):
+        log.warning("distckpt: the replaced checkpoint's metadata at %s is unreadable; left in place", old)
+        return False
+    kept = []
+    for name in os.listdir(old):
+        if name in listed or name == METADATA_FILE:
+            continue
+        try:
+            rename_noreplace(os.path.join(old, name), os.path.join(new, name))
+        except OSError:
+            kept.append(name)
+    if kept:
+        log.warning("distckpt: the replaced checkpoint left in %s: %s could not move into %s", old, ", ".join(kept[:5]), new)
+    return not kept
+
+
 def _holds_committed_metadata(directory: str) -> bool:
     """Whether ``directory`` holds a regular metadata.json of distckpt (its first bytes say so)."""
     try:
@@ -497,6 +528,28 @@ class FileSystemWriter(_AtPath, BlobStorageWriter):
 
     def _store(self) -> BlobStore:
         return FsStore(self._require_path())
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
+        if is_coordinator:
+            _check_target(os.path.abspath(self._require_path()))
+
+
+def _check_target(final: str) -> None:
+    """A save commits by renaming its directory into place: the path must be free, an empty directory, or a
+    committed checkpoint (to replace). Anything else is refused before a byte is written."""
+    if not os.path.lexists(final) or (is_real_dir(final) and _holds_committed_metadata(final)):
+        return
+    if not is_real_dir(final):
+        raise CheckpointError(f"cannot save to {final!r}: it exists and is not a directory (a file or a link); "
+                              "save to another path")
+    names = sorted(os.listdir(final))
+    if names:
+        shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+        raise CheckpointError(
+            f"cannot save to {final!r}: the directory holds files that are not a distckpt checkpoint ({shown}). "
+            "A save commits atomically by putting a whole directory in place, and never mixes its files with "
+            "others; save to a new or empty directory, such as a subdirectory of this one.")
 
 
 class FileSystemReader(_AtPath, BlobStorageReader):
