@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import warnings
@@ -14,6 +15,7 @@ from . import backends
 from .errors import CheckpointError
 from .planning import DefaultLoadPlanner, DefaultSavePlanner
 from .stateful import Stateful
+from .torch_classes import adopt
 
 
 def split_stateful(state_dict: dict) -> tuple[dict, dict[str, Any]]:
@@ -41,15 +43,23 @@ def tell_rank(planner: Any, rank: int) -> None:
         planner.rank = rank
 
 
-def pick_storage(kind: str, checkpoint_id: Any, given: Any) -> Any:
+def pick_storage(kind: str, checkpoint_id: Any, given: Any, overwrite: Optional[bool] = None) -> Any:
     """The storage writer or reader to use: ``given``, or the backend that accepts ``checkpoint_id``;
-    reset to ``checkpoint_id`` when there is one."""
+    reset to ``checkpoint_id`` when there is one. ``overwrite`` (writers), when given, is this call's
+    choice over the writer's own: a copy of a given writer carries it."""
     storage = given
     if storage is None:
         if checkpoint_id is None:
             arg = "storage_writer" if kind == "writer" else "storage_reader"
             raise CheckpointError(f"needs checkpoint_id= (a directory path, s3://bucket/prefix or memory://name) or {arg}=")
         storage = backends.writer_for(checkpoint_id) if kind == "writer" else backends.reader_for(checkpoint_id)
+    if overwrite is not None:
+        if not hasattr(storage, "overwrite"):
+            raise CheckpointError(f"overwrite={overwrite}: the storage writer {type(storage).__name__} has no overwrite "
+                                  "option; leave overwrite= out and use the writer's own")
+        if storage is given:
+            storage = copy.copy(given)
+        storage.overwrite = bool(overwrite)
     if checkpoint_id is not None:
         storage.reset(checkpoint_id)
     return storage
@@ -68,11 +78,16 @@ class Prepared:
 
 
 def prepare(kind: str, checkpoint_id: Any, storage: Any, planner: Any, default_planner: Callable[[], Any], rank: int,
-            state_dict: dict) -> Prepared:
-    """Pick the storage and planner and take the state (``kind``: writer or reader), catching any failure."""
+            state_dict: dict, overwrite: Optional[bool] = None) -> Prepared:
+    """Pick the storage and planner and take the state (``kind``: writer or reader), catching any failure.
+
+    DCP's own classes are swapped for distckpt's first (:mod:`.torch_classes`); one that has no
+    counterpart raises TypeError at once, on every rank alike."""
+    storage = adopt(storage, f"storage_{kind}")
+    planner = adopt(planner, "planner")
     out = Prepared()
     try:
-        out.storage = pick_storage(kind, checkpoint_id, storage)
+        out.storage = pick_storage(kind, checkpoint_id, storage, overwrite)
         out.planner = planner if planner is not None else default_planner()
         tell_rank(out.planner, rank)
         out.plain, out.objects = split_stateful(state_dict)

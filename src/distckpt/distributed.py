@@ -119,6 +119,31 @@ class Coordinator:
         self.identity = f"{operation} #{number}{where}"
         return self.identity
 
+    def arrive(self, operation: str) -> None:
+        """Wait, at most DISTCKPT_ARRIVAL_TIMEOUT_S, until every rank of the group has called this ``operation``
+        (save or load), before any of them does work that the others would wait for."""
+        if not self.use_dist:
+            return
+        from datetime import timedelta
+
+        limit = min(knobs.arrival_timeout_s(), self.timeout_s)
+        mine = torch.tensor([self.number], dtype=torch.int64, device=self.device)
+        out = [torch.zeros_like(mine) for _ in range(self.world_size)]
+        try:
+            if dist.all_gather(out, mine, group=self.group, async_op=True).wait(timeout=timedelta(seconds=limit)):
+                return
+            reason: object = "timed out"
+        except CheckpointError:
+            self.transport_failed = True
+            raise
+        except Exception as exc:  # gloo raises on its timeout; a dead peer raises too
+            reason = exc
+        self.transport_failed = True
+        raise CheckpointError(
+            f"{self.identity}: rank {self.rank} waited {limit:.0f}s for the other ranks of the group to call {operation} "
+            f"({reason}). Every rank of the group must call {operation}; to {operation} from one process alone, pass "
+            f"no_dist=True. If ranks arrive this far apart, raise DISTCKPT_ARRIVAL_TIMEOUT_S.")
+
     @property
     def number(self) -> int:
         """This operation's number on its process group (0 before :meth:`begin`, or alone)."""

@@ -189,6 +189,13 @@ def collective_timeout_s() -> float:
     return float(_int("DISTCKPT_TIMEOUT_S", 600, minimum=1))
 
 
+def arrival_timeout_s() -> float:
+    """Seconds a rank waits for every other rank of the group to call the same save or load, before any
+    work (DISTCKPT_ARRIVAL_TIMEOUT_S, default 60; at most the collective timeout). A rank that calls
+    save alone then gets an error naming the cause instead of waiting out the collective timeout."""
+    return float(_int("DISTCKPT_ARRIVAL_TIMEOUT_S", 60, minimum=1))
+
+
 def async_write_nice() -> int:
     """How much lower the CPU priority of async_save's background write is than the caller's
     (DISTCKPT_ASYNC_NICE, default 10, Linux; 0 keeps it equal). Training threads and the

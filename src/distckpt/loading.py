@@ -58,6 +58,7 @@ def load(
     """
     coord = Coordinator(process_group, coordinator_rank, no_dist=no_dist)
     coord.begin("load", checkpoint_id)
+    coord.arrive("load")
     ready = prepare("reader", checkpoint_id, storage_reader, planner, DefaultLoadPlanner, coord.rank, state_dict)
     plain, objects = ready.plain, ready.objects
     with gc_paused():

@@ -48,6 +48,7 @@ def save(
     process_group: Any = None,
     coordinator_rank: int = 0,
     no_dist: bool = False,
+    overwrite: Optional[bool] = None,
 ) -> Metadata:
     """Save ``state_dict`` as one checkpoint, collectively over the ranks of ``process_group``.
 
@@ -61,10 +62,16 @@ def save(
     alone, without collectives, even where a process group is initialised.
     ``save(state_dict, storage_writer)`` (DCP's older form) works, with a
     FutureWarning.
+
+    A committed checkpoint at the same place is replaced only with
+    ``overwrite=True`` (this call's choice, over the storage writer's), or
+    where ``DISTCKPT_OVERWRITE=1`` is set; the old checkpoint stays whole
+    until the new one commits.
     """
     coord = Coordinator(process_group, coordinator_rank, no_dist=no_dist)
     coord.begin("save", checkpoint_id)
-    ready = prepare("writer", checkpoint_id, storage_writer, planner, DefaultSavePlanner, coord.rank, state_dict)
+    coord.arrive("save")
+    ready = prepare("writer", checkpoint_id, storage_writer, planner, DefaultSavePlanner, coord.rank, state_dict, overwrite)
     with gc_paused():
         return run_save(ready.plain, ready.storage, ready.planner, coord, failure=ready.failure)
 

@@ -47,30 +47,37 @@ from .planning.flatten import leaves
 from .planning.tensors import is_dtensor, is_sharded_tensor, local_tensor, with_local_shards
 from .saving import run_save
 from .storage import StorageWriter
+from .torch_classes import adopt
 
 __all__ = ["async_save", "AsyncSaveHandle", "release_buffers"]
 
 
-class AsyncSaveHandle:
-    """The progress of one :func:`async_save`.
+class AsyncSaveHandle(Future):
+    """The progress of one :func:`async_save`: a ``concurrent.futures.Future`` of the commit.
 
-    ``staged`` resolves once the state has been copied: the caller may modify
-    its tensors from then on (async_save returns only after that). ``committed``
-    resolves to the checkpoint's Metadata once it is committed, or raises the
-    save's error.
+    It resolves to the checkpoint's Metadata once it is committed, or raises the save's error
+    (``result``, ``exception``, ``add_done_callback`` as for any Future, which is what DCP's async_save
+    returns). ``staged`` resolves once the state has been copied: the caller may modify its tensors from
+    then on (async_save returns only after that). ``staging_completion`` and ``upload_completion`` are
+    DCP's names (``AsyncSaveResponse``) for ``staged`` and the handle itself; ``committed`` is the handle.
     """
 
     def __init__(self, checkpoint_id: Any):
+        super().__init__()
         self.checkpoint_id = checkpoint_id
         self.staged: Future = Future()
-        self.committed: Future = Future()
 
-    def result(self, timeout: Optional[float] = None) -> Metadata:
-        """Wait for the commit; return the metadata or raise the save's error."""
-        return self.committed.result(timeout)
+    @property
+    def committed(self) -> "AsyncSaveHandle":
+        return self
 
-    def done(self) -> bool:
-        return self.committed.done()
+    @property
+    def staging_completion(self) -> Future:
+        return self.staged
+
+    @property
+    def upload_completion(self) -> "AsyncSaveHandle":
+        return self
 
 
 _ALIGN = 64  # bytes: every buffer in an arena starts at a multiple, enough for any dtype
@@ -410,6 +417,10 @@ def async_save(
     wait_for_previous: bool = True,
     on_commit: Optional[Callable[[Metadata], None]] = None,
     no_dist: bool = False,
+    async_checkpointer_type: Any = None,
+    async_stager: Any = None,
+    use_collectives: bool = True,
+    overwrite: Optional[bool] = None,
 ) -> AsyncSaveHandle:
     """Save like :func:`distckpt.save`, blocking only while the state is copied to host memory.
 
@@ -430,9 +441,16 @@ def async_save(
     (``DISTCKPT_ASYNC_NICE``, default 10): when training keeps every core busy
     it goes on at nearly full speed while the write takes the CPU left over
     (docs/performance.md has the figures).
+
+    DCP's ``async_checkpointer_type`` (THREAD or PROCESS) and ``async_stager`` (its DefaultStager or
+    BlockingAsyncStager) are accepted: distckpt always stages into its own reused host buffers and writes
+    on its background thread, which serves what both ask for. A stager of another class, or
+    ``use_collectives=False``, raises CheckpointError.
     """
+    _check_dcp_async_options(async_checkpointer_type, async_stager, use_collectives)
     if max_in_flight < 1:
         raise CheckpointError("max_in_flight must be at least 1")
+    storage_writer, planner = adopt(storage_writer, "storage_writer"), adopt(planner, "planner")
     failure = _wait_for_room(max_in_flight, wait_for_previous)
     channel = None if no_dist else _channel(process_group)
     handle = AsyncSaveHandle(checkpoint_id)
@@ -447,7 +465,7 @@ def async_save(
     try:
         if failure is not None:
             raise failure
-        storage_writer = pick_storage("writer", checkpoint_id, storage_writer)
+        storage_writer = pick_storage("writer", checkpoint_id, storage_writer, overwrite)
         planner = planner if planner is not None else DefaultSavePlanner()
         plain, _ = split_stateful(state_dict)
         staged = _stage(plain, pool)
@@ -467,6 +485,22 @@ def async_save(
     handle.staged.set_result(None)
     executor.submit(_background, handle, staged, storage_writer, planner, coord, channel, number, pool, on_commit)
     return handle
+
+
+def _check_dcp_async_options(checkpointer_type: Any, stager: Any, use_collectives: bool) -> None:
+    """Refuse DCP async options distckpt cannot honour, naming why (the rest map onto its own staging)."""
+    kind = getattr(checkpointer_type, "value", checkpointer_type)
+    if kind is not None and str(kind).lower() not in ("thread", "process"):
+        raise CheckpointError(f"async_checkpointer_type={checkpointer_type!r} is not one DCP defines (THREAD or PROCESS)")
+    if stager is not None and not (type(stager).__module__.startswith("torch.distributed.checkpoint")
+                                   and type(stager).__name__ in ("DefaultStager", "BlockingAsyncStager")):
+        raise CheckpointError(
+            f"async_stager={type(stager).__name__}: distckpt stages into its own reused host buffers and would not "
+            "call it; drop async_stager= (DCP's DefaultStager and BlockingAsyncStager are accepted and mapped)")
+    if not use_collectives:
+        raise CheckpointError("use_collectives=False (every rank writing without a global plan) is not supported: "
+                              "distckpt commits a checkpoint only once every rank's data is written; to save from one "
+                              "process, pass no_dist=True")
 
 
 def _wait_for_room(max_in_flight: int, wait_for_previous: bool) -> Optional[BaseException]:

@@ -132,3 +132,22 @@ def test_two_trainers_saving_alternate_steps_never_fail_a_committed_save(tmp_pat
 def test_soak_trainers_cleaners_and_evaluators_on_one_root(tmp_path):
     """A few minutes of two trainers and two processes opening managers (each cleaning up) and loading."""
     assert side_by_side(tmp_path, 180, 2)
+
+
+def test_no_step_pattern_matches_a_save_in_progress_and_older_leftovers_are_still_cleaned(tmp_path):
+    import re
+
+    root = str(tmp_path / "run")
+    mgr = distckpt.CheckpointManager(root)
+    mgr.save(2, workers.state(2))
+    crashed = leave_crashed_save(FsStore(os.path.join(root, "step-6")), "deadbeef")  # torchtitan's spelling
+    hidden = [n for n in os.listdir(root) if n.startswith(".")]
+    assert len(hidden) == 2 and crashed.root in [os.path.join(root, n) for n in hidden]  # its staging area and lease
+    assert not [n for n in hidden if re.search(r"step-(\d+)", n)]  # torchtitan's pattern for its steps
+    older = os.path.join(root, ".step-0000000004.distckpt-tmp-0123abcd")  # the name earlier versions used
+    os.mkdir(older)
+    aged = time.time() - 3600
+    os.utime(older, (aged, aged))
+    removed = distckpt.CheckpointManager(root, cleanup=False).remove_stale_temporaries()
+    assert sorted(removed) == sorted([crashed.root, older]) and mgr.all_steps() == [2]
+    assert not [n for n in os.listdir(root) if n.startswith(".")]  # the dead save's lease went with it

@@ -74,3 +74,32 @@ def test_a_type_outside_the_allowlist_arrives_as_remote_rank_error_naming_it():
     # a description naming an importable but unlisted type does not construct it
     forged = dict(describe(ValueError("x")), module="os", type="system")
     assert type(rebuild(forged).exception) is distckpt.RemoteRankError
+
+
+def _only_rank_zero_calls(rank, world_size, path, op):
+    import time
+
+    if rank != 0:
+        time.sleep(6)  # busy elsewhere (training): never calls save or load
+        return None
+    start = time.monotonic()
+    try:
+        if op == "save":
+            distckpt.save({"w": torch.ones(3)}, checkpoint_id=path)
+        else:
+            distckpt.load({"w": torch.ones(3)}, checkpoint_id=path)
+    except distckpt.CheckpointError as exc:
+        return str(exc), time.monotonic() - start
+    return "returned", 0.0
+
+
+@pytest.mark.parametrize("op", ["save", "load"])
+def test_a_save_or_load_only_one_rank_calls_fails_within_the_arrival_bound(tmp_path, op):
+    path = str(tmp_path / "ck")
+    distckpt.save({"w": torch.zeros(3)}, checkpoint_id=path, no_dist=True) if op == "load" else None
+    got = run_ranks(_only_rank_zero_calls, 2, path, op, env={"DISTCKPT_ARRIVAL_TIMEOUT_S": "3"}, timeout_s=60)
+    text, seconds = got[0]
+    assert f"every rank of the group must call {op}" in text.lower() and "no_dist=True" in text, text
+    assert seconds < 15, seconds
+    if op == "save":
+        assert not (tmp_path / "ck").exists()  # nothing was written

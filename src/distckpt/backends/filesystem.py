@@ -27,6 +27,10 @@ log = logging.getLogger("distckpt")
 TMP_MARK = ".distckpt-tmp-"
 LEASE_MARK = ".distckpt-lease-"
 TRASH = "trash-"
+# Hidden siblings are named ".distckpt-tmp-<name in hex>-<tag>" (and "-lease-"): the checkpoint's own name
+# never appears in them, so no tool's pattern for its steps ("step-(\d+)") matches a save in progress.
+# Names too long for that keep the older form ".<name>.distckpt-tmp-<tag>", which is also still recognised.
+_HEX_NAME_MAX = 100
 _LEASE_MAX_BYTES = 4096
 _IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024)
 
@@ -244,7 +248,7 @@ class FsStore(BlobStore):
 
     def _sibling(self, tag: str) -> str:
         parent, base = os.path.split(os.path.abspath(self.root))
-        return os.path.join(parent, f".{base}{TMP_MARK}{tag}")
+        return os.path.join(parent, hidden_name(base, TMP_MARK, tag))
 
     def staging(self, save_id: str) -> "FsStore":
         return FsStore(self._sibling(save_id))
@@ -302,7 +306,7 @@ class FsStore(BlobStore):
 
     def _lease_path(self, save_id: str) -> str:
         parent, base = os.path.split(os.path.abspath(self.root))
-        return os.path.join(parent, f".{base}{LEASE_MARK}{save_id}")
+        return os.path.join(parent, hidden_name(base, LEASE_MARK, save_id))
 
     def put_lease(self, save_id: str, record: bytes) -> None:
         path = self._lease_path(save_id)
@@ -339,11 +343,11 @@ class FsStore(BlobStore):
 
     def incomplete_saves(self) -> list[str]:
         parent, base = os.path.split(os.path.abspath(self.root))
-        prefix = f".{base}{TMP_MARK}"
         try:
-            return sorted(os.path.join(parent, n) for n in os.listdir(parent) if n.startswith(prefix))
+            names = os.listdir(parent)
         except FileNotFoundError:
             return []
+        return sorted(os.path.join(parent, n) for n in names if (parse_hidden(n) or ("", "", ""))[:2] == (base, TMP_MARK))
 
     def child(self, name: str) -> "FsStore":
         return FsStore(os.path.join(self.root, name))
@@ -377,23 +381,47 @@ class FsStore(BlobStore):
             return removed
         now = time.time()
         for name in names:
-            if not name.startswith("." + prefix):
+            parsed = parse_hidden(name)
+            if parsed is None or not parsed[0].startswith(prefix):
                 continue
+            base, mark, tag = parsed
             path = os.path.join(self.root, name)
-            if TMP_MARK in name:
-                base, tag = name[1:].split(TMP_MARK, 1)
+            if mark == TMP_MARK:
                 if not tag.startswith(TRASH):  # a deletion left half done: anyone may finish it
                     if not save_is_dead(self.child(base), tag, _age(path, now)):
                         continue
                 if not remove_tree(path):
                     removed.append(path)
                     self.child(base).drop_lease(tag)
-            elif LEASE_MARK in name:  # a lease whose save's staging area is gone
-                base, tag = name[1:].split(LEASE_MARK, 1)
+            else:  # a lease whose save's staging area is gone
                 staging = self.child(base)._sibling(tag)
                 if not os.path.lexists(staging) and save_is_dead(self.child(base), tag, None):
                     self.child(base).drop_lease(tag)
         return removed
+
+
+def hidden_name(base: str, mark: str, tag: str) -> str:
+    """The name of a hidden sibling of checkpoint ``base``: its staging area or lease (``mark``) for ``tag``."""
+    encoded = base.encode("utf-8").hex()
+    if len(base.encode("utf-8")) > _HEX_NAME_MAX:
+        return f".{base}{mark}{tag}"
+    return f"{mark}{encoded}-{tag}"
+
+
+def parse_hidden(name: str) -> Optional[tuple[str, str, str]]:
+    """(checkpoint name, mark, tag) of a hidden sibling's name, in either form; None for any other name."""
+    for mark in (TMP_MARK, LEASE_MARK):
+        if name.startswith(mark):
+            encoded, sep, tag = name[len(mark):].partition("-")
+            try:
+                base = bytes.fromhex(encoded).decode("utf-8")
+            except ValueError:
+                return None
+            return (base, mark, tag) if sep and tag and base else None
+        if name.startswith(".") and mark in name:
+            base, tag = name[1:].split(mark, 1)
+            return (base, mark, tag) if base and tag else None
+    return None
 
 
 def _age(path: str, now: float) -> Optional[float]:
@@ -503,7 +531,7 @@ class FileSystemWriter(_AtPath, BlobStorageWriter):
             metadata records them (format 2.1), so a reader needs no option unless
             an extension is not one distckpt knows (then ``_extension_registry=``).
 
-    The save writes into a hidden sibling directory ``.<name>.distckpt-tmp-<save id>``
+    The save writes into a hidden sibling directory ``.distckpt-tmp-<name in hex>-<save id>``
     and the coordinator renames it into place after fsync: a reader sees the
     whole checkpoint or none of it.
     """
