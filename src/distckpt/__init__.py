@@ -5,7 +5,7 @@ non-tensor values and Stateful objects, across any number of ranks, loadable
 at any other world size or sharding.
 """
 
-from . import metadata, planner, storage
+from . import convert, metadata, planner, storage
 from .backends import DCPReader, FileSystemReader, FileSystemWriter, MemoryReader, MemoryWriter
 from .errors import (
     CheckpointError,
@@ -100,4 +100,5 @@ __all__ = [
     "metadata",
     "planner",
     "storage",
+    "convert",
 ]

@@ -1,20 +1,22 @@
 """Conversion between distckpt checkpoints and other formats: torch.distributed.checkpoint
 (DCP) directories, single safetensors files and torch.save files.
 
-Every conversion runs in one process and holds the whole state in host
-memory: tensors come out whole (consolidated), whatever the sharding they
+Every conversion runs in one process, without collectives (inside a multi-rank
+job, call it on one rank), and holds the whole state in host memory: tensors come out whole (consolidated), whatever the sharding they
 were saved with. This is the one module under src/ that uses DCP: it reads
 and writes DCP's format through DCP itself.
 
-DCP stores its metadata, and every non-tensor value, as pickles. Reading a
-DCP checkpoint therefore runs the unpickler on its files, which can execute
-code: convert only DCP checkpoints you trust. :func:`from_dcp` refuses unless
-called with ``trust_pickle=True`` (the command line's ``--trust-pickle``).
+DCP stores its metadata, and every non-tensor value, as pickles. :func:`from_dcp`
+reads them as a load of a DCP directory does (:class:`distckpt.DCPReader`): the
+metadata through an unpickler that resolves only DCP's metadata classes, tensors
+and values with ``torch.load(weights_only=True)``. Only metadata from a DCP
+version that reader refuses needs ``trust_pickle=True`` (the command line's
+``--trust-pickle``), and is then read by DCP itself: for checkpoints you trust.
 The other direction unpickles nothing: distckpt's format is pickle-free.
 
-Keys keep their names: a DCP key such as ``model.layers.0.w`` is the same
-key in distckpt, so nested state dicts load from the converted checkpoint as
-they loaded from the original.
+Keys keep their names: the state is nested again as DCP recorded it, so a
+nested state dict (``get_state_dict``'s layout, lists of param groups included)
+loads from the converted checkpoint as it loaded from the original.
 
 A safetensors file holds the tensors under their flat keys; non-tensor
 values, which safetensors cannot hold, go as distckpt's pickle-free value
@@ -36,6 +38,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from . import backends
+from .backends import DCPReader
 from .backends.fs_objects import create_exclusive, open_regular
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from .format.dtypes import itemsize
@@ -72,20 +75,34 @@ def from_dcp(src: PathLike, dst: PathLike, *, trust_pickle: bool = False, allow_
              progress: Optional[Callable[[str], None]] = None) -> int:
     """Convert the DCP checkpoint ``src`` into a new distckpt checkpoint ``dst``; return the count of keys.
 
-    ``trust_pickle`` must be True: DCP's files are pickles (see the module text).
-    Non-tensor values must be plain data unless ``allow_pickle`` (then they are
-    stored pickled in distckpt too, and loading them needs the same opt-in).
+    The state is nested again as it was saved (DCP records each key's path), so keys keep their names
+    and a state dict laid out as the original (``get_state_dict``'s, say) loads from ``dst`` as it
+    loaded from ``src``. DCP's metadata is read by distckpt's restricted unpickler and its tensors and
+    values with ``torch.load(weights_only=True)`` (see :class:`distckpt.DCPReader`). Non-tensor values
+    must be plain data unless ``allow_pickle`` (then they are stored pickled in distckpt too, and
+    loading them needs the same opt-in). ``trust_pickle`` lets metadata the restricted unpickler
+    refuses (from a newer DCP) be read by DCP itself: only for checkpoints you trust.
     """
-    if not trust_pickle:
-        raise CheckpointError(
-            f"{src}: DCP checkpoints store their metadata and values as pickles, and reading them can run code. "
-            "Convert only checkpoints you trust, passing trust_pickle=True (distckpt convert --trust-pickle).")
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-
     if not os.path.exists(os.path.join(os.fspath(src), ".metadata")):
         raise CheckpointNotFoundError(f"{src}: no DCP checkpoint there (its .metadata file is missing)")
     where = f"DCP checkpoint {os.fspath(src)}"
+    try:
+        md = DCPReader(os.fspath(src)).read_metadata()
+        state = _read_whole(src, allow_pickle, progress)
+    except CorruptCheckpointError:
+        if not trust_pickle:
+            raise
+        state, md = _read_dcp_trusting_pickle(src, where, progress)
+    nested = _nest(state, md.planner_data if isinstance(md.planner_data, dict) else {})
+    _write_distckpt(nested, dst, allow_pickle, progress)
+    return len(state)
+
+
+def _read_dcp_trusting_pickle(src: PathLike, where: str, progress: Optional[Callable[[str], None]]) -> tuple[dict, Any]:
+    """Every key of the DCP checkpoint ``src`` read by DCP itself (its unpickler runs unrestricted), and its metadata."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
         md = dcp.FileSystemReader(os.fspath(src)).read_metadata()
         state = _placeholders(md.state_dict_metadata, dcp.metadata.TensorStorageMetadata, where, _dcp_stored_bytes(src))
@@ -99,7 +116,7 @@ def from_dcp(src: PathLike, dst: PathLike, *, trust_pickle: bool = False, allow_
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP's is a BaseException; pickle raises anything
         raise CorruptCheckpointError(f"{where} cannot be read (damaged, or not a DCP checkpoint): "
                                      f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}") from exc
-    return _write_distckpt(state, dst, allow_pickle, progress)
+    return state, md
 
 
 def _dcp_stored_bytes(src: PathLike) -> int:
@@ -141,7 +158,7 @@ def _read_whole(src: PathLike, allow_pickle: bool, progress: Optional[Callable[[
     state = _placeholders(md.state_dict_metadata, TensorStorageMetadata, f"checkpoint {os.fspath(src)}", stored)
     if progress:
         progress(f"reading {len(state)} keys from distckpt checkpoint {src}")
-    load(state, checkpoint_id=src, planner=DefaultLoadPlanner(allow_pickle=allow_pickle))
+    load(state, checkpoint_id=src, planner=DefaultLoadPlanner(allow_pickle=allow_pickle), no_dist=True)
     return state
 
 
@@ -149,7 +166,7 @@ def _write_distckpt(state: dict, dst: PathLike, allow_pickle: bool, progress: Op
     """Save ``state`` as the new distckpt checkpoint ``dst`` (never over a committed one); return its count of keys."""
     if progress:
         progress(f"writing distckpt checkpoint {dst} ({len(state)} keys)")
-    save(state, checkpoint_id=dst, planner=DefaultSavePlanner(allow_pickle=allow_pickle))
+    save(state, checkpoint_id=dst, planner=DefaultSavePlanner(allow_pickle=allow_pickle), no_dist=True)
     return len(state)
 
 

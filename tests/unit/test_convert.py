@@ -22,9 +22,7 @@ def _state():
 def test_dcp_to_distckpt_and_back_is_exact(tmp_path):
     want = _state()
     dcp.save(want, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
-    with pytest.raises(distckpt.CheckpointError, match="trust_pickle=True"):
-        from_dcp(tmp_path / "dcp", tmp_path / "ours")
-    assert from_dcp(tmp_path / "dcp", tmp_path / "ours", trust_pickle=True) == 6
+    assert from_dcp(tmp_path / "dcp", tmp_path / "ours") == 6  # read safely: no trust needed
     distckpt.verify(tmp_path / "ours")
     got = blank_like(want)
     distckpt.load(got, checkpoint_id=tmp_path / "ours")
@@ -45,8 +43,6 @@ def test_convert_command(tmp_path):
     dcp.load(got, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
     assert_same(got, want)
     res = runner.invoke(main, ["convert", "--from-dcp", str(tmp_path / "dcp"), str(tmp_path / "back")])
-    assert res.exit_code == 1 and "--trust-pickle" in res.output
-    res = runner.invoke(main, ["convert", "--from-dcp", "--trust-pickle", str(tmp_path / "dcp"), str(tmp_path / "back")])
     assert res.exit_code == 0, res.output
     res = runner.invoke(main, ["convert", "--from-dcp", "--trust-pickle", str(tmp_path / "dcp"), str(tmp_path / "back")])
     assert res.exit_code == 1 and "already exists" in res.output  # never replaces a committed checkpoint
@@ -142,3 +138,24 @@ def test_convert_command_other_formats(tmp_path):
     assert res.exit_code == 2
     res = runner.invoke(main, ["convert", "--from", "torch-save", str(tmp_path / "missing.pt"), str(tmp_path / "y")])
     assert res.exit_code == 1 and "does not exist" in res.output
+
+
+def _optimizer_layout(fill):
+    """torch's get_state_dict layout: param groups are a list of dicts of plain values."""
+    return {"model": {"w": torch.full((4, 3), float(fill))},
+            "optim": {"state": {"w": {"exp_avg": torch.full((4, 3), fill + 0.5), "step": torch.tensor(float(fill))}},
+                      "param_groups": [{"lr": 0.01 * fill, "betas": (0.9, 0.99), "params": ["w"]}]}}
+
+
+def test_a_dcp_checkpoint_of_the_get_state_dict_layout_loads_directly_and_converted(tmp_path):
+    dcp.save(_optimizer_layout(3), checkpoint_id=str(tmp_path / "dcp"), no_dist=True)  # DCP flattens the param groups
+    direct = _optimizer_layout(0)
+    distckpt.load(direct, checkpoint_id=tmp_path / "dcp")
+    assert from_dcp(tmp_path / "dcp", tmp_path / "ours") == 6
+    assert "optim.param_groups" in distckpt.read_metadata(tmp_path / "ours").state_dict_metadata  # nested again
+    converted = _optimizer_layout(0)
+    distckpt.load(converted, checkpoint_id=tmp_path / "ours")
+    for got in (direct, converted):
+        assert got["optim"]["param_groups"] == [{"lr": 0.03, "betas": (0.9, 0.99), "params": ["w"]}]
+        assert torch.equal(got["optim"]["state"]["w"]["exp_avg"], torch.full((4, 3), 3.5))
+        assert torch.equal(got["model"]["w"], torch.full((4, 3), 3.0)) and got["optim"]["state"]["w"]["step"].item() == 3.0

@@ -17,7 +17,7 @@ import torch
 from ..errors import CheckpointError
 from .tensors import is_sharded_tensor
 
-__all__ = ["leaves", "flatten_state_dict", "set_element", "get_element", "RankLocal", "rank_local_key"]
+__all__ = ["leaves", "flatten_state_dict", "expand_to_match", "set_element", "get_element", "RankLocal", "rank_local_key"]
 
 Path = tuple
 
@@ -86,6 +86,48 @@ def flatten_state_dict(state_dict: dict, rank: int = 0) -> tuple[dict[str, Any],
         for path, value, local in leaves(v, (k,)):
             _add(_key(path, local, rank), value, path, flat, mappings)
     return flat, mappings
+
+
+def expand_to_match(flat: dict[str, Any], mappings: dict[str, Path], stored: Any) -> tuple[dict[str, Any], dict[str, Path]]:
+    """``flat`` with each value the checkpoint has no key for, but keys under, split into those keys.
+
+    DCP flattens a list of dicts (an optimizer's ``param_groups``) into one key per leaf
+    (``optim.param_groups.0.lr``), where distckpt keeps the list as one value. A state dict laid out
+    the same way then loads from a checkpoint DCP wrote (or one converted from it) key by key, each
+    leaf set back at its place. ``stored`` is the checkpoint's keys (a container of str)."""
+    missing = [k for k, v in flat.items() if k not in stored and isinstance(v, (dict, list, tuple))]
+    if not missing:
+        return flat, mappings
+    parents = {key.rsplit(".", depth)[0] for key in stored for depth in range(1, key.count(".") + 1)}
+    if not any(k in parents for k in missing):
+        return flat, mappings
+    out: dict[str, Any] = {}
+    out_map: dict[str, Path] = {}
+    for key, value in flat.items():
+        if key in parents and key not in stored and isinstance(value, (dict, list, tuple)):
+            for sub, leaf in _dcp_leaves(value, ()):
+                _add(".".join([key, *map(str, sub)]), leaf, mappings[key] + sub, out, out_map)
+        else:
+            out[key], out_map[key] = value, mappings[key]
+    return out, out_map
+
+
+def _dcp_leaves(obj: Any, path: Path) -> Iterator[tuple[Path, Any]]:
+    """DCP's walk: dicts are traversed; a list only if it holds a dict or tensor somewhere inside."""
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _dcp_leaves(v, path + (k,))
+    elif isinstance(obj, list) and _holds_dict_or_tensor(obj):
+        for i, v in enumerate(obj):
+            yield from _dcp_leaves(v, path + (i,))
+    else:
+        yield path, obj
+
+
+def _holds_dict_or_tensor(obj: Any) -> bool:
+    if isinstance(obj, (dict, torch.Tensor)) or is_sharded_tensor(obj):
+        return True
+    return isinstance(obj, list) and any(_holds_dict_or_tensor(v) for v in obj)
 
 
 def _key(path: Path, local: bool, rank: int) -> str:

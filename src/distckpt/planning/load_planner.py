@@ -13,7 +13,7 @@ from ..format.values import decode_value
 from ..item_columns import ReadColumns
 from ..metadata import STATE_DICT_TYPE, BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 from ..planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
-from .flatten import flatten_state_dict, set_element
+from .flatten import expand_to_match, flatten_state_dict, set_element
 from .resharding import ChunkIndex
 from .tensors import check_no_aliasing, dtype_of, local_pieces, piece_at
 
@@ -61,6 +61,8 @@ class DefaultLoadPlanner(LoadPlanner):
         self.original_state_dict = state_dict
         if self.flatten_state_dict:
             state_dict, self.mappings = flatten_state_dict(state_dict, self.rank)
+            if metadata is not None:  # a checkpoint DCP flattened further (lists of dicts): match its keys
+                state_dict, self.mappings = expand_to_match(state_dict, self.mappings, metadata.state_dict_metadata)
         self.state_dict = state_dict
         self.metadata = metadata
         self.is_coordinator = is_coordinator
