@@ -1,0 +1,100 @@
+"""torchtitan's checkpoint manager on distckpt (``distckpt.integrations.torchtitan.CheckpointManager``), used
+directly with a tiny FSDP2 model, its real optimizer, LR scheduler and dataloader containers, 2 ranks on CPU:
+save -> the job ends -> resume from the newest step with the losses of an uninterrupted run -> roll back."""
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip install 'distckpt[integrations]')")
+
+from distckpt.testing import run_ranks  # noqa: E402
+
+STEPS = 6
+
+
+class _Tokens(torch.utils.data.IterableDataset):
+    """Deterministic batches, resumable where they stopped (the dataloader saves and restores the position)."""
+
+    def __init__(self, rank):
+        self.rank, self.position = rank, 0
+
+    def __iter__(self):
+        while True:
+            g = torch.Generator().manual_seed(1000 * self.rank + self.position)
+            self.position += 1
+            yield {"input": torch.randn(4, 8, generator=g)}, torch.randn(4, 5, generator=g)
+
+    def state_dict(self):
+        return {"position": self.position}
+
+    def load_state_dict(self, sd):
+        self.position = sd["position"]
+
+
+class _TrainState:
+    def __init__(self):
+        self.step = 0
+
+    def state_dict(self):
+        return {"step": torch.tensor(self.step)}
+
+    def load_state_dict(self, sd):
+        self.step = int(sd["step"])
+
+
+def _job(rank, world_size, base, mode, resume_step, run_to):
+    """One training job: resume (newest step, or ``resume_step``), train to ``run_to``; the loss of each step run."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torchtitan.components.dataloader import ParallelAwareDataloader
+    from torchtitan.components.lr_scheduler import LRSchedulersContainer
+    from torchtitan.components.optimizer import OptimizersContainer
+    from torchtitan.config import Checkpoint
+
+    from distckpt.integrations.torchtitan import CheckpointManager
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 5))
+    mesh = init_device_mesh("cpu", (world_size,))
+    fully_shard(model, mesh=mesh)
+    optimizers = OptimizersContainer([model], torch.optim.AdamW, {"lr": 1e-2})
+    schedulers = LRSchedulersContainer(optimizers, lambda step: 1.0 / (1 + step))
+    loader = ParallelAwareDataloader(_Tokens(rank), dp_rank=rank, dp_world_size=world_size, batch_size=None)
+    train = _TrainState()
+    config = Checkpoint(enable=True, folder="ckpt", interval=1, keep_latest_k=2, async_mode=mode,
+                        last_save_model_only=False, enable_first_step_checkpoint=True)
+    ckpt = CheckpointManager(loader, [model], optimizers, schedulers, {"train_state": train}, config, None, base_folder=base)
+    ckpt.load(step=resume_step)
+    losses = {}
+    batches = iter(loader)
+    while train.step < run_to:
+        train.step += 1
+        inputs, labels = next(batches)
+        loss = (model(inputs["input"]) - labels).square().mean()
+        loss.backward()
+        optimizers.step()
+        schedulers.step()
+        optimizers.zero_grad()
+        losses[train.step] = loss.item()
+        ckpt.save(train.step, last_step=False)
+    ckpt.maybe_wait_for_staging()
+    ckpt._async_wait()
+    ckpt.close()
+    return losses, sorted(os.listdir(os.path.join(base, "ckpt")))
+
+
+@pytest.mark.parametrize("mode", ["disabled", "async", "async_with_pinned_mem"])
+def test_save_end_resume_with_identical_losses_and_roll_back(tmp_path, mode):
+    reference = run_ranks(_job, 2, str(tmp_path / "ref"), mode, -1, STEPS, timeout_s=240)
+    first = run_ranks(_job, 2, str(tmp_path / "run"), mode, -1, 4, timeout_s=240)  # the job ends after step 4
+    for losses, folders in first:
+        steps = {f for f in folders if not f.startswith(".")}
+        assert {"step-3", "step-4"} <= steps <= {"step-2", "step-3", "step-4"}  # keep_latest_k=2 (its purge runs behind)
+    resumed = run_ranks(_job, 2, str(tmp_path / "run"), mode, -1, STEPS, timeout_s=240)  # newest: step 4
+    for rank in range(2):
+        assert resumed[rank][0] == {s: reference[rank][0][s] for s in (5, 6)}, (rank, resumed[rank][0])
+    rolled = run_ranks(_job, 2, str(tmp_path / "run"), mode, 5, STEPS, timeout_s=240)  # back to step 5
+    for rank in range(2):
+        assert rolled[rank][0] == {6: reference[rank][0][6]}
