@@ -1,0 +1,76 @@
+"""accelerate's FSDP2 save and load helpers, which call torch.distributed.checkpoint with DCP's own
+FileSystemWriter/Reader and planners, run on distckpt after one line (route_dcp_calls): 2 ranks save model
+and optimizer, twice into the same folders (accelerate reuses them), and load them back bit-exact."""
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("accelerate", reason="accelerate is not installed")
+
+from distckpt.testing import run_ranks  # noqa: E402
+
+
+def _model_and_optim(world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.ReLU(), torch.nn.Linear(10, 3))
+    fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _train(model, optim, seed):
+    g = torch.Generator().manual_seed(seed)
+    model(torch.randn(5, 6, generator=g)).square().mean().backward()
+    optim.step()
+    optim.zero_grad()
+
+
+def _flat(model, optim):
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, optim)
+    out = {f"model.{k}": v.full_tensor().clone() for k, v in msd.items()}
+    for key, state in osd["state"].items():
+        for name, value in state.items():
+            out[f"optim.{key}.{name}"] = (value.full_tensor() if hasattr(value, "full_tensor") else value).clone()
+    return out
+
+
+def _job(rank, world_size, out_dir):
+    from accelerate import PartialState
+    from accelerate.utils.fsdp_utils import load_fsdp_model, load_fsdp_optimizer, save_fsdp_model, save_fsdp_optimizer
+    from torch.distributed.fsdp import StateDictType
+
+    from distckpt.integrations.dcp_routing import route_dcp_calls
+
+    PartialState(cpu=True)  # accelerate's logging needs its state; the process group is run_ranks' own
+    plugin = SimpleNamespace(state_dict_type=StateDictType.SHARDED_STATE_DICT, fsdp_version=2,
+                             state_dict_config=SimpleNamespace(), optim_state_dict_config=SimpleNamespace())
+    accelerator = SimpleNamespace(process_index=rank, num_processes=world_size, wait_for_everyone=lambda: None)
+    model, optim = _model_and_optim(world_size)
+    with route_dcp_calls():
+        for seed in (1, 2):  # the second save goes into the folders of the first
+            _train(model, optim, seed)
+            save_fsdp_model(plugin, accelerator, model, out_dir)
+            save_fsdp_optimizer(plugin, accelerator, optim, model, out_dir)
+        want = _flat(model, optim)
+        _train(model, optim, 9)  # move away from the saved state
+        load_fsdp_model(plugin, accelerator, model, out_dir)
+        load_fsdp_optimizer(plugin, accelerator, optim, model, out_dir)
+    got = _flat(model, optim)
+    committed = [os.path.isfile(os.path.join(out_dir, d, "metadata.json")) for d in sorted(os.listdir(out_dir))]
+    import torch.distributed.checkpoint as dcp
+
+    return (want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want), committed,
+            dcp.save.__module__)
+
+
+def test_accelerate_fsdp2_helpers_save_and_load_through_distckpt(tmp_path):
+    for same, committed, save_module in run_ranks(_job, 2, str(tmp_path / "out"), timeout_s=180):
+        assert same and committed == [True, True]  # pytorch_model_fsdp_0 and optimizer_0, distckpt's format
+        assert save_module.startswith("torch.distributed.checkpoint")  # the routing was undone after the block
