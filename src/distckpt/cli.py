@@ -4,10 +4,12 @@
     distckpt inspect PATH [--json]     keys, shapes, dtypes, chunks, files and sizes
     distckpt verify PATH [--quiet]     check every byte against its checksums
     distckpt convert --to FORMAT SRC DST      distckpt -> dcp | safetensors | torch-save
-    distckpt convert --from FORMAT SRC DST    dcp (with --trust-pickle) | safetensors | torch-save -> distckpt
+    distckpt convert --from FORMAT SRC DST    dcp | safetensors | torch-save -> distckpt
     distckpt steps ROOT [--json] [--clean]    a training run's committed steps; --clean removes crash leftovers
 
-Exit codes: 0 success, 1 the checkpoint is damaged or incomplete, 2 usage errors.
+Exit codes: 0 success; 1 the checkpoint is damaged; 2 usage errors; 3 no checkpoint there (a wrong
+path, an incomplete save, not a distckpt checkpoint); 4 refused or failed otherwise (the destination
+exists, an unsafe value, an unsupported input).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import click
 
 from . import __version__
 from . import convert as conversion
-from .errors import CheckpointError, CheckpointNotFoundError
+from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError
 from .loading import read_metadata
 from .manager import CheckpointManager
 from .metadata import TensorStorageMetadata
@@ -34,6 +36,18 @@ def _shown(text: str) -> str:
     if text.isprintable():
         return text
     return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
+
+
+DAMAGED, USAGE, NOT_FOUND, REFUSED = 1, 2, 3, 4
+
+
+def _code(exc: CheckpointError) -> int:
+    """The exit code of a failure (module text)."""
+    if isinstance(exc, CheckpointNotFoundError):
+        return NOT_FOUND
+    if isinstance(exc, (CorruptCheckpointError, FormatVersionError)):
+        return DAMAGED
+    return REFUSED
 
 
 def _human(n: int) -> str:
@@ -59,7 +73,7 @@ def inspect(checkpoint: str, as_json: bool) -> None:
         md = read_metadata(checkpoint)
     except CheckpointError as exc:
         click.echo(f"error: {_shown(str(exc))}", err=True)
-        sys.exit(1)
+        sys.exit(_code(exc))
     fsd = md.storage_data
     rows = []
     for fqn, entry in md.state_dict_metadata.items():
@@ -97,11 +111,11 @@ def verify_cmd(checkpoint: str, quiet: bool) -> None:
     except CheckpointNotFoundError as exc:
         if not quiet:
             click.echo(f"incomplete or missing: {_shown(str(exc))}", err=True)
-        sys.exit(1)
+        sys.exit(NOT_FOUND)
     except CheckpointError as exc:
         if not quiet:
-            click.echo(f"damaged: {_shown(str(exc))}", err=True)
-        sys.exit(1)
+            click.echo(f"{'damaged' if _code(exc) == DAMAGED else 'error'}: {_shown(str(exc))}", err=True)
+        sys.exit(_code(exc))
     if not quiet:
         click.echo(f"ok: {report.items} items in {report.files} file(s), {_human(report.bytes_checked)} checked")
 
@@ -116,7 +130,8 @@ _FORMATS = ("dcp", "safetensors", "torch-save")
 @click.option("--to", "to_format", type=click.Choice(_FORMATS), help="SRC is a distckpt checkpoint; DST becomes this format")
 @click.option("--from-dcp", "from_dcp", is_flag=True, help="same as --from dcp")
 @click.option("--to-dcp", "to_dcp", is_flag=True, help="same as --to dcp")
-@click.option("--trust-pickle", is_flag=True, help="with --from dcp: SRC is trusted (DCP files are pickles; reading them can run code)")
+@click.option("--trust-pickle", is_flag=True,
+              help="with --from dcp: SRC is trusted; metadata distckpt's unpickler refuses (a newer DCP) is read by DCP's own")
 @click.option("--allow-pickle", is_flag=True, help="values that are not plain data may be stored / read pickled")
 def convert(src: str, dst: str, from_format: Optional[str], to_format: Optional[str], from_dcp: bool, to_dcp: bool,
             trust_pickle: bool, allow_pickle: bool) -> None:
@@ -127,13 +142,13 @@ def convert(src: str, dst: str, from_format: Optional[str], to_format: Optional[
     \b
       distckpt convert --to safetensors CKPT model.safetensors
       distckpt convert --from torch-save model.pt CKPT
-      distckpt convert --from dcp --trust-pickle DCP_DIR CKPT
+      distckpt convert --from dcp DCP_DIR CKPT
     """
     chosen = [("from", f) for f in [from_format, "dcp" if from_dcp else None] if f] + \
              [("to", f) for f in [to_format, "dcp" if to_dcp else None] if f]
     if len(chosen) != 1:
         click.echo("error: pass exactly one of --from FORMAT and --to FORMAT", err=True)
-        sys.exit(2)
+        sys.exit(USAGE)
     direction, fmt = chosen[0]
     say = (lambda text: click.echo(text, err=True))
     try:
@@ -151,7 +166,7 @@ def convert(src: str, dst: str, from_format: Optional[str], to_format: Optional[
             n = conversion.to_torch_save(src, dst, allow_pickle=allow_pickle, progress=say)
     except CheckpointError as exc:
         click.echo(f"error: {_shown(str(exc))}", err=True)
-        sys.exit(1)
+        sys.exit(_code(exc))
     click.echo(f"ok: {n} keys converted into {dst}")
 
 
@@ -170,7 +185,7 @@ def steps(root: str, as_json: bool, clean: bool) -> None:
     """
     if "://" not in root and not os.path.isdir(root):  # listing must not create the directory
         click.echo(f"error: {root!r} is not a directory", err=True)
-        sys.exit(1)
+        sys.exit(NOT_FOUND)
     try:
         mgr = CheckpointManager(root, cleanup=False, read_only=not clean)
         removed = mgr.remove_stale_temporaries() if clean else []
@@ -186,7 +201,7 @@ def steps(root: str, as_json: bool, clean: bool) -> None:
                          "entries": len(md.state_dict_metadata)})
     except CheckpointError as exc:
         click.echo(f"error: {_shown(str(exc))}", err=True)
-        sys.exit(1)
+        sys.exit(_code(exc))
     damaged = any("damaged" in r for r in rows)
     if as_json:
         click.echo(json.dumps({"root": root, "steps": rows, "removed": removed}, indent=1))

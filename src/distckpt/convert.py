@@ -71,6 +71,18 @@ def _placeholders(entries: dict, tensor_type: type, where: str, stored: int) -> 
             for fqn, e in entries.items()}
 
 
+def _new_destination(dst: PathLike, kind: str) -> None:
+    """Refuse at once, before anything is read, a destination that is already there (``kind``: "file" or
+    "checkpoint"; a checkpoint may go into an empty directory)."""
+    path = os.fspath(dst)
+    if "://" in path:
+        return  # an object store: the save itself refuses a committed checkpoint
+    if kind == "checkpoint" and os.path.isdir(path) and not os.path.islink(path) and not os.listdir(path):
+        return
+    if os.path.lexists(path):
+        raise CheckpointError(f"{path} already exists; convert into a new {'file' if kind == 'file' else 'directory'}")
+
+
 def from_dcp(src: PathLike, dst: PathLike, *, trust_pickle: bool = False, allow_pickle: bool = False,
              progress: Optional[Callable[[str], None]] = None) -> int:
     """Convert the DCP checkpoint ``src`` into a new distckpt checkpoint ``dst``; return the count of keys.
@@ -83,6 +95,7 @@ def from_dcp(src: PathLike, dst: PathLike, *, trust_pickle: bool = False, allow_
     loading them needs the same opt-in). ``trust_pickle`` lets metadata the restricted unpickler
     refuses (from a newer DCP) be read by DCP itself: only for checkpoints you trust.
     """
+    _new_destination(dst, "checkpoint")
     if not os.path.exists(os.path.join(os.fspath(src), ".metadata")):
         raise CheckpointNotFoundError(f"{src}: no DCP checkpoint there (its .metadata file is missing)")
     where = f"DCP checkpoint {os.fspath(src)}"
@@ -135,6 +148,7 @@ def to_dcp(src: PathLike, dst: PathLike, *, allow_pickle: bool = False,
 
     ``allow_pickle`` is needed only if ``src`` itself holds pickled values.
     """
+    _new_destination(dst, "checkpoint")
     import torch.distributed.checkpoint as dcp
 
     if os.path.exists(dst) and os.listdir(dst):
@@ -211,6 +225,7 @@ def to_safetensors(src: PathLike, dst: PathLike, *, allow_pickle: bool = False,
 
     Values that are not tensors are kept in the file's metadata (see the module text).
     """
+    _new_destination(dst, "file")
     from safetensors.torch import save
 
     state = _read_whole(src, allow_pickle, progress)
@@ -229,6 +244,7 @@ def from_safetensors(src: PathLike, dst: PathLike, *, allow_pickle: bool = False
                      progress: Optional[Callable[[str], None]] = None) -> int:
     """Convert the safetensors file ``src`` (from any writer, e.g. Hugging Face) into a new distckpt
     checkpoint ``dst``; return the count of keys."""
+    _new_destination(dst, "checkpoint")
     from safetensors import SafetensorError, safe_open
 
     where = f"safetensors file {os.fspath(src)}"
@@ -268,6 +284,7 @@ def _open_source(src: PathLike, where: str) -> int:
 def to_torch_save(src: PathLike, dst: PathLike, *, allow_pickle: bool = False,
                   progress: Optional[Callable[[str], None]] = None) -> int:
     """Consolidate the distckpt checkpoint ``src`` into one new torch.save file ``dst``; return the count of keys."""
+    _new_destination(dst, "file")
     state = _read_whole(src, allow_pickle, progress)
     if progress:
         progress(f"writing torch.save file {dst}")
@@ -334,6 +351,7 @@ def from_torch_save(src: PathLike, dst: PathLike, *, progress: Optional[Callable
     unpickled, and a file holding anything else is refused. Nested dicts are
     kept (keys become dotted paths, as for any nested state dict).
     """
+    _new_destination(dst, "checkpoint")
     where = f"torch.save file {os.fspath(src)}"
     fd = _open_source(src, where)
     try:

@@ -34,8 +34,12 @@ def test_verify_exit_codes_for_damage_and_absence(tmp_path):
     res = runner.invoke(main, ["verify", path])
     assert res.exit_code == 1 and "checksum mismatch" in res.output
     res = runner.invoke(main, ["verify", str(tmp_path / "nope")])
-    assert res.exit_code == 1 and "does not exist" in res.output
+    assert res.exit_code == 3 and "does not exist" in res.output  # a wrong path is not damage
     res = runner.invoke(main, ["inspect", str(tmp_path / "nope")])
+    assert res.exit_code == 3
+    with open(os.path.join(path, "metadata.json"), "r+b") as f:
+        f.write(b"garbage")
+    res = runner.invoke(main, ["inspect", path])
     assert res.exit_code == 1
     res = runner.invoke(main, ["frobnicate"])
     assert res.exit_code == 2
@@ -66,4 +70,4 @@ def test_steps_lists_a_run_and_cleans_crash_leftovers(tmp_path):
     res = runner.invoke(main, ["steps", str(tmp_path / "empty")])
     assert res.exit_code == 0 and "no committed steps" in res.output
     res = runner.invoke(main, ["steps", str(tmp_path / "nope")])
-    assert res.exit_code == 1 and "not a directory" in res.output and not (tmp_path / "nope").exists()
+    assert res.exit_code == 3 and "not a directory" in res.output and not (tmp_path / "nope").exists()

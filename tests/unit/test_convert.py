@@ -45,11 +45,11 @@ def test_convert_command(tmp_path):
     res = runner.invoke(main, ["convert", "--from-dcp", str(tmp_path / "dcp"), str(tmp_path / "back")])
     assert res.exit_code == 0, res.output
     res = runner.invoke(main, ["convert", "--from-dcp", "--trust-pickle", str(tmp_path / "dcp"), str(tmp_path / "back")])
-    assert res.exit_code == 1 and "already exists" in res.output  # never replaces a committed checkpoint
+    assert res.exit_code == 4 and "already exists" in res.output  # never replaces a committed checkpoint
     res = runner.invoke(main, ["convert", str(tmp_path / "dcp"), str(tmp_path / "x")])
     assert res.exit_code == 2
     res = runner.invoke(main, ["convert", "--from-dcp", "--trust-pickle", str(tmp_path / "nothing"), str(tmp_path / "y")])
-    assert res.exit_code == 1 and "no DCP checkpoint" in res.output
+    assert res.exit_code == 3 and "no DCP checkpoint" in res.output
 
 
 def _flat(sd, prefix=""):
@@ -137,7 +137,7 @@ def test_convert_command_other_formats(tmp_path):
     res = runner.invoke(main, ["convert", "--to", "dcp", "--from", "dcp", str(tmp_path / "b2"), str(tmp_path / "x")])
     assert res.exit_code == 2
     res = runner.invoke(main, ["convert", "--from", "torch-save", str(tmp_path / "missing.pt"), str(tmp_path / "y")])
-    assert res.exit_code == 1 and "does not exist" in res.output
+    assert res.exit_code == 3 and "does not exist" in res.output
 
 
 def _optimizer_layout(fill):
@@ -159,3 +159,17 @@ def test_a_dcp_checkpoint_of_the_get_state_dict_layout_loads_directly_and_conver
         assert got["optim"]["param_groups"] == [{"lr": 0.03, "betas": (0.9, 0.99), "params": ["w"]}]
         assert torch.equal(got["optim"]["state"]["w"]["exp_avg"], torch.full((4, 3), 3.5))
         assert torch.equal(got["model"]["w"], torch.full((4, 3), 3.0)) and got["optim"]["state"]["w"]["step"].item() == 3.0
+
+
+def test_an_existing_destination_is_refused_before_anything_is_read(tmp_path):
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "x").write_text("mine")
+    (tmp_path / "taken.pt").write_bytes(b"mine")
+    for convert_call in (lambda: from_torch_save(tmp_path / "huge-and-missing.pt", taken),
+                         lambda: from_dcp(tmp_path / "huge-and-missing", taken),
+                         lambda: to_torch_save(tmp_path / "huge-and-missing", tmp_path / "taken.pt"),
+                         lambda: to_safetensors(tmp_path / "huge-and-missing", tmp_path / "taken.pt")):
+        with pytest.raises(distckpt.CheckpointError, match="already exists"):
+            convert_call()
+    assert (taken / "x").read_text() == "mine" and (tmp_path / "taken.pt").read_bytes() == b"mine"
