@@ -23,6 +23,7 @@ import click
 
 from . import __version__
 from . import convert as conversion
+from .backends.dcp_reader import is_dcp_directory
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError
 from .loading import read_metadata
 from .manager import CheckpointManager
@@ -84,12 +85,18 @@ def inspect(checkpoint: str, as_json: bool) -> None:
             rows.append({"key": fqn, "kind": "value"})
     files = {name: {"size": info.size, "rank": info.rank} for name, info in getattr(fsd, "files", {}).items()}
     if as_json:
-        click.echo(json.dumps({"checkpoint": checkpoint, "format_version": md.version,
+        click.echo(json.dumps({"checkpoint": checkpoint, "written_by": "dcp" if is_dcp_directory(checkpoint) else "distckpt",
+                               "format_version": md.version,
                                "save_id": getattr(fsd, "save_id", None), "entries": rows, "files": files}, indent=1))
         return
     total = sum(f["size"] for f in files.values())
-    click.echo(f"checkpoint {_shown(checkpoint)}: format {md.version}, save {_shown(str(getattr(fsd, 'save_id', '?')))}, "
-               f"{len(rows)} entries, {len(files)} data file(s), {_human(total)}")
+    if is_dcp_directory(checkpoint):
+        click.echo(f"DCP checkpoint {_shown(checkpoint)} (written by torch.distributed.checkpoint, version {md.version}), "
+                   f"{len(rows)} entries: distckpt.load reads it directly (resharding as for its own), and "
+                   "`distckpt convert --from dcp SRC DST` makes a distckpt checkpoint of it")
+    else:
+        click.echo(f"checkpoint {_shown(checkpoint)}: format {md.version}, save {_shown(str(getattr(fsd, 'save_id', '?')))}, "
+                   f"{len(rows)} entries, {len(files)} data file(s), {_human(total)}")
     keys = [_shown(r["key"]) for r in rows]
     width = max([len(k) for k in keys] + [3])
     for key, r in zip(keys, rows):

@@ -240,6 +240,27 @@ def to_safetensors(src: PathLike, dst: PathLike, *, allow_pickle: bool = False,
     return len(state)
 
 
+def _refuse_sharded_hf(src: PathLike) -> None:
+    """A Hugging Face ``save_pretrained`` directory or its index is several files: say so, and what works."""
+    path = os.fspath(src)
+    index = path if path.endswith(".safetensors.index.json") else None
+    if index is None and os.path.isdir(path) and not os.path.islink(path):
+        found = sorted(n for n in os.listdir(path) if n.endswith(".safetensors.index.json"))
+        shards = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
+        if not found and not shards:
+            return
+        index = os.path.join(path, found[0]) if found else None
+        what = f"a Hugging Face checkpoint directory ({len(shards)} safetensors file(s){', index ' + found[0] if found else ''})"
+    elif index is not None:
+        what = "the index of a sharded Hugging Face checkpoint"
+    else:
+        return
+    raise CheckpointError(
+        f"{path} is {what}; distckpt converts one safetensors file at a time (a reader for sharded Hugging Face "
+        "checkpoints is planned). Convert a single-file model (model.safetensors) with `distckpt convert --from "
+        "safetensors FILE DST`, or load the model with transformers and save its state dict with distckpt.save.")
+
+
 def from_safetensors(src: PathLike, dst: PathLike, *, allow_pickle: bool = False,
                      progress: Optional[Callable[[str], None]] = None) -> int:
     """Convert the safetensors file ``src`` (from any writer, e.g. Hugging Face) into a new distckpt
@@ -247,6 +268,7 @@ def from_safetensors(src: PathLike, dst: PathLike, *, allow_pickle: bool = False
     _new_destination(dst, "checkpoint")
     from safetensors import SafetensorError, safe_open
 
+    _refuse_sharded_hf(src)
     where = f"safetensors file {os.fspath(src)}"
     fd = _open_source(src, where)
     try:  # through the descriptor just checked: the path may have been swapped since

@@ -173,3 +173,21 @@ def test_an_existing_destination_is_refused_before_anything_is_read(tmp_path):
         with pytest.raises(distckpt.CheckpointError, match="already exists"):
             convert_call()
     assert (taken / "x").read_text() == "mine" and (tmp_path / "taken.pt").read_bytes() == b"mine"
+
+
+def test_a_dcp_folder_is_named_by_inspect_and_a_sharded_hf_checkpoint_by_convert(tmp_path):
+    dcp.save({"w": torch.ones(3), "n": 2}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    res = CliRunner().invoke(main, ["inspect", str(tmp_path / "dcp")])
+    assert res.exit_code == 0 and "DCP checkpoint" in res.output and "reads it directly" in res.output
+    from safetensors.torch import save_file
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    save_file({"a": torch.ones(2)}, str(hf / "model-00001-of-00002.safetensors"))
+    save_file({"b": torch.ones(2)}, str(hf / "model-00002-of-00002.safetensors"))
+    (hf / "model.safetensors.index.json").write_text('{"metadata": {}, "weight_map": {}}')
+    for src in (hf, hf / "model.safetensors.index.json"):
+        res = CliRunner().invoke(main, ["convert", "--from", "safetensors", str(src), str(tmp_path / "out")])
+        text = " ".join(res.output.split())
+        assert res.exit_code == 4 and "Hugging Face" in text and "one safetensors file at a time" in text, res.output
+    assert not (tmp_path / "out").exists()
