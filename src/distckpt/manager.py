@@ -21,6 +21,8 @@ from .staging import async_save
 __all__ = ["CheckpointManager"]
 
 _STEP = re.compile(r"step-(\d{10,19})\Z")
+_PLAIN_STEP = re.compile(r"step-(0|[1-9]\d{0,18})\Z")
+STEP_NAMES = ("padded", "plain")
 MAX_STEP = 10**19 - 1
 log = logging.getLogger("distckpt")
 
@@ -40,6 +42,11 @@ class CheckpointManager:
         read_only: open the run to list and load only: nothing is created,
             cleaned or deleted, and ``save`` raises. For evaluation jobs and
             read-only media.
+        step_names: how step folders are named: ``"padded"`` (``step-0000000042``, ten or more
+            digits, distckpt's own), ``"plain"`` (``step-42``, torchtitan's and others'), or None
+            (default): ``"plain"`` if the run already holds committed ``step-<N>`` folders of that
+            spelling and none of the padded one, else ``"padded"``. Only folders spelled as this
+            manager names them are its steps: the others are never counted or deleted.
         storage_options: arguments for the backend's writer and reader, each
             given those its constructor takes: for ``s3://``, ``client``,
             ``endpoint_url``, ``region_name``, ``part_size``...; for a
@@ -63,14 +70,13 @@ class CheckpointManager:
     files are all there first. Retention by several managers at once deletes
     each step at most once, and never one newer than every other committed
     step. Two saves of the same step race: exactly one commits.
-    Only directories named ``step-<N>`` with N written in ten or more digits
-    (as :meth:`path` names them) are steps; links are never steps and never
-    followed.
+    Only directories named as :meth:`path` names them (see ``step_names``)
+    are steps; links are never steps and never followed.
     """
 
     def __init__(self, root: Union[str, os.PathLike], *, keep_last: Optional[int] = None, keep_every: Optional[int] = None,
                  process_group: Any = None, coordinator_rank: int = 0, cleanup: bool = True, read_only: bool = False,
-                 storage_options: Optional[dict[str, Any]] = None):
+                 storage_options: Optional[dict[str, Any]] = None, step_names: Optional[str] = None):
         if keep_last is not None and keep_last < 1:
             raise CheckpointError(f"keep_last must be at least 1, got {keep_last}")
         if keep_every is not None and keep_every < 1:
@@ -86,6 +92,9 @@ class CheckpointManager:
         self.coordinator_rank = coordinator_rank
         self._coord = Coordinator(process_group, coordinator_rank)
         self.read_only = read_only
+        if step_names is not None and step_names not in STEP_NAMES:
+            raise CheckpointError(f"step_names must be one of {STEP_NAMES} or None, got {step_names!r}")
+        self.step_names = step_names if step_names is not None else self._detect_step_names()
         if self._coord.is_coordinator and not read_only:
             self._store.prepare()
             if cleanup:
@@ -94,24 +103,37 @@ class CheckpointManager:
                 except (OSError, CheckpointError) as exc:  # read-only media, another cleaner: loading must still work
                     log.warning("distckpt: could not clean up crashed saves under %s: %s", self.root, exc)
 
+    def _detect_step_names(self) -> str:
+        padded = plain = False
+        for name in self._store.children():
+            if _STEP.match(name):
+                padded = padded or self._store.child(name).is_committed()
+            elif _PLAIN_STEP.match(name):
+                plain = plain or self._store.child(name).is_committed()
+        return "plain" if plain and not padded else "padded"
+
+    def _name(self, step: Any) -> str:
+        return _step_name(step, self.step_names)
+
     def path(self, step: int) -> str:
         """The checkpoint id of ``step``."""
-        name = _step_name(step)
+        name = self._name(step)
         return f"{self.root.rstrip('/')}/{name}" if self._url else os.path.join(self.root, name)
 
     def all_steps(self) -> list[int]:
         """Steps with a committed checkpoint, ascending."""
         steps = []
+        pattern = _PLAIN_STEP if self.step_names == "plain" else _STEP
         for name in self._store.children():
-            m = _STEP.match(name)
-            if m and name == _step_name(int(m.group(1))) and self._store.child(name).is_committed():
+            m = pattern.match(name)
+            if m and name == self._name(int(m.group(1))) and self._store.child(name).is_committed():
                 steps.append(int(m.group(1)))
         return sorted(steps)
 
     def incomplete_saves(self, step: int) -> list[str]:
         """Uncommitted saves of ``step`` left at this run's location: what a save that died leaves until
         cleanup finds its saver dead (``remove_stale_temporaries``)."""
-        return self._store.child(_step_name(step)).incomplete_saves()
+        return self._store.child(self._name(step)).incomplete_saves()
 
     def latest_step(self) -> Optional[int]:
         """The newest committed step, or None."""
@@ -156,7 +178,7 @@ class CheckpointManager:
             step = self.latest_step()
             if step is None:
                 raise CheckpointNotFoundError(f"no committed checkpoint under {self.root!r}; nothing to resume from")
-        elif _step_name(step) and step not in self.all_steps():
+        elif self._name(step) and step not in self.all_steps():
             raise CheckpointNotFoundError(
                 f"no committed checkpoint of step {step} under {self.root!r}; committed steps: {self.all_steps()}")
         kwargs.setdefault("storage_reader", backends.reader_for(self.root, **self.storage_options))
@@ -198,7 +220,7 @@ class CheckpointManager:
         return removed
 
     def _delete(self, step: int) -> None:
-        self._store.child(_step_name(step)).remove()
+        self._store.child(self._name(step)).remove()
 
     def remove_stale_temporaries(self) -> list[str]:
         """Remove what crashed saves and deletions left behind under ``root``; return what was removed.
@@ -210,12 +232,12 @@ class CheckpointManager:
         return self._store.remove_incomplete_below("step-")
 
 
-def _step_name(step: Any) -> str:
+def _step_name(step: Any, names: str = "padded") -> str:
     if isinstance(step, bool) or not isinstance(step, numbers.Integral):
         raise InvalidStepError(f"a step is an int, got {type(step).__name__} {step!r:.40}; pass int(step)")
     if not 0 <= step <= MAX_STEP:
         raise InvalidStepError(f"steps are integers from 0 to {MAX_STEP}, got {step}")
-    return f"step-{int(step):010d}"
+    return f"step-{int(step)}" if names == "plain" else f"step-{int(step):010d}"
 
 
 def _root_store(root: str, options: dict[str, Any]) -> BlobStore:

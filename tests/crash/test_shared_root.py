@@ -151,3 +151,22 @@ def test_no_step_pattern_matches_a_save_in_progress_and_older_leftovers_are_stil
     removed = distckpt.CheckpointManager(root, cleanup=False).remove_stale_temporaries()
     assert sorted(removed) == sorted([crashed.root, older]) and mgr.all_steps() == [2]
     assert not [n for n in os.listdir(root) if n.startswith(".")]  # the dead save's lease went with it
+
+
+def test_a_run_of_plainly_named_steps_is_listed_loaded_kept_and_cleaned_by_its_real_names(tmp_path):
+    from click.testing import CliRunner
+
+    from distckpt.cli import main as cli
+
+    root = tmp_path / "titan"
+    for step in (2, 4):  # as torchtitan names its folders
+        distckpt.save(workers.state(step), checkpoint_id=str(root / f"step-{step}"))
+    mgr = distckpt.CheckpointManager(str(root), keep_last=2)
+    assert mgr.step_names == "plain" and mgr.all_steps() == [2, 4] and mgr.path(4) == str(root / "step-4")
+    out = workers.state(0)
+    assert mgr.load(out) == 4 and out["step"] == 4
+    mgr.save(6, workers.state(6))
+    assert sorted(os.listdir(root)) == ["step-4", "step-6"]  # retention by the real names
+    res = CliRunner().invoke(cli, ["steps", str(root), "--json", "--clean"])
+    assert res.exit_code == 0 and [s["step"] for s in __import__("json").loads(res.output)["steps"]] == [4, 6]
+    assert distckpt.CheckpointManager(str(root), step_names="padded").all_steps() == []  # never another spelling's
