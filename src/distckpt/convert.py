@@ -49,7 +49,7 @@ from .planning import DefaultLoadPlanner, DefaultSavePlanner
 from .saving import save
 
 __all__ = ["from_dcp", "to_dcp", "from_safetensors", "to_safetensors", "from_torch_save", "to_torch_save",
-           "dcp_to_torch_save", "torch_save_to_dcp"]
+           "dcp_to_torch_save", "torch_save_to_dcp", "read_whole"]
 
 VALUES_KEY = "distckpt.values"
 
@@ -314,6 +314,15 @@ def to_torch_save(src: PathLike, dst: PathLike, *, allow_pickle: bool = False,
     return len(state)
 
 
+def read_whole(checkpoint_id: PathLike, *, allow_pickle: bool = False) -> dict[str, Any]:
+    """The whole state of a checkpoint (distckpt's, or one DCP wrote) in this process, nested again as it was
+    saved, tensors whole: what ``torch.load`` gives for a torch.save file, with no template state dict.
+    Runs without collectives."""
+    md = read_metadata(checkpoint_id)
+    state = _read_whole(checkpoint_id, allow_pickle, None)
+    return _nest(state, md.planner_data if isinstance(md.planner_data, dict) else {})
+
+
 def dcp_to_torch_save(dcp_checkpoint_dir: PathLike, torch_save_path: PathLike) -> None:
     """DCP's helper of this name: the checkpoint directory (distckpt's, or one DCP wrote) as one new torch.save
     file, its state dict nested again as it was saved (``{"model": {"w": ...}}``, not ``"model.w"``).
@@ -322,9 +331,7 @@ def dcp_to_torch_save(dcp_checkpoint_dir: PathLike, torch_save_path: PathLike) -
     without ``allow_pickle``: use :func:`to_torch_save` with ``allow_pickle=True``
     for a checkpoint you trust.
     """
-    md = read_metadata(dcp_checkpoint_dir)
-    state = _read_whole(dcp_checkpoint_dir, False, None)
-    nested = _nest(state, md.planner_data if isinstance(md.planner_data, dict) else {})
+    nested = read_whole(dcp_checkpoint_dir)
     _write_new_file(torch_save_path, lambda f: torch.save(nested, f))
 
 
@@ -339,18 +346,28 @@ def _nest(flat: dict[str, Any], mappings: dict) -> dict[str, Any]:
     root: dict[str, Any] = {}
     for key in sorted(flat, key=lambda k: tuple(str(p) for p in mappings.get(k, (k,)))):
         path = mappings.get(key)
-        if not isinstance(path, (tuple, list)) or not path or not all(isinstance(p, (str, int)) for p in path):
+        if not isinstance(path, (tuple, list)) or not path or not all(_is_step(p) for p in path):
             root[key] = flat[key]
             continue
+        path = [p[0] if isinstance(p, (tuple, list)) else p for p in path]  # (k,): the int key of a dict
+        kinds = [isinstance(p, int) and not isinstance(p, bool) and not isinstance(raw, (tuple, list))
+                 for p, raw in zip(path, mappings[key])]  # True: a list index
         parent: Any = root
-        for step, nxt in zip(path[:-1], path[1:]):
+        for step, next_is_index in zip(path[:-1], kinds[1:]):
             child = parent[step] if _holds(parent, step) else None
             if child is None:
-                child = [] if isinstance(nxt, int) else {}
+                child = [] if next_is_index else {}
                 _put(parent, step, child)
             parent = child
         _put(parent, path[-1], flat[key])
     return root
+
+
+def _is_step(p: Any) -> bool:
+    """A step of a recorded key path: a dict key (str), a list index (int), or a dict's int key as (k,)."""
+    if isinstance(p, (tuple, list)):
+        return len(p) == 1 and type(p[0]) is int
+    return isinstance(p, (str, int)) and not isinstance(p, bool)
 
 
 def _holds(container: Any, step: Any) -> bool:

@@ -191,3 +191,21 @@ def test_a_dcp_folder_is_named_by_inspect_and_a_sharded_hf_checkpoint_by_convert
         text = " ".join(res.output.split())
         assert res.exit_code == 4 and "Hugging Face" in text and "one safetensors file at a time" in text, res.output
     assert not (tmp_path / "out").exists()
+
+
+def test_read_whole_rebuilds_dicts_keyed_by_int_and_lists_exactly(tmp_path):
+    from distckpt.convert import read_whole
+
+    model = torch.nn.Linear(3, 2)
+    optim = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    optim.step()
+    sd = {"optim": optim.state_dict(), "layers": [torch.ones(2), {"w": torch.zeros(1)}], "n": 3}
+    distckpt.save(sd, checkpoint_id=tmp_path / "ck")
+    back = read_whole(tmp_path / "ck")
+    assert sorted(back["optim"]["state"]) == [0, 1]  # int keys of a dict, not a list
+    assert isinstance(back["optim"]["param_groups"], list) and back["optim"]["param_groups"][0]["params"] == [0, 1]
+    assert isinstance(back["layers"], list) and torch.equal(back["layers"][1]["w"], torch.zeros(1)) and back["n"] == 3
+    fresh = torch.optim.AdamW(model.parameters())
+    fresh.load_state_dict(back["optim"])
+    assert torch.equal(fresh.state_dict()["state"][0]["exp_avg"], sd["optim"]["state"][0]["exp_avg"])

@@ -17,7 +17,7 @@ import torch
 from ..errors import CheckpointError
 from .tensors import is_sharded_tensor
 
-__all__ = ["leaves", "flatten_state_dict", "expand_to_match", "set_element", "get_element", "RankLocal", "rank_local_key"]
+__all__ = ["leaves", "flatten_state_dict", "stored_paths", "expand_to_match", "set_element", "get_element", "RankLocal", "rank_local_key"]
 
 Path = tuple
 
@@ -86,6 +86,25 @@ def flatten_state_dict(state_dict: dict, rank: int = 0) -> tuple[dict[str, Any],
         for path, value, local in leaves(v, (k,)):
             _add(_key(path, local, rank), value, path, flat, mappings)
     return flat, mappings
+
+
+def stored_paths(mappings: dict[str, Path], state_dict: dict) -> dict[str, Path]:
+    """``mappings`` as a checkpoint records them (``planner_data``): a step into a list is an int, a step
+    into a dict by an int key is that key in a 1-tuple (``(0,)``), so the nesting can be rebuilt exactly
+    from the checkpoint alone (an optimizer's ``state`` is a dict keyed by int, its ``param_groups`` a list)."""
+    out = mappings
+    for key, path in mappings.items():
+        if not any(type(p) is int for p in path):
+            continue
+        if out is mappings:
+            out = dict(mappings)
+        obj: Any = state_dict
+        steps = []
+        for p in path:
+            steps.append((p,) if type(p) is int and isinstance(obj, dict) else p)
+            obj = obj.value if p == RANK_LOCAL else obj[p]
+        out[key] = tuple(steps)
+    return out
 
 
 def expand_to_match(flat: dict[str, Any], mappings: dict[str, Path], stored: Any) -> tuple[dict[str, Any], dict[str, Path]]:

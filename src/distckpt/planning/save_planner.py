@@ -25,7 +25,7 @@ from ..planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from ..wire.columns import PlanColumns
 from .columnar import ColumnarPlan, plan_columns, to_metadata
 from .dedup import dedup_and_balance
-from .flatten import flatten_state_dict
+from .flatten import flatten_state_dict, stored_paths
 from .plan_cache import PlanCache
 from .resharding import volume
 from .tensors import dtype_of, is_dtensor, is_sharded_tensor, local_pieces, piece_at
@@ -127,6 +127,7 @@ class DefaultSavePlanner(SavePlanner):
         storage_meta: Optional[StorageMeta] = None,
         is_coordinator: bool = False,
     ) -> None:
+        self.original_state_dict = state_dict
         if self.flatten_state_dict:
             state_dict, self.mappings = flatten_state_dict(state_dict, self.rank)
         self.state_dict = state_dict
@@ -156,7 +157,7 @@ class DefaultSavePlanner(SavePlanner):
                 raw = encode_value(obj, allow_pickle=self.allow_pickle, where=f"state dict key {fqn!r}")
                 self._encoded[fqn] = raw
                 cols.add_bytes(fqn, raw)
-        plan = SavePlan(cols, planner_data=self.mappings if self.flatten_state_dict else None)
+        plan = SavePlan(cols, planner_data=stored_paths(self.mappings, self.original_state_dict) if self.flatten_state_dict else None)
         self.plan = plan
         return plan
 

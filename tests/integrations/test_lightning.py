@@ -1,0 +1,56 @@
+"""Lightning's Trainer under DDP (2 processes, CPU) with distckpt as its CheckpointIO: ModelCheckpoint with
+save_last writes last.ckpt again and again (replaced atomically), and a run resumed from it ends with the
+weights of an uninterrupted run."""
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("lightning", reason="lightning is not installed")
+
+import lightning as L  # noqa: E402
+
+from distckpt.integrations.lightning import DistckptCheckpointIO  # noqa: E402
+
+
+class _Model(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+
+    def training_step(self, batch, _index):
+        x, y = batch
+        return (self.net(x) - y).square().mean()
+
+    def configure_optimizers(self):
+        optim = torch.optim.AdamW(self.parameters(), lr=1e-2)
+        return {"optimizer": optim, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optim, step_size=2, gamma=0.5)}
+
+
+def _data():
+    g = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 6, generator=g), torch.randn(64, 2, generator=g))
+    return torch.utils.data.DataLoader(data, batch_size=8)
+
+
+def _fit(root, max_steps, resume):
+    model = _Model()
+    checkpoints = L.pytorch.callbacks.ModelCheckpoint(dirpath=os.path.join(root, "ckpt"), save_last=True,
+                                                       every_n_train_steps=2, save_top_k=1)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=max_steps, plugins=[DistckptCheckpointIO()],
+                        callbacks=[checkpoints], logger=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(model, _data(), ckpt_path=os.path.join(root, "ckpt", "last.ckpt") if resume else None)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}  # ddp_spawn brings rank 0's weights back
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_ddp_save_last_and_resume_through_distckpt(tmp_path):
+    want = _fit(str(tmp_path / "straight"), 6, False)
+    at_four = _fit(str(tmp_path / "run"), 4, False)  # stops at step 4; last.ckpt was written at steps 2 and 4
+    last = tmp_path / "run" / "ckpt" / "last.ckpt"
+    assert (last / "metadata.json").is_file()  # a distckpt checkpoint, replaced in place by the second save
+    got = _fit(str(tmp_path / "run"), 6, True)
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    assert not all(torch.equal(want[k], at_four[k]) for k in want)  # the resumed run did train steps 5 and 6
