@@ -5,8 +5,9 @@ non-tensor values and Stateful objects, across any number of ranks, loadable
 at any other world size or sharding.
 """
 
-from . import convert, metadata, planner, storage
-from .backends import DCPReader, FileSystemReader, FileSystemWriter, MemoryReader, MemoryWriter
+import importlib
+from typing import Any
+
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -25,21 +26,44 @@ from .errors import (
     UnsupportedTensorError,
     WrappedException,
 )
-from .format.stream_transforms import ExtensionRegistry, StreamTransformExtension, ZStandard
-from .loading import load, load_state_dict, read_metadata
-from .manager import CheckpointManager
-from .metadata import BytesStorageMetadata, ChunkStorageMetadata, Metadata, TensorStorageMetadata
-from .optim import init_optimizer_state
-from .planner import LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner, WriteItem
-from .planning import DefaultLoadPlanner, DefaultSavePlanner, RankLocal
-from .saving import save, save_state_dict
-from .staging import AsyncSaveHandle, async_save, release_buffers
-from .stateful import Stateful
-from .storage import StorageReader, StorageWriter
-from .verification import VerifyReport, verify
 
 #: DCP's name for the error every rank raises when a collective phase failed somewhere.
 CheckpointException = RankFailuresError
+
+# The rest of the API is imported on first use (PEP 562): ``import distckpt`` does not import torch,
+# so the command line answers ``--help`` at once. Name -> module that defines it.
+_LAZY = {
+    **dict.fromkeys(["DCPReader", "FileSystemReader", "FileSystemWriter", "MemoryReader", "MemoryWriter"], "backends"),
+    **dict.fromkeys(["ExtensionRegistry", "StreamTransformExtension", "ZStandard"], "format.stream_transforms"),
+    **dict.fromkeys(["load", "load_state_dict", "read_metadata"], "loading"),
+    "CheckpointManager": "manager",
+    **dict.fromkeys(["BytesStorageMetadata", "ChunkStorageMetadata", "Metadata", "TensorStorageMetadata"], "metadata"),
+    "init_optimizer_state": "optim",
+    **dict.fromkeys(["LoadPlan", "LoadPlanner", "ReadItem", "SavePlan", "SavePlanner", "WriteItem"], "planner"),
+    **dict.fromkeys(["DefaultLoadPlanner", "DefaultSavePlanner", "RankLocal"], "planning"),
+    **dict.fromkeys(["save", "save_state_dict"], "saving"),
+    **dict.fromkeys(["AsyncSaveHandle", "async_save", "release_buffers"], "staging"),
+    "Stateful": "stateful",
+    **dict.fromkeys(["StorageReader", "StorageWriter"], "storage"),
+    **dict.fromkeys(["VerifyReport", "verify"], "verification"),
+}
+_SUBMODULES = ("convert", "metadata", "planner", "storage")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        value = importlib.import_module(f".{name}", __name__)
+    elif name in _LAZY:
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
 
 __version__ = "0.1.0"
 

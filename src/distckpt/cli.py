@@ -21,14 +21,10 @@ from typing import Optional
 
 import click
 
+import distckpt  # the package's API loads on first use: --help and --version import no torch
+
 from . import __version__
-from . import convert as conversion
-from .backends.dcp_reader import is_dcp_directory
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError
-from .loading import read_metadata
-from .manager import CheckpointManager
-from .metadata import TensorStorageMetadata
-from .verification import verify
 
 
 def _shown(text: str) -> str:
@@ -71,26 +67,27 @@ def main() -> None:
 def inspect(checkpoint: str, as_json: bool) -> None:
     """Show what CHECKPOINT holds, from its metadata alone."""
     try:
-        md = read_metadata(checkpoint)
+        md = distckpt.read_metadata(checkpoint)
     except CheckpointError as exc:
         click.echo(f"error: {_shown(str(exc))}", err=True)
         sys.exit(_code(exc))
     fsd = md.storage_data
+    dcp_folder = distckpt.DCPReader.validate_checkpoint_id(checkpoint)
     rows = []
     for fqn, entry in md.state_dict_metadata.items():
-        if isinstance(entry, TensorStorageMetadata):
+        if isinstance(entry, distckpt.TensorStorageMetadata):
             rows.append({"key": fqn, "kind": "tensor", "dtype": str(entry.properties.dtype).replace("torch.", ""),
                          "shape": list(entry.size), "chunks": len(entry.chunks)})
         else:
             rows.append({"key": fqn, "kind": "value"})
     files = {name: {"size": info.size, "rank": info.rank} for name, info in getattr(fsd, "files", {}).items()}
     if as_json:
-        click.echo(json.dumps({"checkpoint": checkpoint, "written_by": "dcp" if is_dcp_directory(checkpoint) else "distckpt",
+        click.echo(json.dumps({"checkpoint": checkpoint, "written_by": "dcp" if dcp_folder else "distckpt",
                                "format_version": md.version,
                                "save_id": getattr(fsd, "save_id", None), "entries": rows, "files": files}, indent=1))
         return
     total = sum(f["size"] for f in files.values())
-    if is_dcp_directory(checkpoint):
+    if dcp_folder:
         click.echo(f"DCP checkpoint {_shown(checkpoint)} (written by torch.distributed.checkpoint, version {md.version}), "
                    f"{len(rows)} entries: distckpt.load reads it directly (resharding as for its own), and "
                    "`distckpt convert --from dcp SRC DST` makes a distckpt checkpoint of it")
@@ -114,7 +111,7 @@ def inspect(checkpoint: str, as_json: bool) -> None:
 def verify_cmd(checkpoint: str, quiet: bool) -> None:
     """Check every byte of CHECKPOINT against its checksums, without loading it."""
     try:
-        report = verify(checkpoint, progress=not quiet and sys.stderr.isatty())
+        report = distckpt.verify(checkpoint, progress=not quiet and sys.stderr.isatty())
     except CheckpointNotFoundError as exc:
         if not quiet:
             click.echo(f"incomplete or missing: {_shown(str(exc))}", err=True)
@@ -158,6 +155,7 @@ def convert(src: str, dst: str, from_format: Optional[str], to_format: Optional[
         sys.exit(USAGE)
     direction, fmt = chosen[0]
     say = (lambda text: click.echo(text, err=True))
+    conversion = distckpt.convert
     try:
         if (direction, fmt) == ("from", "dcp"):
             n = conversion.from_dcp(src, dst, trust_pickle=trust_pickle, allow_pickle=allow_pickle, progress=say)
@@ -194,12 +192,12 @@ def steps(root: str, as_json: bool, clean: bool) -> None:
         click.echo(f"error: {root!r} is not a directory", err=True)
         sys.exit(NOT_FOUND)
     try:
-        mgr = CheckpointManager(root, cleanup=False, read_only=not clean)
+        mgr = distckpt.CheckpointManager(root, cleanup=False, read_only=not clean)
         removed = mgr.remove_stale_temporaries() if clean else []
         rows = []
         for step in mgr.all_steps():
             try:
-                md = read_metadata(mgr.path(step))
+                md = distckpt.read_metadata(mgr.path(step))
             except CheckpointError as exc:  # one damaged step hides none of the others
                 rows.append({"step": step, "checkpoint": mgr.path(step), "damaged": str(exc)})
                 continue

@@ -71,3 +71,15 @@ def test_steps_lists_a_run_and_cleans_crash_leftovers(tmp_path):
     assert res.exit_code == 0 and "no committed steps" in res.output
     res = runner.invoke(main, ["steps", str(tmp_path / "nope")])
     assert res.exit_code == 3 and "not a directory" in res.output and not (tmp_path / "nope").exists()
+
+
+def test_help_and_version_start_without_importing_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom distckpt.cli import main\nfor args in (['--help'], ['--version'], ['convert', '--help']):\n"
+            "    try:\n        main(args)\n    except SystemExit as e:\n        assert e.code == 0, (args, e.code)\n"
+            "assert 'torch' not in sys.modules, 'the CLI imported torch for --help'\nimport distckpt\n"
+            "assert 'torch' not in sys.modules\nassert callable(distckpt.save) and 'torch' in sys.modules")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
