@@ -48,10 +48,11 @@ def _code(exc: CheckpointError) -> int:
 
 
 def _human(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
+    """Bytes in decimal units (kB = 1000 B), the units of the progress bars."""
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
+        n /= 1000
     return str(n)
 
 
