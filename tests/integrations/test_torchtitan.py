@@ -1,6 +1,7 @@
 """torchtitan's checkpoint manager on distckpt (``distckpt.integrations.torchtitan.CheckpointManager``), used
 directly with a tiny FSDP2 model, its real optimizer, LR scheduler and dataloader containers, 2 ranks on CPU:
-save -> the job ends -> resume from the newest step with the losses of an uninterrupted run -> roll back."""
+save -> the job is SIGKILLed in a save -> resume from the newest committed step with the losses of an
+uninterrupted run -> roll back to an earlier step."""
 
 import os
 
@@ -44,8 +45,9 @@ class _TrainState:
         self.step = int(sd["step"])
 
 
-def _job(rank, world_size, base, mode, resume_step, run_to):
-    """One training job: resume (newest step, or ``resume_step``), train to ``run_to``; the loss of each step run."""
+def _job(rank, world_size, base, mode, resume_step, run_to, kill=False):
+    """One training job: resume (newest step, or ``resume_step``), train to ``run_to``; the loss of each step run.
+    With ``kill``, every rank is SIGKILLed right after the last step's save call (an async save may be in flight)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torchtitan.components.dataloader import ParallelAwareDataloader
@@ -79,6 +81,10 @@ def _job(rank, world_size, base, mode, resume_step, run_to):
         optimizers.zero_grad()
         losses[train.step] = loss.item()
         ckpt.save(train.step, last_step=False)
+    if kill:
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
     ckpt.maybe_wait_for_staging()
     ckpt._async_wait()
     ckpt.close()
@@ -92,9 +98,12 @@ def test_save_end_resume_with_identical_losses_and_roll_back(tmp_path, mode):
     for losses, folders in first:
         steps = {f for f in folders if not f.startswith(".")}
         assert {"step-3", "step-4"} <= steps <= {"step-2", "step-3", "step-4"}  # keep_latest_k=2 (its purge runs behind)
-    resumed = run_ranks(_job, 2, str(tmp_path / "run"), mode, -1, STEPS, timeout_s=240)  # newest: step 4
+    killed = run_ranks(_job, 2, str(tmp_path / "run"), mode, -1, 5, True, timeout_s=240, allow_failures=True)
+    assert all(not isinstance(r, tuple) for r in killed)  # both ranks died in or after step 5's save
+    resumed = run_ranks(_job, 2, str(tmp_path / "run"), mode, -1, STEPS, timeout_s=240)  # the newest committed step
     for rank in range(2):
-        assert resumed[rank][0] == {s: reference[rank][0][s] for s in (5, 6)}, (rank, resumed[rank][0])
+        assert resumed[rank][0] and resumed[rank][0] == {s: reference[rank][0][s] for s in resumed[rank][0]}, rank
+        assert max(resumed[rank][0]) == STEPS
     rolled = run_ranks(_job, 2, str(tmp_path / "run"), mode, 5, STEPS, timeout_s=240)  # back to step 5
     for rank in range(2):
         assert rolled[rank][0] == {6: reference[rank][0][6]}
