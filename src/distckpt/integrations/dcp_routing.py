@@ -10,12 +10,19 @@ for the block only::
     with route_dcp_calls():                                    # or one block
         accelerator.save_state(output_dir)
 
+Routed saves keep DCP's replace-on-save: a save given only a ``checkpoint_id`` replaces a committed
+checkpoint there (atomically: the old one stays whole until the new one commits), because frameworks
+written for DCP save ``last.ckpt`` or ``pytorch_model_fsdp_0`` again and again into one folder.
+``route_dcp_calls(overwrite=False)`` keeps distckpt's refusal instead. A save given a storage writer
+follows that writer's own setting.
+
 Only the module attributes are replaced: code that bound DCP's functions to its own names before the
 call (``from torch.distributed.checkpoint import save``) keeps DCP's.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Any
 
@@ -29,8 +36,8 @@ from ..staging import async_save
 
 __all__ = ["route_dcp_calls"]
 
-_OURS = {"save": save, "load": load, "async_save": async_save, "save_state_dict": save_state_dict,
-         "load_state_dict": load_state_dict}
+_PLAIN = {"load": load, "save_state_dict": save_state_dict, "load_state_dict": load_state_dict}
+_SAVES = {"save": save, "async_save": async_save}
 _MODULES = (_dcp, _dcp_saver, _dcp_loader)
 _lock = threading.Lock()
 _depth = 0
@@ -40,12 +47,13 @@ _originals: dict = {}
 class _Routing:
     """Routing in force until :meth:`close` (or the end of a ``with`` block)."""
 
-    def __init__(self) -> None:
+    def __init__(self, overwrite: bool) -> None:
         global _depth
         with _lock:
             if _depth == 0:
+                ours_by_name = {**_PLAIN, **{name: _overwriting(fn, overwrite) for name, fn in _SAVES.items()}}
                 for module in _MODULES:
-                    for name, ours in _OURS.items():
+                    for name, ours in ours_by_name.items():
                         if hasattr(module, name):
                             _originals[(module, name)] = getattr(module, name)
                             setattr(module, name, ours)
@@ -71,7 +79,20 @@ class _Routing:
         self.close()
 
 
-def route_dcp_calls() -> _Routing:
+def _overwriting(fn: Any, overwrite: bool) -> Any:
+    """``fn`` with ``overwrite`` as the default of a call that names no storage writer."""
+
+    @functools.wraps(fn)
+    def routed(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("storage_writer") is None and len(args) < 2:
+            kwargs.setdefault("overwrite", overwrite)
+        return fn(*args, **kwargs)
+
+    return routed
+
+
+def route_dcp_calls(overwrite: bool = True) -> _Routing:
     """Make ``torch.distributed.checkpoint``'s save, load and async_save (and the deprecated names) distckpt's,
-    until the returned object is closed; nested routings undo only when the outermost closes."""
-    return _Routing()
+    until the returned object is closed; nested routings undo only when the outermost closes (the outermost's
+    ``overwrite`` holds for all of them)."""
+    return _Routing(overwrite)

@@ -7,8 +7,8 @@ back whole. Values that are not plain data (a hyperparameter object, say) need `
 for checkpoints you trust, as anywhere in distckpt.
 
 Strategies that save sharded state from every rank (``ModelParallelStrategy``, FSDP) save through
-torch.distributed.checkpoint themselves: route those calls with
-:func:`distckpt.integrations.dcp_routing.route_dcp_calls`.
+torch.distributed.checkpoint themselves and ignore the CheckpointIO: route those calls with
+:func:`distckpt.integrations.dcp_routing.route_dcp_calls` (tested with ``ModelParallelStrategy``).
 """
 
 from __future__ import annotations
