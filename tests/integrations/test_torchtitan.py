@@ -51,9 +51,7 @@ def _job(rank, world_size, base, mode, resume_step, run_to, kill=False):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torchtitan.components.dataloader import ParallelAwareDataloader
-    from torchtitan.components.lr_scheduler import LRSchedulersContainer
-    from torchtitan.components.optimizer import OptimizersContainer
-    from torchtitan.config import Checkpoint
+    from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer, ParamGroupConfig
 
     from distckpt.integrations.torchtitan import CheckpointManager
 
@@ -61,13 +59,17 @@ def _job(rank, world_size, base, mode, resume_step, run_to, kill=False):
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 5))
     mesh = init_device_mesh("cpu", (world_size,))
     fully_shard(model, mesh=mesh)
-    optimizers = OptimizersContainer([model], torch.optim.AdamW, {"lr": 1e-2})
-    schedulers = LRSchedulersContainer(optimizers, lambda step: 1.0 / (1 + step))
+    adamw = ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-2})
+    optimizers = OptimizersContainer.Config(param_groups=[adamw], implementation="for-loop").build(model_parts=[model])
+    schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=optimizers, training_steps=STEPS)
     loader = ParallelAwareDataloader(_Tokens(rank), dp_rank=rank, dp_world_size=world_size, batch_size=None)
     train = _TrainState()
-    config = Checkpoint(enable=True, folder="ckpt", interval=1, keep_latest_k=2, async_mode=mode,
-                        last_save_model_only=False, enable_first_step_checkpoint=True)
-    ckpt = CheckpointManager(loader, [model], optimizers, schedulers, {"train_state": train}, config, None, base_folder=base)
+    # torchtitan's trainer sets its checkpoint config to this one and calls build() with these arguments
+    config = CheckpointManager.Config(enable=True, folder="ckpt", interval=1, keep_latest_k=2, async_mode=mode,
+                                      last_save_model_only=False, enable_first_step_checkpoint=True)
+    ckpt = config.build(dataloader=loader, model_parts=[model], optimizers=optimizers, lr_schedulers=schedulers,
+                        states={"train_state": train}, sd_adapter=None, base_folder=base)
+    assert type(ckpt) is CheckpointManager
     ckpt.load(step=resume_step)
     losses = {}
     batches = iter(loader)
@@ -86,7 +88,7 @@ def _job(rank, world_size, base, mode, resume_step, run_to, kill=False):
 
         os.kill(os.getpid(), signal.SIGKILL)
     ckpt.maybe_wait_for_staging()
-    ckpt._async_wait()
+    ckpt.maybe_wait_for_saving()
     ckpt.close()
     return losses, sorted(os.listdir(os.path.join(base, "ckpt")))
 

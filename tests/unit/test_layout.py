@@ -10,7 +10,7 @@ import distckpt
 SRC = pathlib.Path(distckpt.__file__).parent
 PROTOCOL = {"metadata", "planner", "item_columns", "storage", "stateful", "errors", "knobs", "capabilities", "gc_pause", "progress",
             "faults"}
-TOP = {"manager", "cli", "convert", "optim", "format_utils", "__init__", "__main__"}
+TOP = {"manager", "cli", "convert", "optim", "format_utils", "tiers", "__init__", "__main__"}
 ORDER = ["protocol", "format", "wire", "planning", "engine", "backends", "sequences", "top", "integrations", "testing", "demo"]
 LAZY_OK: set = set()  # (module, imported) pairs allowed inside functions: none today
 

@@ -1,7 +1,9 @@
 """torchtitan's CheckpointManager, saving and loading through distckpt.
 
-Use :class:`CheckpointManager` where torchtitan's trainer builds its own (same arguments, same
-configuration). What changes:
+torchtitan 0.3 picks its checkpoint backend by configuration: set the trainer's ``checkpoint`` config to
+``distckpt.integrations.torchtitan.CheckpointManager.Config(...)`` (the same fields as torchtitan's own)
+and ``config.checkpoint.build(...)`` builds this manager. With torchtitan 0.2, build
+:class:`CheckpointManager` where the trainer builds its own, with the same arguments. What changes:
 
 - saves and loads go through distckpt (sync, ``async`` and ``async_with_pinned_mem`` alike; the async
   modes get distckpt's handle, which is the Future and the ``AsyncSaveResponse`` torchtitan expects);
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass
 from typing import Any
 
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse  # the type torchtitan checks for
@@ -45,6 +48,12 @@ class _OwnStaging:
 
 class CheckpointManager(_TitanCheckpointManager):
     """torchtitan's checkpoint manager on distckpt (see the module text)."""
+
+    if hasattr(_TitanCheckpointManager, "Config"):  # torchtitan >= 0.3: a config builds the class that declares it
+
+        @dataclass(kw_only=True, slots=True)
+        class Config(_TitanCheckpointManager.Config):
+            """torchtitan's checkpoint configuration; ``build(...)`` makes distckpt's manager."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -1,0 +1,432 @@
+"""TieredCheckpointManager: node-local memory, replicas on other nodes, a durable tier (docs/tiers.md)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import re
+import shutil
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from ..errors import CheckpointError
+from ..loading import load
+from ..manager import CheckpointManager
+from ..staging import async_save
+from ..verification import verify
+from .exchange import all_gather_json, commit_dir, dir_bytes, dir_manifest, finish, recv_dir, send_dir
+from .local_view import LocalView
+from .placement import choose_restore, replica_targets
+
+__all__ = ["TieredCheckpointManager", "RestoreReport"]
+
+log = logging.getLogger("distckpt.tiers")
+_STEP = re.compile(r"step-(\d+)\Z")
+_RECORD = "distckpt_tier"
+
+
+@dataclass
+class RestoreReport:
+    """What :meth:`TieredCheckpointManager.restore` did: the step (None: nothing to restore), where it came from
+    (``"memory"``, ``"durable"`` or ``"none"``), each rank's source (``"own"``, ``"peer <rank>"``, ``"durable"``),
+    and the bytes this rank read from each tier."""
+
+    step: Optional[int]
+    tier: str
+    sources: dict[int, str] = field(default_factory=dict)
+    bytes_from: dict[str, int] = field(default_factory=lambda: {"own": 0, "peer": 0, "durable": 0})
+    rounds: int = 1
+
+
+def _default_local_root() -> str:
+    job = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("DISTCKPT_JOB_ID") or "default"
+    return os.environ.get("DISTCKPT_TIER_DIR") or os.path.join("/dev/shm", "distckpt-tier", job)
+
+
+def _node_id() -> str:
+    return os.environ.get("DISTCKPT_NODE_ID") or os.environ.get("GROUP_RANK") or os.uname().nodename
+
+
+def _steps_in(folder: str) -> list[int]:
+    if not os.path.isdir(folder):
+        return []
+    out = []
+    for name in os.listdir(folder):
+        m = _STEP.match(name)
+        if m and os.path.isfile(os.path.join(folder, name, "metadata.json")) and not os.path.islink(os.path.join(folder, name)):
+            out.append(int(m.group(1)))
+    return sorted(out)
+
+
+class TieredCheckpointManager:
+    """Checkpoints in three tiers: each rank's own node-local copy, replicas on ranks of other nodes, and a
+    durable :class:`CheckpointManager` run (a directory or ``s3://``).
+
+    Args:
+        durable: the durable tier's root (as for :class:`CheckpointManager`).
+        local: this node's tier directory (default ``$DISTCKPT_TIER_DIR`` or ``/dev/shm/distckpt-tier/<job>``,
+            a tmpfs: memory that outlives a crashed training process but not the node).
+        replicas: how many ranks on other nodes keep a copy of each rank's step (0: none).
+        keep_local: how many newest steps the local tier keeps (own and replicas alike).
+        memory_budget_bytes: the most the local tier may hold on this rank (own and replicas); older steps go
+            first, the newest own step always stays.
+        persist_every: every this many saves, the step also goes to the durable tier, in the background
+            (0: only on :meth:`persist`).
+        process_group: the job's group (default: the default group); the manager makes a gloo group of its own
+            for its background work.
+        durable_options: passed to the durable :class:`CheckpointManager` (``keep_last``, ``storage_options``...).
+
+    Every rank builds the manager and calls ``save``, ``restore``, ``persist`` and ``wait`` together.
+    """
+
+    def __init__(self, durable: Union[str, os.PathLike], *, local: Optional[str] = None, replicas: int = 1,
+                 keep_local: int = 2, memory_budget_bytes: Optional[int] = None, persist_every: int = 10,
+                 process_group: Any = None, durable_options: Optional[dict[str, Any]] = None) -> None:
+        if keep_local < 1:
+            raise CheckpointError(f"keep_local={keep_local}: the local tier keeps at least the newest step")
+        self.rank = dist.get_rank(process_group)
+        self.world_size = dist.get_world_size(process_group)
+        self.group = dist.new_group(ranks=None if process_group is None else dist.get_process_group_ranks(process_group),
+                                    backend="gloo")
+        self.local = os.path.abspath(local or _default_local_root())
+        self.own_dir = os.path.join(self.local, "own", f"rank-{self.rank}")
+        self.held_dir = os.path.join(self.local, "held", f"rank-{self.rank}")
+        os.makedirs(self.own_dir, exist_ok=True)
+        self.replicas, self.keep_local, self.memory_budget_bytes = replicas, keep_local, memory_budget_bytes
+        self.persist_every = persist_every
+        self.durable = CheckpointManager(durable, process_group=self.group, step_names="padded", **(durable_options or {}))
+        self.nodes = all_gather_json(_node_id(), self.group)
+        self.targets = replica_targets(self.nodes, replicas) if replicas else {r: [] for r in range(self.world_size)}
+        self.sources = sorted(r for r, ts in self.targets.items() if self.rank in ts)
+        self._saves = 0
+        self._queue: "queue.Queue[Any]" = queue.Queue()
+        self._errors: list[BaseException] = []
+        self._worker = threading.Thread(target=self._work, name="distckpt-tier", daemon=True)
+        self._worker.start()
+        self._views: dict[int, LocalView] = {}
+        log.info("rank %d (node %s): local tier %s, replicas to ranks %s, holding replicas of ranks %s",
+                 self.rank, self.nodes[self.rank], self.local, self.targets[self.rank], self.sources)
+
+    # ---- paths
+
+    def _own(self, step: int) -> str:
+        return os.path.join(self.own_dir, f"step-{step}")
+
+    def _replica_dir(self, owner: int) -> str:
+        return os.path.join(self.held_dir, f"rank-{owner}")
+
+    def own_steps(self) -> list[int]:
+        """Steps this rank's own tier holds, committed."""
+        return _steps_in(self.own_dir)
+
+    def replica_steps(self) -> dict[int, list[int]]:
+        """For each rank whose replicas this rank keeps, the committed steps held."""
+        root = self.held_dir
+        out = {}
+        if os.path.isdir(root):
+            for name in os.listdir(root):
+                m = re.match(r"rank-(\d+)\Z", name)
+                if m:
+                    out[int(m.group(1))] = _steps_in(os.path.join(root, name))
+        return out
+
+    # ---- save
+
+    def save(self, step: int, state: dict[str, Any]) -> None:
+        """Save ``state`` as ``step``: returns once it is copied to host memory; the local write, replication and
+        (every ``persist_every`` saves) the durable write follow in the background, in call order."""
+        self._raise_background_error()
+        view = LocalView(state, self.rank, self.world_size)
+        record = {"step": step, "rank": self.rank, "world": self.world_size, "fingerprint": view.fingerprint}
+        handle = async_save({**view.view, _RECORD: record}, checkpoint_id=self._own(step), no_dist=True, overwrite=True)
+        self._saves += 1
+        persist = self.persist_every > 0 and self._saves % self.persist_every == 0
+        self._views[step] = view
+        self._queue.put(("save", step, handle, persist))
+
+    def persist(self, step: Optional[int] = None) -> Optional[int]:
+        """Write ``step`` (default: the newest step every rank holds) to the durable tier from the local copies,
+        once the saves before it are done; returns the step persisted (None if no step is held everywhere)."""
+        self.wait()
+        return self._persist(step)
+
+    def wait(self) -> None:
+        """Block until every save so far is written, replicated and (where due) persisted; raise its error."""
+        self._queue.join()
+        self._raise_background_error()
+
+    def close(self) -> None:
+        self._queue.join()
+        self._queue.put(None)
+        self._worker.join(timeout=60)
+
+    def _raise_background_error(self) -> None:
+        if self._errors:
+            exc = self._errors.pop(0)
+            self._errors.clear()
+            raise CheckpointError(f"a background save of the tiered manager failed: {exc}") from exc
+
+    def _work(self) -> None:
+        while True:
+            job = self._queue.get()
+            try:
+                if job is None:
+                    return
+                _, step, handle, persist = job
+                ok = True
+                try:
+                    handle.result()
+                except BaseException as exc:  # noqa: BLE001 - told to the other ranks, raised at the next call
+                    ok = False
+                    self._errors.append(exc)
+                try:
+                    self._replicate(step, ok)
+                    self._bound()
+                    if persist and ok:
+                        self._persist(step)
+                except BaseException as exc:  # noqa: BLE001
+                    self._errors.append(exc)
+            finally:
+                self._queue.task_done()
+
+    def _replicate(self, step: int, ok: bool) -> None:
+        """Send this rank's step to its replica holders and take the replicas it holds, in one exchange."""
+        manifest = dir_manifest(self._own(step)) if ok else None
+        everyone = all_gather_json({"ok": ok, "manifest": manifest}, self.group)
+        if not all(r["ok"] for r in everyone):
+            bad = [r for r, rep in enumerate(everyone) if not rep["ok"]]
+            raise CheckpointError(f"step {step} failed on ranks {bad}; it is not kept as a tiered step")
+        if not self.replicas:
+            return
+        keep: list[Any] = []
+        incoming = []
+        try:
+            for dst in self.targets[self.rank]:
+                keep += send_dir(self._own(step), manifest, dst, self.group)
+            for src in self.sources:
+                tmp, work = recv_dir(self._replica_dir(src), everyone[src]["manifest"], src, self.group)
+                incoming.append((src, tmp))
+                keep += work
+            finish(keep)
+        except BaseException:
+            for _, tmp in incoming:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        for src, tmp in incoming:
+            commit_dir(tmp, os.path.join(self._replica_dir(src), f"step-{step}"))
+
+    def _bound(self) -> None:
+        """Keep the newest ``keep_local`` steps, within the memory budget; the newest own step always stays."""
+        own = self.own_steps()
+        replica = self.replica_steps()
+        steps = sorted(set(own) | {s for ss in replica.values() for s in ss}, reverse=True)
+        keep = set(steps[: self.keep_local])
+        if self.memory_budget_bytes is not None:
+            used = 0
+            for s in steps:
+                if s not in keep:
+                    continue
+                size = (dir_bytes(self._own(s)) if s in own else 0) + sum(
+                    dir_bytes(os.path.join(self._replica_dir(o), f"step-{s}")) for o, ss in replica.items() if s in ss)
+                if used + size > self.memory_budget_bytes and own and s != own[-1]:
+                    keep.discard(s)
+                else:
+                    used += size
+        for s in own:
+            if s not in keep:
+                shutil.rmtree(self._own(s), ignore_errors=True)
+                self._views.pop(s, None)
+        for o, ss in replica.items():
+            for s in ss:
+                if s not in keep:
+                    shutil.rmtree(os.path.join(self._replica_dir(o), f"step-{s}"), ignore_errors=True)
+
+    # ---- durable tier
+
+    def _persist(self, step: Optional[int]) -> Optional[int]:
+        held = all_gather_json(self.own_steps(), self.group)
+        common = set(held[0]).intersection(*map(set, held[1:])) if held else set()
+        if step is None:
+            step = max(common) if common else None
+            if step is None:
+                return None
+        elif step not in common:
+            raise CheckpointError(f"step {step} is not in every rank's local tier (held everywhere: {sorted(common)}); "
+                                  "persist a step that is")
+        if step in self.durable.all_steps():
+            return step
+        view = self._views.get(step)
+        if view is None:
+            raise CheckpointError(f"step {step} was saved by an earlier process; persist it with restore() first")
+        state = _host_state(view)
+        load(state["view"], checkpoint_id=self._own(step), no_dist=True)
+        self.durable.save(step, _as_saved(state))
+        log.info("rank %d: step %d persisted to %s", self.rank, step, self.durable.root)
+        return step
+
+    # ---- restore
+
+    def restore(self, state: dict[str, Any]) -> RestoreReport:
+        """Load the newest step that can be fully assembled, from the nearest source of each rank (own tier, a
+        replica holder, the durable tier), into ``state`` in place. Collective. See docs/tiers.md."""
+        self.wait()
+        view = LocalView(state, self.rank, self.world_size)
+        durable = self.durable.all_steps() if self.rank == 0 else []
+        struck: set = set()
+        report = RestoreReport(None, "none")
+        for round_ in range(1, 2 * self.world_size + 4):
+            own = [s for s in self.own_steps() if self._record(self._own(s)) == view.fingerprint]
+            reports = all_gather_json({"own": own, "replicas": {str(o): ss for o, ss in self.replica_steps().items()},
+                                       "durable": durable}, self.group)
+            step, tier, sources = choose_restore(reports, frozenset(struck))
+            report = RestoreReport(step, tier, rounds=round_)
+            if step is None:
+                log.info("rank %d: nothing to restore (no step in memory or in the durable tier)", self.rank)
+                return report
+            if tier == "durable":
+                before = _durable_read_bytes(self.durable.root, step)
+                self.durable.load(state, step)
+                report.sources = {r: "durable" for r in range(self.world_size)}
+                report.bytes_from["durable"] = before
+                log.info("rank %d: restored step %d from the durable tier %s", self.rank, step, self.durable.root)
+                return report
+            mine = sources[self.rank]
+            failure = None
+            try:
+                self._fetch(step, sources)
+                checked = verify(self._own(step))
+                report.bytes_from["own" if mine == "own" else "peer"] = checked.bytes_checked
+            except (CheckpointError, OSError) as exc:
+                failure = str(exc)
+            votes = all_gather_json(failure, self.group)
+            if any(votes):
+                for r, v in enumerate(votes):
+                    if v:
+                        log.warning("rank %d: step %d for rank %d from %s failed verification (%s); trying the next "
+                                    "source", self.rank, step, r, sources[r], v.splitlines()[0])
+                        struck.add((r, step, sources[r]))
+                continue
+            load(view.view, checkpoint_id=self._own(step), no_dist=True)
+            view.write_back()
+            report.sources = {r: ("own" if s == "own" else f"peer {s}") for r, s in sources.items()}
+            log.info("rank %d: restored step %d from %s", self.rank, step,
+                     "its own tier" if mine == "own" else f"the replica on rank {mine}")
+            self._views[step] = view
+            return report
+        raise CheckpointError(f"restore gave up after {report.rounds} rounds of failed sources")
+
+    def _record(self, path: str) -> Optional[str]:
+        try:
+            holder = {_RECORD: {"fingerprint": ""}}
+            load(holder, checkpoint_id=path, no_dist=True)
+            return holder[_RECORD]["fingerprint"]
+        except (CheckpointError, OSError, KeyError, TypeError):
+            return None
+
+    def _fetch(self, step: int, sources: dict[int, Any]) -> None:
+        """Bring each rank's step into its own tier from the replica holder chosen for it."""
+        wanted = {r: s for r, s in sources.items() if s != "own"}
+        offers = {}
+        for r, holder in wanted.items():
+            if holder == self.rank:
+                offers[str(r)] = dir_manifest(os.path.join(self._replica_dir(r), f"step-{step}"))
+        everyone = all_gather_json(offers, self.group)
+        keep: list[Any] = []
+        incoming = None
+        try:
+            for r, holder in wanted.items():
+                if holder == self.rank:
+                    keep += send_dir(os.path.join(self._replica_dir(r), f"step-{step}"), everyone[holder][str(r)], r, self.group)
+                if r == self.rank:
+                    incoming, work = recv_dir(self.own_dir, everyone[holder][str(r)], holder, self.group)
+                    keep += work
+            finish(keep)
+        except BaseException:
+            if incoming:
+                shutil.rmtree(incoming, ignore_errors=True)
+            raise
+        if incoming:
+            commit_dir(incoming, self._own(step))
+
+    # ---- preemption
+
+    def install_preemption_handler(self, grace_s: float = 30.0, signum: int = signal.SIGTERM) -> None:
+        """On ``signum`` (SIGTERM: what schedulers send before they kill): finish the saves in flight, persist the
+        newest step every rank holds to the durable tier, log what was persisted, and exit with 128+signum.
+        Every rank must get the signal (torchrun passes it to all its workers). The persist runs against
+        ``grace_s``: a deadline the log reports as met or missed."""
+
+        def handler(signo: int, _frame: Any) -> None:
+            start = time.monotonic()
+            log.warning("rank %d: signal %d: persisting the newest local step within %.0f s", self.rank, signo, grace_s)
+            step = None
+            try:
+                self.wait()
+                step = self._persist(None)
+            except BaseException as exc:  # noqa: BLE001 - reported, then the process exits as asked
+                log.error("rank %d: persisting on signal %d failed: %s", self.rank, signo, exc)
+            took = time.monotonic() - start
+            log.warning("rank %d: on signal %d persisted step %s to %s in %.2f s (%s the %.0f s grace)", self.rank, signo,
+                        step, self.durable.root, took, "within" if took <= grace_s else "past", grace_s)
+            os._exit(128 + signo)
+
+        signal.signal(signum, handler)
+
+
+def _host_state(view: LocalView) -> dict[str, Any]:
+    """Fresh host tensors shaped like ``view``'s, in the same structure, and the DTensors to rebuild."""
+    dtensors: dict[int, Any] = {}
+
+    def walk(src: Any, local: Any) -> Any:
+        if isinstance(src, DTensor):
+            t = torch.empty(local.shape, dtype=local.dtype)
+            dtensors[id(t)] = src
+            return t
+        if isinstance(local, torch.Tensor):
+            return torch.empty(local.shape, dtype=local.dtype)
+        if isinstance(local, dict):
+            return {k: walk(src.get(k) if isinstance(src, dict) else None, v) for k, v in local.items()}
+        if isinstance(local, (list, tuple)):
+            out = [walk(src[i] if isinstance(src, (list, tuple)) and i < len(src) else None, v) for i, v in enumerate(local)]
+            return out if isinstance(local, list) else tuple(out)
+        return local
+
+    sources = {k: (view.statefuls[k][1] if k in view.statefuls else view.state[k]) for k in view.view}
+    return {"view": {k: walk(sources.get(k), v) for k, v in view.view.items()}, "dtensors": dtensors}
+
+
+def _as_saved(state: dict[str, Any]) -> dict[str, Any]:
+    """The host state with each DTensor's shard wrapped back as a DTensor of the same mesh and placements."""
+    dtensors = state["dtensors"]
+
+    def walk(obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor) and id(obj) in dtensors:
+            src = dtensors[id(obj)]
+            return DTensor.from_local(obj, src.device_mesh, src.placements, run_check=False, shape=src.shape,
+                                      stride=src.stride())
+        if isinstance(obj, dict):
+            return {k: walk(v) for k, v in obj.items()}
+        if isinstance(obj, list):
+            return [walk(v) for v in obj]
+        if isinstance(obj, tuple):
+            return tuple(walk(v) for v in obj)
+        return obj
+
+    return walk(state["view"])
+
+
+def _durable_read_bytes(root: Any, step: int) -> int:
+    """The bytes a durable restore of ``step`` reads (its data files), for the report."""
+    path = os.path.join(str(root), f"step-{step:010d}")
+    if os.path.isdir(path):
+        return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if os.path.isfile(os.path.join(path, f)))
+    return 0
+
