@@ -1,0 +1,88 @@
+"""Functions the cluster tests run on every rank (JSON in, JSON out)."""
+
+import hashlib
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def whoami(rank, world_size):
+    import socket
+
+    t = torch.tensor([rank], dtype=torch.int64)
+    dist.all_reduce(t)
+    local = os.environ["DISTCKPT_TIER_DIR"]
+    with open(os.path.join(local, f"rank-{rank}"), "w") as f:
+        f.write("x")
+    return {"node": int(os.environ["GROUP_RANK"]), "sum": int(t.item()), "local": sorted(os.listdir(local)),
+            "ifname": os.environ.get("GLOO_SOCKET_IFNAME"), "host": socket.gethostname()}
+
+
+def digest(t):
+    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def _model(world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def train(rank, world_size, run, steps, resume=False, hold=False, persist_every=0, replicas=1, corrupt=None,
+          preempt_grace_s=None):
+    """Train to ``steps``, saving every step through a TieredCheckpointManager (resuming first with ``resume``);
+    the loss of each step run, the restore report, and a digest of the final weights. With ``hold`` the rank
+    waits, after its last save is done everywhere, to be killed (or preempted)."""
+    import logging
+    import time
+
+    import distckpt
+    from distckpt.testing.cluster import mark
+
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    model, optim = _model(world_size)
+    local = os.path.join(os.environ["DISTCKPT_TIER_DIR"], run)
+    mgr = distckpt.TieredCheckpointManager(os.path.join(os.environ["DISTCKPT_TEST_DURABLE"], run), local=local,
+                                           replicas=replicas, persist_every=persist_every)
+    progress = {"step": 0}
+    state = {"model": model, "optim": optim, "progress": progress}
+    report = None
+    if corrupt and rank == corrupt["holder"]:
+        held = os.path.join(local, "held", f"rank-{rank}", f"rank-{corrupt['owner']}", f"step-{corrupt['step']}")
+        data = [f for f in os.listdir(held) if f.endswith(".safetensors")][0]
+        with open(os.path.join(held, data), "r+b") as f:  # flip one bit in the last byte of tensor data
+            f.seek(-1, os.SEEK_END)
+            b = f.read(1)
+            f.seek(-1, os.SEEK_END)
+            f.write(bytes([b[0] ^ 1]))
+    if resume:
+        distckpt.init_optimizer_state(optim)
+        r = mgr.restore(state)
+        report = {"step": r.step, "tier": r.tier, "sources": {str(k): v for k, v in r.sources.items()},
+                  "bytes_from": r.bytes_from, "progress": progress["step"], "rounds": r.rounds}
+    if preempt_grace_s is not None:
+        mgr.install_preemption_handler(grace_s=preempt_grace_s)
+    losses = {}
+    for step in range(progress["step"] + 1, steps + 1):
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+        loss = (model(x) - y).square().mean()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses[str(step)] = loss.item()
+        progress["step"] = step
+        mgr.save(step, state)
+    mgr.wait()
+    if hold:
+        mark("saved")
+        while True:
+            time.sleep(0.5)
+    weights = {k: digest(v.full_tensor()) for k, v in model.state_dict().items()}
+    mgr.close()
+    return {"losses": losses, "report": report, "weights": weights}
