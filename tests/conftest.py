@@ -16,3 +16,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_report_header(config):
+    from distckpt.testing.cluster import cluster_mode
+
+    mode = cluster_mode()
+    how = "network namespaces, a private tmpfs per node" if mode == "netns" else "loopback, a folder per node (not root)"
+    return f"simulated multi-node tests (tests/cluster): {mode} mode: {how}"

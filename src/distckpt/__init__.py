@@ -6,6 +6,7 @@ at any other world size or sharding.
 """
 
 import importlib
+import importlib.util
 from typing import Any
 
 from .errors import (
@@ -52,7 +53,7 @@ _SUBMODULES = ("convert", "metadata", "planner", "storage")
 
 
 def __getattr__(name: str) -> Any:
-    if name in _SUBMODULES:
+    if name in _SUBMODULES or (not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None):
         value = importlib.import_module(f".{name}", __name__)
     elif name in _LAZY:
         value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)

@@ -86,3 +86,46 @@ def train(rank, world_size, run, steps, resume=False, hold=False, persist_every=
     weights = {k: digest(v.full_tensor()) for k, v in model.state_dict().items()}
     mgr.close()
     return {"losses": losses, "report": report, "weights": weights}
+
+
+def save_state(rank, world_size, path):
+    """Train one step and save model and optimizer (FSDP2 over every rank); digests of the full tensors."""
+    import distckpt
+
+    model, optim = _model(world_size)
+    g = torch.Generator().manual_seed(7 + rank)
+    model(torch.randn(8, 16, generator=g)).square().mean().backward()
+    optim.step()
+    distckpt.save({"model": model, "optim": optim}, checkpoint_id=path)
+    return _full_digests(model, optim)
+
+
+def load_state(rank, world_size, path, mesh_2d=False):
+    """Load into a fresh model, sharded over a 2-D mesh (rows and columns) when ``mesh_2d``; digests."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import distckpt
+
+    model, optim = _model(world_size)
+    if mesh_2d:  # reshard every parameter over rows and columns instead of FSDP's rows
+        mesh = init_device_mesh("cpu", (2, world_size // 2))
+        torch.manual_seed(1)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+        for m in (model[0], model[2]):
+            m.weight = torch.nn.Parameter(distribute_tensor(m.weight.detach(), mesh, [Shard(0), Shard(1)]))
+            m.bias = torch.nn.Parameter(distribute_tensor(m.bias.detach(), mesh, [Shard(0), Shard(0)]))
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    distckpt.init_optimizer_state(optim)
+    distckpt.load({"model": model, "optim": optim}, checkpoint_id=path)
+    return _full_digests(model, optim)
+
+
+def _full_digests(model, optim):
+    out = {f"model.{k}": digest(v.full_tensor()) for k, v in model.state_dict().items()}
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p, st in optim.state.items():
+        for k, v in st.items():
+            if torch.is_tensor(v) and v.dim() > 0:
+                out[f"optim.{names[id(p)]}.{k}"] = digest(v.full_tensor())
+    return out

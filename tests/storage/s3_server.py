@@ -13,15 +13,16 @@ ENV = ("AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS
 
 
 @contextmanager
-def s3_server() -> Iterator[str]:
-    """Start the server on 127.0.0.1 (a free port) and point the AWS environment at it; yield the endpoint.
+def s3_server(ip_address: str = "127.0.0.1") -> Iterator[str]:
+    """Start the server on ``ip_address`` (loopback, or the bridge address of a cluster the test made; a free
+    port) and point the AWS environment at it; yield the endpoint.
 
     Processes spawned while it runs (the ranks of multi-rank tests) inherit the environment.
     """
     from moto.server import ThreadedMotoServer
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server = ThreadedMotoServer(ip_address=ip_address, port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
     endpoint = f"http://{host}:{port}"
@@ -30,7 +31,7 @@ def s3_server() -> Iterator[str]:
                        "AWS_SECRET_ACCESS_KEY": "distckpt-test", "AWS_REGION": "us-east-1",
                        "AWS_DEFAULT_REGION": "us-east-1"})
     for var in ("NO_PROXY", "no_proxy"):  # a proxy configured for the machine must not catch loopback
-        os.environ[var] = ",".join(filter(None, [saved[var], "127.0.0.1", "localhost"]))
+        os.environ[var] = ",".join(filter(None, [saved[var], "127.0.0.1", "localhost", ip_address]))
     try:
         yield endpoint
     finally:

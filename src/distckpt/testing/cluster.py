@@ -220,6 +220,11 @@ class Cluster:
               + (f" (network namespaces on {self.subnet}.0/24, private tmpfs per node)" if self.mode == "netns" else
                  " (loopback, a folder per node)"), file=sys.stderr)
 
+    @property
+    def host_address(self) -> str:
+        """The address every node reaches this (the test's) process at: the bridge's, or loopback."""
+        return f"{self.subnet}.1" if self.mode == "netns" else "127.0.0.1"
+
     def node_local(self, node: int) -> str:
         """The node-local directory of ``node``, as that node's processes see it."""
         return self.nodes[node].local
