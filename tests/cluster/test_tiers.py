@@ -95,3 +95,34 @@ def test_sigterm_persists_the_newest_local_step_within_the_grace_period(tmp_path
     assert os.path.isfile(tmp_path / "durable" / "run" / "step-0000000003" / "metadata.json")
     for node in (0, 1):
         assert "persisted step 3" in logs[node] and "(within the 30 s grace)" in logs[node], logs[node][-2000:]
+
+
+def test_sigkill_anywhere_in_a_save_never_restores_a_mixed_step(tmp_path, durable_env):
+    """The whole job is SIGKILLed at points spread over local writes, replication and persisting (every node keeps
+    its memory tier); the restore then takes a step whose every byte is that step's, on every rank."""
+    import random
+    import time
+
+    rng = random.Random(23)
+    with Cluster(str(tmp_path / "c"), nodes=2, ranks_per_node=2) as cluster:
+        reference = cluster.run(TRAIN, env=durable_env, run="ref", steps=6, extra_mb=16, timeout_s=300)
+        for i in range(4):
+            run = f"sweep{i}"
+            job = cluster.launch(TRAIN, env=durable_env, run=run, steps=6, persist_every=2, extra_mb=16)
+            time.sleep(rng.uniform(6.0, 14.0))  # past start-up, somewhere in the steps and their saves
+            job.stop()
+            for p in job.procs.values():
+                p.wait(timeout=60)
+            resumed = cluster.run(TRAIN, env=durable_env, run=run, steps=6, resume=True, persist_every=2, extra_mb=16,
+                                  timeout_s=300)
+            steps = {resumed[r]["report"]["step"] for r in range(4)}
+            assert len(steps) == 1, steps  # every rank agreed
+            step = steps.pop()
+            for rank in range(4):
+                report = resumed[rank]["report"]
+                if step is None:
+                    assert report["tier"] == "none"
+                    continue
+                assert report["weights"] == reference[rank]["digests"][str(step)], (i, step, rank)
+                assert report["extra"] == float(step)
+                assert resumed[rank]["weights"] == reference[rank]["weights"]

@@ -34,7 +34,7 @@ def _model(world_size):
 
 
 def train(rank, world_size, run, steps, resume=False, hold=False, persist_every=0, replicas=1, corrupt=None,
-          preempt_grace_s=None):
+          preempt_grace_s=None, extra_mb=0, keep_local=2):
     """Train to ``steps``, saving every step through a TieredCheckpointManager (resuming first with ``resume``);
     the loss of each step run, the restore report, and a digest of the final weights. With ``hold`` the rank
     waits, after its last save is done everywhere, to be killed (or preempted)."""
@@ -48,9 +48,11 @@ def train(rank, world_size, run, steps, resume=False, hold=False, persist_every=
     model, optim = _model(world_size)
     local = os.path.join(os.environ["DISTCKPT_TIER_DIR"], run)
     mgr = distckpt.TieredCheckpointManager(os.path.join(os.environ["DISTCKPT_TEST_DURABLE"], run), local=local,
-                                           replicas=replicas, persist_every=persist_every)
+                                           replicas=replicas, persist_every=persist_every, keep_local=keep_local)
     progress = {"step": 0}
     state = {"model": model, "optim": optim, "progress": progress}
+    if extra_mb:  # bytes that make each phase of a save take a while (for kills that land inside one)
+        state["extra"] = torch.zeros(extra_mb << 18)
     report = None
     if corrupt and rank == corrupt["holder"]:
         held = os.path.join(local, "held", f"rank-{rank}", f"rank-{corrupt['owner']}", f"step-{corrupt['step']}")
@@ -64,10 +66,11 @@ def train(rank, world_size, run, steps, resume=False, hold=False, persist_every=
         distckpt.init_optimizer_state(optim)
         r = mgr.restore(state)
         report = {"step": r.step, "tier": r.tier, "sources": {str(k): v for k, v in r.sources.items()},
-                  "bytes_from": r.bytes_from, "progress": progress["step"], "rounds": r.rounds}
+                  "bytes_from": r.bytes_from, "progress": progress["step"], "rounds": r.rounds,
+                  "weights": _weights(model), "extra": float(state["extra"][-1]) if extra_mb else None}
     if preempt_grace_s is not None:
         mgr.install_preemption_handler(grace_s=preempt_grace_s)
-    losses = {}
+    losses, digests = {}, {}
     for step in range(progress["step"] + 1, steps + 1):
         g = torch.Generator().manual_seed(1000 * step + rank)
         x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
@@ -77,15 +80,21 @@ def train(rank, world_size, run, steps, resume=False, hold=False, persist_every=
         optim.zero_grad()
         losses[str(step)] = loss.item()
         progress["step"] = step
+        if extra_mb:
+            state["extra"].fill_(step)
+        digests[str(step)] = _weights(model)
         mgr.save(step, state)
     mgr.wait()
     if hold:
         mark("saved")
         while True:
             time.sleep(0.5)
-    weights = {k: digest(v.full_tensor()) for k, v in model.state_dict().items()}
     mgr.close()
-    return {"losses": losses, "report": report, "weights": weights}
+    return {"losses": losses, "report": report, "weights": _weights(model), "digests": digests}
+
+
+def _weights(model):
+    return {k: digest(v.full_tensor()) for k, v in model.state_dict().items()}
 
 
 def save_state(rank, world_size, path):

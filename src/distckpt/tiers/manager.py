@@ -100,6 +100,7 @@ class TieredCheckpointManager:
         self.own_dir = os.path.join(self.local, "own", f"rank-{self.rank}")
         self.held_dir = os.path.join(self.local, "held", f"rank-{self.rank}")
         os.makedirs(self.own_dir, exist_ok=True)
+        self._remove_leftovers()
         self.replicas, self.keep_local, self.memory_budget_bytes = replicas, keep_local, memory_budget_bytes
         self.persist_every = persist_every
         self.durable = CheckpointManager(durable, process_group=self.group, step_names="padded", **(durable_options or {}))
@@ -114,6 +115,20 @@ class TieredCheckpointManager:
         self._views: dict[int, LocalView] = {}
         log.info("rank %d (node %s): local tier %s, replicas to ranks %s, holding replicas of ranks %s",
                  self.rank, self.nodes[self.rank], self.local, self.targets[self.rank], self.sources)
+
+    def _remove_leftovers(self) -> None:
+        """What a killed earlier process of this rank left half-written in its own directories (nobody else writes
+        there, and this process has started nothing yet): unfinished local writes and transfers."""
+        dirs = [self.own_dir] + ([os.path.join(self.held_dir, d) for d in os.listdir(self.held_dir)]
+                                 if os.path.isdir(self.held_dir) else [])
+        for d in dirs:
+            for name in os.listdir(d) if os.path.isdir(d) else []:
+                if name.startswith((".incoming-", ".replaced-", ".distckpt-tmp-")) or ".distckpt-tmp-" in name:
+                    path = os.path.join(d, name)
+                    if os.path.isdir(path) and not os.path.islink(path):
+                        shutil.rmtree(path, ignore_errors=True)
+                    elif not os.path.isdir(path):
+                        os.unlink(path)
 
     # ---- paths
 
@@ -189,7 +204,7 @@ class TieredCheckpointManager:
                     self._errors.append(exc)
                 try:
                     self._replicate(step, ok)
-                    self._bound()
+                    self._bound(step)
                     if persist and ok:
                         self._persist(step)
                 except BaseException as exc:  # noqa: BLE001
@@ -223,10 +238,12 @@ class TieredCheckpointManager:
         for src, tmp in incoming:
             commit_dir(tmp, os.path.join(self._replica_dir(src), f"step-{step}"))
 
-    def _bound(self) -> None:
-        """Keep the newest ``keep_local`` steps, within the memory budget; the newest own step always stays."""
-        own = self.own_steps()
-        replica = self.replica_steps()
+    def _bound(self, upto: int) -> None:
+        """Keep the newest ``keep_local`` steps up to ``upto`` (the step just replicated), within the memory budget;
+        the newest own step always stays. Newer steps, which training saved while this one was being replicated,
+        are left to their own turn."""
+        own = [s for s in self.own_steps() if s <= upto]
+        replica = {o: [s for s in ss if s <= upto] for o, ss in self.replica_steps().items()}
         steps = sorted(set(own) | {s for ss in replica.values() for s in ss}, reverse=True)
         keep = set(steps[: self.keep_local])
         if self.memory_budget_bytes is not None:
@@ -288,6 +305,7 @@ class TieredCheckpointManager:
                                        "durable": durable}, self.group)
             step, tier, sources = choose_restore(reports, frozenset(struck))
             report = RestoreReport(step, tier, rounds=round_)
+            self._drop_after(step)
             if step is None:
                 log.info("rank %d: nothing to restore (no step in memory or in the durable tier)", self.rank)
                 return report
@@ -322,6 +340,18 @@ class TieredCheckpointManager:
             self._views[step] = view
             return report
         raise CheckpointError(f"restore gave up after {report.rounds} rounds of failed sources")
+
+    def _drop_after(self, step: Optional[int]) -> None:
+        """Remove the local steps after ``step``, which every rank now restores: they belong to a run that did not
+        go on (saved by some ranks only, or before a crash), and the run saves those step numbers again."""
+        newest = -1 if step is None else step
+        for s in self.own_steps():
+            if s > newest:
+                shutil.rmtree(self._own(s), ignore_errors=True)
+        for owner, steps in self.replica_steps().items():
+            for s in steps:
+                if s > newest:
+                    shutil.rmtree(os.path.join(self._replica_dir(owner), f"step-{s}"), ignore_errors=True)
 
     def _record(self, path: str) -> Optional[str]:
         try:
