@@ -143,10 +143,12 @@ class Job:
         """Send ``sig`` to every process of the job (on ``node`` only, if given): torchrun and its workers."""
         for n, p in self.procs.items():
             if node is None or n == node:
-                try:
-                    os.killpg(p.pid, sig)
-                except ProcessLookupError:
-                    pass
+                # torchrun's workers run in sessions of their own: the whole tree, found before any of it dies
+                for pid in [p.pid] + _children(p.pid):
+                    try:
+                        os.kill(pid, sig)
+                    except ProcessLookupError:
+                        pass
 
     def signal_workers(self, sig: int, node: Optional[int] = None) -> None:
         """Send ``sig`` to the training processes (not torchrun) of the job, as a scheduler's preemption does."""
