@@ -143,7 +143,7 @@ class Job:
         """Send ``sig`` to every process of the job (on ``node`` only, if given): torchrun and its workers."""
         for n, p in self.procs.items():
             if node is None or n == node:
-                # torchrun's workers run in sessions of their own: the whole tree, found before any of it dies
+                # torchrun starts its workers with setsid, outside its process group: kill the whole tree, listed first
                 for pid in [p.pid] + _children(p.pid):
                     try:
                         os.kill(pid, sig)
