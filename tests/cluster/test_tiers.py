@@ -64,6 +64,7 @@ def test_losing_a_node_and_its_replica_holder_falls_back_to_the_newest_durable_s
     for rank in range(3):
         report = resumed[rank]["report"]
         assert report["step"] == 4 and report["tier"] == "durable" and report["progress"] == 4, report
+        assert report["bytes_from"]["durable"] > 0 and report["bytes_from"]["peer"] == 0
         assert _losses(resumed, rank) == {s: _losses(reference, rank)[s] for s in ("5", "6", "7")}
         assert resumed[rank]["weights"] == reference[rank]["weights"]
 

@@ -13,20 +13,14 @@ import lightning as L  # noqa: E402
 
 from distckpt.integrations.lightning import DistckptCheckpointIO  # noqa: E402
 
+from .lightning_steps import RegressionSteps  # noqa: E402
 
-class _Model(L.LightningModule):
+
+class _Model(RegressionSteps, L.LightningModule):
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)
         self.net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
-
-    def training_step(self, batch, _index):
-        x, y = batch
-        return (self.net(x) - y).square().mean()
-
-    def configure_optimizers(self):
-        optim = torch.optim.AdamW(self.parameters(), lr=1e-2)
-        return {"optimizer": optim, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optim, step_size=2, gamma=0.5)}
 
 
 def _data():

@@ -11,6 +11,8 @@ pytest.importorskip("lightning", reason="lightning is not installed")
 
 from distckpt.testing import run_ranks  # noqa: E402
 
+from .lightning_steps import RegressionSteps  # noqa: E402
+
 WORLD = 2
 
 
@@ -94,21 +96,13 @@ def _trainer_job(rank, world_size, root, max_steps, resume):
 
     route_dcp_calls()
 
-    class Model(L.LightningModule):
+    class Model(RegressionSteps, L.LightningModule):
         def __init__(self):
             super().__init__()
             self.net = _net()
 
         def configure_model(self):
             fully_shard(self.net, mesh=self.device_mesh["data_parallel"])
-
-        def training_step(self, batch, _index):
-            x, y = batch
-            return (self.net(x) - y).square().mean()
-
-        def configure_optimizers(self):
-            optim = torch.optim.AdamW(self.parameters(), lr=1e-2)
-            return {"optimizer": optim, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optim, step_size=2, gamma=0.5)}
 
     g = torch.Generator().manual_seed(1)
     data = torch.utils.data.TensorDataset(torch.randn(64, 6, generator=g), torch.randn(64, 2, generator=g))

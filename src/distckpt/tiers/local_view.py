@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ..stateful import Stateful
 
@@ -24,8 +25,6 @@ def _is_stateful(value: Any) -> bool:
 
 
 def _shard_layout(t: DTensor) -> dict[str, Any]:
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
     return {"global": list(t.shape), "local": list(shape), "offset": list(offset), "dtype": str(t.dtype),
             "placements": [str(p) for p in t.placements], "mesh": list(t.device_mesh.shape)}

@@ -18,7 +18,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ..errors import CheckpointError
-from ..loading import load
+from ..format.records import FileStorageData
+from ..loading import load, read_metadata
 from ..manager import CheckpointManager
 from ..staging import async_save
 from ..verification import verify
@@ -37,7 +38,8 @@ _RECORD = "distckpt_tier"
 class RestoreReport:
     """What :meth:`TieredCheckpointManager.restore` did: the step (None: nothing to restore), where it came from
     (``"memory"``, ``"durable"`` or ``"none"``), each rank's source (``"own"``, ``"peer <rank>"``, ``"durable"``),
-    and the bytes this rank read from each tier."""
+    and the bytes behind each source: for this rank's own tier or a peer's, the bytes of its copy (every one of them
+    read and checked); for the durable tier, the stored bytes of the step (a resharding load reads a part)."""
 
     step: Optional[int]
     tier: str
@@ -310,10 +312,10 @@ class TieredCheckpointManager:
                 log.info("rank %d: nothing to restore (no step in memory or in the durable tier)", self.rank)
                 return report
             if tier == "durable":
-                before = _durable_read_bytes(self.durable.root, step)
+                stored = _stored_bytes(self.durable.path(step))
                 self.durable.load(state, step)
                 report.sources = {r: "durable" for r in range(self.world_size)}
-                report.bytes_from["durable"] = before
+                report.bytes_from["durable"] = stored
                 log.info("rank %d: restored step %d from the durable tier %s", self.rank, step, self.durable.root)
                 return report
             mine = sources[self.rank]
@@ -453,10 +455,7 @@ def _as_saved(state: dict[str, Any]) -> dict[str, Any]:
     return walk(state["view"])
 
 
-def _durable_read_bytes(root: Any, step: int) -> int:
-    """The bytes a durable restore of ``step`` reads (its data files), for the report."""
-    path = os.path.join(str(root), f"step-{step:010d}")
-    if os.path.isdir(path):
-        return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if os.path.isfile(os.path.join(path, f)))
-    return 0
-
+def _stored_bytes(checkpoint_id: str) -> int:
+    """The bytes of every chunk and value a committed checkpoint stores, from its metadata (any backend)."""
+    data = read_metadata(checkpoint_id).storage_data
+    return sum(si.length for si in data.items.values()) if isinstance(data, FileStorageData) else 0
