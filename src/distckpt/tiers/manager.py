@@ -23,7 +23,7 @@ from ..loading import load, read_metadata
 from ..manager import CheckpointManager
 from ..staging import async_save
 from ..verification import verify
-from .exchange import all_gather_json, commit_dir, dir_bytes, dir_manifest, finish, recv_dir, send_dir
+from .exchange import Buffers, all_gather_json, commit_dir, dir_bytes, dir_manifest, transfer
 from .local_view import LocalView
 from .placement import choose_restore, replica_targets
 
@@ -32,6 +32,7 @@ __all__ = ["TieredCheckpointManager", "RestoreReport"]
 log = logging.getLogger("distckpt.tiers")
 _STEP = re.compile(r"step-(\d+)\Z")
 _RECORD = "distckpt_tier"
+_TIMINGS_KEPT = 64
 
 
 @dataclass
@@ -86,6 +87,10 @@ class TieredCheckpointManager:
             for its background work.
         durable_options: passed to the durable :class:`CheckpointManager` (``keep_last``, ``storage_options``...).
 
+    ``timings[step]`` has what each of the newest steps cost this rank, in seconds: ``blocked_s`` (the ``save``
+    call), ``local_s`` (from the call until the local copy was committed), ``replicate_s`` and
+    ``replicated_bytes`` (sent by this rank), ``persist_s`` where it was persisted.
+
     Every rank builds the manager and calls ``save``, ``restore``, ``persist`` and ``wait`` together.
     """
 
@@ -115,6 +120,8 @@ class TieredCheckpointManager:
         self._worker = threading.Thread(target=self._work, name="distckpt-tier", daemon=True)
         self._worker.start()
         self._views: dict[int, LocalView] = {}
+        self.timings: dict[int, dict[str, float]] = {}
+        self._buffers = Buffers()
         log.info("rank %d (node %s): local tier %s, replicas to ranks %s, holding replicas of ranks %s",
                  self.rank, self.nodes[self.rank], self.local, self.targets[self.rank], self.sources)
 
@@ -161,19 +168,25 @@ class TieredCheckpointManager:
         """Save ``state`` as ``step``: returns once it is copied to host memory; the local write, replication and
         (every ``persist_every`` saves) the durable write follow in the background, in call order."""
         self._raise_background_error()
+        start = time.perf_counter()
         view = LocalView(state, self.rank, self.world_size)
         record = {"step": step, "rank": self.rank, "world": self.world_size, "fingerprint": view.fingerprint}
         handle = async_save({**view.view, _RECORD: record}, checkpoint_id=self._own(step), no_dist=True, overwrite=True)
         self._saves += 1
         persist = self.persist_every > 0 and self._saves % self.persist_every == 0
         self._views[step] = view
-        self._queue.put(("save", step, handle, persist))
+        self._timed(step, blocked_s=time.perf_counter() - start)
+        self._queue.put(("save", step, handle, persist, start))
 
     def persist(self, step: Optional[int] = None) -> Optional[int]:
         """Write ``step`` (default: the newest step every rank holds) to the durable tier from the local copies,
         once the saves before it are done; returns the step persisted (None if no step is held everywhere)."""
         self.wait()
-        return self._persist(step)
+        start = time.perf_counter()
+        done = self._persist(step)
+        if done is not None:
+            self._timed(done, persist_s=time.perf_counter() - start)
+        return done
 
     def wait(self) -> None:
         """Block until every save so far is written, replicated and (where due) persisted; raise its error."""
@@ -197,48 +210,49 @@ class TieredCheckpointManager:
             try:
                 if job is None:
                     return
-                _, step, handle, persist = job
+                _, step, handle, persist, start = job
                 ok = True
                 try:
                     handle.result()
                 except BaseException as exc:  # noqa: BLE001 - told to the other ranks, raised at the next call
                     ok = False
                     self._errors.append(exc)
+                self._timed(step, local_s=time.perf_counter() - start)
                 try:
-                    self._replicate(step, ok)
+                    t0 = time.perf_counter()
+                    sent = self._replicate(step, ok)
+                    self._timed(step, replicate_s=time.perf_counter() - t0, replicated_bytes=sent)
                     self._bound(step)
                     if persist and ok:
+                        t0 = time.perf_counter()
                         self._persist(step)
+                        self._timed(step, persist_s=time.perf_counter() - t0)
                 except BaseException as exc:  # noqa: BLE001
                     self._errors.append(exc)
             finally:
                 self._queue.task_done()
 
-    def _replicate(self, step: int, ok: bool) -> None:
-        """Send this rank's step to its replica holders and take the replicas it holds, in one exchange."""
+    def _timed(self, step: int, **figures: float) -> None:
+        self.timings.setdefault(step, {}).update(figures)
+        while len(self.timings) > _TIMINGS_KEPT:
+            del self.timings[min(self.timings)]
+
+    def _replicate(self, step: int, ok: bool) -> int:
+        """Send this rank's step to its replica holders and take the replicas it holds, in one exchange; returns
+        the bytes this rank sent."""
         manifest = dir_manifest(self._own(step)) if ok else None
         everyone = all_gather_json({"ok": ok, "manifest": manifest}, self.group)
         if not all(r["ok"] for r in everyone):
             bad = [r for r, rep in enumerate(everyone) if not rep["ok"]]
             raise CheckpointError(f"step {step} failed on ranks {bad}; it is not kept as a tiered step")
         if not self.replicas:
-            return
-        keep: list[Any] = []
-        incoming = []
-        try:
-            for dst in self.targets[self.rank]:
-                keep += send_dir(self._own(step), manifest, dst, self.group)
-            for src in self.sources:
-                tmp, work = recv_dir(self._replica_dir(src), everyone[src]["manifest"], src, self.group)
-                incoming.append((src, tmp))
-                keep += work
-            finish(keep)
-        except BaseException:
-            for _, tmp in incoming:
-                shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        for src, tmp in incoming:
+            return 0
+        tmps = transfer([(self._own(step), manifest, dst) for dst in self.targets[self.rank]],
+                        [(self._replica_dir(src), everyone[src]["manifest"], src) for src in self.sources],
+                        self.group, self._buffers)
+        for src, tmp in zip(self.sources, tmps):
             commit_dir(tmp, os.path.join(self._replica_dir(src), f"step-{step}"))
+        return sum(size for _, size in manifest) * len(self.targets[self.rank])
 
     def _bound(self, upto: int) -> None:
         """Keep the newest ``keep_local`` steps up to ``upto`` (the step just replicated), within the memory budget;
@@ -371,22 +385,12 @@ class TieredCheckpointManager:
             if holder == self.rank:
                 offers[str(r)] = dir_manifest(os.path.join(self._replica_dir(r), f"step-{step}"))
         everyone = all_gather_json(offers, self.group)
-        keep: list[Any] = []
-        incoming = None
-        try:
-            for r, holder in wanted.items():
-                if holder == self.rank:
-                    keep += send_dir(os.path.join(self._replica_dir(r), f"step-{step}"), everyone[holder][str(r)], r, self.group)
-                if r == self.rank:
-                    incoming, work = recv_dir(self.own_dir, everyone[holder][str(r)], holder, self.group)
-                    keep += work
-            finish(keep)
-        except BaseException:
-            if incoming:
-                shutil.rmtree(incoming, ignore_errors=True)
-            raise
-        if incoming:
-            commit_dir(incoming, self._own(step))
+        outgoing = [(os.path.join(self._replica_dir(r), f"step-{step}"), everyone[holder][str(r)], r)
+                    for r, holder in wanted.items() if holder == self.rank]
+        incoming = [(self.own_dir, everyone[holder][str(r)], holder) for r, holder in wanted.items() if r == self.rank]
+        tmps = transfer(outgoing, incoming, self.group, self._buffers)
+        if tmps:
+            commit_dir(tmps[0], self._own(step))
 
     # ---- preemption
 
