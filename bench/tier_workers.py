@@ -65,6 +65,33 @@ def _raw_send(flat: torch.Tensor, sizes: list[int], peer_sizes: list[int], recv:
         w.wait()
 
 
+def _raw_land(flat: torch.Tensor, folder: str) -> None:
+    """The floor of keeping a copy in the node's memory tier: the same bytes written into a new file there."""
+    path = os.path.join(folder, "raw-land")  # kept between rounds: overwritten, as the tier's spares are
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        view = memoryview(flat.numpy())
+        for off in range(0, len(view), 64 << 20):
+            os.pwrite(fd, view[off:off + (64 << 20)], off)
+    finally:
+        os.close(fd)
+
+
+def _one_way(flat: torch.Tensor, recv: torch.Tensor, rank: int) -> None:
+    """The floor of a lost node's fetch: rank 0 sends its bytes to rank 1, memory to memory."""
+    if rank == 0:
+        dist.send(flat, 1)
+    elif rank == 1:
+        dist.recv(recv, 0)
+
+
+def _max_dict(d: dict) -> dict:
+    keys = sorted(d)
+    t = torch.tensor([d[k] for k in keys], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return dict(zip(keys, t.tolist()))
+
+
 def _wipe(local_root: str, rank: int) -> None:
     """What losing this rank's node does to the tier: its own steps and the replicas it held are gone."""
     for part in ("own", "held"):
@@ -115,25 +142,39 @@ def rounds(rank, world_size, total, durable, scratch, repeat):
     dcp_dir = os.path.join(scratch, "dcp")
     raw_dir = os.path.join(scratch, "raw")
     step = 1
-    keys = ("memcpy_s", "blocked_s", "local_s", "replicate_s", "raw_send_s", "restore_replica_s", "persist_s",
-            "raw_write_s", "dcp_save_s", "restore_durable_cold_s", "dcp_load_cold_s", "raw_read_cold_s")
+    keys = ("memcpy_s", "blocked_s", "local_s", "replicate_s", "raw_send_s", "raw_land_s", "raw_send_one_way_s",
+            "restore_replica_s", "persist_s", "raw_write_s", "dcp_save_s", "restore_durable_cold_s", "dcp_load_cold_s",
+            "raw_read_cold_s")
+    out["restore_replica_parts"] = []
     for k in keys:
         out.setdefault(k, [])
-    for r in range(repeat):
+    peer_sizes: list = []
+    # steady state first: saves in a row (the first two fill the tier and its spares), each beside its floors
+    for i in range(repeat + 2):
         step += 1
-        out["memcpy_s"].append(_timed(memcpy))
-        out["blocked_s"].append(_timed(lambda: mgr.save(step, state)))
+        warm = i < 2
+        record = (lambda k, v: None) if warm else (lambda k, v: out[k].append(v))
+        record("memcpy_s", _timed(memcpy))
+        record("blocked_s", _timed(lambda: mgr.save(step, state)))
         mgr.wait()
         t = torch.tensor([mgr.timings[step]["local_s"], mgr.timings[step]["replicate_s"]], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        out["local_s"].append(float(t[0]))
-        out["replicate_s"].append(float(t[1]))
+        record("local_s", float(t[0]))
+        record("replicate_s", float(t[1]))
         out["replicated_bytes"] = mgr.timings[step]["replicated_bytes"]
-        sizes = _step_sizes(local_root, rank, step)
-        peer_sizes = [None] * world_size
-        dist.all_gather_object(peer_sizes, sizes)
-        out["raw_send_s"].append(_timed(lambda: _raw_send(flat, sizes, peer_sizes[src], recv, dst, src)))
+        if not peer_sizes:
+            sizes = _step_sizes(local_root, rank, step)
+            peer_sizes = [None] * world_size
+            dist.all_gather_object(peer_sizes, sizes)
+        record("raw_send_s", _timed(lambda: _raw_send(flat, sizes, peer_sizes[src], recv, dst, src)))
+        record("raw_land_s", _timed(lambda: _raw_land(flat, local_root)))
+        record("raw_send_one_way_s", _timed(lambda: _one_way(flat, recv, rank)))
+    os.unlink(os.path.join(local_root, "raw-land"))
 
+    for r in range(repeat):
+        step += 1
+        mgr.save(step, state)
+        mgr.wait()
         # node 1 loses its memory: its own steps and the replicas it held
         if rank == 1:
             _wipe(local_root, rank)
@@ -145,6 +186,7 @@ def rounds(rank, world_size, total, durable, scratch, repeat):
             raise AssertionError(f"rank {rank}: the restore from memory went wrong: {reports[0]}")
         out["replica_report"] = {"sources": {str(k): v for k, v in reports[0].sources.items()},
                                  "bytes_from": reports[0].bytes_from}
+        out["restore_replica_parts"].append(_max_dict(reports[0].seconds))
 
         out["persist_s"].append(_timed(lambda: mgr.persist(step)))
         # the cold loads, after every tier in memory is gone, in an order shuffled alike on every rank

@@ -10,7 +10,8 @@ each round:
 
 - a local save's blocked time, against one memcpy of the rank's state into memory that is already there;
 - replication (the exchange of each rank's step with its holder), against a raw send of the same messages
-  over the same process group, from and into memory that is already there;
+  over the same process group, from and into memory that is already there, and against that send plus a raw
+  write of the same bytes into a file of the node's tier (where a replica must land);
 - a restore after node 1 loses its memory (its own steps and the replicas it held): from the replica,
   against cold restores of the same state from the durable tier on disk and from DCP's format, and a raw
   cold read of the same bytes;
@@ -36,7 +37,9 @@ from .measure import warm_memory
 _PAIRS = (
     ("blocked_s", "memcpy_s", "local save blocked / one memcpy", "<=", 1.2),
     ("replicate_s", "raw_send_s", "replication speed / raw send", ">=", 0.8),
+    ("replicate_s", "raw_send_land_s", "replication speed / (raw send + raw landing)", None, None),
     ("restore_replica_s", "restore_durable_cold_s", "restore: replica vs cold durable (x faster)", ">=", 3.0),
+    ("raw_send_one_way_s", "raw_read_cold_s", "floors: one-way raw send vs raw cold read (x faster)", None, None),
     ("restore_replica_s", "dcp_load_cold_s", "restore: replica vs cold DCP (x faster)", None, None),
     ("restore_durable_cold_s", "raw_read_cold_s", "cold durable restore / raw cold read", None, None),
     ("persist_s", "raw_write_s", "durable write / raw write+fsync", None, None),
@@ -45,13 +48,12 @@ _PAIRS = (
 
 
 def _ratio(fig: float, base: float, label: str) -> float:
-    if "speed" in label or "x faster" in label:
-        return base / fig
-    return fig / base
+    return base / fig if "speed" in label or "x faster" in label else fig / base
 
 
 def report(res: dict) -> list[str]:
     best = {k: min(v) for k, v in res.items() if isinstance(v, list) and v and isinstance(v[0], float)}
+    best["raw_send_land_s"] = best["raw_send_s"] + best["raw_land_s"]
     gb = res["bytes"] * res["world_size"] / 1e9
     lines = [f"tiered manager, {res['world_size']} nodes x 1 rank, {gb:.2f} GB state ({res['mode']} mode), "
              f"best of {res['repeat']} round(s), slowest rank"]
@@ -64,6 +66,8 @@ def report(res: dict) -> list[str]:
             mark = "ref   " if sign is None else ("met   " if (r <= goal if sign == "<=" else r >= goal) else "MISSED")
             target = f"  (goal {sign} {goal})" if sign else ""
             lines.append(f"  {mark} {label:<46}{r:7.2f}{target}")
+    parts = min(res["restore_replica_parts"], key=lambda d: sum(d.values()))
+    lines.append("  restore from a replica, slowest rank per part (s): " + ", ".join(f"{k} {v:.3f}" for k, v in parts.items()))
     lines.append(f"  restore right after node 1 was killed and replaced (fresh processes): {best['restore_after_kill_s']:.3f} s;"
                  f" sources {res['first_report']['sources']}, bytes {res['first_report']['bytes_from']}")
     return lines
@@ -85,8 +89,9 @@ def main(argv=None) -> dict:
     per_rank = total // nodes
     try:
         warm_memory(min(3 * a.gib + 1, 12))
-        # a node's tier holds its own steps and the replicas it keeps: two of each while a new step is replicated
-        with Cluster(memory, nodes=nodes, ranks_per_node=1, tmpfs_bytes=4 * per_rank + (256 << 20)) as cluster:
+        # a node's tier holds its own steps and the replicas it keeps (two of each while a new step is replicated),
+        # a spare, and the raw floor's file
+        with Cluster(memory, nodes=nodes, ranks_per_node=1, tmpfs_bytes=6 * per_rank + (256 << 20)) as cluster:
             durable = os.path.join(disk, "durable")
             first = cluster.run("bench.tier_workers:first_save", env=env, timeout_s=1800, total=total, durable=durable)
             cluster.kill_node(1)

@@ -113,3 +113,19 @@ def test_item_scale_reports_planning_per_item_beside_dcp(capsys):
     assert [(r["items"], r["peer"]) for r in rows] == [(300, "distckpt"), (300, "dcp"), (600, "distckpt")]
     assert all(r["save_plan_s"] > 0 and r["load_plan_s"] > 0 and r["metadata_bytes"] > 0 for r in rows)
     assert rows[0]["parse_s"] > 0 and "us/item" in capsys.readouterr().out
+
+
+def test_tier_bench_runs_on_a_simulated_cluster(tmp_path, capsys):
+    from bench import tiers
+
+    res = tiers.main(["--gib", "0.01", "--repeat", "1", "--disk-dir", str(tmp_path), "--json", str(tmp_path / "t.json")])
+    out = capsys.readouterr().out
+    for key in ("blocked_s", "memcpy_s", "replicate_s", "raw_send_s", "raw_land_s", "restore_replica_s",
+                "restore_durable_cold_s", "dcp_load_cold_s", "raw_read_cold_s", "persist_s", "raw_write_s"):
+        assert len(res[key]) == 1 and res[key][0] > 0, key
+    # node 1 was really lost: its rank took every byte from node 0's replica, none from the durable tier
+    assert res["first_report"]["sources"] == {"0": "own", "1": "peer 0"}
+    assert res["first_report"]["bytes_from"]["durable"] == 0 and res["first_report"]["bytes_from"]["peer"] > 0
+    for label in ("local save blocked / one memcpy", "replication speed / raw send", "restore: replica vs cold durable"):
+        assert label in out
+    assert (tmp_path / "t.json").exists()

@@ -2,7 +2,7 @@
 
 Nothing here pickles: reports travel as UTF-8 JSON in byte tensors, directories as their files' bytes in chunks.
 Chunks go through reusable buffers, read with ``preadv`` and written with ``pwrite``: gloo sending from or
-receiving into memory-mapped tmpfs files ran 2-10x slower than through plain memory (docs/tiers.md).
+receiving into memory-mapped tmpfs files ran several times slower than through plain memory (docs/tiers.md).
 """
 
 from __future__ import annotations
@@ -60,20 +60,27 @@ def dir_bytes(path: str) -> int:
 
 class Buffers:
     """Reusable transfer buffers: ``depth`` chunks per stream, kept across transfers so that steady-state
-    replication allocates nothing (fresh pages cost several times warm ones to touch)."""
+    replication allocates nothing (fresh pages cost several times warm ones to touch). A chunk is no larger
+    than the largest file a stream has carried."""
 
     def __init__(self, chunk_bytes: int = _CHUNK, depth: int = _DEPTH) -> None:
         self.chunk_bytes, self.depth = chunk_bytes, depth
         self._rings: list[list[torch.Tensor]] = []
 
-    def rings(self, streams: int) -> list[list[torch.Tensor]]:
-        while len(self._rings) < streams:
-            self._rings.append([torch.empty(self.chunk_bytes, dtype=torch.uint8) for _ in range(self.depth)])
-        return self._rings[:streams]
+    def rings(self, largest: list[int]) -> list[list[torch.Tensor]]:
+        """One ring per stream, for streams whose largest files are ``largest``."""
+        for i, size in enumerate(largest):
+            need = max(1, min(self.chunk_bytes, size))
+            if i == len(self._rings):
+                self._rings.append([])
+            if not self._rings[i] or self._rings[i][0].numel() < need:
+                self._rings[i] = [torch.empty(need, dtype=torch.uint8) for _ in range(self.depth)]
+        return self._rings[:len(largest)]
 
 
 def _chunks(manifest: list[list[Any]], chunk: int) -> list[tuple[int, int, int]]:
-    """``(file index, offset, length)`` of every message, file by file in manifest order: both ends compute the same list."""
+    """``(file index, offset, length)`` of every message, file by file in manifest order: both ends compute the same
+    list (every rank's Buffers has the same ``chunk_bytes``), whatever the size of their rings."""
     return [(i, off, min(chunk, size - off)) for i, (_, size) in enumerate(manifest) for off in range(0, size, chunk)]
 
 
@@ -116,10 +123,12 @@ def _recv_stream(tmp: str, manifest: list[list[Any]], src: int, group: Any, ring
     the next chunk once its bytes are written."""
     plan = _chunks(manifest, chunk)
     fds: dict[int, int] = {}
-    for i, (name, size) in enumerate(manifest):
-        fds[i] = os.open(os.path.join(tmp, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
     pending: dict[int, Any] = {}
     try:
+        for i, (name, size) in enumerate(manifest):
+            # a reused file (see _reuse) keeps its pages; every byte up to ``size`` is written below
+            fds[i] = os.open(os.path.join(tmp, name), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            os.ftruncate(fds[i], size)
         for k in range(min(len(ring), len(plan))):
             pending[k] = dist.irecv(ring[k][:plan[k][2]], src, group=group)
         for k, (i, off, n) in enumerate(plan):
@@ -137,25 +146,53 @@ def _recv_stream(tmp: str, manifest: list[list[Any]], src: int, group: Any, ring
             os.close(fd)
 
 
-def transfer(outgoing: list[tuple[str, list[list[Any]], int]], incoming: list[tuple[str, list[list[Any]], int]],
-             group: Any, buffers: Buffers) -> list[str]:
-    """Send each ``(folder, manifest, dst)`` and receive each ``(parent, manifest, src)``, all at once: one thread per
-    stream, each pipelining file I/O with the network through its own ring of buffers (the network runs while a
-    chunk is read or written). Each received directory lands in a new hidden directory under its ``parent``;
-    returns them in ``incoming`` order, to be put in place with :func:`commit_dir`. On any failure the
-    hidden directories are removed and the first error is raised."""
+def _reuse(tmp: str, manifest: list[list[Any]]) -> None:
+    """Give the files of a spare step (a dropped one, moved to ``tmp``) the names of ``manifest``, largest to
+    largest, so that receiving overwrites pages the node already has instead of allocating and zeroing new ones;
+    anything else in it goes."""
+    found = []
+    for name in os.listdir(tmp):
+        path = os.path.join(tmp, name)
+        st = os.lstat(path)
+        if stat.S_ISREG(st.st_mode):
+            staged = os.path.join(tmp, f".reuse-{len(found)}")
+            os.rename(path, staged)
+            found.append((st.st_size, staged))
+        elif stat.S_ISDIR(st.st_mode):
+            shutil.rmtree(path)
+        else:
+            os.unlink(path)
+    found.sort(reverse=True)
+    for (_, staged), (name, _) in zip(found, sorted(manifest, key=lambda e: -e[1])):
+        os.rename(staged, os.path.join(tmp, name))
+    for _, staged in found[len(manifest):]:
+        os.unlink(staged)
+
+
+def transfer(outgoing: list[tuple[str, list[list[Any]], int]],
+             incoming: list[tuple[str, list[list[Any]], int, Optional[str]]], group: Any, buffers: Buffers) -> list[str]:
+    """Send each ``(folder, manifest, dst)`` and receive each ``(parent, manifest, src, spare)``, all at once: one
+    thread per stream, each pipelining file I/O with the network through its own ring of buffers (the network runs
+    while a chunk is read or written). Each received directory lands in a new hidden directory under its ``parent``
+    (made from ``spare``, a directory of the caller's whose files it may overwrite, where given); returns them in
+    ``incoming`` order, to be put in place with :func:`commit_dir`. On any failure the hidden directories are
+    removed and the first error is raised."""
     tmps = []
     try:
-        for parent, manifest, _ in incoming:
+        for parent, manifest, _, spare in incoming:
             for name, _ in manifest:
-                if os.sep in name or name in (".", ".."):
+                if os.sep in name or name in (".", "..") or name.startswith(".reuse-"):
                     raise CheckpointError(f"a peer sent the file name {name!r}; tier steps hold plain file names only")
             os.makedirs(parent, exist_ok=True)
             tmps.append(os.path.join(parent, f".incoming-{uuid.uuid4().hex}"))
-            os.mkdir(tmps[-1])
-        rings = buffers.rings(len(outgoing) + len(incoming))
-        jobs = [(_send_stream, folder, manifest, peer) for folder, manifest, peer in outgoing]
-        jobs += [(_recv_stream, tmp, manifest, peer) for tmp, (_, manifest, peer) in zip(tmps, incoming)]
+            if spare and os.path.isdir(spare) and not os.path.islink(spare):
+                os.rename(spare, tmps[-1])
+                _reuse(tmps[-1], manifest)
+            else:
+                os.mkdir(tmps[-1])
+        streams = [(_send_stream, folder, manifest, peer) for folder, manifest, peer in outgoing]
+        streams += [(_recv_stream, tmp, manifest, peer) for tmp, (_, manifest, peer, _) in zip(tmps, incoming)]
+        rings = buffers.rings([max((size for _, size in s[2]), default=0) for s in streams])
         errors: list[BaseException] = []
 
         def run(job: tuple, ring: list[torch.Tensor]) -> None:
@@ -166,7 +203,7 @@ def transfer(outgoing: list[tuple[str, list[list[Any]], int]], incoming: list[tu
                 errors.append(exc)
 
         threads = [threading.Thread(target=run, args=(job, ring), name="distckpt-tier-transfer", daemon=True)
-                   for job, ring in zip(jobs, rings)]
+                   for job, ring in zip(streams, rings)]
         for t in threads:
             t.start()
         for t in threads:

@@ -40,13 +40,16 @@ class RestoreReport:
     """What :meth:`TieredCheckpointManager.restore` did: the step (None: nothing to restore), where it came from
     (``"memory"``, ``"durable"`` or ``"none"``), each rank's source (``"own"``, ``"peer <rank>"``, ``"durable"``),
     and the bytes behind each source: for this rank's own tier or a peer's, the bytes of its copy (every one of them
-    read and checked); for the durable tier, the stored bytes of the step (a resharding load reads a part)."""
+    read and checked); for the durable tier, the stored bytes of the step (a resharding load reads a part).
+    ``seconds`` splits this rank's time: ``agree`` (the collectives that chose the step and sources, over every
+    round), ``fetch`` (a replica brought from its holder), ``verify`` (every checksum of the copy), ``load``."""
 
     step: Optional[int]
     tier: str
     sources: dict[int, str] = field(default_factory=dict)
     bytes_from: dict[str, int] = field(default_factory=lambda: {"own": 0, "peer": 0, "durable": 0})
     rounds: int = 1
+    seconds: dict[str, float] = field(default_factory=dict)
 
 
 def _default_local_root() -> str:
@@ -88,8 +91,9 @@ class TieredCheckpointManager:
         durable_options: passed to the durable :class:`CheckpointManager` (``keep_last``, ``storage_options``...).
 
     ``timings[step]`` has what each of the newest steps cost this rank, in seconds: ``blocked_s`` (the ``save``
-    call), ``local_s`` (from the call until the local copy was committed), ``replicate_s`` and
-    ``replicated_bytes`` (sent by this rank), ``persist_s`` where it was persisted.
+    call), ``local_s`` (from the call until the local copy was committed), ``agree_s`` (waiting for every rank's
+    local copy, and their file lists), ``replicate_s`` (sending and receiving the replicas) and ``replicated_bytes``
+    (sent by this rank), ``persist_s`` where it was persisted.
 
     Every rank builds the manager and calls ``save``, ``restore``, ``persist`` and ``wait`` together.
     """
@@ -132,7 +136,7 @@ class TieredCheckpointManager:
                                  if os.path.isdir(self.held_dir) else [])
         for d in dirs:
             for name in os.listdir(d) if os.path.isdir(d) else []:
-                if name.startswith((".incoming-", ".replaced-", ".distckpt-tmp-")) or ".distckpt-tmp-" in name:
+                if name.startswith((".incoming-", ".replaced-", ".distckpt-tmp-", ".spare")) or ".distckpt-tmp-" in name:
                     path = os.path.join(d, name)
                     if os.path.isdir(path) and not os.path.islink(path):
                         shutil.rmtree(path, ignore_errors=True)
@@ -219,9 +223,8 @@ class TieredCheckpointManager:
                     self._errors.append(exc)
                 self._timed(step, local_s=time.perf_counter() - start)
                 try:
-                    t0 = time.perf_counter()
                     sent = self._replicate(step, ok)
-                    self._timed(step, replicate_s=time.perf_counter() - t0, replicated_bytes=sent)
+                    self._timed(step, replicated_bytes=sent)
                     self._bound(step)
                     if persist and ok:
                         t0 = time.perf_counter()
@@ -240,47 +243,63 @@ class TieredCheckpointManager:
     def _replicate(self, step: int, ok: bool) -> int:
         """Send this rank's step to its replica holders and take the replicas it holds, in one exchange; returns
         the bytes this rank sent."""
+        t0 = time.perf_counter()
         manifest = dir_manifest(self._own(step)) if ok else None
         everyone = all_gather_json({"ok": ok, "manifest": manifest}, self.group)
+        t1 = time.perf_counter()
+        self._timed(step, agree_s=t1 - t0)
         if not all(r["ok"] for r in everyone):
             bad = [r for r, rep in enumerate(everyone) if not rep["ok"]]
             raise CheckpointError(f"step {step} failed on ranks {bad}; it is not kept as a tiered step")
         if not self.replicas:
             return 0
         tmps = transfer([(self._own(step), manifest, dst) for dst in self.targets[self.rank]],
-                        [(self._replica_dir(src), everyone[src]["manifest"], src) for src in self.sources],
+                        [(self._replica_dir(src), everyone[src]["manifest"], src, self._spare(src)) for src in self.sources],
                         self.group, self._buffers)
         for src, tmp in zip(self.sources, tmps):
             commit_dir(tmp, os.path.join(self._replica_dir(src), f"step-{step}"))
+        self._timed(step, replicate_s=time.perf_counter() - t1)
         return sum(size for _, size in manifest) * len(self.targets[self.rank])
 
     def _bound(self, upto: int) -> None:
         """Keep the newest ``keep_local`` steps up to ``upto`` (the step just replicated), within the memory budget;
         the newest own step always stays. Newer steps, which training saved while this one was being replicated,
-        are left to their own turn."""
+        are left to their own turn. The newest replica dropped of each owner is kept as that owner's spare,
+        budget permitting: the next replica from it is received over its files (see ``exchange.transfer``)."""
         own = [s for s in self.own_steps() if s <= upto]
         replica = {o: [s for s in ss if s <= upto] for o, ss in self.replica_steps().items()}
         steps = sorted(set(own) | {s for ss in replica.values() for s in ss}, reverse=True)
         keep = set(steps[: self.keep_local])
-        if self.memory_budget_bytes is not None:
-            used = 0
-            for s in steps:
-                if s not in keep:
-                    continue
-                size = (dir_bytes(self._own(s)) if s in own else 0) + sum(
-                    dir_bytes(os.path.join(self._replica_dir(o), f"step-{s}")) for o, ss in replica.items() if s in ss)
-                if used + size > self.memory_budget_bytes and own and s != own[-1]:
-                    keep.discard(s)
-                else:
-                    used += size
+        used = 0
+        for s in steps:
+            if s not in keep:
+                continue
+            size = (dir_bytes(self._own(s)) if s in own else 0) + sum(
+                dir_bytes(os.path.join(self._replica_dir(o), f"step-{s}")) for o, ss in replica.items() if s in ss)
+            if self.memory_budget_bytes is not None and used + size > self.memory_budget_bytes and own and s != own[-1]:
+                keep.discard(s)
+            else:
+                used += size
         for s in own:
             if s not in keep:
                 shutil.rmtree(self._own(s), ignore_errors=True)
                 self._views.pop(s, None)
         for o, ss in replica.items():
-            for s in ss:
-                if s not in keep:
-                    shutil.rmtree(os.path.join(self._replica_dir(o), f"step-{s}"), ignore_errors=True)
+            spare = self._spare(o)
+            for s in sorted(ss, reverse=True):
+                if s in keep:
+                    continue
+                path = os.path.join(self._replica_dir(o), f"step-{s}")
+                size = dir_bytes(path)
+                room = self.memory_budget_bytes is None or used + size <= self.memory_budget_bytes
+                if room and not os.path.lexists(spare):
+                    os.rename(path, spare)
+                    used += size
+                else:
+                    shutil.rmtree(path, ignore_errors=True)
+
+    def _spare(self, owner: int) -> str:
+        return os.path.join(self._replica_dir(owner), ".spare")
 
     # ---- durable tier
 
@@ -315,19 +334,30 @@ class TieredCheckpointManager:
         durable = self.durable.all_steps() if self.rank == 0 else []
         struck: set = set()
         report = RestoreReport(None, "none")
+        seconds = {"agree": 0.0, "fetch": 0.0, "verify": 0.0, "load": 0.0}
+        clock = time.perf_counter()
+
+        def lap(what: str) -> None:
+            nonlocal clock
+            now = time.perf_counter()
+            seconds[what] += now - clock
+            clock = now
+
         for round_ in range(1, 2 * self.world_size + 4):
             own = [s for s in self.own_steps() if self._record(self._own(s)) == view.fingerprint]
             reports = all_gather_json({"own": own, "replicas": {str(o): ss for o, ss in self.replica_steps().items()},
                                        "durable": durable}, self.group)
             step, tier, sources = choose_restore(reports, frozenset(struck))
-            report = RestoreReport(step, tier, rounds=round_)
+            report = RestoreReport(step, tier, rounds=round_, seconds=seconds)
             self._drop_after(step)
+            lap("agree")
             if step is None:
                 log.info("rank %d: nothing to restore (no step in memory or in the durable tier)", self.rank)
                 return report
             if tier == "durable":
                 stored = _stored_bytes(self.durable.path(step))
                 self.durable.load(state, step)
+                lap("load")
                 report.sources = {r: "durable" for r in range(self.world_size)}
                 report.bytes_from["durable"] = stored
                 log.info("rank %d: restored step %d from the durable tier %s", self.rank, step, self.durable.root)
@@ -336,11 +366,14 @@ class TieredCheckpointManager:
             failure = None
             try:
                 self._fetch(step, sources)
+                lap("fetch")
                 checked = verify(self._own(step))
+                lap("verify")
                 report.bytes_from["own" if mine == "own" else "peer"] = checked.bytes_checked
             except (CheckpointError, OSError) as exc:
                 failure = str(exc)
             votes = all_gather_json(failure, self.group)
+            lap("agree")
             if any(votes):
                 for r, v in enumerate(votes):
                     if v:
@@ -350,6 +383,7 @@ class TieredCheckpointManager:
                 continue
             load(view.view, checkpoint_id=self._own(step), no_dist=True)
             view.write_back()
+            lap("load")
             report.sources = {r: ("own" if s == "own" else f"peer {s}") for r, s in sources.items()}
             log.info("rank %d: restored step %d from %s", self.rank, step,
                      "its own tier" if mine == "own" else f"the replica on rank {mine}")
@@ -387,7 +421,7 @@ class TieredCheckpointManager:
         everyone = all_gather_json(offers, self.group)
         outgoing = [(os.path.join(self._replica_dir(r), f"step-{step}"), everyone[holder][str(r)], r)
                     for r, holder in wanted.items() if holder == self.rank]
-        incoming = [(self.own_dir, everyone[holder][str(r)], holder) for r, holder in wanted.items() if r == self.rank]
+        incoming = [(self.own_dir, everyone[holder][str(r)], holder, None) for r, holder in wanted.items() if r == self.rank]
         tmps = transfer(outgoing, incoming, self.group, self._buffers)
         if tmps:
             commit_dir(tmps[0], self._own(step))
