@@ -184,7 +184,8 @@ class TieredCheckpointManager:
 
     def persist(self, step: Optional[int] = None) -> Optional[int]:
         """Write ``step`` (default: the newest step every rank holds) to the durable tier from the local copies,
-        once the saves before it are done; returns the step persisted (None if no step is held everywhere)."""
+        once the saves before it are done; returns the step persisted or already durable (None where no step is
+        held everywhere, or the newest held everywhere is older than the newest durable step)."""
         self.wait()
         start = time.perf_counter()
         done = self._persist(step)
@@ -304,20 +305,23 @@ class TieredCheckpointManager:
     # ---- durable tier
 
     def _persist(self, step: Optional[int]) -> Optional[int]:
-        held = all_gather_json(self.own_steps(), self.group)
-        common = set(held[0]).intersection(*map(set, held[1:])) if held else set()
+        held = all_gather_json({"own": self.own_steps(), "views": sorted(self._views)}, self.group)
+        common = set(held[0]["own"]).intersection(*(set(h["own"]) for h in held[1:]))
+        durable = self.durable.all_steps()
         if step is None:
             step = max(common) if common else None
-            if step is None:
-                return None
+            if step is None or (durable and step < max(durable)):
+                return None  # nothing held everywhere, or the durable tier already has a newer step
         elif step not in common:
             raise CheckpointError(f"step {step} is not in every rank's local tier (held everywhere: {sorted(common)}); "
                                   "persist a step that is")
-        if step in self.durable.all_steps():
+        if step in durable:
             return step
-        view = self._views.get(step)
-        if view is None:
-            raise CheckpointError(f"step {step} was saved by an earlier process; persist it with restore() first")
+        missing = [r for r, h in enumerate(held) if step not in h["views"]]
+        if missing:  # decided alike on every rank, before any rank starts the collective save
+            raise CheckpointError(f"step {step} was saved by an earlier process on ranks {missing}; restore() it first, "
+                                  "then persist")
+        view = self._views[step]
         state = _host_state(view)
         load(state["view"], checkpoint_id=self._own(step), no_dist=True)
         self.durable.save(step, _as_saved(state))
