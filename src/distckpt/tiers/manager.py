@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from .. import faults
 from ..errors import CheckpointError
 from ..format.records import FileStorageData
 from ..loading import load, read_metadata
@@ -91,9 +92,10 @@ class TieredCheckpointManager:
         durable_options: passed to the durable :class:`CheckpointManager` (``keep_last``, ``storage_options``...).
 
     ``timings[step]`` has what each of the newest steps cost this rank, in seconds: ``blocked_s`` (the ``save``
-    call), ``local_s`` (from the call until the local copy was committed), ``agree_s`` (waiting for every rank's
-    local copy, and their file lists), ``replicate_s`` (sending and receiving the replicas) and ``replicated_bytes``
-    (sent by this rank), ``persist_s`` where it was persisted.
+    call), ``waited_s`` (the part of it spent waiting for the background, see ``save``), ``local_s`` (from then
+    until the local copy was committed), ``agree_s`` (waiting for every rank's local copy, and their file lists),
+    ``replicate_s`` (sending and receiving the replicas) and ``replicated_bytes`` (sent by this rank), and
+    ``persist_s`` where it was persisted.
 
     Every rank builds the manager and calls ``save``, ``restore``, ``persist`` and ``wait`` together.
     """
@@ -120,6 +122,7 @@ class TieredCheckpointManager:
         self.sources = sorted(r for r, ts in self.targets.items() if self.rank in ts)
         self._saves = 0
         self._queue: "queue.Queue[Any]" = queue.Queue()
+        self._slots = threading.BoundedSemaphore(keep_local)  # saves in the background at once (see save)
         self._errors: list[BaseException] = []
         self._worker = threading.Thread(target=self._work, name="distckpt-tier", daemon=True)
         self._worker.start()
@@ -170,17 +173,25 @@ class TieredCheckpointManager:
 
     def save(self, step: int, state: dict[str, Any]) -> None:
         """Save ``state`` as ``step``: returns once it is copied to host memory; the local write, replication and
-        (every ``persist_every`` saves) the durable write follow in the background, in call order."""
+        (every ``persist_every`` saves) the durable write follow in the background, in call order. When
+        ``keep_local`` earlier saves are still in the background, this waits for the oldest (``timings[step]
+        ["waited_s"]``): a background that lags, behind a slow persist, cannot pile steps up in memory."""
         self._raise_background_error()
         start = time.perf_counter()
-        view = LocalView(state, self.rank, self.world_size)
-        record = {"step": step, "rank": self.rank, "world": self.world_size, "fingerprint": view.fingerprint}
-        handle = async_save({**view.view, _RECORD: record}, checkpoint_id=self._own(step), no_dist=True, overwrite=True)
+        self._slots.acquire()
+        waited = time.perf_counter() - start
+        try:
+            view = LocalView(state, self.rank, self.world_size)
+            record = {"step": step, "rank": self.rank, "world": self.world_size, "fingerprint": view.fingerprint}
+            handle = async_save({**view.view, _RECORD: record}, checkpoint_id=self._own(step), no_dist=True, overwrite=True)
+        except BaseException:
+            self._slots.release()
+            raise
         self._saves += 1
         persist = self.persist_every > 0 and self._saves % self.persist_every == 0
         self._views[step] = view
-        self._timed(step, blocked_s=time.perf_counter() - start)
-        self._queue.put(("save", step, handle, persist, start))
+        self._timed(step, blocked_s=time.perf_counter() - start, waited_s=waited)
+        self._queue.put(("save", step, handle, persist, start + waited))
 
     def persist(self, step: Optional[int] = None) -> Optional[int]:
         """Write ``step`` (default: the newest step every rank holds) to the durable tier from the local copies,
@@ -233,6 +244,8 @@ class TieredCheckpointManager:
                         self._timed(step, persist_s=time.perf_counter() - t0)
                 except BaseException as exc:  # noqa: BLE001
                     self._errors.append(exc)
+                finally:
+                    self._slots.release()
             finally:
                 self._queue.task_done()
 
@@ -245,6 +258,7 @@ class TieredCheckpointManager:
         """Send this rank's step to its replica holders and take the replicas it holds, in one exchange; returns
         the bytes this rank sent."""
         t0 = time.perf_counter()
+        faults.point("collective", f"tier replication of step {step}")
         manifest = dir_manifest(self._own(step)) if ok else None
         everyone = all_gather_json({"ok": ok, "manifest": manifest}, self.group)
         t1 = time.perf_counter()
