@@ -258,7 +258,6 @@ class TieredCheckpointManager:
         """Send this rank's step to its replica holders and take the replicas it holds, in one exchange; returns
         the bytes this rank sent."""
         t0 = time.perf_counter()
-        faults.point("collective", f"tier replication of step {step}")
         manifest = dir_manifest(self._own(step)) if ok else None
         everyone = all_gather_json({"ok": ok, "manifest": manifest}, self.group)
         t1 = time.perf_counter()
@@ -268,9 +267,20 @@ class TieredCheckpointManager:
             raise CheckpointError(f"step {step} failed on ranks {bad}; it is not kept as a tiered step")
         if not self.replicas:
             return 0
-        tmps = transfer([(self._own(step), manifest, dst) for dst in self.targets[self.rank]],
-                        [(self._replica_dir(src), everyone[src]["manifest"], src, self._spare(src)) for src in self.sources],
-                        self.group, self._buffers)
+        failure, tmps = None, []
+        try:
+            faults.point("collective", f"tier replication of step {step}")
+            tmps = transfer([(self._own(step), manifest, dst) for dst in self.targets[self.rank]],
+                            [(self._replica_dir(src), everyone[src]["manifest"], src, self._spare(src))
+                             for src in self.sources], self.group, self._buffers)
+        except (CheckpointError, OSError) as exc:  # every stream ran to its end: the ranks can still agree
+            failure = f"rank {self.rank}: {exc}"
+        failures = [f for f in all_gather_json(failure, self.group) if f]
+        if failures:  # a replica whose sender failed carries zeros: no rank commits any replica of this step
+            for tmp in tmps:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(f"replicating step {step} failed ({failures[0]}); the step stays in the own tiers "
+                                  "but has no replicas")
         for src, tmp in zip(self.sources, tmps):
             commit_dir(tmp, os.path.join(self._replica_dir(src), f"step-{step}"))
         self._timed(step, replicate_s=time.perf_counter() - t1)
