@@ -77,6 +77,44 @@ def test_metadata_parser_raises_only_typed_errors(good, data):
     assert peak < 50 * len(raw) + (4 << 20)
 
 
+def _outcome(raw):
+    try:
+        md = parse_metadata(raw, "fuzz")
+    except CheckpointError as exc:
+        return type(exc)
+    return md.state_dict_metadata, dict(md.storage_data.items), md.planner_data
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_whole_tensor_rows_decode_as_the_general_path_does(good, data, monkeypatch):
+    """Entries of one whole chunk take a fused decoder; on any entry, damaged or not, it must agree with the
+    general path: the same metadata, or the same typed error."""
+    import distckpt.format.codec as codec
+
+    path, _ = good
+    body = read_body(path)
+    values = st.one_of(json_values, st.integers(-2, 2), st.sampled_from([True, False, 2**63, 2**32, [0], [], [True]]))
+    parse_metadata(_doc(body), "warm")  # property lists are known after one decode: the fused path takes them
+    paths = list(_paths(body["state_dict_metadata"]))[1:]
+    chunk_fields = [p for p in paths if "chunks" in p]  # most of what the fused path checks
+    for _ in range(data.draw(st.integers(0, 3))):
+        target = data.draw(st.sampled_from(chunk_fields) | st.sampled_from(paths))
+        node = body["state_dict_metadata"]
+        try:
+            for p in target[:-1]:
+                node = node[p]
+            node[target[-1]] = data.draw(values)
+        except (KeyError, IndexError, TypeError):
+            continue
+    raw = _doc(body)
+    fused = _outcome(raw)
+    with monkeypatch.context() as m:
+        m.setattr(codec, "_whole_tensor", lambda *args: None)
+        general = _outcome(raw)
+    assert fused == general
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=600))
 def test_metadata_parser_on_random_bytes(raw):

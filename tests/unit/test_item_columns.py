@@ -211,3 +211,23 @@ def test_read_columns_build_items_only_when_read():
     assert planner.resolve_tensor(a) is cols.dest[0]
     assert [i.dest_index.fqn for i in cols] == ["a", "n"] and not cols.intact
     assert copy.deepcopy(cols) == list(cols)
+
+
+def test_rows_and_headers_written_as_text_are_what_json_dumps_gives():
+    """The metadata rows and data-file headers are written as text for speed; they must stay the JSON a dict gives."""
+    from distckpt.format.codec import dumps, tensor_row
+    from distckpt.format.datafile import Entry, _lead, build_header, header_json
+
+    props = ["float32", "strided", False, "contiguous", False]
+    for chunks in ([[[0], [5], 1, 4096, 7]], [[[0, 0], [2, 3], 0, 0, 1], [[2, 0], [2, 3], 0, 24, 2]], [[[], [], 0, 8, 0]],
+                   [[[0], [5]]], [[[0], [5], 1, 64, 9, {"codec": ["zstd"], "length": 3}]]):
+        size = [len(chunks) * c for c in chunks[0][1]] if chunks[0][1] else []
+        want = dumps({"type": "tensor", "size": size, "properties": props,
+                      "chunks": [list(c[:2]) + list(c[2:]) for c in chunks]}).decode()
+        assert tensor_row(size, props, chunks) == want
+    entries = [Entry("a", "F32", (3,), 12), Entry('b\u00e9"\\\n@0,1', "BF16", (2, 3), 12), Entry("c", "U8", (), 1),
+               Entry("d", "F64", (0, 4), 0), Entry("\x00x\u2028", "I64", (1, 1, 1), 8)]
+    meta = {"format": "distckpt", "format_version": "2.0", "save_id": "s", "rank": "3"}
+    assert build_header(entries, "s", 3) == _lead(header_json(entries, meta), entries)
+    clash = entries + [Entry("__metadata__", "U8", (4,), 4)]  # an item named like the file's metadata replaces it
+    assert build_header(clash, "s", 3) == _lead(header_json(clash, meta), clash)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import threading
 from collections import defaultdict
+from operator import itemgetter
 from typing import Any, Optional
 
 import torch
@@ -27,7 +28,7 @@ from .blobs import BlobReader, BlobStore
 from .budget import ByteBudget
 from .device_copy import PendingCopies, caller_streams, host_buffer, to_device, uses_pinned
 from .tasks import run_lanes
-from .tensor_bytes import writable_bytes
+from .tensor_bytes import flat_bytes, writable_bytes
 from .windows import WINDOW_BYTES, windows
 
 
@@ -98,7 +99,10 @@ def read_items(store: BlobStore, md: Metadata, plan: LoadPlan, planner: LoadPlan
         read.close()
 
 
-_Direct = tuple  # (chunk index, destination tensor, the destination's bytes, its StorageInfo, its ReadItem)
+# A chunk read straight into its destination: (fqn, chunk offsets, destination tensor, the destination's bytes,
+# file, begin, length, crc32c, its ReadItem or None where commit_tensor does nothing)
+_Direct = tuple
+_FILE, _BEGIN, _LENGTH, _CRC = 4, 5, 6, 7
 
 
 class Read:
@@ -117,21 +121,23 @@ class Read:
         self.registry = registry  # rebuilds stream transforms (format/stream_transforms.py); None: the default one
         self.shapes = ChunkShapes(md)
         # whole chunks into whole destinations, straight from the planner's columns: (fqn, chunk offsets,
-        # destination, shape, StorageInfo, destination offsets); everything else goes through the tables above
+        # destination, shape, row of the chunk in ``locations``, destination offsets, stored dtype); everything
+        # else goes through the tables above
         self.whole: list[tuple] = []
         cols = plan.items
         locations = self.fsd.items
         if (isinstance(cols, ReadColumns) and cols.intact and resolves_in_bulk(planner, "load")
                 and isinstance(locations, ChunkLocations) and not locations.codecs):
             items = cols.general + [cols.column_item(i) for i, code in enumerate(cols.code) if code == BYTES]
+            sdm, find, whole = md.state_dict_metadata, locations.row, self.whole.append
             for fqn, code, offsets, dest, size, at in zip(cols.fqn, cols.code, cols.chunk_offsets, cols.dest, cols.size,
                                                           cols.dest_offsets):
                 if code == BYTES:
                     continue
-                row = locations.row(fqn, offsets)
+                row = find(fqn, offsets)
                 if row is None:
                     raise CorruptCheckpointError(f"{where}: key {fqn!r} chunk {list(offsets)} has no storage entry in the metadata")
-                self.whole.append((fqn, offsets, dest, size, locations.info(row), at))
+                whole((fqn, offsets, dest, size, row, at, sdm[fqn].properties.dtype))
         else:
             items = plan.items
         for item in items:
@@ -164,19 +170,25 @@ class Read:
     def open_files(self) -> None:
         """Open and validate every file read; check each chunk is what its file's header says (dtype, shape, place)."""
         spans: dict = {}
-        names = {i.file for i in self.infos.values()} | {whole[4].file for whole in self.whole}
+        locations = self.fsd.items
+        names = {i.file for i in self.infos.values()}
+        if self.whole:
+            names |= {locations.file_list[n][0] for n in set(locations.file_no[w[4]] for w in self.whole)}
         self.blobs = open_and_validate(self.store, self.fsd, names, self.where, spans)
-        sdm = self.md.state_dict_metadata
         try:
             for index, info in self.infos.items():
                 form, file_spans = self.form(index), spans[info.file]
                 if form not in file_spans.get((info.offset, info.offset + info.length), ()):  # the error names the chunk
                     check_header_entry(file_spans, info.offset, info.length, form, f"{self.here(index)}, file {info.file!r}")
-            for fqn, offsets, _, size, info, _ in self.whole:
-                form, file_spans = stored_form(sdm[fqn].properties.dtype, size, info.length), spans[info.file]
-                if form not in file_spans.get((info.offset, info.offset + info.length), ()):
-                    check_header_entry(file_spans, info.offset, info.length, form,
-                                       f"{self.here(MetadataIndex(fqn, offsets))}, file {info.file!r}")
+            if self.whole:
+                by_number = [spans.get(name) for name, _ in locations.file_list]
+                file_no, begin, length = locations.file_no, locations.begin, locations.length
+                for fqn, offsets, _, size, row, _, dtype in self.whole:
+                    b, n, file_spans = begin[row], length[row], by_number[file_no[row]]
+                    form = stored_form(dtype, size, n)
+                    if form not in file_spans.get((b, b + n), ()):
+                        name = locations.file_list[file_no[row]][0]
+                        check_header_entry(file_spans, b, n, form, f"{self.here(MetadataIndex(fqn, offsets))}, file {name!r}")
         except BaseException:
             self.close()
             raise
@@ -200,12 +212,19 @@ class Read:
         direct: list[_Direct] = []
         buffered: list[MetadataIndex] = []
         sdm = self.md.state_dict_metadata
-        for fqn, offsets, dest, size, info, at in self.whole:
-            index = MetadataIndex(fqn, offsets, 0)
-            view = writable_bytes(dest) if dest.dtype == sdm[fqn].properties.dtype and tuple(dest.shape) == size else None
-            if view is not None:
-                direct.append((index, dest, view, info, None))  # None: commit_tensor does nothing (resolves_columns)
+        add = direct.append
+        if self.whole:  # column items: their locations are rows of ChunkLocations
+            locations = self.fsd.items
+            names = [name for name, _ in locations.file_list]
+            file_no, begin, length, crc = locations.file_no, locations.begin, locations.length, locations.crc
+        for fqn, offsets, dest, size, row, at, dtype in self.whole:
+            # the planner gave a destination of the chunk's shape; in place where it is host memory of the stored dtype
+            view = (flat_bytes(dest) if dest.dtype == dtype and dest.is_cpu and dest.is_contiguous() and not dest.is_conj()
+                    and not dest.is_neg() else None)
+            if view is not None:  # None: commit_tensor does nothing (resolves_columns)
+                add((fqn, offsets, dest, view, names[file_no[row]], begin[row], length[row], crc[row], None))
             else:  # another dtype, or memory not writable in place: the general path, through a buffer
+                index = MetadataIndex(fqn, offsets, 0)
                 zeros = torch.Size([0] * len(size))
                 self.by_chunk[index].append(ReadItem(LoadItemType.TENSOR, MetadataIndex(fqn, at), zeros, index, zeros,
                                                      torch.Size(size)))
@@ -218,10 +237,10 @@ class Read:
                 same = dest.dtype == sdm[index.fqn].properties.dtype and tuple(dest.shape) == shape
                 view = writable_bytes(dest) if same else None
                 if view is not None:
-                    direct.append((index, dest, view, info, items[0]))
+                    add((index.fqn, index.offset, dest, view, info.file, info.offset, info.length, info.crc32c, items[0]))
                     continue
             buffered.append(index)
-        direct.sort(key=lambda job: (job[3].file, job[3].offset))
+        direct.sort(key=itemgetter(_FILE, _BEGIN))
         return direct, buffered
 
     def tasks(self) -> list[tuple]:
@@ -232,14 +251,13 @@ class Read:
         run: list = []
         total = 0
         for job in direct:
-            info = job[3]
             if run:
-                prev = run[-1][3]
-                if prev.file != info.file or prev.offset + prev.length != info.offset or total + info.length > limit:
+                prev = run[-1]
+                if prev[_FILE] != job[_FILE] or prev[_BEGIN] + prev[_LENGTH] != job[_BEGIN] or total + job[_LENGTH] > limit:
                     tasks.append((self.run_direct, run))
                     run, total = [], 0
             run.append(job)
-            total += info.length
+            total += job[_LENGTH]
         if run:
             tasks.append((self.run_direct, run))
         tasks.extend((self.run_buffered, index) for index in buffered)
@@ -249,7 +267,7 @@ class Read:
         """Bytes a task reads (or, ``delivered``, brings into destinations)."""
         fn, arg = task
         if fn == self.run_direct:
-            return sum(job[3].length for job in arg)
+            return sum(job[_LENGTH] for job in arg)
         if delivered:
             return _item_bytes(self.md, self.by_chunk[arg], self.infos[arg])
         return self.infos[arg].length
@@ -259,9 +277,10 @@ class Read:
     def execute(self, threads: int, is_coordinator: bool, progress: Optional[Progress] = None) -> None:
         """Run every task in lanes: each file front to back on one thread at a time (see run_lanes)."""
         tasks = self.tasks()
-        files = [arg[0][3] if fn == self.run_direct else self.infos[arg] for fn, arg in tasks]
-        order = sorted(range(len(tasks)), key=lambda i: (files[i].file, files[i].offset))
-        lanes = split_lanes([files[i].file for i in order], [self.task_bytes(tasks[i]) for i in order], threads)
+        places = [(arg[0][_FILE], arg[0][_BEGIN]) if fn == self.run_direct else (self.infos[arg].file, self.infos[arg].offset)
+                  for fn, arg in tasks]
+        order = sorted(range(len(tasks)), key=places.__getitem__)
+        lanes = split_lanes([places[i][0] for i in order], [self.task_bytes(tasks[i]) for i in order], threads)
         lanes = [(name, [order[i] for i in lane]) for name, lane in lanes]
         if progress is None and knobs.progress_mode() != "off":
             sizes = [self.task_bytes(t, delivered=True) for t in tasks]
@@ -333,28 +352,32 @@ class Read:
 
     def run_direct(self, batch: list[_Direct]) -> None:
         """Read adjacent chunks straight into their destinations with vectored reads, checksumming on the way."""
-        first = batch[0][3]
-        blob = self.reader(first.file)
-        views = [job[2] for job in batch]
+        first = batch[0]
+        blob = self.reader(first[_FILE])
+        views = [job[3] for job in batch]
         crcs = [0] * len(views)
-        position = first.offset
+        position = first[_BEGIN]
         for pieces in windows(views, self.direct_window(blob, views, position)):
             want = sum(len(piece) for _, piece in pieces)
             got = blob.readv([piece for _, piece in pieces], position)
             if got != want:
-                raise CorruptCheckpointError(f"{self.here(batch[0][0])}: file {first.file!r} ends at {position + got}, "
+                here = self.here(MetadataIndex(first[0], first[1]))
+                raise CorruptCheckpointError(f"{here}: file {first[_FILE]!r} ends at {position + got}, "
                                              f"before offset {position + want}; it is truncated")
             if self.verify:
                 for j, piece in pieces:
                     crcs[j] = crc32c(piece, crcs[j])
             position += want
-        bad = [(job, crc) for job, crc in zip(batch, crcs) if self.verify and crc != job[3].crc32c]
-        if bad:  # every chunk of the batch that failed is zeroed, not only the first
-            check_checksum(self.verify, bad[0][1], bad[0][0][3], self.here(bad[0][0][0]), [job[1] for job, _ in bad])
-        with self.lock:
-            for _, dest, _, _, item in batch:
-                if item is not None:
-                    self.planner.commit_tensor(item, dest)
+        if self.verify and crcs != [job[_CRC] for job in batch]:
+            bad = [(job, crc) for job, crc in zip(batch, crcs) if crc != job[_CRC]]
+            job, got = bad[0]  # every chunk of the batch that failed is zeroed, not only the first
+            check_checksum(self.verify, got, StorageInfo(job[_FILE], job[_BEGIN], job[_LENGTH], job[_CRC]),
+                           self.here(MetadataIndex(job[0], job[1])), [job[2] for job, _ in bad])
+        committed = [job for job in batch if job[8] is not None]
+        if committed:
+            with self.lock:
+                for job in committed:
+                    self.planner.commit_tensor(job[8], job[2])
 
     def run_buffered(self, index: MetadataIndex) -> None:
         """Read one chunk through a buffer into every destination that needs part of it."""

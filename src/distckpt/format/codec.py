@@ -228,6 +228,13 @@ def tensor_row(size: list, properties: list, chunks: list) -> str:
 
     Rows are written as text, not built as dicts for ``json.dumps``: a document of many small tensors is
     mostly rows, and this is its one writer for both planning paths (the text is what ``dumps`` gives)."""
+    props = _PROPS_TEXT.get(tuple(properties))
+    if props is None:
+        props = _PROPS_TEXT[tuple(properties)] = dumps(properties).decode()
+    if len(chunks) == 1 and len(chunks[0]) == 5:  # most rows: one chunk stored as it is
+        o, n, file_no, begin, crc = chunks[0]
+        return (f'{{"type":"tensor","size":[{_join(size)}],"properties":{props},"chunks":[[[{_join(o)}],[{_join(n)}],'
+                f'{file_no},{begin},{crc}]]}}')
     parts = []
     for c in chunks:
         head = f"[[{_join(c[0])}],[{_join(c[1])}]"
@@ -237,9 +244,6 @@ def tensor_row(size: list, properties: list, chunks: list) -> str:
             parts.append(f"{head},{c[2]},{c[3]},{c[4]},{dumps(c[5]).decode()}]")
         else:
             parts.append(head + "]")
-    props = _PROPS_TEXT.get(tuple(properties))
-    if props is None:
-        props = _PROPS_TEXT[tuple(properties)] = dumps(properties).decode()
     return f'{{"type":"tensor","size":[{_join(size)}],"properties":{props},"chunks":[{",".join(parts)}]}}'
 
 
@@ -403,6 +407,53 @@ def check_document(raw: bytes, where: str) -> None:
                                      "is damaged, restore it from a copy")
 
 
+_INT = {int}
+_new = object.__new__
+
+
+def _whole_tensor(entry: Any, fqn: str, locations: Any) -> Optional[TensorStorageMetadata]:
+    """A format-2.x tensor entry of one chunk as large as the tensor, stored as it is, with its location added to
+    ``locations``; or None where the entry is anything else or breaks a rule (the general path then decodes it and
+    names the fault). The checks are those of the general path, fused: most entries of a many-tensor document are
+    of this form, and this is most of what decoding it costs."""
+    if type(entry) is not dict or len(entry) != 4 or entry.get("type") != "tensor":
+        return None
+    size_raw, props_raw, chunks_raw = entry.get("size"), entry.get("properties"), entry.get("chunks")
+    if type(size_raw) is not list or type(props_raw) is not list or type(chunks_raw) is not list or len(chunks_raw) != 1:
+        return None
+    c = chunks_raw[0]
+    if type(c) is not list or len(c) != 5 or len(size_raw) > 64 or fqn in locations.keys_:
+        return None
+    o_raw, s_raw, file_no, begin, crc = c
+    if (type(o_raw) is not list or s_raw != size_raw or (size_raw and set(map(type, size_raw)) != _INT)
+            or set(map(type, s_raw)) - _INT or o_raw != [0] * len(size_raw) or set(map(type, o_raw)) - _INT):
+        return None
+    try:
+        fields = _DECODED_PROPS.get(tuple(props_raw))
+    except TypeError:
+        return None
+    if fields is None or type(file_no) is not int or type(begin) is not int or type(crc) is not int:
+        return None
+    nbytes = itemsize(fields[0])
+    for n in size_raw:
+        if n < 0 or n > _MAX_INT:
+            return None
+        nbytes *= n
+    if not (0 <= file_no < len(locations.file_sizes) and 0 <= begin and begin + nbytes <= locations.file_sizes[file_no]
+            and 0 <= crc <= 0xFFFFFFFF):
+        return None
+    size = torch.Size(size_raw)
+    chunk = _new(ChunkStorageMetadata)
+    chunk.offsets = torch.Size(o_raw)
+    chunk.sizes = size
+    locations.keys_[fqn] = (len(locations.begin), {chunk.offsets: 0})
+    locations.file_no.append(file_no)
+    locations.begin.append(begin)
+    locations.length.append(nbytes)
+    locations.crc.append(crc)
+    return TensorStorageMetadata(TensorProperties(*fields), size, [chunk])
+
+
 def _parse_metadata(raw: bytes, where: str) -> Metadata:
     check_document(raw, where)
     body = loads(raw[:-1], where)
@@ -430,6 +481,12 @@ def _parse_metadata(raw: bytes, where: str) -> Metadata:
     sdm: dict = {}
     total_chunks = 0
     for fqn, entry in sdm_raw.items():
+        if fsd is not None:  # the common entry, one chunk as large as the tensor, checked and built in one go
+            tensor = _whole_tensor(entry, fqn, locations)
+            if tensor is not None:
+                sdm[fqn] = tensor
+                total_chunks += 1
+                continue
         here = f"{where}: key {fqn!r}"
         if not isinstance(entry, dict) or entry.get("type") not in ("tensor", "bytes"):
             raise CorruptCheckpointError(f"{here}: malformed entry")

@@ -20,6 +20,7 @@ from .tensors import check_no_aliasing, dtype_of, local_pieces, piece_at
 __all__ = ["DefaultLoadPlanner"]
 
 _MAX_LISTED = 10
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensors that are their own only piece (not DTensor, not ShardedTensor)
 
 
 class DefaultLoadPlanner(LoadPlanner):
@@ -80,21 +81,32 @@ class DefaultLoadPlanner(LoadPlanner):
         missing: list[str] = []
         problems: list[CheckpointError] = []
         pieces = {fqn: local_pieces(fqn, obj) for fqn, obj in self.state_dict.items()
-                  if isinstance(obj, torch.Tensor) and fqn in sdm}
-        check_no_aliasing([(fqn, p[0]) for fqn, (_, ps) in pieces.items() for p in ps])
+                  if isinstance(obj, torch.Tensor) and type(obj) not in _PLAIN and fqn in sdm}
+        check_no_aliasing([(fqn, obj) for fqn, obj in self.state_dict.items() if type(obj) in _PLAIN and fqn in sdm]
+                          + [(fqn, p[0]) for fqn, (_, ps) in pieces.items() for p in ps])
+        convert = self.allow_dtype_conversion
+        add_whole = cols.add_whole
         for fqn, obj in self.state_dict.items():
             md = sdm.get(fqn)
             if md is None:
                 if not self.allow_partial_load:
                     missing.append(fqn)
                 continue
+            if type(obj) in _PLAIN and type(md) is TensorStorageMetadata and len(md.chunks) == 1:
+                # the common case, one whole stored chunk into one plain tensor, without building its pieces
+                chunk = md.chunks[0]
+                shape = obj.shape
+                if shape == md.size == chunk.sizes and (convert or obj.dtype == md.properties.dtype):
+                    size = tuple(shape)
+                    add_whole(fqn, obj, (0,) * len(size), tuple(chunk.offsets), 0, size)
+                    continue
             if isinstance(obj, torch.Tensor):
                 if not isinstance(md, TensorStorageMetadata):
                     problems.append(ShapeMismatchError(
                         f"key {fqn!r} is a tensor in your state dict but a non-tensor value in {self._checkpoint_name()}"))
                     continue
                 try:
-                    self._tensor_reads(cols, fqn, obj, md, *pieces[fqn])
+                    self._tensor_reads(cols, fqn, obj, md, *(pieces[fqn] if fqn in pieces else local_pieces(fqn, obj)))
                 except (ShapeMismatchError, DTypeMismatchError) as exc:
                     problems.append(exc)
             else:
