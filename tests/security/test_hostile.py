@@ -149,6 +149,33 @@ def test_header_parser_on_structured_json(header, pad):
         pass
 
 
+def _header_outcome(blob):
+    try:
+        return read_header(lambda k, off: blob[off:off + k], len(blob), "fuzz")
+    except CheckpointError as exc:
+        return type(exc), str(exc)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_header_entries_decode_as_the_checks_one_by_one_do(data, monkeypatch):
+    """Header entries that pass every check are taken in one fused test; on any entry, damaged or not, the
+    header must decode as the checks one by one decode it."""
+    import distckpt.format.datafile as datafile
+
+    entry = {"dtype": "F32", "shape": [2, 3], "data_offsets": [8, 32]}
+    for key in data.draw(st.lists(st.sampled_from(["dtype", "shape", "data_offsets", "extra"]), max_size=2)):
+        entry[key] = data.draw(st.one_of(json_values, st.sampled_from(
+            ["BF16", "U8", "F64", [6], [], [0, 24], [8, 8], [True, 3], [-1, 3], [-2, -3], [8, 2**63], [2, 3.0]])))
+    text = json.dumps({"__metadata__": {"format": "distckpt", "save_id": "x"}, "t": entry,
+                       "u": {"dtype": "U8", "shape": [8], "data_offsets": [0, 8]}}).encode()
+    blob = struct.pack("<Q", len(text)) + text + bytes(64)
+    fused = _header_outcome(blob)
+    with monkeypatch.context() as m:
+        m.setattr(datafile, "_fine_entry", lambda *args: None)
+        assert _header_outcome(blob) == fused
+
+
 def test_header_length_beyond_the_file_is_refused_before_allocation():
     blob = struct.pack("<Q", 2**62) + b"{}"
     with pytest.raises(CorruptCheckpointError, match="header length"):

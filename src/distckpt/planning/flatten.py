@@ -91,19 +91,22 @@ def flatten_state_dict(state_dict: dict, rank: int = 0) -> tuple[dict[str, Any],
 def stored_paths(mappings: dict[str, Path], state_dict: dict) -> dict[str, Path]:
     """``mappings`` as a checkpoint records them (``planner_data``): a step into a list is an int, a step
     into a dict by an int key is that key in a 1-tuple (``(0,)``), so the nesting can be rebuilt exactly
-    from the checkpoint alone (an optimizer's ``state`` is a dict keyed by int, its ``param_groups`` a list)."""
-    out = mappings
+    from the checkpoint alone (an optimizer's ``state`` is a dict keyed by int, its ``param_groups`` a list).
+
+    A top-level key (path ``(key,)``) is not recorded: readers take a key without a path as top-level
+    (docs/format.md), and a state dict of many flat keys would otherwise store and parse each twice."""
+    out = {}
     for key, path in mappings.items():
-        if not any(type(p) is int for p in path):
+        if len(path) == 1 and path[0] == key:
             continue
-        if out is mappings:
-            out = dict(mappings)
-        obj: Any = state_dict
-        steps = []
-        for p in path:
-            steps.append((p,) if type(p) is int and isinstance(obj, dict) else p)
-            obj = obj.value if p == RANK_LOCAL else obj[p]
-        out[key] = tuple(steps)
+        if any(type(p) is int for p in path):
+            obj: Any = state_dict
+            steps = []
+            for p in path:
+                steps.append((p,) if type(p) is int and isinstance(obj, dict) else p)
+                obj = obj.value if p == RANK_LOCAL else obj[p]
+            path = tuple(steps)
+        out[key] = path
     return out
 
 
