@@ -210,8 +210,10 @@ class _Save:
         self.object_metadata = replace(cache.metadata, storage_data=None, storage_meta=None)
         final = self.writer.prepare_global_plan(cache.global_plans)
         sent = cache.sent if cache.sent is not None and len(cache.sent) == len(final) else [None] * len(final)
-        replies = [SavePlan([], storage_data=plan.storage_data, usable=False) if sent[i] == replace(plan, storage_data=None)
-                   else plan for i, plan in enumerate(final)]
+        # "unchanged" only to a rank that sent "unchanged": one whose local plan changed dropped its cached central
+        # plan (its items hold the new state dict's tensors), even where its part of the global plan is the same
+        replies = [SavePlan([], storage_data=plan.storage_data, usable=False)
+                   if marks[i] and sent[i] == replace(plan, storage_data=None) else plan for i, plan in enumerate(final)]
         cache.sent = [replace(p, storage_data=None) for p in final]
         return replies
 
