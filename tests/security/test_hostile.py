@@ -50,21 +50,26 @@ def _paths(obj, prefix=()):
             yield from _paths(v, prefix + (i,))
 
 
+def _damage(root, targets, values, times, data):
+    """Replace ``times`` members of ``root``, each at a path drawn from ``targets``, with a value drawn from ``values``."""
+    for _ in range(times):
+        target = data.draw(targets)
+        node = root
+        try:
+            for p in target[:-1]:
+                node = node[p]
+            node[target[-1]] = data.draw(values)
+        except (KeyError, IndexError, TypeError):
+            continue
+
+
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_metadata_parser_raises_only_typed_errors(good, data):
     path, _ = good
     body = read_body(path)
     paths = list(_paths(body))[1:]
-    for _ in range(data.draw(st.integers(1, 3))):
-        target = data.draw(st.sampled_from(paths))
-        node = body
-        try:
-            for p in target[:-1]:
-                node = node[p]
-            node[target[-1]] = data.draw(json_values)
-        except (KeyError, IndexError, TypeError):
-            continue
+    _damage(body, st.sampled_from(paths), json_values, data.draw(st.integers(1, 3)), data)
     raw = _doc(body)
     tracemalloc.start()
     try:
@@ -98,21 +103,38 @@ def test_whole_tensor_rows_decode_as_the_general_path_does(good, data, monkeypat
     parse_metadata(_doc(body), "warm")  # property lists are known after one decode: the fused path takes them
     paths = list(_paths(body["state_dict_metadata"]))[1:]
     chunk_fields = [p for p in paths if "chunks" in p]  # most of what the fused path checks
-    for _ in range(data.draw(st.integers(0, 3))):
-        target = data.draw(st.sampled_from(chunk_fields) | st.sampled_from(paths))
-        node = body["state_dict_metadata"]
-        try:
-            for p in target[:-1]:
-                node = node[p]
-            node[target[-1]] = data.draw(values)
-        except (KeyError, IndexError, TypeError):
-            continue
+    targets = st.sampled_from(chunk_fields) | st.sampled_from(paths)
+    _damage(body["state_dict_metadata"], targets, values, data.draw(st.integers(0, 3)), data)
     raw = _doc(body)
     fused = _outcome(raw)
     with monkeypatch.context() as m:
         m.setattr(codec, "_whole_tensor", lambda *args: None)
         general = _outcome(raw)
     assert fused == general
+
+
+def test_whole_tensor_rows_agree_on_every_field_at_its_bounds(good, monkeypatch):
+    """The same agreement as above, for each field of each one-chunk entry set to each edge value in turn."""
+    import copy as copying
+
+    import distckpt.format.codec as codec
+
+    path, _ = good
+    body = read_body(path)
+    parse_metadata(_doc(body), "warm")
+    edges = [-1, 0, 1, 2**32 - 1, 2**32, 2**63 - 1, 2**63, True, 1.0, None, "0", [], [0], [-1], [True], [2**63]]
+    for key, entry in body["state_dict_metadata"].items():
+        if entry.get("type") != "tensor":
+            continue
+        for field in range(5):
+            for value in edges:
+                damaged = copying.deepcopy(body)
+                damaged["state_dict_metadata"][key]["chunks"][0][field] = value
+                raw = _doc(damaged)
+                fused = _outcome(raw)
+                with monkeypatch.context() as m:
+                    m.setattr(codec, "_whole_tensor", lambda *args: None)
+                    assert _outcome(raw) == fused, (key, field, value)
 
 
 @settings(max_examples=300, deadline=None)
