@@ -3,8 +3,8 @@
     python -m bench.tiers                 # 2 GiB state (1 GiB per rank), 3 rounds
     python -m bench.tiers --gib 0.02 --repeat 1   # a smoke run
 
-The nodes are network namespaces with a private tmpfs each where this runs as root (``distckpt.testing.Cluster``),
-else folders under ``--memory-dir`` on loopback. A first job saves a step to the tiers; node 1 is then killed
+The nodes are network namespaces with a private tmpfs each where this runs as root (``distckpt.testing.Cluster``;
+huge pages unless ``--pages 4k``), else folders under ``--memory-dir`` on loopback. A first job saves a step to the tiers; node 1 is then killed
 (every process, and its tmpfs) and replaced, and a second job restores from node 0's replica and measures, in
 each round:
 
@@ -79,6 +79,8 @@ def main(argv=None) -> dict:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--disk-dir", default=None, help="where the durable tier goes (default: under the current directory)")
     p.add_argument("--memory-dir", default="/dev/shm", help="where the cluster keeps its nodes (a tmpfs)")
+    p.add_argument("--pages", choices=("huge", "4k"), default="huge",
+                   help="the nodes' tmpfs pages in netns mode: huge (huge=within_size, as docs/tiers.md advises) or 4k")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     nodes = 2
@@ -91,7 +93,8 @@ def main(argv=None) -> dict:
         warm_memory(min(3 * a.gib + 1, 12))
         # a node's tier holds its own steps and the replicas it keeps (two of each while a new step is replicated),
         # a spare, and the raw floor's file
-        with Cluster(memory, nodes=nodes, ranks_per_node=1, tmpfs_bytes=6 * per_rank + (256 << 20)) as cluster:
+        with Cluster(memory, nodes=nodes, ranks_per_node=1, tmpfs_bytes=6 * per_rank + (256 << 20),
+                     huge_pages=a.pages == "huge") as cluster:
             durable = os.path.join(disk, "durable")
             first = cluster.run("bench.tier_workers:first_save", env=env, timeout_s=1800, total=total, durable=durable)
             cluster.kill_node(1)
@@ -99,7 +102,8 @@ def main(argv=None) -> dict:
             per = cluster.run("bench.tier_workers:rounds", env=env, timeout_s=3600, total=total, durable=durable,
                               scratch=os.path.join(disk, "scratch"), repeat=a.repeat)
             res = dict(per[0])
-            res.update(world_size=nodes, mode=cluster.mode, repeat=a.repeat, first_save=first[0]["timings"],
+            mode = cluster.mode + (f", {a.pages} pages" if cluster.mode == "netns" else "")
+            res.update(world_size=nodes, mode=mode, repeat=a.repeat, first_save=first[0]["timings"],
                        first_report=per[1]["first_report"], replica_report=per[1]["replica_report"])
     finally:
         shutil.rmtree(disk, ignore_errors=True)

@@ -3,10 +3,12 @@ files of a spare one, byte for byte."""
 
 import os
 
+import pytest
+
 from distckpt.testing import run_ranks
 
 
-def _swap(rank, world_size, root):
+def _swap(rank, world_size, root, mapped):
     import torch.distributed as dist
 
     from distckpt.tiers.exchange import Buffers, all_gather_json, commit_dir, dir_manifest, transfer
@@ -25,7 +27,7 @@ def _swap(rank, world_size, root):
         with open(os.path.join(spare, name), "wb") as f:
             f.write(b"\xff" * size)
     os.makedirs(os.path.join(spare, "nested"))
-    buffers = Buffers(chunk_bytes=1000, depth=2)  # chunks span file ends: 2500 -> 1000, 1000, 500
+    buffers = Buffers(chunk_bytes=1000, depth=2, mapped=mapped)  # chunks span file ends: 2500 -> 1000, 1000, 500
     peer = 1 - rank
     manifests = all_gather_json(dir_manifest(mine), dist.group.WORLD)
     results = []
@@ -39,8 +41,22 @@ def _swap(rank, world_size, root):
     return {"results": results, "expected": expected, "left": sorted(os.listdir(parent))}
 
 
-def test_transfer_is_byte_exact_through_small_rings_and_over_a_spare(tmp_path):
-    for out in run_ranks(_swap, 2, str(tmp_path), timeout_s=120):
+@pytest.mark.parametrize("mapped", [False, True], ids=["rings", "mapped"])
+def test_transfer_is_byte_exact_through_small_rings_and_over_a_spare(tmp_path, mapped):
+    for out in run_ranks(_swap, 2, str(tmp_path), mapped, timeout_s=120):
         assert out["results"][0] == out["expected"]  # over the spare's files: nothing of them is left in the copy
         assert out["results"][1] == out["expected"]
         assert out["left"] == ["step-0", "step-1"]  # the spare was used up; no hidden directory is left
+
+
+def test_transfers_map_files_only_on_a_tmpfs_of_huge_pages(tmp_path, huge_tmpfs, small_page_tmpfs):
+    from distckpt.tiers.exchange import Buffers, huge_pages
+
+    inner = os.path.join(huge_tmpfs, "node", "own")  # the mount point's name has a space: escaped in mountinfo
+    os.makedirs(inner)
+    assert huge_pages(huge_tmpfs) and huge_pages(inner)
+    assert not huge_pages(small_page_tmpfs) and not huge_pages(str(tmp_path))
+    os.symlink(inner, tmp_path / "link")  # the mount of where a path leads decides, not of where its name is
+    assert huge_pages(str(tmp_path / "link"))
+    assert Buffers().maps(inner) and not Buffers().maps(small_page_tmpfs)
+    assert not Buffers(mapped=False).maps(inner) and Buffers(mapped=True).maps(small_page_tmpfs)

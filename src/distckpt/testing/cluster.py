@@ -5,7 +5,8 @@ runs jobs with torchrun's multi-node rendezvous (``--nnodes``, ``--node-rank``, 
 0). Where the process runs as root and ``ip`` is there, each node is a network namespace of its own, joined to
 the others by a bridge the cluster creates (its own IP address; gloo bound to its interface), with a private
 tmpfs as its node-local directory that no other node can see: killing a node ends every process of it and
-the tmpfs with them. Otherwise (``mode == "loopback"``) the nodes share loopback and their node-local
+the tmpfs with them. That tmpfs is mounted ``huge=within_size`` unless ``huge_pages=False``: what
+docs/tiers.md advises for a node's tier. Otherwise (``mode == "loopback"``) the nodes share loopback and their node-local
 directories are plain folders, wiped by :meth:`kill_node`.
 
 The function a job runs is named ``"module:function"``; it is called as ``fn(rank, world_size, **kwargs)`` on
@@ -75,7 +76,8 @@ class _Node:
         _run("ip", "-n", self.ns, "link", "set", self.ifname, "up")
         _run("ip", "-n", self.ns, "link", "set", "lo", "up")
         # the keeper holds the node's mount namespace, and with it the private tmpfs, until the node is killed
-        script = (f"mount -t tmpfs -o size={self.cluster.tmpfs_bytes} distckpt-node{self.index} {self.local} "
+        options = f"size={self.cluster.tmpfs_bytes}" + (",huge=within_size" if self.cluster.huge_pages else "")
+        script = (f"mount -t tmpfs -o {options} distckpt-node{self.index} {self.local} "
                   "&& echo ready && exec sleep 1000000")
         self.keeper = subprocess.Popen(["ip", "netns", "exec", self.ns, "unshare", "--mount", "--propagation", "private",
                                         "sh", "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -195,12 +197,12 @@ class Cluster:
     """``nodes`` simulated nodes of ``ranks_per_node`` ranks each, under ``root`` (see the module text)."""
 
     def __init__(self, root: str, nodes: int = 2, ranks_per_node: int = 2, mode: Optional[str] = None,
-                 tmpfs_bytes: int = 2 << 30) -> None:
+                 tmpfs_bytes: int = 2 << 30, huge_pages: bool = True) -> None:
         self.root = os.path.abspath(root)
         self.nodes_count, self.ranks_per_node = nodes, ranks_per_node
         self.world_size = nodes * ranks_per_node
         self.mode = mode or cluster_mode()
-        self.tmpfs_bytes = tmpfs_bytes
+        self.tmpfs_bytes, self.huge_pages = tmpfs_bytes, huge_pages
         self.tag = f"dk{uuid.uuid4().hex[:5]}"
         self.bridge = f"{self.tag}br"
         self.subnet = ""
@@ -219,7 +221,8 @@ class Cluster:
             self.close()
             raise
         print(f"distckpt cluster: {nodes} nodes x {ranks_per_node} ranks, mode {self.mode}"
-              + (f" (network namespaces on {self.subnet}.0/24, private tmpfs per node)" if self.mode == "netns" else
+              + (f" (network namespaces on {self.subnet}.0/24, private tmpfs per node"
+                 f"{' of huge pages' if self.huge_pages else ''})" if self.mode == "netns" else
                  " (loopback, a folder per node)"), file=sys.stderr)
 
     @property

@@ -1,14 +1,17 @@
 """What the tier sends between ranks: JSON reports to every rank, and checkpoint directories point to point.
 
 Nothing here pickles: reports travel as UTF-8 JSON in byte tensors, directories as their files' bytes in chunks.
-Chunks go through reusable buffers, read with ``preadv`` and written with ``pwrite``: gloo sending from or
-receiving into memory-mapped tmpfs files ran several times slower than through plain memory (docs/tiers.md).
+On a tmpfs of huge pages, chunks go straight from and into the files' mapped pages, as fast as plain memory; over
+4 KiB pages gloo runs slower that way than through reusable buffers read with ``preadv`` and written with
+``pwrite``, so there the chunks go through those (docs/tiers.md).
 """
 
 from __future__ import annotations
 
 import json
+import mmap
 import os
+import re
 import shutil
 import stat
 import threading
@@ -59,23 +62,30 @@ def dir_bytes(path: str) -> int:
 
 
 class Buffers:
-    """Reusable transfer buffers: ``depth`` chunks per stream, kept across transfers so that steady-state
-    replication allocates nothing (fresh pages cost several times warm ones to touch). A chunk is no larger
-    than the largest file a stream has carried."""
+    """How a rank's transfers move bytes, and the buffers they reuse. ``mapped``: send from and receive into the
+    files' pages mapped whole (True), copy through rings of ``depth`` buffers of up to ``chunk_bytes`` (False), or
+    map where the folder lies on a huge-page tmpfs (None, see :func:`huge_pages`). Rings are kept across
+    transfers so that steady-state replication allocates nothing (fresh pages cost several times warm ones to
+    touch); a buffer is no larger than the largest file its stream has carried."""
 
-    def __init__(self, chunk_bytes: int = _CHUNK, depth: int = _DEPTH) -> None:
-        self.chunk_bytes, self.depth = chunk_bytes, depth
+    def __init__(self, chunk_bytes: int = _CHUNK, depth: int = _DEPTH, mapped: Optional[bool] = None) -> None:
+        self.chunk_bytes, self.depth, self.mapped = chunk_bytes, depth, mapped
         self._rings: list[list[torch.Tensor]] = []
 
-    def rings(self, largest: list[int]) -> list[list[torch.Tensor]]:
-        """One ring per stream, for streams whose largest files are ``largest``."""
+    def maps(self, folder: str) -> bool:
+        return huge_pages(folder) if self.mapped is None else self.mapped
+
+    def rings(self, largest: list[Optional[int]]) -> list[list[torch.Tensor]]:
+        """One ring per stream, for streams whose largest files are ``largest``; none for a stream given None."""
         for i, size in enumerate(largest):
-            need = max(1, min(self.chunk_bytes, size))
             if i == len(self._rings):
                 self._rings.append([])
+            if size is None:
+                continue
+            need = max(1, min(self.chunk_bytes, size))
             if not self._rings[i] or self._rings[i][0].numel() < need:
                 self._rings[i] = [torch.empty(need, dtype=torch.uint8) for _ in range(self.depth)]
-        return self._rings[:len(largest)]
+        return [ring if size is not None else [] for ring, size in zip(self._rings, largest)]
 
 
 def _chunks(manifest: list[list[Any]], chunk: int) -> list[tuple[int, int, int]]:
@@ -146,6 +156,92 @@ def _recv_stream(tmp: str, manifest: list[list[Any]], src: int, group: Any, ring
             os.close(fd)
 
 
+def huge_pages(path: str) -> bool:
+    """Whether ``path`` lies on a tmpfs that backs files with huge pages (mounted ``huge=always`` or
+    ``huge=within_size``, or every tmpfs forced to by the kernel). There, gloo sends from and receives into mapped
+    files as fast as through plain memory; over 4 KiB pages it runs slower than copying through buffers."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/shmem_enabled") as f:
+            policy = f.read()
+        with open("/proc/self/mountinfo") as f:
+            mounts = f.read().splitlines()
+    except OSError:
+        return False
+    if "[deny]" in policy:
+        return False
+    real = os.path.realpath(path)
+    best, fstype, options = "", "", ""
+    for line in mounts:  # "id parent dev root point options [tags] - fstype source super-options"
+        head, _, tail = line.partition(" - ")
+        fields, rest = head.split(" "), tail.split(" ")
+        if len(fields) < 5 or len(rest) < 3:
+            continue
+        point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
+        if (real == point or real.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
+            best, fstype, options = point, rest[0], rest[2]
+    if fstype != "tmpfs":
+        return False
+    huge = {o.split("=", 1)[1] for o in options.split(",") if o.startswith("huge=")}
+    return bool(huge & {"always", "within_size"}) or "[force]" in policy
+
+
+def _map(path: str, size: int, receive: bool) -> Optional[mmap.mmap]:
+    """``path`` mapped whole (None when it is empty): shared and writable to receive into, private (never written)
+    to send from. A file to receive into is cut to ``size`` and has its pages reserved first, so that a full tmpfs
+    fails here with ENOSPC instead of with SIGBUS when a byte lands."""
+    fd = os.open(path, (os.O_RDWR | os.O_CREAT if receive else os.O_RDONLY) | os.O_NOFOLLOW, 0o644)
+    try:
+        if receive:
+            os.ftruncate(fd, size)
+            if size:
+                os.posix_fallocate(fd, 0, size)
+        elif os.fstat(fd).st_size != size:
+            raise CheckpointError(f"{path!r} is {os.fstat(fd).st_size} bytes, not the {size} it had when the step was "
+                                  "listed; a tier step is never rewritten in place, so something else wrote to it")
+        if not size:
+            return None
+        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED if receive else mmap.MAP_PRIVATE,
+                         prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+
+
+def _mapped_stream(folder: str, manifest: list[list[Any]], peer: int, group: Any, depth: int, chunk: int,
+                   receive: bool) -> None:
+    """Send the files of ``manifest`` from, or receive them into, their pages mapped whole: no copy between the
+    file and the network beyond the socket's own; up to ``depth`` messages in flight. A file that cannot be mapped
+    still has its messages sent (zeros) or taken (and dropped), so that the peer finishes its list; the error is
+    raised once all is through."""
+    maps: list[mmap.mmap] = []
+    views: list[Optional[torch.Tensor]] = []
+    failure: Optional[BaseException] = None
+    try:
+        for name, size in manifest:
+            try:
+                m = _map(os.path.join(folder, name), size, receive)
+            except (OSError, CheckpointError) as exc:
+                failure, m = failure or exc, None
+            if m is not None:
+                maps.append(m)
+            views.append(torch.frombuffer(m, dtype=torch.uint8) if m is not None else None)
+        scratch = torch.zeros(chunk if failure is not None else 0, dtype=torch.uint8)
+        op = dist.irecv if receive else dist.isend
+        pending: list[Any] = []
+        for i, off, n in _chunks(manifest, chunk):
+            if len(pending) == depth:
+                pending.pop(0).wait()
+            view = views[i]
+            pending.append(op(view[off:off + n] if view is not None else scratch[:n], peer, group=group))
+        for work in pending:
+            work.wait()
+    finally:
+        views.clear()
+        for m in maps:
+            m.close()
+    if failure is not None:
+        raise failure
+
+
 def _reuse(tmp: str, manifest: list[list[Any]]) -> None:
     """Give the files of a spare step (a dropped one, moved to ``tmp``) the names of ``manifest``, largest to
     largest, so that receiving overwrites pages the node already has instead of allocating and zeroing new ones;
@@ -172,8 +268,8 @@ def _reuse(tmp: str, manifest: list[list[Any]]) -> None:
 def transfer(outgoing: list[tuple[str, list[list[Any]], int]],
              incoming: list[tuple[str, list[list[Any]], int, Optional[str]]], group: Any, buffers: Buffers) -> list[str]:
     """Send each ``(folder, manifest, dst)`` and receive each ``(parent, manifest, src, spare)``, all at once: one
-    thread per stream, each pipelining file I/O with the network through its own ring of buffers (the network runs
-    while a chunk is read or written). Each received directory lands in a new hidden directory under its ``parent``
+    thread per stream, straight from or into the files' mapped pages, or pipelining file I/O with the network
+    through its own ring of buffers (the network runs while a chunk is read or written), as ``buffers`` says. Each received directory lands in a new hidden directory under its ``parent``
     (made from ``spare``, a directory of the caller's whose files it may overwrite, where given); returns them in
     ``incoming`` order, to be put in place with :func:`commit_dir`. On any failure the hidden directories are
     removed and the first error is raised."""
@@ -192,13 +288,17 @@ def transfer(outgoing: list[tuple[str, list[list[Any]], int]],
                 os.mkdir(tmps[-1])
         streams = [(_send_stream, folder, manifest, peer) for folder, manifest, peer in outgoing]
         streams += [(_recv_stream, tmp, manifest, peer) for tmp, (_, manifest, peer, _) in zip(tmps, incoming)]
-        rings = buffers.rings([max((size for _, size in s[2]), default=0) for s in streams])
+        mapped = [buffers.maps(folder) for _, folder, _, _ in streams]
+        rings = buffers.rings([None if m else max((size for _, size in s[2]), default=0) for s, m in zip(streams, mapped)])
         errors: list[BaseException] = []
 
         def run(job: tuple, ring: list[torch.Tensor]) -> None:
             fn, folder, manifest, peer = job
             try:
-                fn(folder, manifest, peer, group, ring, buffers.chunk_bytes)
+                if not ring:
+                    _mapped_stream(folder, manifest, peer, group, buffers.depth, buffers.chunk_bytes, fn is _recv_stream)
+                else:
+                    fn(folder, manifest, peer, group, ring, buffers.chunk_bytes)
             except BaseException as exc:  # noqa: BLE001 - raised by the caller below
                 errors.append(exc)
 
