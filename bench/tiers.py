@@ -4,9 +4,9 @@
     python -m bench.tiers --gib 0.02 --repeat 1   # a smoke run
 
 The nodes are network namespaces with a private tmpfs each where this runs as root (``distckpt.testing.Cluster``;
-huge pages unless ``--pages 4k``), else folders under ``--memory-dir`` on loopback. A first job saves a step to the tiers; node 1 is then killed
-(every process, and its tmpfs) and replaced, and a second job restores from node 0's replica and measures, in
-each round:
+huge pages unless ``--pages 4k``), else folders under ``--memory-dir`` on loopback. A first job saves a step to
+the tiers; node 1 is then killed (every process, and its tmpfs) and replaced, and a second job restores from node
+0's replica and measures, in each round:
 
 - a local save's blocked time, against one memcpy of the rank's state into memory that is already there;
 - replication (the exchange of each rank's step with its holder), against a raw send of the same messages

@@ -269,10 +269,11 @@ def transfer(outgoing: list[tuple[str, list[list[Any]], int]],
              incoming: list[tuple[str, list[list[Any]], int, Optional[str]]], group: Any, buffers: Buffers) -> list[str]:
     """Send each ``(folder, manifest, dst)`` and receive each ``(parent, manifest, src, spare)``, all at once: one
     thread per stream, straight from or into the files' mapped pages, or pipelining file I/O with the network
-    through its own ring of buffers (the network runs while a chunk is read or written), as ``buffers`` says. Each received directory lands in a new hidden directory under its ``parent``
-    (made from ``spare``, a directory of the caller's whose files it may overwrite, where given); returns them in
-    ``incoming`` order, to be put in place with :func:`commit_dir`. On any failure the hidden directories are
-    removed and the first error is raised."""
+    through its own ring of buffers (the network runs while a chunk is read or written), as ``buffers`` says.
+    Each received directory lands in a new hidden directory under its ``parent`` (made from ``spare``, a
+    directory of the caller's whose files it may overwrite, where given); returns them in ``incoming`` order, to
+    be put in place with :func:`commit_dir`. On any failure the hidden directories are removed and the first
+    error is raised."""
     tmps = []
     try:
         for parent, manifest, _, spare in incoming:
