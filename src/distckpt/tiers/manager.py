@@ -26,6 +26,7 @@ from ..staging import async_save
 from ..verification import verify
 from .exchange import Buffers, all_gather_json, commit_dir, dir_bytes, dir_manifest, transfer
 from .local_view import LocalView
+from .mapped_step import map_step
 from .placement import choose_restore, replica_targets
 
 __all__ = ["TieredCheckpointManager", "RestoreReport"]
@@ -346,8 +347,10 @@ class TieredCheckpointManager:
             raise CheckpointError(f"step {step} was saved by an earlier process on ranks {missing}; restore() it first, "
                                   "then persist")
         view = self._views[step]
-        state = _host_state(view)
-        load(state["view"], checkpoint_id=self._own(step), no_dist=True)
+        state = _host_state(view, "meta")
+        if not map_step(self._own(step), state["view"], state["dtensors"]):
+            state = _host_state(view, "cpu")
+            load(state["view"], checkpoint_id=self._own(step), no_dist=True)
         self.durable.save(step, _as_saved(state))
         log.info("rank %d: step %d persisted to %s", self.rank, step, self.durable.root)
         return step
@@ -479,17 +482,17 @@ class TieredCheckpointManager:
         signal.signal(signum, handler)
 
 
-def _host_state(view: LocalView) -> dict[str, Any]:
-    """Fresh host tensors shaped like ``view``'s, in the same structure, and the DTensors to rebuild."""
+def _host_state(view: LocalView, device: str) -> dict[str, Any]:
+    """Fresh tensors on ``device`` shaped like ``view``'s, in the same structure, and the DTensors to rebuild."""
     dtensors: dict[int, Any] = {}
 
     def walk(src: Any, local: Any) -> Any:
         if isinstance(src, DTensor):
-            t = torch.empty(local.shape, dtype=local.dtype)
+            t = torch.empty(local.shape, dtype=local.dtype, device=device)
             dtensors[id(t)] = src
             return t
         if isinstance(local, torch.Tensor):
-            return torch.empty(local.shape, dtype=local.dtype)
+            return torch.empty(local.shape, dtype=local.dtype, device=device)
         if isinstance(local, dict):
             return {k: walk(src.get(k) if isinstance(src, dict) else None, v) for k, v in local.items()}
         if isinstance(local, (list, tuple)):
