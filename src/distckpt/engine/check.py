@@ -16,7 +16,8 @@ from ..metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from ..planner import LoadItemType, LoadPlan, ReadItem
 from ..progress import Progress
 from .blobs import BlobStore
-from .read import ChunkShapes, Read, check_checksum, open_and_validate, read_exact
+from .chunk_reads import ChunkShapes, check_checksum, read_exact
+from .read import Read, open_and_validate
 
 __all__ = ["CheckResult", "check_stored"]
 

@@ -26,7 +26,8 @@ from ..planning.resharding import volume
 from ..progress import Progress
 from .blobs import BlobReader, BlobStore
 from .budget import ByteBudget
-from .device_copy import PendingCopies, caller_streams, host_buffer, to_device, uses_pinned
+from .chunk_reads import ChunkShapes, check_checksum, copy_rows, read_exact, read_into, rows_meet
+from .device_copy import PendingCopies, caller_streams, host_buffer, uses_pinned
 from .tasks import run_lanes
 from .tensor_bytes import flat_bytes, writable_bytes
 from .windows import WINDOW_BYTES, windows
@@ -428,7 +429,7 @@ class Read:
             chunk = chunk.view(dtype).reshape(shape)
             pending = PendingCopies(self.streams) if any(uses_pinned(d.device) for d in dests) else None
             for item, dest in zip(items, dests):
-                _copy_rows(item, dest, chunk, 0, shape[0] if shape else 1, shape, pending)
+                copy_rows(item, dest, chunk, 0, shape[0] if shape else 1, shape, pending)
             if pending:
                 pending.wait()
 
@@ -450,7 +451,7 @@ class Read:
             buf = self.slab_buffer(slab_rows * row_bytes, to_gpu)
             for a in range(first, end, slab_rows):
                 b = min(end, a + slab_rows)
-                wanted = [(item, dest) for item, dest in zip(items, dests) if _rows_meet(item, a, b, shape)]
+                wanted = [(item, dest) for item, dest in zip(items, dests) if rows_meet(item, a, b, shape)]
                 if wanted or check:
                     crc = self.read_slab(index, buf, a, b, row_bytes, wanted, check, crc, pending)
         check_checksum(check, crc, info, self.here(index), dests)
@@ -466,7 +467,7 @@ class Read:
         dtype = self.md.state_dict_metadata[index.fqn].properties.dtype
         n = (b - a) * row_bytes
         raw = memoryview(buf.numpy()).cast("B")[:n] if n else memoryview(bytearray(0))
-        _read_into(self.reader(info.file), raw, info.offset + a * row_bytes, self.here(index), info.file)
+        read_into(self.reader(info.file), raw, info.offset + a * row_bytes, self.here(index), info.file)
         try:
             data = buf[:n]
             slab = data.view(dtype).reshape(((b - a),) + tuple(shape[1:])) if shape else data.view(dtype).reshape(())
@@ -479,8 +480,8 @@ class Read:
                     crc = crc32c(raw[(c - a) * row_bytes:(d - a) * row_bytes], crc)
                 part = slab.narrow(0, c - a, d - c) if shape else slab
                 for item, dest in wanted:
-                    if _rows_meet(item, c, d, shape):
-                        _copy_rows(item, dest, part, c, d, shape, pending)
+                    if rows_meet(item, c, d, shape):
+                        copy_rows(item, dest, part, c, d, shape, pending)
         finally:
             if pending:  # the next slab reuses the buffer
                 pending.wait()
@@ -529,88 +530,3 @@ def _item_bytes(md: Metadata, items: list, info: StorageInfo) -> int:
         return info.length
     size = itemsize(md.state_dict_metadata[items[0].storage_index.fqn].properties.dtype)
     return sum(volume(item.lengths) * size for item in items)
-
-
-def _rows_meet(item: ReadItem, a: int, b: int, shape: tuple) -> bool:
-    if not shape:
-        return True
-    r0 = item.storage_offsets[0]
-    return max(a, r0) < min(b, r0 + item.lengths[0])
-
-
-def _copy_rows(item: ReadItem, dest: torch.Tensor, slab: torch.Tensor, a: int, b: int, shape: tuple,
-               pending: PendingCopies | None) -> None:
-    """Copy the part of ``item`` that lies in rows [a, b) of its chunk from ``slab`` into ``dest``.
-
-    With ``pending``, a copy from a pinned slab to a device is only queued there.
-    """
-    if not shape:
-        _copy(dest, slab, pending)
-        return
-    r0 = item.storage_offsets[0]
-    lo, hi = max(a, r0), min(b, r0 + item.lengths[0])
-    src = slab.narrow(0, lo - a, hi - lo)
-    for dim in range(1, len(shape)):
-        src = src.narrow(dim, item.storage_offsets[dim], item.lengths[dim])
-    _copy(dest.narrow(0, lo - r0, hi - lo), src, pending)
-
-
-def _copy(dest: torch.Tensor, src: torch.Tensor, pending: PendingCopies | None) -> None:
-    if pending is None:
-        dest.copy_(src)
-    else:
-        to_device(dest, src, pending)
-
-
-class ChunkShapes:
-    """Shapes of stored chunks, looked up by MetadataIndex.
-
-    The ``index`` hint of a MetadataIndex (set by the load planners) finds the
-    chunk directly; a key's chunks are scanned into a table only when a hint
-    is missing or stale. So a load touches the metadata of the chunks it reads,
-    not of every chunk of the checkpoint (at 1,024 ranks a table of all chunks
-    took longer than decoding the metadata).
-    """
-
-    def __init__(self, md: Metadata) -> None:
-        self.md = md
-        self.tables: dict[str, dict] = {}
-
-    def get(self, index: MetadataIndex) -> tuple[int, ...] | None:
-        """The chunk's shape, or None if the metadata has no such chunk."""
-        entry = self.md.state_dict_metadata.get(index.fqn)
-        chunks = entry.chunks if isinstance(entry, TensorStorageMetadata) else None
-        if not chunks:
-            return None
-        hint = index.index
-        if hint is not None and 0 <= hint < len(chunks) and chunks[hint].offsets == index.offset:
-            return tuple(chunks[hint].sizes)
-        table = self.tables.get(index.fqn)
-        if table is None:
-            table = self.tables[index.fqn] = {tuple(c.offsets): tuple(c.sizes) for c in chunks}
-        return table.get(tuple(index.offset or ()))
-
-
-def check_checksum(verify: bool, got: int, info: StorageInfo, here: str, dests: list = ()) -> None:
-    """Raise if the checksum of a chunk read differs from the stored one, first zeroing ``dests``:
-    bytes that failed their checksum never stay in the caller's tensors."""
-    if verify and got != info.crc32c:
-        for dest in dests:
-            if isinstance(dest, torch.Tensor) and dest.device.type != "meta":
-                dest.zero_()
-        raise CorruptCheckpointError(
-            f"{here}: checksum mismatch in file {info.file!r} at offset {info.offset} ({info.length} bytes): "
-            f"stored {info.crc32c:08x}, computed {got:08x}. The data is damaged; restore the file from a copy.")
-
-
-def _read_into(blob: BlobReader, view: memoryview, offset: int, here: str, file: str) -> None:
-    got = blob.readinto(view, offset)
-    if got != len(view):
-        raise CorruptCheckpointError(f"{here}: file {file!r} ends at {offset + got}, before the {len(view)} bytes at offset "
-                                     f"{offset}; it is truncated")
-
-
-def read_exact(blob: BlobReader, n: int, offset: int, here: str, file: str) -> bytes:
-    buf = bytearray(n)
-    _read_into(blob, memoryview(buf), offset, here, file)
-    return bytes(buf)

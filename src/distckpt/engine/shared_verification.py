@@ -24,7 +24,7 @@ from ..format.records import FileStorageData
 from ..item_columns import ReadColumns
 from ..metadata import Metadata, MetadataIndex
 from ..planner import LoadItemType, LoadPlan
-from .read import ChunkShapes
+from .chunk_reads import ChunkShapes
 
 __all__ = ["partial_chunks", "encode_chunks", "decode_chunks", "assign_verifiers", "verified_elsewhere"]
 
