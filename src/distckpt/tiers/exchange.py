@@ -21,9 +21,9 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, CorruptCheckpointError
 
-__all__ = ["all_gather_json", "dir_manifest", "transfer", "Buffers", "commit_dir", "dir_bytes"]
+__all__ = ["all_gather_json", "dir_manifest", "transfer", "Buffers", "commit_dir", "dir_bytes", "huge_pages", "map_file"]
 
 _CHUNK = 64 << 20
 _DEPTH = 3
@@ -185,19 +185,22 @@ def huge_pages(path: str) -> bool:
     return bool(huge & {"always", "within_size"}) or "[force]" in policy
 
 
-def _map(path: str, size: int, receive: bool) -> Optional[mmap.mmap]:
+def map_file(path: str, size: int, receive: bool = False) -> Optional[mmap.mmap]:
     """``path`` mapped whole (None when it is empty): shared and writable to receive into, private (never written)
-    to send from. A file to receive into is cut to ``size`` and has its pages reserved first, so that a full tmpfs
-    fails here with ENOSPC instead of with SIGBUS when a byte lands."""
+    to read from. A file to receive into is cut to ``size`` and has its pages reserved first, so that a full tmpfs
+    fails here with ENOSPC instead of with SIGBUS when a byte lands; a file to read must be a regular file of
+    ``size`` bytes (a tier's files are never rewritten in place, so anything else means something changed it)."""
     fd = os.open(path, (os.O_RDWR | os.O_CREAT if receive else os.O_RDONLY) | os.O_NOFOLLOW, 0o644)
     try:
         if receive:
             os.ftruncate(fd, size)
             if size:
                 os.posix_fallocate(fd, 0, size)
-        elif os.fstat(fd).st_size != size:
-            raise CheckpointError(f"{path!r} is {os.fstat(fd).st_size} bytes, not the {size} it had when the step was "
-                                  "listed; a tier step is never rewritten in place, so something else wrote to it")
+        else:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+                raise CorruptCheckpointError(f"{path!r} is not a regular file of the {size} bytes recorded for it; a "
+                                             "tier step is never rewritten in place, so something else changed it")
         if not size:
             return None
         return mmap.mmap(fd, size, flags=mmap.MAP_SHARED if receive else mmap.MAP_PRIVATE,
@@ -218,7 +221,7 @@ def _mapped_stream(folder: str, manifest: list[list[Any]], peer: int, group: Any
     try:
         for name, size in manifest:
             try:
-                m = _map(os.path.join(folder, name), size, receive)
+                m = map_file(os.path.join(folder, name), size, receive)
             except (OSError, CheckpointError) as exc:
                 failure, m = failure or exc, None
             if m is not None:

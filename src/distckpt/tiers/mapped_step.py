@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import stat
 from typing import Any
 
 import torch
@@ -25,6 +24,7 @@ from ..format.records import FileStorageData, StorageInfo
 from ..loading import load, read_metadata
 from ..metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from ..planning.flatten import flatten_state_dict, get_element, set_element
+from .exchange import map_file
 
 __all__ = ["map_step"]
 
@@ -46,7 +46,7 @@ def map_step(path: str, view: dict[str, Any], dtensors: dict[int, Any]) -> bool:
     mapped = {}
     for fqn, info in places.items():
         if info.file not in maps:
-            maps[info.file] = _map(os.path.join(path, info.file), md.storage_data.files[info.file].size)
+            maps[info.file] = map_file(os.path.join(path, info.file), md.storage_data.files[info.file].size)
         data = torch.frombuffer(maps[info.file], dtype=torch.uint8)[info.offset:info.offset + info.length]
         got = crc32c(memoryview(data.numpy()))
         if got != info.crc32c:
@@ -84,20 +84,6 @@ def _place(md: Metadata, fqn: str, template: torch.Tensor) -> StorageInfo | None
     whole = tuple(chunk.sizes) == tuple(template.shape) == tuple(entry.size) and not any(chunk.offsets)
     if (info is None or info.codec != "identity" or not whole or entry.properties.dtype != template.dtype
             or info.length != template.numel() * template.element_size() or info.file not in data.files
-            or info.offset + info.length > data.files[info.file].size):
+            or not 0 < info.offset + info.length <= data.files[info.file].size):
         return None
     return info
-
-
-def _map(path: str, size: int) -> mmap.mmap:
-    """The file mapped whole, private: read, never written. Its size must be what the metadata says."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    try:
-        st = os.fstat(fd)
-        found = st.st_size
-        if not stat.S_ISREG(st.st_mode) or found != size:
-            raise CorruptCheckpointError(f"{path!r} is not a regular file of the {size} bytes its checkpoint's metadata records; "
-                                         "the node's tier is damaged, so this step cannot be persisted from it")
-        return mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    finally:
-        os.close(fd)
