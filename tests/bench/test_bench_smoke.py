@@ -4,7 +4,7 @@ from bench import run
 
 
 def test_bench_suite_runs_every_peer_at_a_tiny_size(tmp_path, capsys):
-    results = run.main(["--gib", "0.004", "--small", "100", "--tiny", "200", "--planning-ranks", "4", "--repeat", "2",
+    results = run.main(["--gib", "0.004", "--small", "100", "--tiny", "200", "--planning-ranks", "4", "--repeat", "1",
                         "--disk-dir", str(tmp_path),
                         "--json", str(tmp_path / "r.json")])
     out = capsys.readouterr().out

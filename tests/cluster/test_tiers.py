@@ -101,16 +101,26 @@ def test_sigterm_persists_the_newest_local_step_within_the_grace_period(tmp_path
 def test_sigkill_anywhere_in_a_save_never_restores_a_mixed_step(tmp_path, durable_env):
     """The whole job is SIGKILLed at points spread over local writes, replication and persisting (every node keeps
     its memory tier); the restore then takes a step whose every byte is that step's, on every rank."""
+    _sigkill_sweep(tmp_path, durable_env, kills=4, seed=23)
+
+
+@pytest.mark.slow
+def test_many_sigkills_never_restore_a_mixed_step(tmp_path, durable_env):
+    _sigkill_sweep(tmp_path, durable_env, kills=12, seed=24)
+
+
+def _sigkill_sweep(tmp_path, durable_env, kills, seed):
     import random
     import time
 
-    rng = random.Random(23)
+    rng = random.Random(seed)
     with Cluster(str(tmp_path / "c"), nodes=2, ranks_per_node=2) as cluster:
         reference = cluster.run(TRAIN, env=durable_env, run="ref", steps=6, extra_mb=16, timeout_s=300)
-        for i in range(4):
+        for i in range(kills):
             run = f"sweep{i}"
             job = cluster.launch(TRAIN, env=durable_env, run=run, steps=6, persist_every=2, extra_mb=16)
-            time.sleep(rng.uniform(6.0, 14.0))  # past start-up, somewhere in the steps and their saves
+            # past start-up, somewhere in the steps and their saves: one kill in each of ``kills`` equal stretches
+            time.sleep(6.0 + 8.0 * (i + rng.random()) / kills)
             job.stop()
             for p in job.procs.values():
                 p.wait(timeout=60)

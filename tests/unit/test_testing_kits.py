@@ -32,3 +32,27 @@ def test_assert_same_names_the_key_that_differs(change):
         got["m"]["w"][0] = -0.0
     with pytest.raises(AssertionError, match="step" if change == "value" else "m"):
         assert_same(got, want)
+
+
+def _where_am_i(rank, world_size):
+    import os
+    import sys
+
+    return {"env": os.environ.get("DISTCKPT_KIT_PROBE"), "cwd": os.getcwd(), "path": sys.path[0],
+            "rank": os.environ["RANK"]}
+
+
+@pytest.mark.parametrize("start_method", [None, "spawn"])
+def test_ranks_see_the_caller_s_environment_directory_and_path_of_the_moment(tmp_path, monkeypatch, start_method):
+    """A fork server started by an earlier group holds the environment of its start; each rank must still get
+    the caller's environment, working directory and sys.path as they are when the group starts."""
+    from distckpt.testing import run_ranks
+
+    run_ranks(_where_am_i, 1, start_method=start_method)  # the server (if any) starts before the changes below
+    monkeypatch.setenv("DISTCKPT_KIT_PROBE", "set after the server started")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    got = run_ranks(_where_am_i, 2, start_method=start_method)
+    assert [g["rank"] for g in got] == ["0", "1"]
+    for g in got:
+        assert g["env"] == "set after the server started" and g["cwd"] == str(tmp_path) and g["path"] == str(tmp_path), g

@@ -2,6 +2,14 @@
 
 Used by distckpt's own multi-rank tests and usable by anyone who tests code
 built on distckpt. The function must be importable (defined at module level).
+
+Ranks are forked from a fork server that has imported torch and distckpt once
+(where the platform has one), not started as fresh interpreters: importing
+torch is most of what starting a rank costs, a test suite starts hundreds of
+groups, and a fork server is still a clean, single-threaded parent (unlike
+forking the caller, which may hold threads and locks). Each rank gets the
+caller's environment, working directory and ``sys.path`` of the moment it
+starts, as a spawned one would.
 """
 
 from __future__ import annotations
@@ -31,8 +39,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+_PRELOAD = ["torch", "torch.distributed", "distckpt"]
+
+
+def _context(start_method: Optional[str]) -> Any:
+    """The multiprocessing context ranks start from: ``start_method``, else a fork server where there is one."""
+    if start_method is None:
+        start_method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(_PRELOAD)  # taken when the server starts: the first group of the process
+    return ctx
+
+
 def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any, timeout_s: float, env: dict,
-           backend: str) -> None:
+           backend: str, caller_env: dict) -> None:
+    # the caller's environment now, not the fork server's when it started (multiprocessing sets cwd and sys.path)
+    os.environ.clear()
+    os.environ.update(caller_env)
     # what torchrun would set: every rank of the group runs on this host
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(world_size)})
@@ -63,20 +87,22 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
 
 def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.0,
               collective_timeout_s: float = 60.0, env: Optional[dict] = None, allow_failures: bool = False,
-              backend: str = "gloo") -> list[Any]:
+              backend: str = "gloo", start_method: Optional[str] = None) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes; return each rank's result.
 
     Raises RankError if any rank raised, exited abnormally, or did not finish
     within ``timeout_s`` (hung ranks are killed). With ``allow_failures``, a
     failed rank's entry is a :class:`RankFailure` instead. ``backend`` is the
     process group's (``"nccl"`` needs one CUDA device per rank; with ``"gloo"``
-    the ranks may share a device, each selecting it themselves).
+    the ranks may share a device, each selecting it themselves). ``start_method`` is multiprocessing's
+    (default: ``"forkserver"`` where the platform has it, else ``"spawn"``).
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context(start_method)
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, collective_timeout_s, dict(env or {}), backend),
-                         daemon=True)
+    caller_env = dict(os.environ)
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, collective_timeout_s, dict(env or {}), backend,
+                                              caller_env), daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()
