@@ -84,10 +84,7 @@ def flatten_state_dict(state_dict: dict, rank: int = 0) -> tuple[dict[str, Any],
         if not isinstance(k, str):
             raise CheckpointError(f"top-level state dict key {k!r} must be a str")
         if type(v) is torch.Tensor and k != RANK_LOCAL and "@rank" not in k:  # a model's flat keys: the walk's answer
-            if k in flat:
-                _add(k, v, (k,), flat, mappings)  # raises, naming both
-            flat[k] = v
-            mappings[k] = (k,)
+            _add(k, v, (k,), flat, mappings)
             continue
         for path, value, local in leaves(v, (k,)):
             _add(_key(path, local, rank), value, path, flat, mappings)

@@ -88,7 +88,7 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
 def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.0,
               collective_timeout_s: float = 60.0, env: Optional[dict] = None, allow_failures: bool = False,
               backend: str = "gloo", start_method: Optional[str] = None) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes; return each rank's result.
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` new processes; return each rank's result.
 
     Raises RankError if any rank raised, exited abnormally, or did not finish
     within ``timeout_s`` (hung ranks are killed). With ``allow_failures``, a
