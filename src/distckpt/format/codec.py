@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
@@ -215,7 +215,7 @@ SUPPORTED_MAJORS = (1, 2)
 
 
 _PROPS_TEXT: dict[tuple, str] = {}  # a few distinct property lists: dtypes x requires_grad
-_quote = json.encoder.encode_basestring  # a JSON string literal, as dumps(..., ensure_ascii=False) writes it
+_quote = quote = json.encoder.encode_basestring  # a JSON string literal, as dumps(..., ensure_ascii=False) writes it
 
 
 def _join(values) -> str:
@@ -228,9 +228,7 @@ def tensor_row(size: list, properties: list, chunks: list) -> str:
 
     Rows are written as text, not built as dicts for ``json.dumps``: a document of many small tensors is
     mostly rows, and this is its one writer for both planning paths (the text is what ``dumps`` gives)."""
-    props = _PROPS_TEXT.get(tuple(properties))
-    if props is None:
-        props = _PROPS_TEXT[tuple(properties)] = dumps(properties).decode()
+    props = properties_text(properties)
     if len(chunks) == 1 and len(chunks[0]) == 5:  # most rows: one chunk stored as it is
         o, n, file_no, begin, crc = chunks[0]
         return (f'{{"type":"tensor","size":[{_join(size)}],"properties":{props},"chunks":[[[{_join(o)}],[{_join(n)}],'
@@ -245,6 +243,26 @@ def tensor_row(size: list, properties: list, chunks: list) -> str:
         else:
             parts.append(head + "]")
     return f'{{"type":"tensor","size":[{_join(size)}],"properties":{props},"chunks":[{",".join(parts)}]}}'
+
+
+_ZEROS = [",".join(["0"] * n) for n in range(65)]  # "0,0,...": offsets of a chunk at the origin
+
+
+def whole_tensor_member(fqn: str, size: list, properties_text: str, file_no: int, begin: int, crc: int) -> str:
+    """``"fqn":`` and the :func:`tensor_row` of a tensor stored as one chunk as large as itself, at ``begin`` of
+    file ``file_no``; ``properties_text`` from :func:`properties_text`. The row of most keys of a many-tensor save,
+    in one format (the same text as ``tensor_row``; tested)."""
+    s = str(size[0]) if len(size) == 1 else ",".join(map(str, size))
+    return (f'{_quote(fqn)}:{{"type":"tensor","size":[{s}],"properties":{properties_text},"chunks":[[[{_ZEROS[len(size)]}],'
+            f'[{s}],{file_no},{begin},{crc}]]}}')
+
+
+def properties_text(properties: list) -> str:
+    """The JSON text of an encoded properties list (a few distinct ones per save: dtypes x requires_grad)."""
+    props = _PROPS_TEXT.get(tuple(properties))
+    if props is None:
+        props = _PROPS_TEXT[tuple(properties)] = dumps(properties).decode()
+    return props
 
 
 def bytes_row(at: Optional[tuple]) -> str:
@@ -314,12 +332,12 @@ def encode_metadata(md: Metadata) -> bytes:
                              CODEC_FORMAT_VERSION_STR if coded else FORMAT_VERSION_STR)
 
 
-def metadata_document(sdm: dict[str, str], storage: Any, planner: Any, sm: Optional[StorageMeta],
+def metadata_document(sdm: Union[dict[str, str], list[str]], storage: Any, planner: Any, sm: Optional[StorageMeta],
                       version: str = FORMAT_VERSION_STR) -> bytes:
     """Serialise the already-encoded members of a metadata document (``sdm``: key to the JSON text of its
-    row) and append its checksum. ``version`` is the lowest that records what the rows hold: 2.1 where an
-    item is stored through a codec, else 2.0."""
-    rows = ",".join(f"{_quote(fqn)}:{row}" for fqn, row in sdm.items())
+    row, or the members' texts ``"key":row`` in order) and append its checksum. ``version`` is the lowest
+    that records what the rows hold: 2.1 where an item is stored through a codec, else 2.0."""
+    rows = ",".join(sdm if isinstance(sdm, list) else (f"{_quote(fqn)}:{row}" for fqn, row in sdm.items()))
     meta = None if sm is None else {
         "checkpoint_id": None if sm.checkpoint_id is None else str(sm.checkpoint_id),
         "save_id": sm.save_id, "load_id": sm.load_id, "modules": list(sm.modules)}

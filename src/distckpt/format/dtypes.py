@@ -32,6 +32,7 @@ _TABLE: dict[str, tuple[torch.dtype, str | None]] = {
 }
 
 _BY_DTYPE = {dt: name for name, (dt, _) in _TABLE.items()}
+STORABLE_DTYPES = frozenset(_BY_DTYPE)
 SAFETENSORS_CODES = {code for _, code in _TABLE.values() if code}
 ITEMSIZE = {code: torch.empty((), dtype=dt).element_size() for dt, code in _TABLE.values() if code}
 

@@ -23,7 +23,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from ..format.codec import bytes_row, dec_props, file_table, opaque_from, tensor_row
+from ..format.codec import bytes_row, dec_props, file_table, opaque_from, properties_text, quote, tensor_row, whole_tensor_member
 from ..format.codec import metadata_document as document_bytes
 from ..format.dtypes import dtype_from_name, itemsize
 from ..metadata import BytesStorageMetadata, ChunkStorageMetadata, Metadata, StorageMeta, TensorProperties, TensorStorageMetadata
@@ -228,16 +228,23 @@ def metadata_document(plan: ColumnarPlan, results: list[ResultColumns], save_id:
     f_l, b_l, c_l, len_l = file_no[row].tolist(), begin[row].tolist(), crc[row].tolist(), length[row].tolist()
     offs, sizes = _group_rows(plan)
     lo, hi = _key_ranges(plan)
-    sdm = {}
-    for g in plan.key_order.tolist():
-        fqn, code, props, gsize, _ = plan.rows[g]
-        a, b = int(lo[g]), int(hi[g])
+    members = []
+    add = members.append
+    rows, props_texts = plan.rows, {}
+    for g, a, b in zip(plan.key_order.tolist(), lo[plan.key_order].tolist(), hi[plan.key_order].tolist()):
+        fqn, code, props, gsize, _ = rows[g]
         if code == BYTES_CODE:
-            sdm[fqn] = bytes_row((f_l[a], b_l[a], len_l[a], c_l[a]))
+            add(f"{quote(fqn)}:{bytes_row((f_l[a], b_l[a], len_l[a], c_l[a]))}")
+            continue
+        if b - a == 1 and sizes[a] == gsize and len(gsize) <= 64 and not any(offs[a]):  # one chunk: the whole tensor
+            text = props_texts.get(id(props))
+            if text is None:
+                text = props_texts[id(props)] = properties_text(props)
+            add(whole_tensor_member(fqn, gsize, text, f_l[a], b_l[a], c_l[a]))
         else:
-            sdm[fqn] = tensor_row(gsize, props, list(zip(offs[a:b], sizes[a:b], f_l[a:b], b_l[a:b], c_l[a:b])))
+            add(f"{quote(fqn)}:{tensor_row(gsize, props, list(zip(offs[a:b], sizes[a:b], f_l[a:b], b_l[a:b], c_l[a:b])))}")
     storage = file_table(save_id, [files[n] for n in names])
-    return document_bytes(sdm, storage, _planner_json(plan.all_cols), StorageMeta(checkpoint_id=checkpoint_id, save_id=save_id))
+    return document_bytes(members, storage, _planner_json(plan.all_cols), StorageMeta(checkpoint_id=checkpoint_id, save_id=save_id))
 
 
 def to_metadata(plan: ColumnarPlan) -> Metadata:

@@ -9,7 +9,7 @@ import torch
 
 from ..capabilities import plans_on_columns, resolves_columns
 from ..errors import CheckpointError, UnsupportedTensorError
-from ..format.dtypes import dtype_name, itemsize
+from ..format.dtypes import STORABLE_DTYPES, dtype_name, itemsize
 from ..format.values import encode_value
 from ..item_columns import SHARD, TENSOR, WriteColumns
 from ..metadata import (
@@ -31,6 +31,9 @@ from .resharding import volume
 from .tensors import dtype_of, is_dtensor, is_sharded_tensor, local_pieces, piece_at
 
 __all__ = ["DefaultSavePlanner"]
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensors that are their own only piece (not DTensor, not ShardedTensor)
+_STRIDED = torch.strided
 
 
 def _check_storable(fqn: str, tensor: torch.Tensor) -> None:
@@ -140,7 +143,12 @@ class DefaultSavePlanner(SavePlanner):
         cols = WriteColumns()
         self._encoded = {}
         for fqn, obj in self.state_dict.items():
-            if isinstance(obj, torch.Tensor):
+            if type(obj) in _PLAIN:  # most keys: the checks of _check_storable that a plain tensor needs, in one test
+                if not (obj.dtype in STORABLE_DTYPES and obj.layout is _STRIDED and not obj.is_nested and not obj.is_meta):
+                    _check_storable(fqn, obj)
+                shape = tuple(obj.shape)
+                cols.add_tensor(fqn, TENSOR, obj, obj.dtype, obj.requires_grad, shape, (0,) * len(shape), shape, obj.nbytes)
+            elif isinstance(obj, torch.Tensor):
                 _check_storable(fqn, obj)
                 if is_dtensor(obj) or is_sharded_tensor(obj):
                     global_size, pieces = local_pieces(fqn, obj)
