@@ -8,6 +8,7 @@ from collections import defaultdict
 from operator import itemgetter
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from .. import knobs
@@ -214,11 +215,15 @@ class Read:
         buffered: list[MetadataIndex] = []
         sdm = self.md.state_dict_metadata
         add = direct.append
-        if self.whole:  # column items: their locations are rows of ChunkLocations
+        whole = self.whole
+        if whole:  # column items: their locations are rows of ChunkLocations, taken in file order
             locations = self.fsd.items
             names = [name for name, _ in locations.file_list]
             file_no, begin, length, crc = locations.file_no, locations.begin, locations.length, locations.crc
-        for fqn, offsets, dest, size, row, at, dtype in self.whole:
+            rows = np.array([w[4] for w in whole], dtype=np.int64)
+            order = np.lexsort((np.frombuffer(begin, dtype=np.int64)[rows], np.frombuffer(file_no, dtype=np.int64)[rows]))
+            whole = [whole[i] for i in order.tolist()]
+        for fqn, offsets, dest, size, row, at, dtype in whole:
             # the planner gave a destination of the chunk's shape; in place where it is host memory of the stored dtype
             view = (flat_bytes(dest) if dest.dtype == dtype and dest.is_cpu and dest.is_contiguous() and not dest.is_conj()
                     and not dest.is_neg() else None)
@@ -230,6 +235,7 @@ class Read:
                 self.by_chunk[index].append(ReadItem(LoadItemType.TENSOR, MetadataIndex(fqn, at), zeros, index, zeros,
                                                      torch.Size(size)))
                 self.add_chunk(index)
+        in_order = len(direct)  # the column items, already in file order (by number, not by name)
         for index, info in sorted(self.infos.items(), key=lambda kv: (kv[1].file, kv[1].offset)):
             items, shape = self.by_chunk[index], self.chunk_shapes[index]
             if (items[0].type == LoadItemType.TENSOR and len(items) == 1 and tuple(items[0].lengths) == shape
@@ -241,7 +247,8 @@ class Read:
                     add((index.fqn, index.offset, dest, view, info.file, info.offset, info.length, info.crc32c, items[0]))
                     continue
             buffered.append(index)
-        direct.sort(key=itemgetter(_FILE, _BEGIN))
+        if len(direct) > in_order:  # runs of adjacent chunks are found in this order (tasks)
+            direct.sort(key=itemgetter(_FILE, _BEGIN))
         return direct, buffered
 
     def tasks(self) -> list[tuple]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..errors import CheckpointError
@@ -132,28 +133,38 @@ def check_no_aliasing(named: list[tuple[str, torch.Tensor]]) -> None:
     Destinations that overlap otherwise would overwrite each other's bytes during a load, and
     a checksum computed on the destination would then fail on an intact checkpoint.
     """
-    spans = []
+    keys, tensors, lows, highs = [], [], [], []
     for key, t in named:
-        if t.is_meta or not t.numel():
+        if t.is_meta:
+            continue
+        nbytes = t.nbytes
+        if not nbytes:
             continue
         if t.is_contiguous():
-            extent = t.numel()
+            lo = t.data_ptr()
+            hi = lo + nbytes
         else:
             strides = t.stride()
             if min(strides) < 0:
                 continue
-            extent = sum((n - 1) * s for n, s in zip(t.shape, strides)) + 1
-        lo = t.data_ptr()
-        spans.append((lo, lo + extent * t.element_size(), key, t))
-    if len(spans) < 2:
+            lo = t.data_ptr()
+            hi = lo + (sum((n - 1) * s for n, s in zip(t.shape, strides)) + 1) * t.element_size()
+        keys.append(key)
+        tensors.append(t)
+        lows.append(lo)
+        highs.append(hi)
+    if len(lows) < 2:
         return
-    spans.sort(key=lambda s: s[0])
-    reach = spans[0][1]
-    for i in range(1, len(spans)):
-        lo = spans[i][0]
-        if lo < reach:  # this one starts inside an earlier one's extent: look closer
-            _check_against_earlier(spans, i)
-        reach = max(reach, spans[i][1])
+    # sorted by start, a span that starts before the furthest end of those before it overlaps one of them
+    lo_a, hi_a = np.array(lows, dtype=np.int64), np.array(highs, dtype=np.int64)
+    order = np.argsort(lo_a, kind="stable")
+    reach = np.maximum.accumulate(hi_a[order])
+    suspects = np.flatnonzero(lo_a[order][1:] < reach[:-1]) + 1
+    if not suspects.size:
+        return
+    spans = [(lows[i], highs[i], keys[i], tensors[i]) for i in order.tolist()]
+    for i in suspects.tolist():
+        _check_against_earlier(spans, i)
 
 
 def _check_against_earlier(spans: list, i: int) -> None:
