@@ -427,6 +427,7 @@ def check_document(raw: bytes, where: str) -> None:
 
 _INT = {int}
 _new = object.__new__
+_ORIGINS = [torch.Size([0] * n) for n in range(65)]
 
 
 def _whole_tensor(entry: Any, fqn: str, locations: Any) -> Optional[TensorStorageMetadata]:
@@ -443,9 +444,8 @@ def _whole_tensor(entry: Any, fqn: str, locations: Any) -> Optional[TensorStorag
     if type(c) is not list or len(c) != 5 or len(size_raw) > 64 or fqn in locations.keys_:
         return None
     o_raw, s_raw, file_no, begin, crc = c
-    if (type(o_raw) is not list or s_raw != size_raw or (size_raw and set(map(type, size_raw)) != _INT)
-            or set(map(type, s_raw)) - _INT or o_raw != [0] * len(size_raw) or set(map(type, o_raw)) - _INT):
-        return None
+    if type(o_raw) is not list or s_raw != size_raw or o_raw != [0] * len(size_raw) or set(map(type, size_raw + s_raw + o_raw)) - _INT:
+        return None  # (equal lists may still differ in type: 1.0 == 1 == True)
     try:
         fields = _DECODED_PROPS.get(tuple(props_raw))
     except TypeError:
@@ -462,7 +462,7 @@ def _whole_tensor(entry: Any, fqn: str, locations: Any) -> Optional[TensorStorag
         return None
     size = torch.Size(size_raw)
     chunk = _new(ChunkStorageMetadata)
-    chunk.offsets = torch.Size(o_raw)
+    chunk.offsets = _ORIGINS[len(size_raw)]  # a Size is immutable: one per dimension count serves every chunk
     chunk.sizes = size
     locations.keys_[fqn] = (len(locations.begin), {chunk.offsets: 0})
     locations.file_no.append(file_no)
