@@ -92,6 +92,9 @@ def evaluate(results: dict) -> list[Target]:
         if rows and "raw|load" in rows:
             out.append(Target(f"tmpfs {ranks} rank(s) warm load: raw time / distckpt", _time_ratio(rows, "load", "raw", "distckpt"),
                               0.9, True, 1.0))
+            if "unverified|load" in rows:  # the same load without checksums: what the format costs besides them
+                out.append(Target(f"tmpfs {ranks} rank(s) warm load: raw / unverified", _time_ratio(rows, "load", "raw", "unverified"),
+                                  0.9, True, 1.0, reference=True))
     for ranks in (1, 2):
         rows = results.get(f"reshard/{ranks}")
         if rows:

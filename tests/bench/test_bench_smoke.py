@@ -23,8 +23,12 @@ def test_bench_suite_runs_every_peer_at_a_tiny_size(tmp_path, capsys):
     # many small and tiny tensors, beside DCP and the raw floor of the same bytes
     assert set(results["small"]) == set(results["tiny"]) == {f"{p}|{op}" for p in ("distckpt", "dcp", "raw") for op in ("save", "load")}
     assert "targets (issue 5), this run:" in out and len([t for t in results["targets"] if not t["reference"]]) == 26
-    assert [t["name"].strip() for t in results["targets"] if t["reference"]] == ["same vs O_DIRECT sequential save",
-                                                                                  "same vs O_DIRECT sequential load"]
+    assert [t["name"].strip() for t in results["targets"] if t["reference"]] == [
+        "same vs O_DIRECT sequential save", "same vs O_DIRECT sequential load",
+        "tmpfs 1 rank(s) warm load: raw / unverified", "tmpfs 2 rank(s) warm load: raw / unverified"]
+    # warm loads are also taken without checksums, beside the raw floor: the format's cost apart from them
+    assert "unverified|load" in results["tmpfs/2"] and "unverified|load" not in results["disk/1"]
+    assert "unverified|save" not in results["tmpfs/1"]
     assert (tmp_path / "r.json").exists()
 
 
@@ -93,6 +97,11 @@ def test_targets_are_ratios_within_one_run_with_the_raw_floor_beside_them():
     assert not save.met and abs(save.measured - 0.8) < 1e-9 and abs(save.floor - 0.8 / 0.9) < 1e-9
     assert load.met and abs(load.measured - 0.96) < 1e-9 and abs(load.floor - 1.92) < 1e-9
     assert any(line.lstrip().startswith("MISSED tmpfs 1 rank(s) load: DCP") and "raw floor 4.00" in line for line in lines)
+    # a load without checksums is shown beside the warm load target, not counted as one
+    results["tmpfs/1"]["unverified|load"] = _row(0.55)
+    unverified = {t.name: t for t in targets.evaluate(results)}["tmpfs 1 rank(s) warm load: raw / unverified"]
+    assert unverified.reference and abs(unverified.measured - 0.5 / 0.55) < 1e-9
+    del results["tmpfs/1"]["unverified|load"]
     # the bandwidth around the page cache is shown beside it, and not counted as a target
     results["disk/1"] |= {"direct|save": _row(0.5), "direct|load": _row(1.0)}
     got = targets.evaluate(results)
