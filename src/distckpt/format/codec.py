@@ -215,7 +215,7 @@ SUPPORTED_MAJORS = (1, 2)
 
 
 _PROPS_TEXT: dict[tuple, str] = {}  # a few distinct property lists: dtypes x requires_grad
-_quote = quote = json.encoder.encode_basestring  # a JSON string literal, as dumps(..., ensure_ascii=False) writes it
+quote = json.encoder.encode_basestring  # a JSON string literal, as dumps(..., ensure_ascii=False) writes it
 
 
 def _join(values) -> str:
@@ -253,7 +253,7 @@ def whole_tensor_member(fqn: str, size: list, properties_text: str, file_no: int
     file ``file_no``; ``properties_text`` from :func:`properties_text`. The row of most keys of a many-tensor save,
     in one format (the same text as ``tensor_row``; tested)."""
     s = str(size[0]) if len(size) == 1 else ",".join(map(str, size))
-    return (f'{_quote(fqn)}:{{"type":"tensor","size":[{s}],"properties":{properties_text},"chunks":[[[{_ZEROS[len(size)]}],'
+    return (f'{quote(fqn)}:{{"type":"tensor","size":[{s}],"properties":{properties_text},"chunks":[[[{_ZEROS[len(size)]}],'
             f'[{s}],{file_no},{begin},{crc}]]}}')
 
 
@@ -337,7 +337,7 @@ def metadata_document(sdm: Union[dict[str, str], list[str]], storage: Any, plann
     """Serialise the already-encoded members of a metadata document (``sdm``: key to the JSON text of its
     row, or the members' texts ``"key":row`` in order) and append its checksum. ``version`` is the lowest
     that records what the rows hold: 2.1 where an item is stored through a codec, else 2.0."""
-    rows = ",".join(sdm if isinstance(sdm, list) else (f"{_quote(fqn)}:{row}" for fqn, row in sdm.items()))
+    rows = ",".join(sdm if isinstance(sdm, list) else (f"{quote(fqn)}:{row}" for fqn, row in sdm.items()))
     meta = None if sm is None else {
         "checkpoint_id": None if sm.checkpoint_id is None else str(sm.checkpoint_id),
         "save_id": sm.save_id, "load_id": sm.load_id, "modules": list(sm.modules)}
