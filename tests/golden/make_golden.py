@@ -1,11 +1,13 @@
 """Write the golden checkpoints of the current format versions into tests/golden/v<version>/.
 
 Run once per released format version: python tests/golden/make_golden.py
-Existing directories are never overwritten. 2.0 is what a save writes by
-default; 2.1 is written when items go through a chunk codec, so its golden
-checkpoints are saved through ZStandard.
+Existing directories are never overwritten. 3.0 is what a save writes by
+default; 2.1 is written when every tensor goes through a chunk codec, so its
+golden checkpoints are saved through ZStandard. (2.0, a save with neither a
+table of whole tensors nor a codec, was written by earlier releases.)
 """
 
+import json
 import os
 import sys
 
@@ -48,6 +50,9 @@ def main():
         sharded = os.path.join(root, "sharded-2ranks")
         if not os.path.exists(sharded):
             run_ranks(save_sharded, 2, sharded, compressed)
+        for path in (plain, sharded):
+            with open(os.path.join(path, "metadata.json"), "rb") as f:
+                assert json.loads(f.read())["format_version"] == version, path
         print(f"golden checkpoints in {root}")
 
 

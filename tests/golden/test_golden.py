@@ -32,9 +32,16 @@ def _equal(a, b):
 
 
 def test_there_is_a_golden_checkpoint_of_the_current_versions():
-    from distckpt.format import CODEC_FORMAT_VERSION_STR, FORMAT_VERSION_STR
+    from distckpt.format import BASE_FORMAT_VERSION_STR, CODEC_FORMAT_VERSION_STR, FORMAT_VERSION_STR
 
-    assert f"v{FORMAT_VERSION_STR}" in VERSIONS and f"v{CODEC_FORMAT_VERSION_STR}" in VERSIONS
+    assert {f"v{v}" for v in (FORMAT_VERSION_STR, CODEC_FORMAT_VERSION_STR, BASE_FORMAT_VERSION_STR)} <= set(VERSIONS)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_each_golden_document_is_of_its_directorys_version(version):
+    for name in ("plain", "sharded-2ranks"):
+        with open(os.path.join(HERE, version, name, "metadata.json"), "rb") as f:
+            assert json.loads(f.read())["format_version"] == version[1:]
 
 
 @pytest.mark.parametrize("version", VERSIONS)

@@ -23,6 +23,7 @@ from distckpt.format.checksum import crc32c
 from distckpt.planning import DefaultLoadPlanner, DefaultSavePlanner
 
 from ..leftovers import leave_crashed_save
+from .helpers import per_key_entries
 
 
 def _state(step: int = 1) -> dict:
@@ -34,7 +35,7 @@ def _metadata(path: str) -> dict:
         raw = f.read()
     body = json.loads(raw)
     body.pop("crc32c")
-    return body
+    return per_key_entries(body)
 
 
 def _write_metadata(path: str, body: dict) -> None:

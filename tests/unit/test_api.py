@@ -157,7 +157,7 @@ def test_read_metadata_describes_without_loading(tmp_path):
     md = distckpt.read_metadata(tmp_path / "ck")
     assert md.state_dict_metadata["w"].size == torch.Size([4, 5])
     assert md.state_dict_metadata["w"].properties.dtype == torch.bfloat16
-    assert md.version == "2.0"
+    assert md.version == "3.0"
 
 
 def test_rank_local_values_keep_every_copy(tmp_path):

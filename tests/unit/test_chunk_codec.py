@@ -99,16 +99,18 @@ def test_the_document_records_a_codec_as_format_2_1_and_reads_it_back(tmp_path):
     store, md = _save(tmp_path, sd, encoded=("w",))
     doc = encode_metadata(md)
     body = json.loads(doc)
-    assert body["format_version"] == "2.1"
+    assert body["format_version"] == "3.0"  # a table of whole tensors: "plain"; a codec record is part of 3.0 too
     assert body["state_dict_metadata"]["w"]["chunks"][0][5] == {"codec": ["test-reversed"], "length": 4 * 4 * 4 + 1}
-    assert len(body["state_dict_metadata"]["plain"]["chunks"][0]) == 5  # stored as it is: no record
+    assert body["tensors"]["keys"] == ["plain"] and list(body["state_dict_metadata"]) == ["w"]  # stored as it is: no record
+    only_coded = encode_metadata(_save(tmp_path / "c", {"w": sd["w"]}, encoded=("w",))[1])
+    assert json.loads(only_coded)["format_version"] == "2.1" and "tensors" not in json.loads(only_coded)
     back = parse_metadata(doc, "test")
     assert back.storage_data.items[MetadataIndex("w", [0, 0])].codec == "test-reversed"
     out = {"w": torch.zeros(4, 4), "plain": torch.zeros(3)}
     _load(store, back, out)
     assert_same(out, sd)
     without = encode_metadata(_save(tmp_path / "b", sd, encoded=())[1])
-    assert json.loads(without)["format_version"] == "2.0"
+    assert json.loads(without)["format_version"] == "3.0" and json.loads(without)["state_dict_metadata"] == {}
 
 
 @pytest.mark.parametrize("record", [{"codec": []}, {"codec": ["a|b"], "length": 1}, {"codec": ["x"]}, {"codec": ["x"], "length": -1},

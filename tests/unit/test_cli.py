@@ -18,7 +18,7 @@ def test_inspect_and_verify(tmp_path):
     assert "w" in res.output and "bfloat16" in res.output and "(3, 4)" in res.output
     res = runner.invoke(main, ["inspect", path, "--json"])
     doc = json.loads(res.output)
-    assert {e["key"] for e in doc["entries"]} == {"w", "step"} and doc["format_version"] == "2.0"
+    assert {e["key"] for e in doc["entries"]} == {"w", "step"} and doc["format_version"] == "3.0"
     res = runner.invoke(main, ["verify", path])
     assert res.exit_code == 0 and res.output.startswith("ok: 2 items")
 

@@ -215,8 +215,9 @@ def test_read_columns_build_items_only_when_read():
 
 def test_rows_and_headers_written_as_text_are_what_json_dumps_gives():
     """The metadata rows and data-file headers are written as text for speed; they must stay the JSON a dict gives."""
-    from distckpt.format.codec import dumps, properties_text, tensor_row, whole_tensor_member
+    from distckpt.format.codec import dumps, tensor_row
     from distckpt.format.datafile import Entry, _lead, build_header, header_json
+    from distckpt.format.tensor_table import TableWriter
 
     props = ["float32", "strided", False, "contiguous", False]
     for chunks in ([[[0], [5], 1, 4096, 7]], [[[0, 0], [2, 3], 0, 0, 1], [[2, 0], [2, 3], 0, 24, 2]], [[[], [], 0, 8, 0]],
@@ -225,10 +226,14 @@ def test_rows_and_headers_written_as_text_are_what_json_dumps_gives():
         want = dumps({"type": "tensor", "size": size, "properties": props,
                       "chunks": [list(c[:2]) + list(c[2:]) for c in chunks]}).decode()
         assert tensor_row(size, props, chunks) == want
-    for size in ([5], [2, 3], [], [0, 4], [1, 1, 1, 7]):  # the one-chunk member of the columnar document writer
-        chunks = [[[0] * len(size), size, 1, 4096, 4294967295]]
-        want = dumps({'k\u00e9"\\': {"type": "tensor", "size": size, "properties": props, "chunks": chunks}}).decode()
-        assert "{" + whole_tensor_member('k\u00e9"\\', size, properties_text(props), 1, 4096, 4294967295) + "}" == want
+    table = TableWriter()
+    for i, size in enumerate(([5], [2, 3], [], [0, 4], [1, 1, 1, 7])):  # the table of whole tensors
+        table.add(f'k\u00e9"\\{i}', size, props if i % 2 else props[:2] + [True] + props[3:], i % 2, 4096 * i, 4294967295 - i)
+    want = dumps({"tensors": {"keys": [f'k\u00e9"\\{i}' for i in range(5)],
+                              "properties": [props[:2] + [True] + props[3:], props], "property": [0, 1, 0, 1, 0],
+                              "ndim": [1, 2, 0, 2, 4], "size": [5, 2, 3, 0, 4, 1, 1, 1, 7], "file": [0, 1, 0, 1, 0],
+                              "offset": [0, 4096, 8192, 12288, 16384], "crc32c": [4294967295 - i for i in range(5)]}})
+    assert b"{" + table.member(dumps) + b"}" == want
     entries = [Entry("a", "F32", (3,), 12), Entry('b\u00e9"\\\n@0,1', "BF16", (2, 3), 12), Entry("c", "U8", (), 1),
                Entry("d", "F64", (0, 4), 0), Entry("\x00x\u2028", "I64", (1, 1, 1), 8)]
     meta = {"format": "distckpt", "format_version": "2.0", "save_id": "s", "rank": "3"}

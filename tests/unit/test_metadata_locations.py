@@ -1,4 +1,4 @@
-"""The stored locations of a decoded format-2.x document: a read-only mapping built from columns."""
+"""The stored locations of a decoded format-2.x or 3.x document: a read-only mapping built from columns."""
 
 import json
 import os
@@ -15,15 +15,17 @@ from distckpt.format.codec import parse_metadata
 from distckpt.format.locations import ChunkLocations, check_no_overlap
 from distckpt.format.records import FileInfo, FileStorageData, StorageInfo
 from distckpt.metadata import MetadataIndex
+from tests.security.helpers import per_key_entries
 
-GOLDEN = os.path.join(os.path.dirname(__file__), "..", "golden", "v2.0")
+GOLDEN_ROOT = os.path.join(os.path.dirname(__file__), "..", "golden")
+GOLDEN = os.path.join(GOLDEN_ROOT, "v2.0")
 
 
 def _expected_items(body: dict) -> dict:
     """MetadataIndex -> StorageInfo as the document lists them, decoded by hand."""
     files = body["storage_data"]["$files"]["files"]
     out = {}
-    for fqn, entry in body["state_dict_metadata"].items():
+    for fqn, entry in per_key_entries(body)["state_dict_metadata"].items():
         if entry["type"] == "bytes":
             f, begin, length, crc = entry["at"]
             out[MetadataIndex(fqn)] = StorageInfo(files[f][0], begin, length, crc)
@@ -34,9 +36,10 @@ def _expected_items(body: dict) -> dict:
     return out
 
 
+@pytest.mark.parametrize("version", ["v2.0", "v3.0"])
 @pytest.mark.parametrize("name", ["plain", "sharded-2ranks"])
-def test_decoded_locations_are_the_documents_locations(name):
-    raw = open(os.path.join(GOLDEN, name, "metadata.json"), "rb").read()
+def test_decoded_locations_are_the_documents_locations(name, version):
+    raw = open(os.path.join(GOLDEN_ROOT, version, name, "metadata.json"), "rb").read()
     md = parse_metadata(raw, "golden")
     items = md.storage_data.items
     assert isinstance(items, ChunkLocations)

@@ -21,9 +21,9 @@ from ..engine.blobs import BlobStore
 from ..engine.read import read_items
 from ..engine.write import identity_codec, write_file
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
-from ..format import CODEC_FORMAT_VERSION_STR, FORMAT_VERSION_STR, METADATA_FILE
-from ..format.chunk_codec import IDENTITY, ChunkCodec
-from ..format.codec import EncodedMetadata, encode_metadata, parse_metadata, stored_file_sizes
+from ..format import METADATA_FILE
+from ..format.chunk_codec import ChunkCodec
+from ..format.codec import EncodedMetadata, encode_metadata, parse_metadata, stored_file_sizes, written_version
 from ..format.locations import check_cover, checked_chunk
 from ..format.records import FileResult, FileStorageData, StorageInfo
 from ..metadata import Metadata, StorageMeta, TensorStorageMetadata
@@ -141,13 +141,13 @@ class BlobStorageWriter(StorageWriter):
                     checked_chunk(c, entry.size, f"checkpoint {self._checkpoint_id()!r}: key {fqn!r}")
                 check_cover(entry.chunks, entry.size, f"checkpoint {self._checkpoint_id()!r}: key {fqn!r}")
         metadata.storage_data = fsd
-        coded = any(si.codec != IDENTITY.name for si in fsd.items.values())
-        metadata.version = CODEC_FORMAT_VERSION_STR if coded else FORMAT_VERSION_STR
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.checkpoint_id = self._checkpoint_id()
         metadata.storage_meta.save_id = fsd.save_id
-        self._commit_document(encode_metadata(metadata))
+        document = encode_metadata(metadata)
+        metadata.version = written_version(document)
+        self._commit_document(document)
 
     def columnar_document(self, plan: ColumnarPlan, results: list[ResultColumns]) -> bytes:
         """The metadata document of this save from a columnar plan and the ranks' column results (coordinator)."""

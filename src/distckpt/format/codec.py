@@ -26,16 +26,18 @@ from ..metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from . import CODEC_FORMAT_VERSION_STR, FORMAT_NAME, FORMAT_VERSION_STR
+from . import BASE_FORMAT_VERSION_STR, CODEC_FORMAT_VERSION_STR, FORMAT_NAME, FORMAT_VERSION_STR
 from .checksum import crc32c, format_crc
 from .chunk_codec import CODEC_SEPARATOR, IDENTITY
 from .datafile import unique_members
-from .dtypes import dtype_from_name, dtype_name, itemsize
+from .dtypes import itemsize
 from .fields import MAX_INT as _MAX_INT
 from .fields import ints as _ints
 from .locations import add_item, check_cover, check_no_overlap, checked_chunk, cross_check, decode_file_table, inline_chunks, stored_codec
 from .names import check_file_name
+from .properties import DECODED_PROPS, dec_props, enc_props
 from .records import FileInfo, FileStorageData, StorageInfo
+from .tensor_table import TableWriter, decode_table
 from .values import from_data, to_data
 
 MAX_KEYS = 10_000_000
@@ -55,40 +57,6 @@ def dec_index(data: Any, where: str) -> MetadataIndex:
     if hint is not None and (type(hint) is not int or hint < 0):
         raise CorruptCheckpointError(f"{where}: malformed chunk hint {hint!r}")
     return MetadataIndex(data[0], _ints(data[1], where, allow_none=True), hint)
-
-
-_MEMORY_FORMATS = {"contiguous": torch.contiguous_format, "channels_last": torch.channels_last,
-                   "channels_last_3d": torch.channels_last_3d, "preserve": torch.preserve_format}
-_LAYOUTS = {"strided": torch.strided, "sparse_coo": torch.sparse_coo}
-
-
-def enc_props(p: TensorProperties) -> list:
-    mf = next((k for k, v in _MEMORY_FORMATS.items() if v == p.memory_format), "contiguous")
-    layout = next((k for k, v in _LAYOUTS.items() if v == p.layout), "strided")
-    return [dtype_name(p.dtype), layout, bool(p.requires_grad), mf, bool(p.pin_memory)]
-
-
-_DECODED_PROPS: dict[tuple, tuple] = {}  # property lists already checked (a few: dtypes x flags), as fields
-
-
-def dec_props(data: Any, where: str) -> TensorProperties:
-    if type(data) is list and len(data) == 5:
-        try:
-            fields = _DECODED_PROPS.get(tuple(data))
-        except TypeError:  # an unhashable member: malformed, said below
-            fields = None
-        if fields is not None:
-            return TensorProperties(*fields)  # a new object each time: planners may change one in place
-    if not isinstance(data, list) or len(data) != 5:
-        raise CorruptCheckpointError(f"{where}: malformed tensor properties {data!r:.200}")
-    dt, layout, rg, mf, pin = data
-    if (not isinstance(layout, str) or not isinstance(mf, str) or layout not in _LAYOUTS or mf not in _MEMORY_FORMATS
-            or type(rg) is not bool or type(pin) is not bool):
-        raise CorruptCheckpointError(f"{where}: malformed tensor properties {data!r:.200}")
-    fields = (dtype_from_name(dt, where), _LAYOUTS[layout], rg, _MEMORY_FORMATS[mf], pin)
-    if type(dt) is str and type(rg) is bool and type(pin) is bool and len(_DECODED_PROPS) < 1024:
-        _DECODED_PROPS[tuple(data)] = fields
-    return TensorProperties(*fields)
 
 
 def enc_chunk(c: ChunkStorageMetadata) -> list:
@@ -211,7 +179,7 @@ def stored_save_id(document: bytes) -> Optional[str]:
     return save_id if isinstance(save_id, str) else None
 
 
-SUPPORTED_MAJORS = (1, 2)
+SUPPORTED_MAJORS = (1, 2, 3)
 
 
 _PROPS_TEXT: dict[tuple, str] = {}  # a few distinct property lists: dtypes x requires_grad
@@ -243,18 +211,6 @@ def tensor_row(size: list, properties: list, chunks: list) -> str:
         else:
             parts.append(head + "]")
     return f'{{"type":"tensor","size":[{_join(size)}],"properties":{props},"chunks":[{",".join(parts)}]}}'
-
-
-_ZEROS = [",".join(["0"] * n) for n in range(65)]  # "0,0,...": offsets of a chunk at the origin
-
-
-def whole_tensor_member(fqn: str, size: list, properties_text: str, file_no: int, begin: int, crc: int) -> str:
-    """``"fqn":`` and the :func:`tensor_row` of a tensor stored as one chunk as large as itself, at ``begin`` of
-    file ``file_no``; ``properties_text`` from :func:`properties_text`. The row of most keys of a many-tensor save,
-    in one format (the same text as ``tensor_row``; tested)."""
-    s = str(size[0]) if len(size) == 1 else ",".join(map(str, size))
-    return (f'{quote(fqn)}:{{"type":"tensor","size":[{s}],"properties":{properties_text},"chunks":[[[{_ZEROS[len(size)]}],'
-            f'[{s}],{file_no},{begin},{crc}]]}}')
 
 
 def properties_text(properties: list) -> str:
@@ -309,8 +265,16 @@ def encode_metadata(md: Metadata) -> bytes:
     coded: list = []
 
     sdm = {}
+    table = TableWriter()
     for fqn, entry in md.state_dict_metadata.items():
         if isinstance(entry, TensorStorageMetadata):
+            if fsd is not None and len(entry.chunks) == 1 and len(entry.size) <= 64:
+                c = entry.chunks[0]
+                if c.sizes == entry.size and not any(c.offsets) and len(c.offsets) == len(entry.size):
+                    si = fsd.items.get(MetadataIndex(fqn, c.offsets))
+                    if si is not None and si.file in file_no and si.codec == IDENTITY.name:  # stored as it is: a table row
+                        table.add(fqn, list(entry.size), enc_props(entry.properties), file_no[si.file], si.offset, si.crc32c)
+                        continue
             chunks = []
             for c in entry.chunks:
                 row = [list(c.offsets), list(c.sizes)]
@@ -329,19 +293,30 @@ def encode_metadata(md: Metadata) -> bytes:
     else:
         storage = opaque_to(md.storage_data, "metadata storage_data", False)
     return metadata_document(sdm, storage, opaque_to(md.planner_data, "metadata planner_data", False), md.storage_meta,
-                             CODEC_FORMAT_VERSION_STR if coded else FORMAT_VERSION_STR)
+                             bool(coded), table)
+
+
+_VERSION_AT_START = re.compile(rb'\{"format":"distckpt","format_version":"(\d{1,4}\.\d{1,4})"')
+
+
+def written_version(document: bytes) -> str:
+    """The format version a document this module wrote records (it is the document's second member)."""
+    return _VERSION_AT_START.match(document).group(1).decode()
 
 
 def metadata_document(sdm: Union[dict[str, str], list[str]], storage: Any, planner: Any, sm: Optional[StorageMeta],
-                      version: str = FORMAT_VERSION_STR) -> bytes:
+                      coded: bool = False, table: Optional[TableWriter] = None) -> bytes:
     """Serialise the already-encoded members of a metadata document (``sdm``: key to the JSON text of its
-    row, or the members' texts ``"key":row`` in order) and append its checksum. ``version`` is the lowest
-    that records what the rows hold: 2.1 where an item is stored through a codec, else 2.0."""
+    row, or the members' texts ``"key":row`` in order; ``table``: the whole tensors, listed before them) and
+    append its checksum. The version written is the lowest that records what the document holds: 3.0 with a
+    table of whole tensors, else 2.1 where an item is stored through a codec (``coded``), else 2.0."""
     rows = ",".join(sdm if isinstance(sdm, list) else (f"{quote(fqn)}:{row}" for fqn, row in sdm.items()))
     meta = None if sm is None else {
         "checkpoint_id": None if sm.checkpoint_id is None else str(sm.checkpoint_id),
         "save_id": sm.save_id, "load_id": sm.load_id, "modules": list(sm.modules)}
+    version = FORMAT_VERSION_STR if table else CODEC_FORMAT_VERSION_STR if coded else BASE_FORMAT_VERSION_STR
     prefix = b"".join((b'{"format":', dumps(FORMAT_NAME), b',"format_version":', dumps(version),
+                       b"," + table.member(dumps) if table else b"",
                        b',"state_dict_metadata":{', rows.encode("utf-8"), b'},"storage_data":', dumps(storage),
                        b',"planner_data":', dumps(planner), b',"storage_meta":', dumps(meta)))
     return prefix + b',"crc32c":"' + format_crc(crc32c(prefix)).encode() + b'"}\n'
@@ -441,13 +416,13 @@ def _whole_tensor(entry: Any, fqn: str, locations: Any) -> Optional[TensorStorag
     if type(size_raw) is not list or type(props_raw) is not list or type(chunks_raw) is not list or len(chunks_raw) != 1:
         return None
     c = chunks_raw[0]
-    if type(c) is not list or len(c) != 5 or len(size_raw) > 64 or fqn in locations.keys_:
+    if type(c) is not list or len(c) != 5 or len(size_raw) > 64 or fqn in locations.keys_ or fqn in locations.whole_:
         return None
     o_raw, s_raw, file_no, begin, crc = c
     if type(o_raw) is not list or s_raw != size_raw or o_raw != [0] * len(size_raw) or set(map(type, size_raw + s_raw + o_raw)) - _INT:
         return None  # (equal lists may still differ in type: 1.0 == 1 == True)
     try:
-        fields = _DECODED_PROPS.get(tuple(props_raw))
+        fields = DECODED_PROPS.get(tuple(props_raw))
     except TypeError:
         return None
     if fields is None or type(file_no) is not int or type(begin) is not int or type(crc) is not int:
@@ -482,7 +457,7 @@ def _parse_metadata(raw: bytes, where: str) -> Metadata:
         raise CorruptCheckpointError(f"{where}: malformed format_version {version!r:.40}")
     major = int(version.split(".")[0])
     if major not in SUPPORTED_MAJORS:
-        readable = " and ".join(f"{v}.x" for v in SUPPORTED_MAJORS)
+        readable = ", ".join(f"{v}.x" for v in SUPPORTED_MAJORS)
         raise FormatVersionError(
             f"{where}: written in format version {version}; this distckpt reads format versions {readable}. "
             "Use a distckpt release that supports that version."
@@ -498,6 +473,15 @@ def _parse_metadata(raw: bytes, where: str) -> Metadata:
     locations = fsd.items if fsd is not None else None
     sdm: dict = {}
     total_chunks = 0
+    if major >= 3 and "tensors" in body:
+        if fsd is None:
+            raise CorruptCheckpointError(f"{where}: a tensors table needs distckpt's data-file table as storage_data")
+        table = decode_table(body["tensors"], where, locations)
+        if len(table) + len(sdm_raw) > MAX_KEYS:
+            raise CorruptCheckpointError(f"{where}: more than {MAX_KEYS} keys")
+        total_chunks = len(table)
+        entry_of = table.entry
+        sdm = {fqn: entry_of(i) for i, fqn in enumerate(table.keys)}
     for fqn, entry in sdm_raw.items():
         if fsd is not None:  # the common entry, one chunk as large as the tensor, checked and built in one go
             tensor = _whole_tensor(entry, fqn, locations)

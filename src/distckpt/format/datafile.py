@@ -19,7 +19,7 @@ import torch
 
 from .. import knobs
 from ..errors import CorruptCheckpointError
-from . import FORMAT_NAME, FORMAT_VERSION_STR
+from . import DATA_FILE_VERSION_STR, FORMAT_NAME
 from .checksum import crc32c
 from .dtypes import ITEMSIZE, SAFETENSORS_CODES, safetensors_code
 
@@ -50,7 +50,7 @@ def build_header(entries: list[Entry], save_id: str, rank: int) -> tuple[bytes, 
     The header is the text ``json.dumps`` gives the dict of entries (compact separators, UTF-8), written
     entry by entry: a data file of tens of thousands of small items spent most of its header time building
     and serialising one dict per entry. :func:`header_json` is the reference it is tested against."""
-    meta = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION_STR, "save_id": save_id, "rank": str(rank)}
+    meta = {"format": FORMAT_NAME, "format_version": DATA_FILE_VERSION_STR, "save_id": save_id, "rank": str(rank)}
     if any(e.name == "__metadata__" for e in entries):  # an entry replaces the file's own metadata, as in the dict
         return _lead(header_json(entries, meta), entries)
     parts = ['{"__metadata__":' + json.dumps(meta, separators=(",", ":"), ensure_ascii=False)]

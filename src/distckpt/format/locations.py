@@ -133,11 +133,35 @@ class ChunkLocations(Mapping):
         self.length = array("q")
         self.crc = array("q")
         self.codecs: dict[int, str] = {}  # row -> codec name, for the rows not stored as they are (format 2.1)
+        # the rows of a table of whole tensors (format 3.0): key -> row, each row one chunk at the origin
+        self.whole_: dict[str, int] = {}
+        self.whole_first = 0
+        self.whole_ndim: list[int] = []
+
+    def add_whole(self, keys: list, file_no: np.ndarray, begin: np.ndarray, length: np.ndarray, crc: np.ndarray,
+                  ndim: np.ndarray, where: str) -> int:
+        """The rows of a table of whole tensors, already checked; returns the row of the first."""
+        if self.whole_ or not self.keys_.keys().isdisjoint(keys):
+            raise CorruptCheckpointError(f"{where}: a key of the tensors table is listed twice")
+        first = self.whole_first = len(self.begin)
+        for column, values in ((self.file_no, file_no), (self.begin, begin), (self.length, length), (self.crc, crc)):
+            column.frombytes(np.ascontiguousarray(values, dtype=np.int64).tobytes())
+        self.whole_ = dict(zip(keys, range(first, first + len(keys))))
+        self.whole_ndim = ndim.tolist()
+        return first
+
+    def _whole_row(self, fqn: str, offsets: Any) -> Optional[int]:
+        row = self.whole_.get(fqn)
+        if row is None or offsets is None or len(offsets) != self.whole_ndim[row - self.whole_first] or any(offsets):
+            return None
+        return row
 
     def tensor_rows(self, fqn: str, here: str) -> dict:
         """The offsets table of tensor ``fqn``, whose chunks are then appended to the columns in order."""
         entry = self.keys_.get(fqn)
         if entry is None:
+            if fqn in self.whole_:
+                raise CorruptCheckpointError(f"{here}: key is listed twice (also in the tensors table)")
             entry = self.keys_[fqn] = (len(self.begin), {})
         elif entry[1] is None or entry[0] + len(entry[1]) != len(self.begin):
             raise CorruptCheckpointError(f"{here}: key is listed twice")
@@ -148,7 +172,7 @@ class ChunkLocations(Mapping):
         """One location whose fields are already checked: a chunk of ``fqn`` at ``offsets``, or its value if None;
         ``codec`` names how its bytes are stored, if not as they are."""
         if offsets is None:
-            if fqn in self.keys_:
+            if fqn in self.keys_ or fqn in self.whole_:
                 raise CorruptCheckpointError(f"{here}: key is listed twice")
             self.keys_[fqn] = (len(self.begin), None)
         else:
@@ -165,7 +189,12 @@ class ChunkLocations(Mapping):
         self.crc.append(crc)
 
     def _row(self, index: Any) -> int:
-        entry = self.keys_.get(getattr(index, "fqn", None))
+        fqn = getattr(index, "fqn", None)
+        entry = self.keys_.get(fqn)
+        if entry is None and self.whole_:
+            row = self._whole_row(fqn, getattr(index, "offset", None))
+            if row is not None:
+                return row
         if entry is not None:
             first, rows = entry
             offset = index.offset
@@ -185,7 +214,7 @@ class ChunkLocations(Mapping):
         """The row of the chunk of tensor ``fqn`` at ``offsets``, or None if the document has none."""
         entry = self.keys_.get(fqn)
         if entry is None or entry[1] is None:
-            return None
+            return self._whole_row(fqn, offsets) if entry is None and self.whole_ else None
         at = entry[1].get(offsets)
         return None if at is None else entry[0] + at
 
@@ -202,6 +231,9 @@ class ChunkLocations(Mapping):
         return True
 
     def __iter__(self) -> Iterator[MetadataIndex]:
+        ndims = self.whole_ndim
+        for fqn, row in self.whole_.items():
+            yield MetadataIndex(fqn, torch.Size([0] * ndims[row - self.whole_first]))
         for fqn, (_, rows) in self.keys_.items():
             if rows is None:
                 yield MetadataIndex(fqn)
@@ -232,6 +264,8 @@ class ChunkLocations(Mapping):
             raise CorruptCheckpointError(f"{where}: items {k0!r} and {k1!r} overlap in data file {self.file_list[int(f[i])][0]!r}")
 
     def _fqn_of_row(self, row: int) -> str:
+        if self.whole_first <= row < self.whole_first + len(self.whole_):
+            return list(self.whole_)[row - self.whole_first]
         for fqn, (first, rows) in self.keys_.items():
             if first <= row < first + (1 if rows is None else len(rows)):
                 return fqn

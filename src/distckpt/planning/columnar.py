@@ -23,9 +23,10 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from ..format.codec import bytes_row, dec_props, file_table, opaque_from, properties_text, quote, tensor_row, whole_tensor_member
+from ..format.codec import bytes_row, dec_props, file_table, opaque_from, quote, tensor_row
 from ..format.codec import metadata_document as document_bytes
 from ..format.dtypes import dtype_from_name, itemsize
+from ..format.tensor_table import TableWriter
 from ..metadata import BytesStorageMetadata, ChunkStorageMetadata, Metadata, StorageMeta, TensorProperties, TensorStorageMetadata
 from ..wire.columns import BYTES_CODE, PlanColumns, ResultColumns
 
@@ -230,21 +231,21 @@ def metadata_document(plan: ColumnarPlan, results: list[ResultColumns], save_id:
     lo, hi = _key_ranges(plan)
     members = []
     add = members.append
-    rows, props_texts = plan.rows, {}
+    table = TableWriter()
+    add_whole = table.add
+    rows = plan.rows
     for g, a, b in zip(plan.key_order.tolist(), lo[plan.key_order].tolist(), hi[plan.key_order].tolist()):
         fqn, code, props, gsize, _ = rows[g]
         if code == BYTES_CODE:
             add(f"{quote(fqn)}:{bytes_row((f_l[a], b_l[a], len_l[a], c_l[a]))}")
             continue
         if b - a == 1 and sizes[a] == gsize and len(gsize) <= 64 and not any(offs[a]):  # one chunk: the whole tensor
-            text = props_texts.get(id(props))
-            if text is None:
-                text = props_texts[id(props)] = properties_text(props)
-            add(whole_tensor_member(fqn, gsize, text, f_l[a], b_l[a], c_l[a]))
+            add_whole(fqn, gsize, props, f_l[a], b_l[a], c_l[a])
         else:
             add(f"{quote(fqn)}:{tensor_row(gsize, props, list(zip(offs[a:b], sizes[a:b], f_l[a:b], b_l[a:b], c_l[a:b])))}")
     storage = file_table(save_id, [files[n] for n in names])
-    return document_bytes(members, storage, _planner_json(plan.all_cols), StorageMeta(checkpoint_id=checkpoint_id, save_id=save_id))
+    return document_bytes(members, storage, _planner_json(plan.all_cols), StorageMeta(checkpoint_id=checkpoint_id, save_id=save_id),
+                          table=table)
 
 
 def to_metadata(plan: ColumnarPlan) -> Metadata:
