@@ -296,8 +296,8 @@ def test_truncation_during_a_resharding_load_is_a_typed_error(tmp_path, monkeypa
     data = _data_file(path)
     opened = reading.open_and_validate
 
-    def open_then_truncate(store, fsd, names, where, found=None):
-        blobs = opened(store, fsd, names, where, found)
+    def open_then_truncate(store, fsd, names, where, *rest):
+        blobs = opened(store, fsd, names, where, *rest)
         os.truncate(data, 4096)  # another process cuts the file while the load runs
         return blobs
 

@@ -146,7 +146,7 @@ def test_a_flip_in_data_read_cold_is_caught_and_named(tmp_path, monkeypatch):
 def _opening_without_checks(headers: dict):
     """The size check before reading catches truncation first; a test of the read's own check skips it,
     with the headers the files had before."""
-    def open_all(store, fsd, names, where, spans=None):
+    def open_all(store, fsd, names, where, spans=None, expected=None):
         if spans is not None:
             spans.update(headers)
         return {name: store.open(name) for name in names}

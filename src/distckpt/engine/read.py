@@ -15,8 +15,9 @@ from .. import knobs
 from ..capabilities import resolves_in_bulk
 from ..errors import CheckpointError, CorruptCheckpointError, UnsupportedTensorError
 from ..format.checksum import crc32c
-from ..format.datafile import VALUE_FORM, HeaderInfo, check_header_entry, header_spans, read_header, stored_form
+from ..format.datafile import VALUE_FORM, HeaderInfo, check_header_entry, header_spans, pread_exact, read_header, stored_form
 from ..format.dtypes import itemsize
+from ..format.expected_headers import expected_leads
 from ..format.locations import ChunkLocations
 from ..format.records import FileStorageData, StorageInfo
 from ..format.stream_transforms import codec_for
@@ -35,9 +36,11 @@ from .windows import WINDOW_BYTES, windows
 
 
 def open_and_validate(store: BlobStore, fsd: FileStorageData, names, where: str,
-                      spans: Optional[dict] = None) -> dict[str, BlobReader]:
+                      spans: Optional[dict] = None, expected: Optional[dict[str, bytes]] = None) -> dict[str, BlobReader]:
     """Open the named data files and check size, header and save id of each, before anything is read
-    into place; with ``spans``, put each file's header entries there (see :func:`header_spans`)."""
+    into place; with ``spans``, put each file's header entries there (see :func:`header_spans`), or None
+    for a file that begins with the bytes ``expected`` gives for it (format/expected_headers.py): its
+    header lists exactly what the metadata says."""
     blobs: dict[str, BlobReader] = {}
     try:
         for name in sorted(names):
@@ -50,9 +53,9 @@ def open_and_validate(store: BlobStore, fsd: FileStorageData, names, where: str,
             if blob.size != info.size:
                 raise CorruptCheckpointError(
                     f"{here}: size is {blob.size} bytes, the metadata records {info.size}; the file is truncated or was replaced")
-            header = _check_header(blob, info, fsd.save_id, here)
+            header = _check_header(blob, info, fsd.save_id, here, expected.get(name) if expected else None)
             if spans is not None:
-                spans[name] = header_spans(header)
+                spans[name] = None if header is None else header_spans(header)
     except BaseException:
         for b in blobs.values():
             b.close()
@@ -60,22 +63,30 @@ def open_and_validate(store: BlobStore, fsd: FileStorageData, names, where: str,
     return blobs
 
 
-def _check_header(blob: BlobReader, info, save_id: str, here: str) -> HeaderInfo:
-    """Parse and check the header (every rule of docs/format.md, section 4), its save id and its CRC.
+def _check_header(blob: BlobReader, info, save_id: str, here: str, lead: Optional[bytes] = None) -> Optional[HeaderInfo]:
+    """Parse and check the header (every rule of docs/format.md, section 4), its save id and its CRC; None
+    where the file begins with ``lead``, the bytes the writer wrote for what the metadata says.
 
     A CRC that matches the metadata's is not enough: metadata and header may have been forged
-    together, so the header is always parsed, and the load cross-checks each chunk against it.
+    together, so the header is always parsed or compared, and the load cross-checks each chunk against it.
     """
+    if lead is not None and blob.size >= len(lead) and pread_exact(blob.pread, len(lead), 0, here) == lead:
+        _check_lead_crc(crc32c(lead), info, len(lead), here)
+        return None
     header = read_header(blob.pread, blob.size, here)  # raises if malformed
     if header.save_id != save_id:
         raise CorruptCheckpointError(
             f"{here}: belongs to save {header.save_id}, but this checkpoint is save {save_id}; "
             "a file from another checkpoint was copied in. Restore the original file.")
-    if header.lead_crc32c != info.header_crc32c:
-        raise CorruptCheckpointError(
-            f"{here}: header checksum mismatch (offset 0 to {header.data_start}): stored {info.header_crc32c:08x}, "
-            f"computed {header.lead_crc32c:08x}. The file is damaged; restore it from a copy.")
+    _check_lead_crc(header.lead_crc32c, info, header.data_start, here)
     return header
+
+
+def _check_lead_crc(crc: int, info, data_start: int, here: str) -> None:
+    if crc != info.header_crc32c:
+        raise CorruptCheckpointError(
+            f"{here}: header checksum mismatch (offset 0 to {data_start}): stored {info.header_crc32c:08x}, "
+            f"computed {crc:08x}. The file is damaged; restore it from a copy.")
 
 
 def read_items(store: BlobStore, md: Metadata, plan: LoadPlan, planner: LoadPlanner, checkpoint_id: str,
@@ -176,17 +187,22 @@ class Read:
         names = {i.file for i in self.infos.values()}
         if self.whole:
             names |= {locations.file_list[n][0] for n in set(locations.file_no[w[4]] for w in self.whole)}
-        self.blobs = open_and_validate(self.store, self.fsd, names, self.where, spans)
-        try:
+        self.blobs = open_and_validate(self.store, self.fsd, names, self.where, spans, expected_leads(self.md, names))
+        try:  # files whose header is the one the metadata implies (spans None) agree with it on every item
             for index, info in self.infos.items():
-                form, file_spans = self.form(index), spans[info.file]
+                file_spans = spans[info.file]
+                if file_spans is None:
+                    continue
+                form = self.form(index)
                 if form not in file_spans.get((info.offset, info.offset + info.length), ()):  # the error names the chunk
                     check_header_entry(file_spans, info.offset, info.length, form, f"{self.here(index)}, file {info.file!r}")
-            if self.whole:
-                by_number = [spans.get(name) for name, _ in locations.file_list]
+            by_number = [spans.get(name) for name, _ in locations.file_list] if self.whole else []
+            if any(s is not None for s in by_number):
                 file_no, begin, length = locations.file_no, locations.begin, locations.length
                 for fqn, offsets, _, size, row, _, dtype in self.whole:
                     b, n, file_spans = begin[row], length[row], by_number[file_no[row]]
+                    if file_spans is None:
+                        continue
                     form = stored_form(dtype, size, n)
                     if form not in file_spans.get((b, b + n), ()):
                         name = locations.file_list[file_no[row]][0]

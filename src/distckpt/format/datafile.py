@@ -50,18 +50,40 @@ def build_header(entries: list[Entry], save_id: str, rank: int) -> tuple[bytes, 
     The header is the text ``json.dumps`` gives the dict of entries (compact separators, UTF-8), written
     entry by entry: a data file of tens of thousands of small items spent most of its header time building
     and serialising one dict per entry. :func:`header_json` is the reference it is tested against."""
-    meta = {"format": FORMAT_NAME, "format_version": DATA_FILE_VERSION_STR, "save_id": save_id, "rank": str(rank)}
+    meta = _file_meta(save_id, rank)
     if any(e.name == "__metadata__" for e in entries):  # an entry replaces the file's own metadata, as in the dict
         return _lead(header_json(entries, meta), entries)
+    return _lead(header_text(meta, [(e.name, e.code, e.shape, e.nbytes) for e in entries]), entries)
+
+
+def _file_meta(save_id: str, rank: int) -> dict:
+    return {"format": FORMAT_NAME, "format_version": DATA_FILE_VERSION_STR, "save_id": save_id, "rank": str(rank)}
+
+
+def header_text(meta: dict, entries: list[tuple[str, str, tuple, int]]) -> bytes:
+    """The header text of ``(name, code, shape, nbytes)`` entries, back to back from the data section's start,
+    under ``meta``; names other than ``__metadata__``."""
     parts = ['{"__metadata__":' + json.dumps(meta, separators=(",", ":"), ensure_ascii=False)]
+    add = parts.append
     pos = 0
-    for e in entries:
-        end = pos + e.nbytes
-        shape = e.shape
+    for name, code, shape, nbytes in entries:
+        end = pos + nbytes
         dims = str(shape[0]) if len(shape) == 1 else ",".join(map(str, shape))
-        parts.append(f'{_quote(e.name)}:{{"dtype":{_quote(e.code)},"shape":[{dims}],"data_offsets":[{pos},{end}]}}')
+        add(f'{_quote(name)}:{{"dtype":"{code}","shape":[{dims}],"data_offsets":[{pos},{end}]}}')
         pos = end
-    return _lead((",".join(parts) + "}").encode("utf-8"), entries)
+    return (",".join(parts) + "}").encode("utf-8")
+
+
+def expected_lead(entries: list[tuple[str, str, tuple, int]], save_id: str, rank: int) -> Optional[bytes]:
+    """The leading bytes (length prefix and padded header) that :func:`build_header` writes for these entries
+    (``(name, code, shape, nbytes)``, in file order), or None where it would write something else (a name
+    given twice is made unique, ``__metadata__`` replaces the file's own metadata). A reader whose file
+    begins with exactly these bytes has a header that passes every check of :func:`read_header` and
+    lists exactly these entries, without parsing it."""
+    names = {e[0] for e in entries}
+    if len(names) != len(entries) or "__metadata__" in names:
+        return None
+    return _lead(header_text(_file_meta(save_id, rank), entries), ())[0]
 
 
 _quote = json.encoder.encode_basestring  # a JSON string literal, as json.dumps(..., ensure_ascii=False) writes it
@@ -104,13 +126,13 @@ def read_header(pread: Callable[[int, int], bytes], file_size: int, where: str) 
     """
     if file_size < 8:
         raise CorruptCheckpointError(f"{where}: file is {file_size} bytes, too short for a header; it is truncated")
-    prefix = _pread_exact(pread, 8, 0, where)
+    prefix = pread_exact(pread, 8, 0, where)
     (n,) = struct.unpack("<Q", prefix)
     cap = knobs.max_header_bytes()
     if n > cap or 8 + n > file_size:
         raise CorruptCheckpointError(f"{where}: header length {n} exceeds the file ({file_size} bytes) or the cap ({cap}); "
                                      "the file is truncated or damaged")
-    raw = _pread_exact(pread, n, 8, where)
+    raw = pread_exact(pread, n, 8, where)
     lead_crc = crc32c(raw, crc32c(prefix))
     try:
         header = json.loads(raw.decode("utf-8"), object_pairs_hook=unique_members)
@@ -171,7 +193,7 @@ def _fine_entry(e: Any, data_len: int) -> Optional[tuple[str, tuple[int, ...], i
     return None
 
 
-def _pread_exact(pread: Callable[[int, int], bytes], n: int, offset: int, where: str) -> bytes:
+def pread_exact(pread: Callable[[int, int], bytes], n: int, offset: int, where: str) -> bytes:
     chunks = []
     got = 0
     while got < n:

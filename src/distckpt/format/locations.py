@@ -137,6 +137,7 @@ class ChunkLocations(Mapping):
         self.whole_: dict[str, int] = {}
         self.whole_first = 0
         self.whole_ndim: list[int] = []
+        self.table: Any = None  # the decoded table itself (format/tensor_table.py), rows from ``whole_first``
 
     def add_whole(self, keys: list, file_no: np.ndarray, begin: np.ndarray, length: np.ndarray, crc: np.ndarray,
                   ndim: np.ndarray, where: str) -> int:

@@ -177,4 +177,5 @@ def decode_table(data: Any, where: str, locations: ChunkLocations) -> TensorTabl
         fault(i, f"stored bytes at {int(offset[i])} of a tensor of size {list(size[start[i]:start[i] + ndim[i]].tolist())} lie "
               f"outside data file {locations.file_list[int(file_no[i])][0]!r}")
     first = locations.add_whole(keys, file_no, offset, nbytes, crc, ndim, where)
-    return TensorTable(keys, fields, prop.tolist(), ndim.tolist(), start.tolist(), size.tolist(), first)
+    table = locations.table = TensorTable(keys, fields, prop.tolist(), ndim.tolist(), start.tolist(), size.tolist(), first)
+    return table
