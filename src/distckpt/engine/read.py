@@ -21,6 +21,7 @@ from ..format.expected_headers import expected_leads
 from ..format.locations import ChunkLocations
 from ..format.records import FileStorageData, StorageInfo
 from ..format.stream_transforms import codec_for
+from ..format.tensor_table import stored_dtype
 from ..item_columns import BYTES, ReadColumns
 from ..metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from ..planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
@@ -31,7 +32,7 @@ from .budget import ByteBudget
 from .chunk_reads import ChunkShapes, check_checksum, copy_rows, read_exact, read_into, rows_meet
 from .device_copy import PendingCopies, caller_streams, host_buffer, uses_pinned
 from .tasks import run_lanes
-from .tensor_bytes import flat_bytes, writable_bytes
+from .tensor_bytes import memory_at, writable_bytes
 from .windows import WINDOW_BYTES, windows
 
 
@@ -143,6 +144,7 @@ class Read:
                 and isinstance(locations, ChunkLocations) and not locations.codecs):
             items = cols.general + [cols.column_item(i) for i, code in enumerate(cols.code) if code == BYTES]
             sdm, find, whole = md.state_dict_metadata, locations.row, self.whole.append
+            dtype_of = stored_dtype
             for fqn, code, offsets, dest, size, at in zip(cols.fqn, cols.code, cols.chunk_offsets, cols.dest, cols.size,
                                                           cols.dest_offsets):
                 if code == BYTES:
@@ -150,7 +152,7 @@ class Read:
                 row = find(fqn, offsets)
                 if row is None:
                     raise CorruptCheckpointError(f"{where}: key {fqn!r} chunk {list(offsets)} has no storage entry in the metadata")
-                whole((fqn, offsets, dest, size, row, at, sdm[fqn].properties.dtype))
+                whole((fqn, offsets, dest, size, row, at, dtype_of(sdm, fqn)))
         else:
             items = plan.items
         for item in items:
@@ -240,11 +242,11 @@ class Read:
             order = np.lexsort((np.frombuffer(begin, dtype=np.int64)[rows], np.frombuffer(file_no, dtype=np.int64)[rows]))
             whole = [whole[i] for i in order.tolist()]
         for fqn, offsets, dest, size, row, at, dtype in whole:
-            # the planner gave a destination of the chunk's shape; in place where it is host memory of the stored dtype
-            view = (flat_bytes(dest) if dest.dtype == dtype and dest.is_cpu and dest.is_contiguous() and not dest.is_conj()
-                    and not dest.is_neg() else None)
-            if view is not None:  # None: commit_tensor does nothing (resolves_columns)
-                add((fqn, offsets, dest, view, names[file_no[row]], begin[row], length[row], crc[row], None))
+            # the planner gave a destination of the chunk's shape; in place where it is host memory of the stored
+            # dtype, whose bytes are then exactly the chunk's length (the job keeps ``dest`` alive while it reads)
+            if dest.dtype == dtype and dest.is_cpu and dest.is_contiguous() and not dest.is_conj() and not dest.is_neg():
+                n = length[row]  # the last None: commit_tensor does nothing (resolves_columns)
+                add((fqn, offsets, dest, memory_at(dest.data_ptr(), n), names[file_no[row]], begin[row], n, crc[row], None))
             else:  # another dtype, or memory not writable in place: the general path, through a buffer
                 index = MetadataIndex(fqn, offsets, 0)
                 zeros = torch.Size([0] * len(size))

@@ -37,7 +37,7 @@ from .locations import add_item, check_cover, check_no_overlap, checked_chunk, c
 from .names import check_file_name
 from .properties import DECODED_PROPS, dec_props, enc_props
 from .records import FileInfo, FileStorageData, StorageInfo
-from .tensor_table import TableWriter, decode_table
+from .tensor_table import TableEntries, TableWriter, decode_table
 from .values import from_data, to_data
 
 MAX_KEYS = 10_000_000
@@ -473,6 +473,7 @@ def _parse_metadata(raw: bytes, where: str) -> Metadata:
     locations = fsd.items if fsd is not None else None
     sdm: dict = {}
     total_chunks = 0
+    table = None
     if major >= 3 and "tensors" in body:
         if fsd is None:
             raise CorruptCheckpointError(f"{where}: a tensors table needs distckpt's data-file table as storage_data")
@@ -480,8 +481,6 @@ def _parse_metadata(raw: bytes, where: str) -> Metadata:
         if len(table) + len(sdm_raw) > MAX_KEYS:
             raise CorruptCheckpointError(f"{where}: more than {MAX_KEYS} keys")
         total_chunks = len(table)
-        entry_of = table.entry
-        sdm = {fqn: entry_of(i) for i, fqn in enumerate(table.keys)}
     for fqn, entry in sdm_raw.items():
         if fsd is not None:  # the common entry, one chunk as large as the tensor, checked and built in one go
             tensor = _whole_tensor(entry, fqn, locations)
@@ -516,6 +515,8 @@ def _parse_metadata(raw: bytes, where: str) -> Metadata:
         else:
             chunks = inline_chunks(chunks_raw, fqn, size, width, locations, here)  # checks the cover too
         sdm[fqn] = TensorStorageMetadata(props, size, chunks)
+    if table is not None:  # entries of the table's keys are built when asked for
+        sdm = TableEntries(table, sdm)
     sm_raw = body.get("storage_meta")
     sm = None
     if sm_raw is not None:

@@ -10,6 +10,7 @@ docs/format.md, section 3.1, is the specification.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, MutableMapping
 from typing import Any, Optional
 
 import numpy as np
@@ -21,7 +22,7 @@ from .dtypes import itemsize
 from .locations import ChunkLocations
 from .properties import props_fields
 
-__all__ = ["TableWriter", "TensorTable", "decode_table", "MEMBERS"]
+__all__ = ["TableWriter", "TensorTable", "TableEntries", "decode_table", "table_of", "stored_dtype", "MEMBERS"]
 
 MEMBERS = ("keys", "properties", "property", "ndim", "size", "file", "offset", "crc32c")
 MAX_PROPERTIES = 1024
@@ -100,6 +101,75 @@ class TensorTable:
         chunk.offsets = _ORIGINS[n]  # a Size is immutable: one per dimension count serves every chunk
         chunk.sizes = size
         return TensorStorageMetadata(TensorProperties(*self.fields[self.property[i]]), size, [chunk])
+
+
+class TableEntries(MutableMapping):
+    """``state_dict_metadata`` of a document with a table of whole tensors: the table's keys, then ``rest``.
+
+    The entry of a table key is built when someone asks for it, and from then on is that key's entry (a
+    planner may change it in place, or replace it); a key nobody has asked for or changed (in ``rows``, not in
+    ``built``) is still exactly its row, so that a planner and a reader may use the table's columns instead
+    (:func:`table_of`, :func:`stored_dtype`). Compares equal to the dict it stands for, and pickles as one.
+    """
+
+    def __init__(self, table: TensorTable, rest: dict) -> None:
+        self.table, self.rest = table, rest
+        self.rows: dict[str, int] = dict(table.row_of)  # the table's keys still present, in order
+        self.built: dict[str, Any] = {}
+
+    def __getitem__(self, fqn: str) -> Any:
+        entry = self.built.get(fqn)
+        if entry is not None:
+            return entry
+        row = self.rows.get(fqn)
+        if row is None:
+            return self.rest[fqn]
+        entry = self.built[fqn] = self.table.entry(row)
+        return entry
+
+    def __setitem__(self, fqn: str, entry: Any) -> None:
+        if fqn in self.rows:
+            self.built[fqn] = entry
+        else:
+            self.rest[fqn] = entry
+
+    def __delitem__(self, fqn: str) -> None:
+        if fqn in self.rows:
+            del self.rows[fqn]
+            self.built.pop(fqn, None)
+        else:
+            del self.rest[fqn]
+
+    def __contains__(self, fqn: object) -> bool:
+        return fqn in self.rows or fqn in self.rest
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self.rows
+        yield from self.rest
+
+    def __len__(self) -> int:
+        return len(self.rows) + len(self.rest)
+
+    def __repr__(self) -> str:
+        return f"TableEntries({len(self.rows)} table keys, {len(self.rest)} others)"
+
+    def __reduce__(self):
+        return dict, (dict(self.items()),)
+
+
+def table_of(entries: Any) -> Optional[TensorTable]:
+    """The table of whole tensors behind ``entries`` (a state_dict_metadata), or None. A key's row holds its entry
+    while the key is in ``entries.rows`` and not in ``entries.built`` (see :class:`TableEntries`)."""
+    return entries.table if type(entries) is TableEntries else None
+
+
+def stored_dtype(entries: Any, fqn: str) -> torch.dtype:
+    """The dtype ``entries`` (a state_dict_metadata) records for tensor ``fqn``, without building its entry."""
+    if type(entries) is TableEntries and fqn not in entries.built:
+        row = entries.rows.get(fqn)
+        if row is not None:
+            return entries.table.dtype(row)
+    return entries[fqn].properties.dtype
 
 
 def _int_column(data: dict, name: str, count: Optional[int], where: str) -> np.ndarray:

@@ -9,6 +9,7 @@ import torch
 
 from ..capabilities import keeps_plans, resolves_columns
 from ..errors import CheckpointError, DTypeMismatchError, MissingKeyError, ShapeMismatchError
+from ..format.tensor_table import table_of
 from ..format.values import decode_value
 from ..item_columns import ReadColumns
 from ..metadata import STATE_DICT_TYPE, BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
@@ -21,6 +22,7 @@ __all__ = ["DefaultLoadPlanner"]
 
 _MAX_LISTED = 10
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensors that are their own only piece (not DTensor, not ShardedTensor)
+_ORIGIN = [(0,) * n for n in range(65)]
 
 
 class DefaultLoadPlanner(LoadPlanner):
@@ -86,7 +88,19 @@ class DefaultLoadPlanner(LoadPlanner):
                           + [(fqn, p[0]) for fqn, (_, ps) in pieces.items() for p in ps])
         convert = self.allow_dtype_conversion
         add_whole = cols.add_whole
+        table = table_of(sdm)
+        if table is not None:  # keys still exactly their row of the table of whole tensors: compared on its columns
+            rows, built, start, ndim, size, prop = sdm.rows, sdm.built, table.start, table.ndim, table.size, table.property
+            dtypes = [fields[0] for fields in table.fields]
         for fqn, obj in self.state_dict.items():
+            if table is not None and type(obj) in _PLAIN:
+                row = rows.get(fqn)
+                if row is not None and fqn not in built:
+                    s, n = start[row], ndim[row]
+                    shape = obj.shape
+                    if list(shape) == size[s:s + n] and (convert or obj.dtype == dtypes[prop[row]]):
+                        add_whole(fqn, obj, _ORIGIN[n], _ORIGIN[n], 0, tuple(shape))
+                        continue
             md = sdm.get(fqn)
             if md is None:
                 if not self.allow_partial_load:
