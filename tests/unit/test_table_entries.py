@@ -10,7 +10,7 @@ import torch
 import distckpt
 from distckpt.errors import DTypeMismatchError, MissingKeyError
 from distckpt.format.codec import parse_metadata
-from distckpt.format.tensor_table import TableEntries, TensorTable, stored_dtype, table_of
+from distckpt.format.tensor_table import TableEntries, TensorTable, stored_dtypes, table_of
 from tests.security.helpers import read_body, write_body
 
 STATE = {"a": torch.arange(6.0).reshape(2, 3), "b": torch.ones(4, dtype=torch.bfloat16), "n": 7,
@@ -36,7 +36,7 @@ def test_entries_equal_those_of_the_per_key_form(saved, tmp_path):
     assert type(plain) is dict
     assert sdm == plain and plain == sdm and dict(sdm) == plain
     assert pickle.loads(pickle.dumps(sdm)) == plain and copy.deepcopy(sdm) == plain
-    assert stored_dtype(sdm, "b") == torch.bfloat16 and stored_dtype(plain, "b") == torch.bfloat16
+    assert stored_dtypes(sdm, ["b", "a"]) == stored_dtypes(plain, ["b", "a"]) == [torch.bfloat16, torch.float32]
 
 
 def test_an_entry_handed_out_is_the_key_s_entry_from_then_on(saved):
@@ -45,7 +45,7 @@ def test_an_entry_handed_out_is_the_key_s_entry_from_then_on(saved):
     entry = sdm["a"]
     assert sdm["a"] is entry and "a" in sdm.built
     entry.properties.dtype = torch.float64  # a planner may change what it was given, in place
-    assert stored_dtype(sdm, "a") == torch.float64
+    assert stored_dtypes(sdm, ["a", "b"]) == [torch.float64, torch.bfloat16]
 
 
 class _Float64Planner(distckpt.DefaultLoadPlanner):
@@ -83,7 +83,7 @@ def test_mutations_keep_order_and_membership():
     assert list(sdm) == ["y", "v", "z"] and "x" not in sdm and "z" in sdm
     with pytest.raises(KeyError):
         sdm["x"]
-    assert stored_dtype(sdm, "y") == torch.float32
+    assert stored_dtypes(sdm, ["y"]) == [torch.float32]
     sdm["y"] = "replaced"
     assert sdm["y"] == "replaced" and table_of(sdm) is table
 

@@ -21,7 +21,7 @@ from ..format.expected_headers import expected_leads
 from ..format.locations import ChunkLocations
 from ..format.records import FileStorageData, StorageInfo
 from ..format.stream_transforms import codec_for
-from ..format.tensor_table import stored_dtype
+from ..format.tensor_table import stored_dtypes
 from ..item_columns import BYTES, ReadColumns
 from ..metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from ..planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
@@ -143,16 +143,15 @@ class Read:
         if (isinstance(cols, ReadColumns) and cols.intact and resolves_in_bulk(planner, "load")
                 and isinstance(locations, ChunkLocations) and not locations.codecs):
             items = cols.general + [cols.column_item(i) for i, code in enumerate(cols.code) if code == BYTES]
-            sdm, find, whole = md.state_dict_metadata, locations.row, self.whole.append
-            dtype_of = stored_dtype
-            for fqn, code, offsets, dest, size, at in zip(cols.fqn, cols.code, cols.chunk_offsets, cols.dest, cols.size,
-                                                          cols.dest_offsets):
-                if code == BYTES:
-                    continue
-                row = find(fqn, offsets)
-                if row is None:
-                    raise CorruptCheckpointError(f"{where}: key {fqn!r} chunk {list(offsets)} has no storage entry in the metadata")
-                whole((fqn, offsets, dest, size, row, at, dtype_of(sdm, fqn)))
+            tensors = [i for i, code in enumerate(cols.code) if code != BYTES] if BYTES in cols.code else range(len(cols.code))
+            fqns, offsets = [cols.fqn[i] for i in tensors], [cols.chunk_offsets[i] for i in tensors]
+            rows = locations.rows(fqns, offsets)
+            if None in rows:
+                at = rows.index(None)
+                raise CorruptCheckpointError(f"{where}: key {fqns[at]!r} chunk {list(offsets[at])} has no storage entry in "
+                                             "the metadata")
+            self.whole = list(zip(fqns, offsets, [cols.dest[i] for i in tensors], [cols.size[i] for i in tensors], rows,
+                                  [cols.dest_offsets[i] for i in tensors], stored_dtypes(md.state_dict_metadata, fqns)))
         else:
             items = plan.items
         for item in items:

@@ -25,7 +25,7 @@ from ..wire.columns import ColumnResults, ResultColumns
 from .blobs import BlobStore, BlobWriter
 from .budget import ByteBudget
 from .device_copy import PendingCopies, caller_streams, to_host
-from .tensor_bytes import flat_bytes, host_bytes, is_lazy_view
+from .tensor_bytes import flat_bytes, host_bytes, is_lazy_view, memory_at
 from .windows import windows
 
 __all__ = ["write_file", "split_runs"]
@@ -218,9 +218,9 @@ class _RankWrite:
             fqn, tensor, want = self.columns.fqn[i], self.columns.data[i], self.columns.dtype[i]
             if (type(tensor) is torch.Tensor and tensor.dtype is want and want is not torch.bool and tensor.is_cpu
                     and tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg()):
-                data = flat_bytes(tensor)  # the common case, checked in one go: host memory of the stored form
-                if len(data) == self.entries[i].nbytes:
-                    return data, tensor, 0
+                n = self.entries[i].nbytes  # the common case, checked in one go: host memory of the stored form
+                if tensor.nbytes == n:
+                    return memory_at(tensor.data_ptr(), n), tensor, 0
         else:
             item = self.plan.items[i]
             fqn, tensor, want = item.index.fqn, self.planner.resolve_data(item), item.tensor_data.properties.dtype

@@ -13,7 +13,7 @@ import json
 import math
 import struct
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
@@ -34,9 +34,8 @@ _INT = {int}
 DATA_ALIGN = knobs.PAGE_BYTES
 
 
-@dataclass(frozen=True)
-class Entry:
-    """One item of a data file: a tensor chunk or a value stored as bytes."""
+class Entry(NamedTuple):
+    """One item of a data file: a tensor chunk or a value stored as bytes (a tuple: one per item of a save)."""
 
     name: str
     code: str  # safetensors dtype code
@@ -53,14 +52,14 @@ def build_header(entries: list[Entry], save_id: str, rank: int) -> tuple[bytes, 
     meta = _file_meta(save_id, rank)
     if any(e.name == "__metadata__" for e in entries):  # an entry replaces the file's own metadata, as in the dict
         return _lead(header_json(entries, meta), entries)
-    return _lead(header_text(meta, [(e.name, e.code, e.shape, e.nbytes) for e in entries]), entries)
+    return _lead(header_text(meta, entries), entries)
 
 
 def _file_meta(save_id: str, rank: int) -> dict:
     return {"format": FORMAT_NAME, "format_version": DATA_FILE_VERSION_STR, "save_id": save_id, "rank": str(rank)}
 
 
-def header_text(meta: dict, entries: list[tuple[str, str, tuple, int]]) -> bytes:
+def header_text(meta: dict, entries: list) -> bytes:
     """The header text of ``(name, code, shape, nbytes)`` entries, back to back from the data section's start,
     under ``meta``; names other than ``__metadata__``."""
     parts = ['{"__metadata__":' + json.dumps(meta, separators=(",", ":"), ensure_ascii=False)]

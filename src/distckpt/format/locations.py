@@ -219,6 +219,15 @@ class ChunkLocations(Mapping):
         at = entry[1].get(offsets)
         return None if at is None else entry[0] + at
 
+    def rows(self, fqns: list[str], offsets: list[tuple]) -> list[Optional[int]]:
+        """:meth:`row` of each pair, the keys of the table of whole tensors looked up in one pass."""
+        whole, first, ndims = self.whole_, self.whole_first, self.whole_ndim
+        out = list(map(whole.get, fqns)) if whole else [None] * len(fqns)
+        for i, (row, at) in enumerate(zip(out, offsets)):
+            if row is None or len(at) != ndims[row - first] or any(at):
+                out[i] = self.row(fqns[i], at)
+        return out
+
     def info(self, row: int) -> StorageInfo:
         """Where the chunk of ``row`` is stored."""
         info = StorageInfo(self.file_list[self.file_no[row]][0], self.begin[row], self.length[row], self.crc[row])

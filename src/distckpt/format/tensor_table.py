@@ -22,7 +22,7 @@ from .dtypes import itemsize
 from .locations import ChunkLocations
 from .properties import props_fields
 
-__all__ = ["TableWriter", "TensorTable", "TableEntries", "decode_table", "table_of", "stored_dtype", "MEMBERS"]
+__all__ = ["TableWriter", "TensorTable", "TableEntries", "decode_table", "table_of", "stored_dtypes", "MEMBERS"]
 
 MEMBERS = ("keys", "properties", "property", "ndim", "size", "file", "offset", "crc32c")
 MAX_PROPERTIES = 1024
@@ -109,7 +109,7 @@ class TableEntries(MutableMapping):
     The entry of a table key is built when someone asks for it, and from then on is that key's entry (a
     planner may change it in place, or replace it); a key nobody has asked for or changed (in ``rows``, not in
     ``built``) is still exactly its row, so that a planner and a reader may use the table's columns instead
-    (:func:`table_of`, :func:`stored_dtype`). Compares equal to the dict it stands for, and pickles as one.
+    (:func:`table_of`, :func:`stored_dtypes`). Compares equal to the dict it stands for, and pickles as one.
     """
 
     def __init__(self, table: TensorTable, rest: dict) -> None:
@@ -163,13 +163,19 @@ def table_of(entries: Any) -> Optional[TensorTable]:
     return entries.table if type(entries) is TableEntries else None
 
 
-def stored_dtype(entries: Any, fqn: str) -> torch.dtype:
-    """The dtype ``entries`` (a state_dict_metadata) records for tensor ``fqn``, without building its entry."""
-    if type(entries) is TableEntries and fqn not in entries.built:
-        row = entries.rows.get(fqn)
-        if row is not None:
-            return entries.table.dtype(row)
-    return entries[fqn].properties.dtype
+def stored_dtypes(entries: Any, fqns: list[str]) -> list[torch.dtype]:
+    """The dtype ``entries`` (a state_dict_metadata) records for each tensor of ``fqns``, building no entry of
+    the table of whole tensors."""
+    if type(entries) is not TableEntries:
+        return [entries[fqn].properties.dtype for fqn in fqns]
+    table, rows, built = entries.table, entries.rows, entries.built
+    dtypes = [fields[0] for fields in table.fields]
+    prop = table.property
+    out = []
+    add = out.append
+    for fqn, row in zip(fqns, map(rows.get, fqns)):
+        add(dtypes[prop[row]] if row is not None and fqn not in built else entries[fqn].properties.dtype)
+    return out
 
 
 def _int_column(data: dict, name: str, count: Optional[int], where: str) -> np.ndarray:
