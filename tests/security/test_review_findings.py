@@ -588,3 +588,14 @@ def test_a_save_creates_missing_parent_directories_and_leaves_no_lease(tmp_path)
     path = tmp_path / "a" / "b" / "ck"
     distckpt.save(_state(), checkpoint_id=str(path))
     assert distckpt.verify(str(path)).ok and os.listdir(tmp_path / "a" / "b") == ["ck"]
+
+
+def test_destinations_measured_in_the_plan_and_apart_are_checked_together(tmp_path):
+    path = str(tmp_path / "ck")
+    distckpt.save({"a": torch.arange(8.0), "e": torch.zeros(0), "t": torch.ones(3)}, checkpoint_id=path)
+    base = torch.zeros(8)
+    t = torch.zeros(6)[::2]  # not contiguous: measured apart from the contiguous ones
+    distckpt.load({"a": base, "e": base[3:3], "t": t}, checkpoint_id=path)
+    assert torch.equal(base, torch.arange(8.0)) and torch.equal(t, torch.ones(3))
+    with pytest.raises(CheckpointError, match="'a' and 't' share memory"):
+        distckpt.load({"a": base, "e": base[3:3], "t": base[1:7:2]}, checkpoint_id=path)

@@ -29,7 +29,7 @@ from ..metadata import (
 from . import BASE_FORMAT_VERSION_STR, CODEC_FORMAT_VERSION_STR, FORMAT_NAME, FORMAT_VERSION_STR
 from .checksum import crc32c, format_crc
 from .chunk_codec import CODEC_SEPARATOR, IDENTITY
-from .datafile import unique_members
+from .datafile import quote, unique_members
 from .dtypes import itemsize
 from .fields import MAX_INT as _MAX_INT
 from .fields import ints as _ints
@@ -183,7 +183,6 @@ SUPPORTED_MAJORS = (1, 2, 3)
 
 
 _PROPS_TEXT: dict[tuple, str] = {}  # a few distinct property lists: dtypes x requires_grad
-quote = json.encoder.encode_basestring  # a JSON string literal, as dumps(..., ensure_ascii=False) writes it
 
 
 def _join(values) -> str:

@@ -13,6 +13,7 @@ import json
 import math
 import struct
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any, Callable, NamedTuple, Optional
 
 import torch
@@ -24,6 +25,8 @@ from .checksum import crc32c
 from .dtypes import ITEMSIZE, SAFETENSORS_CODES, safetensors_code
 
 __all__ = ["Entry", "build_header", "read_header", "HeaderInfo"]
+
+quote = json.encoder.encode_basestring  # a JSON string literal, as json.dumps(..., ensure_ascii=False) writes it
 
 _MAX_ENTRIES = 50_000_000
 _INT = {int}
@@ -52,40 +55,35 @@ def build_header(entries: list[Entry], save_id: str, rank: int) -> tuple[bytes, 
     meta = _file_meta(save_id, rank)
     if any(e.name == "__metadata__" for e in entries):  # an entry replaces the file's own metadata, as in the dict
         return _lead(header_json(entries, meta), entries)
-    return _lead(header_text(meta, entries), entries)
+    return _lead(header_text(meta, [quote(e.name) for e in entries], [e.code for e in entries],
+                             [dims_text(e.shape) for e in entries], [e.nbytes for e in entries]), entries)
 
 
 def _file_meta(save_id: str, rank: int) -> dict:
     return {"format": FORMAT_NAME, "format_version": DATA_FILE_VERSION_STR, "save_id": save_id, "rank": str(rank)}
 
 
-def header_text(meta: dict, entries: list) -> bytes:
-    """The header text of ``(name, code, shape, nbytes)`` entries, back to back from the data section's start,
-    under ``meta``; names other than ``__metadata__``."""
-    parts = ['{"__metadata__":' + json.dumps(meta, separators=(",", ":"), ensure_ascii=False)]
-    add = parts.append
-    pos = 0
-    for name, code, shape, nbytes in entries:
-        end = pos + nbytes
-        dims = str(shape[0]) if len(shape) == 1 else ",".join(map(str, shape))
-        add(f'{_quote(name)}:{{"dtype":"{code}","shape":[{dims}],"data_offsets":[{pos},{end}]}}')
-        pos = end
-    return (",".join(parts) + "}").encode("utf-8")
+def dims_text(shape) -> str:
+    """A shape as the header writes it between its brackets."""
+    return str(shape[0]) if len(shape) == 1 else ",".join(map(str, shape))
 
 
-def expected_lead(entries: list[tuple[str, str, tuple, int]], save_id: str, rank: int) -> Optional[bytes]:
-    """The leading bytes (length prefix and padded header) that :func:`build_header` writes for these entries
-    (``(name, code, shape, nbytes)``, in file order), or None where it would write something else (a name
-    given twice is made unique, ``__metadata__`` replaces the file's own metadata). A reader whose file
-    begins with exactly these bytes has a header that passes every check of :func:`read_header` and
-    lists exactly these entries, without parsing it."""
-    names = {e[0] for e in entries}
-    if len(names) != len(entries) or "__metadata__" in names:
-        return None
-    return _lead(header_text(_file_meta(save_id, rank), entries), ())[0]
+def header_text(meta: dict, names: list[str], codes: list[str], dims: list[str], sizes: list[int]) -> bytes:
+    """The header text of entries given as columns (each name as its JSON string literal, each shape as
+    :func:`dims_text`), back to back from the data section's start, under ``meta``; no name ``__metadata__``."""
+    ends = list(accumulate(sizes))
+    entries = [f'{name}:{{"dtype":"{code}","shape":[{d}],"data_offsets":[{begin},{end}]}}'
+               for name, code, d, begin, end in zip(names, codes, dims, [0] + ends[:-1], ends)]
+    head = '{"__metadata__":' + json.dumps(meta, separators=(",", ":"), ensure_ascii=False)
+    return (",".join([head] + entries) + "}").encode("utf-8")
 
 
-_quote = json.encoder.encode_basestring  # a JSON string literal, as json.dumps(..., ensure_ascii=False) writes it
+def expected_lead(columns: tuple[list, list, list, list], save_id: str, rank: int) -> bytes:
+    """The leading bytes (length prefix and padded header) that :func:`build_header` writes for entries given
+    as :func:`header_text`'s columns, in file order, whose names are distinct and not ``__metadata__`` (for
+    any others it writes something else). A reader whose file begins with exactly these bytes has a header
+    that passes every check of :func:`read_header` and lists exactly these entries, without parsing it."""
+    return _lead(header_text(_file_meta(save_id, rank), *columns), ())[0]
 
 
 def header_json(entries: list[Entry], meta: dict) -> bytes:

@@ -14,13 +14,13 @@ entry by entry as before, which names what is wrong.
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Optional
 
 import numpy as np
 import torch
 
 from ..metadata import Metadata, TensorStorageMetadata
-from .datafile import VALUE_FORM, entry_name, expected_lead, stored_form
+from .datafile import VALUE_FORM, dims_text, entry_name, expected_lead, quote, stored_form
 from .dtypes import safetensors_code
 from .locations import ChunkLocations
 from .records import FileStorageData
@@ -54,14 +54,11 @@ def expected_leads(md: Metadata, names: Iterable[str]) -> dict[str, bytes]:
     for part in np.split(rows, cuts):
         if not part.size:
             continue
-        f = int(file_no[part[0]])
-        name, info = locations.file_list[f]
-        entries = describe.entries(part.tolist())
-        if entries is None:
+        name, info = locations.file_list[int(file_no[part[0]])]
+        columns = describe.columns(part)
+        if columns is None:
             continue
-        lead = expected_lead(entries, fsd.save_id, info.rank)
-        if lead is None:
-            continue
+        lead = expected_lead(columns, fsd.save_id, info.rank)
         ends = np.cumsum(length[part])
         if int(begin[part[0]]) != len(lead) or not np.array_equal(begin[part[1:]], len(lead) + ends[:-1]):
             continue  # not back to back from the data section's start: not the writer's layout
@@ -70,15 +67,14 @@ def expected_leads(md: Metadata, names: Iterable[str]) -> dict[str, bytes]:
 
 
 class _Rows:
-    """Each row's data-file entry ``(name, code, shape, nbytes)``, from the table of whole tensors or the
-    keys' entries."""
+    """The data-file entries of rows, as :func:`header_text`'s columns: from the table of whole tensors, or
+    from the keys' entries."""
 
     def __init__(self, md: Metadata, locations: ChunkLocations, rows: np.ndarray) -> None:
         self.md, self.locations = md, locations
         self.table = locations.table
         self.first = locations.whole_first
         self.count = len(self.table) if self.table is not None else 0
-        self.length = locations.length
         if self.table is not None:
             self.codes = [safetensors_code(fields[0]) for fields in self.table.fields]
             self.raw = [code == "U8" and fields[0] != torch.uint8 for code, fields in zip(self.codes, self.table.fields)]
@@ -87,7 +83,7 @@ class _Rows:
 
     def _other_rows(self, rows: np.ndarray) -> dict:
         """Row -> (key, chunk offsets and sizes, or None for a value) of the rows not in the table."""
-        wanted = bytearray(len(self.length))
+        wanted = bytearray(len(self.locations))
         for r in rows.tolist():
             wanted[r] = 1
         sdm = self.md.state_dict_metadata
@@ -106,27 +102,45 @@ class _Rows:
                 out[first + at] = (fqn, (tuple(chunk.offsets), tuple(chunk.sizes)), entry.properties.dtype)
         return out
 
-    def entries(self, rows: list[int]):
-        """The entries of ``rows`` (in file order), or None where one cannot be told."""
-        table, first, count, length, codecs = self.table, self.first, self.count, self.length, self.locations.codecs
+    def columns(self, rows: np.ndarray) -> Optional[tuple[list, list, list, list]]:
+        """Names (as JSON strings), codes, shapes (as text) and sizes of ``rows`` (in file order), or None where an
+        entry cannot be told or the writer would have renamed one."""
+        sizes = np.frombuffer(self.locations.length, dtype=np.int64)[rows].tolist()
+        at = rows - self.first
+        if self.count and bool(((at >= 0) & (at < self.count)).all()):
+            # rows of the table only: names <key>@0,...,0 are distinct as the keys are (a name's last "@" ends its key)
+            table, codes = self.table, self.codes
+            keys, prop, ndim, start, size = table.keys, table.property, table.ndim, table.start, table.size
+            at = at.tolist()
+            names = [quote(keys[i] + _ZERO_NAMES[ndim[i]]) for i in at]
+            dims = [str(size[start[i]]) if ndim[i] == 1 else ",".join(map(str, size[start[i]:start[i] + ndim[i]])) for i in at]
+            if any(self.raw):
+                dims = [str(n) if self.raw[prop[i]] else d for i, d, n in zip(at, dims, sizes)]
+            return names, [codes[prop[i]] for i in at], dims, sizes
+        entries = self._entries(rows.tolist(), sizes)
+        if entries is None or len({e[0] for e in entries}) != len(entries) or any(e[0] == "__metadata__" for e in entries):
+            return None
+        return [quote(e[0]) for e in entries], [e[1] for e in entries], [dims_text(e[2]) for e in entries], sizes
+
+    def _entries(self, rows: list[int], sizes: list[int]) -> Optional[list[tuple]]:
+        """``(name, code, shape)`` of each row, or None where one cannot be told."""
+        table, first, count, codecs = self.table, self.first, self.count, self.locations.codecs
         out = []
         add = out.append
-        for r in rows:
-            nbytes = length[r]
+        for r, nbytes in zip(rows, sizes):
             i = r - first
             if 0 <= i < count:
                 p = table.property[i]
                 s, n = table.start[i], table.ndim[i]
-                shape = (nbytes,) if self.raw[p] else table.size[s:s + n]
-                add((table.keys[i] + _ZERO_NAMES[n], self.codes[p], shape, nbytes))
+                add((table.keys[i] + _ZERO_NAMES[n], self.codes[p], (nbytes,) if self.raw[p] else table.size[s:s + n]))
                 continue
             other = self.others.get(r)
             if other is None:
                 return None
             if other[1] is None:
-                add((other[0], VALUE_FORM, (nbytes,), nbytes))
+                add((other[0], VALUE_FORM, (nbytes,)))
             elif r in codecs:
-                add((entry_name(other[0], other[1][0]), VALUE_FORM, (nbytes,), nbytes))
+                add((entry_name(other[0], other[1][0]), VALUE_FORM, (nbytes,)))
             else:
-                add((entry_name(other[0], other[1][0]), *stored_form(other[2], other[1][1], nbytes), nbytes))
+                add((entry_name(other[0], other[1][0]), *stored_form(other[2], other[1][1], nbytes)))
         return out

@@ -84,8 +84,9 @@ class DefaultLoadPlanner(LoadPlanner):
         problems: list[CheckpointError] = []
         pieces = {fqn: local_pieces(fqn, obj) for fqn, obj in self.state_dict.items()
                   if isinstance(obj, torch.Tensor) and type(obj) not in _PLAIN and fqn in sdm}
-        check_no_aliasing([(fqn, obj) for fqn, obj in self.state_dict.items() if type(obj) in _PLAIN and fqn in sdm]
-                          + [(fqn, p[0]) for fqn, (_, ps) in pieces.items() for p in ps])
+        # destinations checked for shared memory below: measured here where the loop has them at hand, else later
+        spans: list = []
+        loose = [(fqn, p[0]) for fqn, (_, ps) in pieces.items() for p in ps]
         convert = self.allow_dtype_conversion
         add_whole = cols.add_whole
         table = table_of(sdm)
@@ -100,8 +101,16 @@ class DefaultLoadPlanner(LoadPlanner):
                     shape = obj.shape
                     if list(shape) == size[s:s + n] and (convert or obj.dtype == dtypes[prop[row]]):
                         add_whole(fqn, obj, _ORIGIN[n], _ORIGIN[n], 0, tuple(shape))
+                        if obj.is_cpu and obj.is_contiguous():
+                            lo, nbytes = obj.data_ptr(), obj.nbytes
+                            if nbytes:  # an empty tensor shares no byte
+                                spans.append((fqn, obj, lo, lo + nbytes))
+                        else:
+                            loose.append((fqn, obj))
                         continue
             md = sdm.get(fqn)
+            if type(obj) in _PLAIN and md is not None:
+                loose.append((fqn, obj))
             if md is None:
                 if not self.allow_partial_load:
                     missing.append(fqn)
@@ -130,6 +139,7 @@ class DefaultLoadPlanner(LoadPlanner):
                         "put a tensor of the saved shape there to load it"))
                     continue
                 cols.add_bytes(fqn)
+        check_no_aliasing(loose, spans)
         if missing:
             raise MissingKeyError(self._missing_message(missing))
         if problems:

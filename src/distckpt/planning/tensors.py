@@ -126,14 +126,16 @@ def local_view(fqn: str, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Size
     return local, tensor.shape, offsets, sizes
 
 
-def check_no_aliasing(named: list[tuple[str, torch.Tensor]]) -> None:
+def check_no_aliasing(named: list[tuple[str, torch.Tensor]], spans: list = ()) -> None:
     """Raise CheckpointError if two destinations (local data: shards, not DTensors) share memory, unless they are the very same view
     (tied weights: one tensor under two keys loads the same bytes twice, harmlessly).
 
     Destinations that overlap otherwise would overwrite each other's bytes during a load, and
-    a checksum computed on the destination would then fail on an intact checkpoint.
+    a checksum computed on the destination would then fail on an intact checkpoint. ``spans``
+    holds destinations already measured as (key, tensor, first byte, end): contiguous CPU tensors
+    whose caller had them at hand (reading a tensor's fields costs most when it is read apart).
     """
-    keys, tensors, lows, highs = [], [], [], []
+    keys, tensors, lows, highs = (list(column) for column in zip(*spans)) if spans else ([], [], [], [])
     for key, t in named:
         if t.is_meta:
             continue
