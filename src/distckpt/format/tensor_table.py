@@ -86,13 +86,6 @@ class TensorTable:
     def __len__(self) -> int:
         return len(self.keys)
 
-    def dtype(self, i: int) -> torch.dtype:
-        return self.fields[self.property[i]][0]
-
-    def shape(self, i: int) -> tuple:
-        s = self.start[i]
-        return tuple(self.size[s:s + self.ndim[i]])
-
     def entry(self, i: int) -> TensorStorageMetadata:
         """Row ``i`` as the TensorStorageMetadata the protocol knows (a new object each call)."""
         s, n = self.start[i], self.ndim[i]
