@@ -131,3 +131,47 @@ def test_a_chunk_listed_twice_in_one_key_is_refused():
     locations.add("u", torch.Size([0]), 0, 8, 4, 0, "here")
     with pytest.raises(CorruptCheckpointError, match="listed twice"):
         locations.add("t", torch.Size([1]), 0, 12, 4, 0, "here")  # its chunks no longer end the columns
+
+
+@st.composite
+def _boxes(draw):
+    """A few boxes inside a small tensor: often a true cover, sometimes with a gap, overlap or empty box."""
+    ndim = draw(st.integers(1, 3))
+    size = [draw(st.integers(1, 5)) for _ in range(ndim)]
+    boxes = []
+    for _ in range(draw(st.integers(2, 9))):
+        off = [draw(st.integers(0, d - 1)) for d in size]
+        ext = [draw(st.integers(0, d - o)) for o, d in zip(off, size)]
+        boxes.append((off, ext))
+    return size, boxes
+
+
+@settings(max_examples=400, deadline=None)
+@given(_boxes())
+def test_the_cover_check_of_few_chunks_agrees_with_counting_every_element(drawn):
+    """check_cover compares a few chunks pairwise in Python, more on a grid in numpy: both must refuse
+    exactly the boxes that do not cover every element once, and name a pair that really overlaps."""
+    import itertools
+    import math
+
+    from distckpt.format.locations import check_cover
+    from distckpt.metadata import ChunkStorageMetadata
+
+    size, boxes = drawn
+    chunks = [ChunkStorageMetadata(torch.Size(o), torch.Size(e)) for o, e in boxes]
+    counts = {cell: 0 for cell in itertools.product(*[range(d) for d in size])}
+    for o, e in boxes:
+        for cell in itertools.product(*[range(a, a + n) for a, n in zip(o, e)]):
+            counts[cell] += 1
+    exact = all(n == 1 for n in counts.values())
+    try:
+        check_cover(chunks, torch.Size(size), "here")
+        refused = None
+    except CorruptCheckpointError as exc:
+        refused = str(exc)
+    assert (refused is None) == exact, (size, boxes, refused)
+    if refused and "overlap" in refused:
+        assert sum(math.prod(e) for _, e in boxes) == math.prod(size)
+        named = [(o, e) for o, e in boxes if f"{o}+{e}" in refused]
+        assert any(all(x < y + m and y < x + n for x, n, y, m in zip(o1, e1, o2, e2))
+                   for (o1, e1), (o2, e2) in itertools.combinations(named, 2)) or len(named) == 1, refused

@@ -50,6 +50,12 @@ def check_cover(chunks: list, size: torch.Size, here: str, boxes: Optional[tuple
     ndim = len(size)
     if len(chunks) < 2:
         held = sum(math.prod(c.sizes) for c in chunks)
+        off = end = pair = None
+    elif len(chunks) <= _FEW_CHUNKS:
+        if boxes is None:
+            boxes = ([list(c.offsets) for c in chunks], [list(c.sizes) for c in chunks])
+        held = sum(math.prod(s) for s in boxes[1])
+        pair = _overlapping_pair_few(*boxes) if held == total and total else None
         off = end = None
     else:
         if boxes is None:
@@ -58,17 +64,34 @@ def check_cover(chunks: list, size: torch.Size, here: str, boxes: Optional[tuple
         extent = np.array(boxes[1], dtype=np.int64).reshape(len(chunks), ndim)
         held = int(extent.prod(axis=1).sum()) if ndim else len(chunks)  # each size <= MAX_INT: products stay exact
         end = off + extent
+        pair = None
     if held != total:
         raise CorruptCheckpointError(
             f"{here}: its chunks hold {held} of the tensor's {total} elements; a checkpoint stores every element "
             "exactly once. It was written by a faulty planner or edited; restore it from a copy.")
     if off is not None and total:
         pair = _overlapping_pair(off, end)
-        if pair is not None:
-            a, b = chunks[pair[0]], chunks[pair[1]]
-            raise CorruptCheckpointError(
-                f"{here}: chunks {list(a.offsets)}+{list(a.sizes)} and {list(b.offsets)}+{list(b.sizes)} overlap, so "
-                "other elements are stored nowhere. It was written by a faulty planner or edited; restore it from a copy.")
+    if pair is not None:
+        a, b = chunks[pair[0]], chunks[pair[1]]
+        raise CorruptCheckpointError(
+            f"{here}: chunks {list(a.offsets)}+{list(a.sizes)} and {list(b.offsets)}+{list(b.sizes)} overlap, so "
+            "other elements are stored nowhere. It was written by a faulty planner or edited; restore it from a copy.")
+
+
+# up to this many chunks, comparing every pair in Python beats the grid in numpy, whose calls cost
+# microseconds each on arrays this small (a tensor sharded over a few ranks, the common case)
+_FEW_CHUNKS = 8
+
+
+def _overlapping_pair_few(offs: list, sizes: list) -> Optional[tuple[int, int]]:
+    """As :func:`_overlapping_pair`, for a few boxes given as lists of offsets and sizes."""
+    boxes = [(i, o, s) for i, (o, s) in enumerate(zip(offs, sizes)) if all(s)]
+    for a in range(len(boxes)):
+        i, oi, si = boxes[a]
+        for j, oj, sj in boxes[a + 1:]:
+            if all(x < y + m and y < x + n for x, n, y, m in zip(oi, si, oj, sj)):
+                return i, j
+    return None
 
 
 def _overlapping_pair(off: np.ndarray, end: np.ndarray) -> Optional[tuple[int, int]]:
