@@ -9,6 +9,9 @@ import shutil
 import torch
 import torch.distributed as dist
 
+from distckpt.engine.windows import WINDOW_BYTES
+from distckpt.format.checksum import crc32c
+
 from .measure import best, drop_cache, measure, warm_memory
 from .states import gpt_like, many_small, nbytes
 
@@ -70,13 +73,16 @@ def _raw_views(tensors: dict) -> list[memoryview]:
     return [memoryview(t.detach().contiguous().view(-1).view(torch.uint8).numpy()) for t in tensors.values()]
 
 
-def _raw_io(local: dict, path: str, rank: int, write: bool, sequential: bool = False) -> None:
+def _raw_io(local: dict, path: str, rank: int, write: bool, sequential: bool = False, checksum: bool = False) -> None:
     """The floor: this rank's tensor bytes written to (or read into) files with vectored I/O from as
     many threads as distckpt uses, one file per thread (tmpfs and many file systems serialise
     writes to one file), and nothing else: no format, checksum or metadata.
 
     ``sequential``: the disk's sequential bandwidth instead, as people measure it with dd: one
-    thread, one file, 64 MiB at a time."""
+    thread, one file, 64 MiB at a time.
+
+    ``checksum`` (reads): the floor of a verified load instead: the same reads in cache-sized
+    windows, each CRC-32C'd right after it arrives, as cheaply as this checksum can be had."""
     from concurrent.futures import ThreadPoolExecutor
 
     import distckpt.knobs as knobs
@@ -89,7 +95,7 @@ def _raw_io(local: dict, path: str, rank: int, write: bool, sequential: bool = F
     parts = [[views[i] for i in group] for group in split_runs([len(v) for v in views], files)]
     if sequential:
         parts = [views]
-    piece_bytes = _SEQ_PIECE if sequential else 1 << 30
+    piece_bytes = _SEQ_PIECE if sequential else WINDOW_BYTES if checksum else 1 << 30
     threads = len(parts)
     if write:
         os.makedirs(path, exist_ok=True)
@@ -106,6 +112,8 @@ def _raw_io(local: dict, path: str, rank: int, write: bool, sequential: bool = F
                     got = os.pwrite(fd, piece, pos) if write else os.preadv(fd, [piece], pos)
                     if got <= 0:
                         raise OSError(f"short {'write' if write else 'read'} in {f}")
+                    if checksum:
+                        crc32c(piece[:got])
                     done += got
                     pos += got
             if write and knobs.fsync_enabled():
@@ -203,8 +211,8 @@ def _save(peer, sd, local, path, rank):
 def _load(peer, dest, dest_local, path, rank):
     if peer == "direct":
         _direct_io(dest_local, path, rank, write=False)
-    elif peer in ("raw", "seq"):
-        _raw_io(dest_local, path, rank, write=False, sequential=peer == "seq")
+    elif peer in ("raw", "seq", "raw+crc"):
+        _raw_io(dest_local, path, rank, write=False, sequential=peer == "seq", checksum=peer == "raw+crc")
     elif peer == "distckpt":
         import distckpt
 
@@ -265,12 +273,15 @@ def peers_round(rank, world_size, total, location, cold, repeat=1):
             ok = all(torch.equal(dest_local[k], local[k]) for k in local)
             assert ok, f"{peer} loaded wrong data"
             dest = dest_local = None  # free before the next run
-            if peer == "distckpt" and not cold:  # the same load without checksums: what the rest of the format costs
+            # warm loads also without checksums (what the rest of the format costs) and the raw floor with them (what
+            # verifying costs any format with this checksum): the two halves of distckpt's gap to the floor
+            extra = {"distckpt": "unverified", "raw": "raw+crc"}.get(peer) if not cold else None
+            if extra:
                 dest = _blank(sd)
                 dest_local = {k: (v.to_local() if hasattr(v, "to_local") else v) for k, v in dest.items()}
                 _barrier()
-                runs.setdefault(("unverified", "load"), []).append(measure(lambda: _load("unverified", dest, dest_local, path, rank), size))
-                assert all(torch.equal(dest_local[k], local[k]) for k in local), "unverified loaded wrong data"
+                runs.setdefault((extra, "load"), []).append(measure(lambda: _load(extra, dest, dest_local, path, rank), size))
+                assert all(torch.equal(dest_local[k], local[k]) for k in local), f"{extra} loaded wrong data"
                 dest = dest_local = None
             _barrier()
             if rank == 0:  # one peer's files at a time

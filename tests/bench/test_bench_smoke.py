@@ -25,10 +25,15 @@ def test_bench_suite_runs_every_peer_at_a_tiny_size(tmp_path, capsys):
     assert "targets (issue 5), this run:" in out and len([t for t in results["targets"] if not t["reference"]]) == 26
     assert [t["name"].strip() for t in results["targets"] if t["reference"]] == [
         "same vs O_DIRECT sequential save", "same vs O_DIRECT sequential load",
-        "tmpfs 1 rank(s) warm load: raw / unverified", "tmpfs 2 rank(s) warm load: raw / unverified"]
-    # warm loads are also taken without checksums, beside the raw floor: the format's cost apart from them
-    assert "unverified|load" in results["tmpfs/2"] and "unverified|load" not in results["disk/1"]
-    assert "unverified|save" not in results["tmpfs/1"]
+        "tmpfs 1 rank(s) warm load: raw+crc / distckpt", "tmpfs 1 rank(s) warm load: raw / unverified",
+        "tmpfs 2 rank(s) warm load: raw+crc / distckpt", "tmpfs 2 rank(s) warm load: raw / unverified"]
+    # warm loads are also taken without checksums, beside the raw floor: the format's cost apart from them; and the
+    # raw floor with them: what verifying costs any format
+    for extra in ("unverified", "raw+crc"):
+        assert f"{extra}|load" in results["tmpfs/2"] and f"{extra}|load" not in results["disk/1"]
+        assert f"{extra}|save" not in results["tmpfs/1"]
+    warm = next(t for t in results["targets"] if t["name"] == "tmpfs 2 rank(s) warm load: raw time / distckpt")
+    assert warm["floor_label"] == "verified floor" and 0 < warm["floor"]
     assert (tmp_path / "r.json").exists()
 
 
@@ -102,6 +107,14 @@ def test_targets_are_ratios_within_one_run_with_the_raw_floor_beside_them():
     unverified = {t.name: t for t in targets.evaluate(results)}["tmpfs 1 rank(s) warm load: raw / unverified"]
     assert unverified.reference and abs(unverified.measured - 0.5 / 0.55) < 1e-9
     del results["tmpfs/1"]["unverified|load"]
+    # with the raw floor's verified form in the table, the warm load's floor is that one's
+    results["tmpfs/1"]["raw+crc|load"] = _row(0.6)
+    got = {t.name: t for t in targets.evaluate(results)}
+    warm = got["tmpfs 1 rank(s) warm load: raw time / distckpt"]
+    assert warm.floor_label == "verified floor" and abs(warm.floor - 0.5 / 0.6) < 1e-9 and not warm.reference
+    assert got["tmpfs 1 rank(s) warm load: raw+crc / distckpt"].reference
+    assert abs(got["tmpfs 1 rank(s) warm load: raw+crc / distckpt"].measured - 0.6) < 1e-9
+    del results["tmpfs/1"]["raw+crc|load"]
     # the bandwidth around the page cache is shown beside it, and not counted as a target
     results["disk/1"] |= {"direct|save": _row(0.5), "direct|load": _row(1.0)}
     got = targets.evaluate(results)
