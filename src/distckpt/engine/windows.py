@@ -27,6 +27,11 @@ def windows(views: list[memoryview], size: int = WINDOW_BYTES) -> Iterator[list[
     out: list[tuple[int, memoryview]] = []
     room = size
     for j, view in enumerate(views):
+        n = len(view)
+        if 0 < n < room:  # the common case of many small items: the whole view, no slice
+            out.append((j, view))
+            room -= n
+            continue
         start = 0
         while True:
             piece = view[start:start + room]

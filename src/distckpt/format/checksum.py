@@ -14,12 +14,10 @@ from fastcrc import crc32 as _crc32
 
 __all__ = ["crc32c", "format_crc", "parse_crc"]
 
-_iscsi = _crc32.iscsi  # CRC-32C's catalogue name: poly 0x1EDC6F41, reflected, init and xorout 0xFFFFFFFF
-
-
-def crc32c(data, value: int = 0) -> int:
-    """CRC-32C of ``data`` (any contiguous buffer), continuing from ``value``."""
-    return _iscsi(data, value)
+# crc32c(data, value=0): the CRC-32C of ``data`` (any contiguous buffer), continuing from ``value``. The
+# library's function itself, not a wrapper: a load of many small items calls it once per item.
+# ("iscsi" is CRC-32C's catalogue name: poly 0x1EDC6F41, reflected, init and xorout 0xFFFFFFFF.)
+crc32c = _crc32.iscsi
 
 
 def format_crc(value: int) -> str:
