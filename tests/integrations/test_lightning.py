@@ -39,12 +39,27 @@ def _fit(root, max_steps, resume):
     return {k: v.detach().clone() for k, v in model.state_dict().items()}  # ddp_spawn brings rank 0's weights back
 
 
-@pytest.mark.filterwarnings("ignore")
-def test_ddp_save_last_and_resume_through_distckpt(tmp_path):
-    want = _fit(str(tmp_path / "straight"), 6, False)
-    at_four = _fit(str(tmp_path / "run"), 4, False)  # stops at step 4; last.ckpt was written at steps 2 and 4
-    last = tmp_path / "run" / "ckpt" / "last.ckpt"
+def _scenario(root):
+    want = _fit(str(root / "straight"), 6, False)
+    at_four = _fit(str(root / "run"), 4, False)  # stops at step 4; last.ckpt was written at steps 2 and 4
+    last = root / "run" / "ckpt" / "last.ckpt"
     assert (last / "metadata.json").is_file()  # a distckpt checkpoint, replaced in place by the second save
-    got = _fit(str(tmp_path / "run"), 6, True)
+    got = _fit(str(root / "run"), 6, True)
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
     assert not all(torch.equal(want[k], at_four[k]) for k in want)  # the resumed run did train steps 5 and 6
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_ddp_save_last_and_resume_through_distckpt(tmp_path):
+    from torch.multiprocessing import ProcessExitedException
+
+    try:
+        _scenario(tmp_path / "first")
+    except ProcessExitedException as exc:
+        # A ddp_spawn child sometimes aborts in its teardown after Trainer.fit returned ("terminate called without
+        # an active exception", SIGABRT), also on the rank that never calls distckpt: torch's and Lightning's exit
+        # path, not a checkpoint's. The whole scenario runs once more in fresh directories; any other failure, or
+        # the abort twice in a row, fails the test.
+        if exc.signal_name != "SIGABRT":
+            raise
+        _scenario(tmp_path / "again")
