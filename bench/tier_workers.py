@@ -45,9 +45,9 @@ def _manager(durable: str, group_local: str):
     return distckpt.TieredCheckpointManager(durable, local=group_local, replicas=1, keep_local=1, persist_every=0)
 
 
-def _step_sizes(local_root: str, rank: int, step: int) -> list[int]:
+def _step_sizes(mgr, step: int) -> list[int]:
     """The sizes of the files of this rank's step in its own tier (what replication sends)."""
-    folder = os.path.join(local_root, "own", f"rank-{rank}", f"step-{step}")
+    folder = os.path.join(mgr.own_dir, f"step-{step}")
     return [os.path.getsize(os.path.join(folder, n)) for n in sorted(os.listdir(folder))]
 
 
@@ -92,10 +92,10 @@ def _max_dict(d: dict) -> dict:
     return dict(zip(keys, t.tolist()))
 
 
-def _wipe(local_root: str, rank: int) -> None:
+def _wipe(mgr) -> None:
     """What losing this rank's node does to the tier: its own steps and the replicas it held are gone."""
-    for part in ("own", "held"):
-        shutil.rmtree(os.path.join(local_root, part, f"rank-{rank}"), ignore_errors=True)
+    for folder in (mgr.own_dir, mgr.held_dir):
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def first_save(rank, world_size, total, durable):
@@ -163,7 +163,7 @@ def rounds(rank, world_size, total, durable, scratch, repeat):
         record("replicate_s", float(t[1]))
         out["replicated_bytes"] = mgr.timings[step]["replicated_bytes"]
         if not peer_sizes:
-            sizes = _step_sizes(local_root, rank, step)
+            sizes = _step_sizes(mgr, step)
             peer_sizes = [None] * world_size
             dist.all_gather_object(peer_sizes, sizes)
         record("raw_send_s", _timed(lambda: _raw_send(flat, sizes, peer_sizes[src], recv, dst, src)))
@@ -177,7 +177,7 @@ def rounds(rank, world_size, total, durable, scratch, repeat):
         mgr.wait()
         # node 1 loses its memory: its own steps and the replicas it held
         if rank == 1:
-            _wipe(local_root, rank)
+            _wipe(mgr)
         for v in local.values():
             v.zero_()
         reports = []
@@ -190,7 +190,7 @@ def rounds(rank, world_size, total, durable, scratch, repeat):
 
         out["persist_s"].append(_timed(lambda: mgr.persist(step)))
         # the cold loads, after every tier in memory is gone, in an order shuffled alike on every rank
-        _wipe(local_root, rank)
+        _wipe(mgr)
         shutil.rmtree(dcp_dir, ignore_errors=True)
         out["dcp_save_s"].append(_timed(lambda: dcp.save(sd, checkpoint_id=dcp_dir)))
         out["raw_write_s"].append(_timed(lambda: _raw_io(local, raw_dir, rank, write=True)))

@@ -28,6 +28,7 @@ __all__ = [
     "InvalidStepError",
     "NotRegularFileError",
     "StagingMemoryError",
+    "UnsafeLocationError",
 ]
 
 
@@ -171,3 +172,8 @@ class NotRegularFileError(CorruptCheckpointError):
 
 class StagingMemoryError(CheckpointError, MemoryError):
     """async_save could not allocate the host memory to copy the state into."""
+
+
+class UnsafeLocationError(CheckpointError, PermissionError):
+    """A directory distckpt would keep its own files in could be changed by another user: owned by someone else,
+    writable by others, or reached through a link someone else owns (a planted link in ``/dev/shm``)."""

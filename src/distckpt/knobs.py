@@ -34,6 +34,8 @@ __all__ = [
     "s3_part_bytes",
     "s3_upload_concurrency",
     "s3_read_piece_bytes",
+    "tier_dir",
+    "node_id",
 ]
 
 
@@ -261,3 +263,24 @@ def s3_deadline_s() -> float:
     new request starts: the operation fails with StorageIOError, and what it leaves is removed later
     by the lease rules."""
     return float(_int("DISTCKPT_S3_DEADLINE_S", 0, minimum=0))
+
+
+def tier_dir() -> str:
+    """Where a node's memory tier lives (DISTCKPT_TIER_DIR; default ``/dev/shm/distckpt-tier-<uid>/<job>``, a tmpfs:
+    memory that outlives a crashed training process but not the node). ``<job>`` is torchrun's run id
+    (TORCHELASTIC_RUN_ID), else DISTCKPT_JOB_ID, else ``default``; the uid keeps users apart in the shared
+    ``/dev/shm``. Inside it, each run (docs/tiers.md) has a directory of its own."""
+    chosen = os.environ.get("DISTCKPT_TIER_DIR")
+    if chosen:
+        return chosen
+    job = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("DISTCKPT_JOB_ID") or "default"
+    if "/" in job or job in (".", ".."):
+        raise CheckpointError(f"the job id {job!r} (TORCHELASTIC_RUN_ID or DISTCKPT_JOB_ID) cannot name a folder; "
+                              "give a plain name, or set DISTCKPT_TIER_DIR")
+    return os.path.join("/dev/shm", f"distckpt-tier-{os.geteuid()}", job)
+
+
+def node_id() -> str:
+    """What identifies this process's node to the memory tier's placement (DISTCKPT_NODE_ID, else torchrun's
+    GROUP_RANK, else the host name): replicas go to ranks of other nodes."""
+    return os.environ.get("DISTCKPT_NODE_ID") or os.environ.get("GROUP_RANK") or os.uname().nodename

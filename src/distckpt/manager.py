@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import numbers
 import os
 import re
+import secrets
 from typing import Any, Optional, Union
 
 from . import backends
 from .backends.blob_storage import BlobStorageWriter
 from .distributed import Coordinator
 from .engine.blobs import RUNS, BlobStore
-from .errors import CheckpointError, CheckpointNotFoundError, InvalidStepError
+from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, InvalidStepError
 from .loading import load
 from .metadata import STATE_DICT_TYPE, Metadata
 from .saving import save
@@ -21,6 +23,8 @@ from .staging import async_save
 __all__ = ["CheckpointManager"]
 
 _STEP = re.compile(r"step-(\d{10,19})\Z")
+RUN_ID_FILE = "run-id.json"
+_RUN_ID = re.compile(r"[0-9a-f]{32}\Z")
 _PLAIN_STEP = re.compile(r"step-(0|[1-9]\d{0,18})\Z")
 STEP_NAMES = ("padded", "plain")
 MAX_STEP = 10**19 - 1
@@ -42,6 +46,10 @@ class CheckpointManager:
         read_only: open the run to list and load only: nothing is created,
             cleaned or deleted, and ``save`` raises. For evaluation jobs and
             read-only media.
+        no_dist: a run of this process alone: its saves and loads call no
+            collective (as ``no_dist=True`` does for :func:`distckpt.save`), and
+            this process cleans up and applies retention itself. For a rank's
+            node-local copies (the memory tier keeps each rank's own run).
         step_names: how step folders are named: ``"padded"`` (``step-0000000042``, ten or more
             digits, distckpt's own), ``"plain"`` (``step-42``, torchtitan's and others'), or None
             (default): ``"plain"`` if the run already holds committed ``step-<N>`` folders of that
@@ -76,7 +84,8 @@ class CheckpointManager:
 
     def __init__(self, root: Union[str, os.PathLike], *, keep_last: Optional[int] = None, keep_every: Optional[int] = None,
                  process_group: Any = None, coordinator_rank: int = 0, cleanup: bool = True, read_only: bool = False,
-                 storage_options: Optional[dict[str, Any]] = None, step_names: Optional[str] = None):
+                 storage_options: Optional[dict[str, Any]] = None, step_names: Optional[str] = None,
+                 no_dist: bool = False):
         if keep_last is not None and keep_last < 1:
             raise CheckpointError(f"keep_last must be at least 1, got {keep_last}")
         if keep_every is not None and keep_every < 1:
@@ -90,7 +99,8 @@ class CheckpointManager:
         self.keep_every = keep_every
         self.process_group = process_group
         self.coordinator_rank = coordinator_rank
-        self._coord = Coordinator(process_group, coordinator_rank)
+        self.no_dist = no_dist
+        self._coord = Coordinator(process_group, coordinator_rank, no_dist=no_dist)
         self.read_only = read_only
         if step_names is not None and step_names not in STEP_NAMES:
             raise CheckpointError(f"step_names must be one of {STEP_NAMES} or None, got {step_names!r}")
@@ -130,6 +140,41 @@ class CheckpointManager:
                 steps.append(int(m.group(1)))
         return sorted(steps)
 
+    def run_id(self, create: bool = True) -> Optional[str]:
+        """The identity of this run: a random id recorded at the run's root (``run-id.json``) the first time it is
+        asked for with ``create`` (None where none is recorded and ``create`` is False). A root emptied and used
+        again is a new run with a new id. Call it on one rank and share the answer: two processes creating the id at
+        once both return the one that was written last, unless their write and read interleave."""
+        found = self._read_run_id()
+        if found is not None or not create:
+            return found
+        if self.read_only:
+            raise CheckpointError(f"CheckpointManager({self.root!r}, read_only=True) records no run id; open it "
+                                  "without read_only")
+        self._store.prepare()
+        self._store.put_atomic(RUN_ID_FILE, json.dumps({"run_id": secrets.token_hex(16)}).encode(), sync=True)
+        found = self._read_run_id()
+        if found is None:
+            raise CheckpointError(f"the run id written under {self.root!r} cannot be read back; check the storage")
+        return found
+
+    def _read_run_id(self) -> Optional[str]:
+        if not self._store.exists(RUN_ID_FILE):
+            return None
+        reader = self._store.open(RUN_ID_FILE)
+        try:
+            raw = reader.pread(min(reader.size, 4096), 0)
+        finally:
+            reader.close()
+        try:
+            found = json.loads(raw.decode("utf-8"))["run_id"]
+            if not isinstance(found, str) or not _RUN_ID.match(found):
+                raise ValueError(found)
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+            raise CorruptCheckpointError(f"{self._store.describe(RUN_ID_FILE)} is not a run id distckpt wrote "
+                                         '({"run_id": <32 hex digits>}); remove it to start a new run') from None
+        return found
+
     def incomplete_saves(self, step: int) -> list[str]:
         """Uncommitted saves of ``step`` left at this run's location: what a save that died leaves until
         cleanup finds its saver dead (``remove_stale_temporaries``)."""
@@ -147,6 +192,8 @@ class CheckpointManager:
         """
         path = self._writable_path(step)
         kwargs.setdefault("storage_writer", self._writer())
+        if self.no_dist:
+            kwargs.setdefault("no_dist", True)
         md = save(state_dict, checkpoint_id=path, process_group=self.process_group,
                   coordinator_rank=self.coordinator_rank, **kwargs)
         if self._coord.is_coordinator:
@@ -168,6 +215,8 @@ class CheckpointManager:
         """Like :meth:`save`, but returns after staging; retention runs after the commit."""
         is_coordinator = self._coord.is_coordinator
         kwargs.setdefault("storage_writer", self._writer())
+        if self.no_dist:
+            kwargs.setdefault("no_dist", True)
         return async_save(state_dict, checkpoint_id=self._writable_path(step), process_group=self.process_group,
                           coordinator_rank=self.coordinator_rank,
                           on_commit=(lambda _md: self._retain_after_commit()) if is_coordinator else None, **kwargs)
@@ -182,6 +231,8 @@ class CheckpointManager:
             raise CheckpointNotFoundError(
                 f"no committed checkpoint of step {step} under {self.root!r}; committed steps: {self.all_steps()}")
         kwargs.setdefault("storage_reader", backends.reader_for(self.root, **self.storage_options))
+        if self.no_dist:
+            kwargs.setdefault("no_dist", True)
         load(state_dict, checkpoint_id=self.path(step), process_group=self.process_group,
              coordinator_rank=self.coordinator_rank, **kwargs)
         return step
@@ -218,6 +269,13 @@ class CheckpointManager:
                 self._delete(step)
                 removed.append(step)
         return removed
+
+    def delete(self, step: int) -> None:
+        """Delete committed checkpoint ``step`` of this run (one already gone is no error). It disappears whole (a
+        rename to a hidden name), then its files go; nothing but what distckpt wrote there is removed."""
+        if self.read_only:
+            raise CheckpointError(f"CheckpointManager({self.root!r}, read_only=True) does not delete checkpoints")
+        self._delete(step)
 
     def _delete(self, step: int) -> None:
         self._store.child(self._name(step)).remove()

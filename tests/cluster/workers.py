@@ -55,7 +55,7 @@ def train(rank, world_size, run, steps, resume=False, hold=False, persist_every=
         state["extra"] = torch.zeros(extra_mb << 18)
     report = None
     if corrupt and rank == corrupt["holder"]:
-        held = os.path.join(local, "held", f"rank-{rank}", f"rank-{corrupt['owner']}", f"step-{corrupt['step']}")
+        held = os.path.join(mgr.held_dir, f"rank-{corrupt['owner']}", f"step-{corrupt['step']}")
         data = [f for f in os.listdir(held) if f.endswith(".safetensors")][0]
         with open(os.path.join(held, data), "r+b") as f:  # flip one bit in the last byte of tensor data
             f.seek(-1, os.SEEK_END)

@@ -18,7 +18,7 @@ def _fast_saves(rank, world_size, root, delay_s):
     local = os.path.join(root, f"node{rank}")
     mgr = distckpt.TieredCheckpointManager(os.path.join(root, "durable"), local=local, keep_local=2, persist_every=0)
     state = {"w": torch.zeros(1 << 16)}
-    own = os.path.join(local, "own", f"rank-{rank}")
+    own = mgr.own_dir
 
     def slow(kind, what):
         if "tier replication" in what:

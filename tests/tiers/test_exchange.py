@@ -11,7 +11,7 @@ from distckpt.testing import run_ranks
 def _swap(rank, world_size, root, mapped):
     import torch.distributed as dist
 
-    from distckpt.tiers.exchange import Buffers, all_gather_json, commit_dir, dir_manifest, transfer
+    from distckpt.tiers.exchange import Buffers, dir_manifest, reuse_spare, transfer
 
     mine = os.path.join(root, f"src-{rank}")
     os.makedirs(mine)
@@ -29,13 +29,18 @@ def _swap(rank, world_size, root, mapped):
     os.makedirs(os.path.join(spare, "nested"))
     buffers = Buffers(chunk_bytes=1000, depth=2, mapped=mapped)  # chunks span file ends: 2500 -> 1000, 1000, 500
     peer = 1 - rank
-    manifests = all_gather_json(dir_manifest(mine), dist.group.WORLD)
+    manifests = [None, None]
+    dist.all_gather_object(manifests, dir_manifest(mine))
     results = []
     for use_spare in (True, False):
-        (tmp,) = transfer([(mine, manifests[rank], peer)], [(parent, manifests[peer], peer, spare if use_spare else None)],
-                          dist.group.WORLD, buffers)
         final = os.path.join(parent, f"step-{int(use_spare)}")
-        commit_dir(tmp, final)
+        tmp = final + ".incoming"
+        if use_spare:
+            reuse_spare(spare, tmp, manifests[peer])
+        else:
+            os.mkdir(tmp)
+        transfer([(mine, manifests[rank], peer)], [(tmp, manifests[peer], peer)], dist.group.WORLD, buffers)
+        os.rename(tmp, final)
         results.append({name: open(os.path.join(final, name), "rb").read().hex() for name in sorted(os.listdir(final))})
     expected = {name: bytes((peer * 7 + i + j) % 251 for j in range(size)).hex() for i, (name, size) in enumerate(sizes.items())}
     return {"results": results, "expected": expected, "left": sorted(os.listdir(parent))}

@@ -102,7 +102,7 @@ def _persist_job(rank, world_size, root):
     state = _state()
     mgr.save(1, state)
     mgr.wait()
-    own = os.path.join(local, "own", "rank-0", "step-1")
+    own = os.path.join(mgr.own_dir, "step-1")
     info = next(i for idx, i in distckpt.read_metadata(own).storage_data.items.items() if idx.fqn == "w")
     with open(os.path.join(own, info.file), "r+b") as f:  # a bit flips in the node's memory
         f.seek(info.offset + 100)

@@ -22,7 +22,7 @@ def _broken_sender(rank, world_size, root, tiers):
 
     def truncate(kind, what):  # after the sizes were told, rank 0's copy of step 2 loses its tail
         if what == "tier replication of step 2" and rank == 0:
-            own = os.path.join(local, "own", "rank-0", "step-2")
+            own = os.path.join(mgr.own_dir, "step-2")
             data = [f for f in os.listdir(own) if f.endswith(".safetensors")][0]
             os.truncate(os.path.join(own, data), os.path.getsize(os.path.join(own, data)) // 2)
 
@@ -43,5 +43,5 @@ def test_a_failed_sender_fails_the_replication_everywhere(tmp_path, request, tie
     # on a tmpfs of huge pages the sender maps its files instead of reading them through buffers
     tiers = request.getfixturevalue("huge_tmpfs") if tier != "folder" else str(tmp_path)
     for rank, out in enumerate(run_ranks(_broken_sender, 2, str(tmp_path), tiers, timeout_s=120)):
-        assert out["error"] and "replicating step 2 failed (rank 0:" in out["error"], out
+        assert out["error"] and "replicating step 2 failed" in out["error"] and "rank 0" in out["error"], out
         assert out["held"] == {str(1 - rank): [1]}, out  # step 1's replica stays; no replica of step 2 anywhere

@@ -63,7 +63,7 @@ class _Rank:
             return {"own": self.mgr.own_steps(), "held": {str(o): ss for o, ss in self.mgr.replica_steps().items()}}
         if kind == "corrupt":
             if self.rank == cmd["holder"]:
-                held = os.path.join(self.local, "held", f"rank-{self.rank}", f"rank-{cmd['owner']}", f"step-{cmd['step']}")
+                held = os.path.join(self.mgr.held_dir, f"rank-{cmd['owner']}", f"step-{cmd['step']}")
                 data = sorted(f for f in os.listdir(held) if f.endswith(".safetensors"))[0]
                 with open(os.path.join(held, data), "r+b") as f:
                     f.seek(-1, os.SEEK_END)
@@ -74,8 +74,8 @@ class _Rank:
         if kind in ("kill", "restart"):
             self.mgr.close()
             if kind == "kill" and _node(self.rank) == cmd["node"]:
-                for part in ("own", "held"):
-                    shutil.rmtree(os.path.join(self.local, part, f"rank-{self.rank}"), ignore_errors=True)
+                for folder in (self.mgr.own_dir, self.mgr.held_dir):
+                    shutil.rmtree(folder, ignore_errors=True)
             import torch.distributed as dist
 
             dist.barrier()  # the wipe is done everywhere before any rank starts again
@@ -92,7 +92,11 @@ def _machine(rank, world_size, root, examples, steps):
     from hypothesis import strategies as st
     from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
-    from distckpt.tiers.exchange import all_gather_json
+
+    def all_gather_json(obj, group):
+        out = [None] * world_size
+        dist.all_gather_object(out, obj, group=group)
+        return out
 
     os.environ["DISTCKPT_NODE_ID"] = f"node{_node(rank)}"
     me = _Rank(rank, root)

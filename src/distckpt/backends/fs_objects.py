@@ -23,7 +23,7 @@ import stat
 from typing import Optional
 
 from .. import faults
-from ..errors import CheckpointNotFoundError, NotRegularFileError
+from ..errors import CheckpointNotFoundError, NotRegularFileError, UnsafeLocationError
 
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -170,3 +170,55 @@ def _rmdir(name: str, dir_fd: Optional[int], left: list[str], where: str = "") -
         if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
             raise
         left.append(where or name)  # something is writing into it: not ours to race
+
+
+def private_dir(path: str) -> str:
+    """Make ``path`` (with its missing parents, mode 0700) or accept it, as a directory no other user can change;
+    return its absolute path. The way ssh treats a key file's folders:
+
+    - every existing ancestor is owned by root or this user, and one that others may write to is sticky (``/tmp``,
+      ``/dev/shm``: there only a name's owner can replace it);
+    - a link on the way is followed only where root or this user owns it (in a sticky folder nobody else can
+      replace it); one that another user planted is refused;
+    - ``path`` itself is a real directory, owned by this user and writable by nobody else.
+
+    Raises UnsafeLocationError, naming the component and the fix, where any of these fails.
+    """
+    me = os.geteuid()
+    path = os.path.abspath(path)
+    current = "/"
+    parts = [p for p in path.split(os.sep) if p]
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        nxt = os.path.join(current, part)
+        try:
+            st = os.lstat(nxt)
+        except FileNotFoundError:
+            try:
+                os.mkdir(nxt, 0o700)
+            except FileExistsError:
+                pass
+            st = os.lstat(nxt)
+        if stat.S_ISLNK(st.st_mode):
+            if last:
+                raise UnsafeLocationError(f"{nxt} is a symbolic link; a tier directory must be a real directory of "
+                                          "its own (a link there could send its files anywhere). Remove the link, "
+                                          "or choose another directory")
+            if st.st_uid not in (0, me):
+                raise UnsafeLocationError(f"{nxt} is a symbolic link owned by uid {st.st_uid}, not by root or this "
+                                          f"user (uid {me}): another user may have planted it. Remove it, or choose "
+                                          "another directory")
+            nxt = os.path.realpath(nxt)
+            st = os.stat(nxt)
+        if not stat.S_ISDIR(st.st_mode):
+            raise UnsafeLocationError(f"{nxt} is {kind(st.st_mode)}, not a directory; choose another directory")
+        if st.st_uid not in ((me,) if last else (0, me)):
+            raise UnsafeLocationError(f"{nxt} is owned by uid {st.st_uid}; distckpt keeps its files only in directories "
+                                      f"owned by this user (uid {me}){'' if last else ' or root'}. Choose another "
+                                      "directory")
+        if st.st_mode & 0o022 and (last or not st.st_mode & stat.S_ISVTX):
+            raise UnsafeLocationError(f"{nxt} can be written by other users (mode {stat.S_IMODE(st.st_mode):o}); "
+                                      f"{'run chmod go-w on it' if last else 'make it sticky or chmod go-w it'}, or "
+                                      "choose another directory")
+        current = nxt
+    return current

@@ -1,6 +1,6 @@
-"""What the tier sends between ranks: JSON reports to every rank, and checkpoint directories point to point.
+"""What the tier sends between ranks point to point: checkpoint directories, as their files' bytes in chunks.
 
-Nothing here pickles: reports travel as UTF-8 JSON in byte tensors, directories as their files' bytes in chunks.
+Nothing here pickles; what the ranks agree on travels through the package's Coordinator (distributed.py).
 On a tmpfs of huge pages, chunks go straight from and into the files' mapped pages, as fast as plain memory; over
 4 KiB pages gloo runs slower that way than through reusable buffers read with ``preadv`` and written with
 ``pwrite``, so there the chunks go through those (docs/tiers.md).
@@ -8,41 +8,23 @@ On a tmpfs of huge pages, chunks go straight from and into the files' mapped pag
 
 from __future__ import annotations
 
-import json
 import mmap
 import os
 import re
-import shutil
 import stat
 import threading
-import uuid
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
+from ..backends.fs_objects import remove_tree
 from ..errors import CheckpointError, CorruptCheckpointError
 
-__all__ = ["all_gather_json", "dir_manifest", "transfer", "Buffers", "commit_dir", "dir_bytes", "huge_pages", "map_file"]
+__all__ = ["dir_manifest", "transfer", "Buffers", "reuse_spare", "dir_bytes", "huge_pages", "map_file"]
 
 _CHUNK = 64 << 20
 _DEPTH = 3
-
-
-def all_gather_json(obj: Any, group: Any) -> list[Any]:
-    """Every rank's ``obj`` (JSON-able), in rank order, on every rank of ``group``."""
-    data = json.dumps(obj, sort_keys=True).encode()
-    world = dist.get_world_size(group)
-    size = torch.tensor([len(data)], dtype=torch.int64)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(sizes, size, group=group)
-    longest = max(int(s.item()) for s in sizes)
-    mine = torch.zeros(longest, dtype=torch.uint8)
-    if data:
-        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    everyone = [torch.zeros(longest, dtype=torch.uint8) for _ in range(world)]
-    dist.all_gather(everyone, mine, group=group)
-    return [json.loads(bytes(t[: int(n.item())].numpy())) for t, n in zip(everyone, sizes)]
 
 
 def dir_manifest(path: str) -> list[list[Any]]:
@@ -130,30 +112,43 @@ def _send_stream(folder: str, manifest: list[list[Any]], dst: int, group: Any, r
 
 def _recv_stream(tmp: str, manifest: list[list[Any]], src: int, group: Any, ring: list[torch.Tensor], chunk: int) -> None:
     """Receive the files of ``manifest`` chunk by chunk into ``ring``, writing each chunk to its file; a buffer takes
-    the next chunk once its bytes are written."""
+    the next chunk once its bytes are written. A file that cannot be created or written (a full tmpfs) still has its
+    messages taken, and dropped, so that the sender finishes its list instead of waiting on this rank; the error is
+    raised once all is through."""
     plan = _chunks(manifest, chunk)
     fds: dict[int, int] = {}
     pending: dict[int, Any] = {}
+    failure: Optional[BaseException] = None
     try:
         for i, (name, size) in enumerate(manifest):
-            # a reused file (see _reuse) keeps its pages; every byte up to ``size`` is written below
-            fds[i] = os.open(os.path.join(tmp, name), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-            os.ftruncate(fds[i], size)
+            try:
+                # a reused file (see reuse_spare) keeps its pages; every byte up to ``size`` is written below
+                fds[i] = os.open(os.path.join(tmp, name), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+                os.ftruncate(fds[i], size)
+            except OSError as exc:
+                failure = failure or exc
+                break
         for k in range(min(len(ring), len(plan))):
             pending[k] = dist.irecv(ring[k][:plan[k][2]], src, group=group)
         for k, (i, off, n) in enumerate(plan):
             slot = k % len(ring)
             pending.pop(k).wait()
-            view = memoryview(ring[slot].numpy())[:n]
-            done = 0
-            while done < n:
-                done += os.pwrite(fds[i], view[done:], off + done)
+            if failure is None:
+                view = memoryview(ring[slot].numpy())[:n]
+                try:
+                    done = 0
+                    while done < n:
+                        done += os.pwrite(fds[i], view[done:], off + done)
+                except OSError as exc:
+                    failure = exc
             nxt = k + len(ring)
             if nxt < len(plan):
                 pending[nxt] = dist.irecv(ring[slot][:plan[nxt][2]], src, group=group)
     finally:
         for fd in fds.values():
             os.close(fd)
+    if failure is not None:
+        raise failure
 
 
 def huge_pages(path: str) -> bool:
@@ -190,7 +185,7 @@ def map_file(path: str, size: int, receive: bool = False) -> Optional[mmap.mmap]
     to read from. A file to receive into is cut to ``size`` and has its pages reserved first, so that a full tmpfs
     fails here with ENOSPC instead of with SIGBUS when a byte lands; a file to read must be a regular file of
     ``size`` bytes (a tier's files are never rewritten in place, so anything else means something changed it)."""
-    fd = os.open(path, (os.O_RDWR | os.O_CREAT if receive else os.O_RDONLY) | os.O_NOFOLLOW, 0o644)
+    fd = os.open(path, (os.O_RDWR | os.O_CREAT if receive else os.O_RDONLY) | os.O_NOFOLLOW, 0o600)
     try:
         if receive:
             os.ftruncate(fd, size)
@@ -248,10 +243,11 @@ def _mapped_stream(folder: str, manifest: list[list[Any]], peer: int, group: Any
         raise failure
 
 
-def _reuse(tmp: str, manifest: list[list[Any]]) -> None:
-    """Give the files of a spare step (a dropped one, moved to ``tmp``) the names of ``manifest``, largest to
-    largest, so that receiving overwrites pages the node already has instead of allocating and zeroing new ones;
-    anything else in it goes."""
+def reuse_spare(spare: str, tmp: str, manifest: list[list[Any]]) -> None:
+    """Move the spare step ``spare`` (a dropped one, kept for its pages) to ``tmp`` and give its files the names of
+    ``manifest``, largest to largest, so that receiving overwrites pages the node already has instead of allocating
+    and zeroing new ones; anything else in it goes (through the package's no-follow deletion)."""
+    os.rename(spare, tmp)
     found = []
     for name in os.listdir(tmp):
         path = os.path.join(tmp, name)
@@ -261,7 +257,7 @@ def _reuse(tmp: str, manifest: list[list[Any]]) -> None:
             os.rename(path, staged)
             found.append((st.st_size, staged))
         elif stat.S_ISDIR(st.st_mode):
-            shutil.rmtree(path)
+            remove_tree(path)
         else:
             os.unlink(path)
     found.sort(reverse=True)
@@ -271,65 +267,44 @@ def _reuse(tmp: str, manifest: list[list[Any]]) -> None:
         os.unlink(staged)
 
 
-def transfer(outgoing: list[tuple[str, list[list[Any]], int]],
-             incoming: list[tuple[str, list[list[Any]], int, Optional[str]]], group: Any, buffers: Buffers) -> list[str]:
-    """Send each ``(folder, manifest, dst)`` and receive each ``(parent, manifest, src, spare)``, all at once: one
-    thread per stream, straight from or into the files' mapped pages, or pipelining file I/O with the network
-    through its own ring of buffers (the network runs while a chunk is read or written), as ``buffers`` says.
-    Each received directory lands in a new hidden directory under its ``parent`` (made from ``spare``, a
-    directory of the caller's whose files it may overwrite, where given); returns them in ``incoming`` order, to
-    be put in place with :func:`commit_dir`. On any failure the hidden directories are removed and the first
-    error is raised."""
-    tmps = []
-    try:
-        for parent, manifest, _, spare in incoming:
-            for name, _ in manifest:
-                if os.sep in name or name in (".", "..") or name.startswith(".reuse-"):
-                    raise CheckpointError(f"a peer sent the file name {name!r}; tier steps hold plain file names only")
-            os.makedirs(parent, exist_ok=True)
-            tmps.append(os.path.join(parent, f".incoming-{uuid.uuid4().hex}"))
-            if spare and os.path.isdir(spare) and not os.path.islink(spare):
-                os.rename(spare, tmps[-1])
-                _reuse(tmps[-1], manifest)
+def check_names(manifest: list[list[Any]]) -> None:
+    """A manifest a peer sent names plain files only."""
+    for name, size in manifest:
+        if (not isinstance(name, str) or not name or os.sep in name or "\0" in name or name in (".", "..")
+                or name.startswith(".") or type(size) is not int or size < 0):
+            raise CheckpointError(f"a peer sent the file entry {[name, size]!r}; tier steps hold plain files only")
+
+
+def transfer(outgoing: list[tuple[str, list[list[Any]], int]], incoming: list[tuple[str, list[list[Any]], int]],
+             group: Any, buffers: Buffers) -> None:
+    """Send each ``(folder, manifest, dst)`` and receive each ``(folder, manifest, src)`` into its folder (made by the
+    caller, empty or holding a spare's files), all at once: one thread per stream, straight from or into the files'
+    mapped pages, or pipelining file I/O with the network through its own ring of buffers (the network runs while
+    a chunk is read or written), as ``buffers`` says. Every stream runs its whole list of messages, whatever fails
+    on either end, so that no peer is left waiting; then the first error is raised."""
+    for _, manifest, _ in incoming:
+        check_names(manifest)
+    streams = [(_send_stream, folder, manifest, peer) for folder, manifest, peer in outgoing]
+    streams += [(_recv_stream, folder, manifest, peer) for folder, manifest, peer in incoming]
+    mapped = [buffers.maps(folder) for _, folder, _, _ in streams]
+    rings = buffers.rings([None if m else max((size for _, size in s[2]), default=0) for s, m in zip(streams, mapped)])
+    errors: list[BaseException] = []
+
+    def run(job: tuple, ring: list[torch.Tensor]) -> None:
+        fn, folder, manifest, peer = job
+        try:
+            if not ring:
+                _mapped_stream(folder, manifest, peer, group, buffers.depth, buffers.chunk_bytes, fn is _recv_stream)
             else:
-                os.mkdir(tmps[-1])
-        streams = [(_send_stream, folder, manifest, peer) for folder, manifest, peer in outgoing]
-        streams += [(_recv_stream, tmp, manifest, peer) for tmp, (_, manifest, peer, _) in zip(tmps, incoming)]
-        mapped = [buffers.maps(folder) for _, folder, _, _ in streams]
-        rings = buffers.rings([None if m else max((size for _, size in s[2]), default=0) for s, m in zip(streams, mapped)])
-        errors: list[BaseException] = []
+                fn(folder, manifest, peer, group, ring, buffers.chunk_bytes)
+        except BaseException as exc:  # noqa: BLE001 - raised by the caller below
+            errors.append(exc)
 
-        def run(job: tuple, ring: list[torch.Tensor]) -> None:
-            fn, folder, manifest, peer = job
-            try:
-                if not ring:
-                    _mapped_stream(folder, manifest, peer, group, buffers.depth, buffers.chunk_bytes, fn is _recv_stream)
-                else:
-                    fn(folder, manifest, peer, group, ring, buffers.chunk_bytes)
-            except BaseException as exc:  # noqa: BLE001 - raised by the caller below
-                errors.append(exc)
-
-        threads = [threading.Thread(target=run, args=(job, ring), name="distckpt-tier-transfer", daemon=True)
-                   for job, ring in zip(streams, rings)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
-    except BaseException:
-        for tmp in tmps:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return tmps
-
-
-def commit_dir(tmp: str, final: str) -> None:
-    """Put ``tmp`` in place as ``final`` (replacing an older one) by renames: a reader sees the old or the new."""
-    if os.path.lexists(final):
-        old = f"{os.path.dirname(final)}/.replaced-{uuid.uuid4().hex}"
-        os.rename(final, old)
-        os.rename(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, final)
+    threads = [threading.Thread(target=run, args=(job, ring), name="distckpt-tier-transfer", daemon=True)
+               for job, ring in zip(streams, rings)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]

@@ -2,31 +2,36 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import queue
 import re
-import shutil
 import signal
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from datetime import timedelta
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from .. import faults
+from .. import faults, knobs
 from ..backends import FileSystemReader
-from ..backends.filesystem import parse_hidden
-from ..errors import CheckpointError
+from ..backends.filesystem import FsStore
+from ..backends.fs_objects import is_real_dir, private_dir
+from ..backends.leases import Lease
+from ..distributed import Coordinator, Wire
+from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, RankFailuresError
 from ..format.records import FileStorageData
 from ..loading import load, read_metadata
 from ..manager import CheckpointManager
-from ..staging import async_save
 from ..verification import verify
-from .exchange import Buffers, all_gather_json, commit_dir, dir_bytes, dir_manifest, transfer
+from .exchange import Buffers, dir_bytes, dir_manifest, reuse_spare, transfer
 from .local_view import LocalView
 from .mapped_step import map_step
 from .placement import choose_restore, replica_targets
@@ -34,9 +39,11 @@ from .placement import choose_restore, replica_targets
 __all__ = ["TieredCheckpointManager", "RestoreReport"]
 
 log = logging.getLogger("distckpt.tiers")
-_STEP = re.compile(r"step-(\d+)\Z")
 _RECORD = "distckpt_tier"
 _TIMINGS_KEPT = 64
+_OWNER = re.compile(r"rank-(0|[1-9]\d{0,8})\Z")
+_RUN = re.compile(r"[0-9a-f]{32}\Z")
+_JSON = Wire(lambda value: json.dumps(value, sort_keys=True).encode(), lambda raw: json.loads(raw.decode("utf-8")))
 
 
 @dataclass
@@ -46,7 +53,8 @@ class RestoreReport:
     and the bytes behind each source: for this rank's own tier or a peer's, the bytes of its copy (every one of them
     read and checked); for the durable tier, the stored bytes of the step (a resharding load reads a part).
     ``seconds`` splits this rank's time: ``agree`` (the collectives that chose the step and sources, over every
-    round), ``fetch`` (a replica brought from its holder), ``verify`` (every checksum of the copy), ``load``."""
+    round), ``fetch`` (a replica brought from its holder), ``verify`` (every checksum of the copy), ``load``.
+    ``struck`` lists the sources that failed, as ``(rank, step, source)``."""
 
     step: Optional[int]
     tier: str
@@ -54,26 +62,7 @@ class RestoreReport:
     bytes_from: dict[str, int] = field(default_factory=lambda: {"own": 0, "peer": 0, "durable": 0})
     rounds: int = 1
     seconds: dict[str, float] = field(default_factory=dict)
-
-
-def _default_local_root() -> str:
-    job = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("DISTCKPT_JOB_ID") or "default"
-    return os.environ.get("DISTCKPT_TIER_DIR") or os.path.join("/dev/shm", "distckpt-tier", job)
-
-
-def _node_id() -> str:
-    return os.environ.get("DISTCKPT_NODE_ID") or os.environ.get("GROUP_RANK") or os.uname().nodename
-
-
-def _steps_in(folder: str) -> list[int]:
-    if not os.path.isdir(folder):
-        return []
-    out = []
-    for name in os.listdir(folder):
-        m = _STEP.match(name)
-        if m and os.path.isfile(os.path.join(folder, name, "metadata.json")) and not os.path.islink(os.path.join(folder, name)):
-            out.append(int(m.group(1)))
-    return sorted(out)
+    struck: list[tuple[int, int, str]] = field(default_factory=list)
 
 
 class TieredCheckpointManager:
@@ -82,8 +71,9 @@ class TieredCheckpointManager:
 
     Args:
         durable: the durable tier's root (as for :class:`CheckpointManager`).
-        local: this node's tier directory (default ``$DISTCKPT_TIER_DIR`` or ``/dev/shm/distckpt-tier/<job>``,
-            a tmpfs: memory that outlives a crashed training process but not the node).
+        local: this node's tier directory (default: :func:`distckpt.knobs.tier_dir`, under ``/dev/shm``, a tmpfs:
+            memory that outlives a crashed training process but not the node). It must be a directory only this
+            user can change (created so where missing); see docs/tiers.md.
         replicas: how many ranks on other nodes keep a copy of each rank's step (0: none).
         keep_local: how many newest steps the local tier keeps (own and replicas alike).
         memory_budget_bytes: the most the local tier may hold on this rank (own and replicas); older steps go
@@ -91,8 +81,10 @@ class TieredCheckpointManager:
         persist_every: every this many saves, the step also goes to the durable tier, in the background
             (0: only on :meth:`persist`).
         process_group: the job's group (default: the default group); the manager makes a gloo group of its own
-            for its background work.
+            for its background work, with the package's collective timeout (``DISTCKPT_TIMEOUT_S``).
         durable_options: passed to the durable :class:`CheckpointManager` (``keep_last``, ``storage_options``...).
+        run_id: what identifies this run (32 hex digits); default: the id recorded at the durable root
+            (:meth:`CheckpointManager.run_id`). Steps in memory are restored only by a manager of the same run.
 
     ``timings[step]`` has what each of the newest steps cost this rank, in seconds: ``blocked_s`` (the ``save``
     call), ``waited_s`` (the part of it spent waiting for the background, see ``save``), ``local_s`` (from then
@@ -105,22 +97,32 @@ class TieredCheckpointManager:
 
     def __init__(self, durable: Union[str, os.PathLike], *, local: Optional[str] = None, replicas: int = 1,
                  keep_local: int = 2, memory_budget_bytes: Optional[int] = None, persist_every: int = 10,
-                 process_group: Any = None, durable_options: Optional[dict[str, Any]] = None) -> None:
+                 process_group: Any = None, durable_options: Optional[dict[str, Any]] = None,
+                 run_id: Optional[str] = None) -> None:
         if keep_local < 1:
             raise CheckpointError(f"keep_local={keep_local}: the local tier keeps at least the newest step")
+        if run_id is not None and not (isinstance(run_id, str) and _RUN.match(run_id)):
+            raise CheckpointError(f"run_id={run_id!r}: a run id is 32 lowercase hex digits (secrets.token_hex(16))")
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
         self.group = dist.new_group(ranks=None if process_group is None else dist.get_process_group_ranks(process_group),
-                                    backend="gloo")
-        self.local = os.path.abspath(local or _default_local_root())
-        self.own_dir = os.path.join(self.local, "own", f"rank-{self.rank}")
-        self.held_dir = os.path.join(self.local, "held", f"rank-{self.rank}")
-        os.makedirs(self.own_dir, exist_ok=True)
-        self._remove_leftovers()
+                                    backend="gloo", timeout=timedelta(seconds=knobs.collective_timeout_s()))
+        self._coord = Coordinator(self.group)
         self.replicas, self.keep_local, self.memory_budget_bytes = replicas, keep_local, memory_budget_bytes
         self.persist_every = persist_every
-        self.durable = CheckpointManager(durable, process_group=self.group, step_names="padded", **(durable_options or {}))
-        self.nodes = all_gather_json(_node_id(), self.group)
+        self._durable_root, self._durable_options = os.fspath(durable), dict(durable_options or {})
+        self.durable: Optional[CheckpointManager] = None
+        self.durable_failure: Optional[str] = None  # why the durable tier cannot be used, alike on every rank
+        start = self._agree("start", lambda: self._start_report(local, run_id), self._start_plan)
+        self.nodes, self.run_id = start["nodes"], start["run"]
+        self.durable_failure = start["durable_failure"]
+        if self.durable_failure is not None:
+            log.warning("rank %d: the durable tier %s cannot be used (%s); restores take steps from memory only, and "
+                        "persisting raises until it can", self.rank, self._durable_root, self.durable_failure)
+        self.run_dir = os.path.join(self.local, f"run-{self.run_id}")
+        self.own_dir = os.path.join(self.run_dir, "own", f"rank-{self.rank}")
+        self.held_dir = os.path.join(self.run_dir, "held", f"rank-{self.rank}")
+        self._agree("local tier", self._open_local)
         self.targets = replica_targets(self.nodes, replicas) if replicas else {r: [] for r in range(self.world_size)}
         self.sources = sorted(r for r, ts in self.targets.items() if self.rank in ts)
         self._saves = 0
@@ -132,25 +134,88 @@ class TieredCheckpointManager:
         self._views: dict[int, LocalView] = {}
         self.timings: dict[int, dict[str, float]] = {}
         self._buffers = Buffers()
-        log.info("rank %d (node %s): local tier %s, replicas to ranks %s, holding replicas of ranks %s",
-                 self.rank, self.nodes[self.rank], self.local, self.targets[self.rank], self.sources)
+        log.info("rank %d (node %s): local tier %s (run %s), replicas to ranks %s, holding replicas of ranks %s",
+                 self.rank, self.nodes[self.rank], self.local, self.run_id, self.targets[self.rank], self.sources)
 
-    def _remove_leftovers(self) -> None:
-        """What a killed earlier process of this rank left half-written in its own directories (nobody else writes
-        there, and this process has started nothing yet): unfinished local writes and transfers, and the leases of
-        local saves it was killed in."""
-        dirs = [self.own_dir] + ([os.path.join(self.held_dir, d) for d in os.listdir(self.held_dir)]
-                                 if os.path.isdir(self.held_dir) else [])
-        for d in dirs:
-            for name in os.listdir(d) if os.path.isdir(d) else []:
-                if name.startswith((".incoming-", ".replaced-", ".spare")) or parse_hidden(name) is not None:
-                    path = os.path.join(d, name)
-                    if os.path.isdir(path) and not os.path.islink(path):
-                        shutil.rmtree(path, ignore_errors=True)
-                    elif not os.path.isdir(path):
-                        os.unlink(path)
+    # ---- start: who is where, which run this is, whether the durable tier answers
 
-    # ---- paths
+    def _start_report(self, local: Optional[str], run_id: Optional[str]) -> dict[str, Any]:
+        self.local = private_dir(local or knobs.tier_dir())
+        report: dict[str, Any] = {"node": knobs.node_id(), "pointer": self._read_pointer()}
+        try:
+            self.durable = CheckpointManager(self._durable_root, process_group=self.group, step_names="padded",
+                                             **self._durable_options)
+            if self.rank == 0 and run_id is None:
+                report["run"] = self.durable.run_id()
+        except (CheckpointError, OSError) as exc:  # a dead store: memory can still be restored
+            self.durable = None
+            report["durable_failure"] = f"rank {self.rank}: {exc}"
+        if run_id is not None:
+            report["run"] = run_id
+        return report
+
+    def _start_plan(self, reports: list[dict[str, Any]]) -> dict[str, Any]:
+        failures = [r["durable_failure"] for r in reports if r.get("durable_failure")]
+        run = reports[0].get("run")
+        if run is None:  # the durable root could not say: the run this node's tier last served, if all agree
+            pointers = {r["pointer"] for r in reports if r.get("pointer")}
+            if len(pointers) > 1:
+                raise CheckpointError(
+                    f"the durable tier {self._durable_root!r} cannot be read ({failures[0]}), and the nodes' tiers last "
+                    f"served different runs of it ({sorted(pointers)}): which steps in memory belong to this run is "
+                    "unknown. Bring the durable tier back, or pass run_id=")
+            run = pointers.pop() if pointers else uuid.uuid4().hex
+        return {"nodes": [r["node"] for r in reports], "run": run, "durable_failure": failures[0] if failures else None}
+
+    def _pointer(self) -> str:
+        """This node's note of the run it last served for this durable root (used when the root cannot be read)."""
+        key = hashlib.sha256(self._durable_root.encode()).hexdigest()[:32]
+        return os.path.join(self.local, f"last-run-{key}")
+
+    def _read_pointer(self) -> Optional[str]:
+        try:
+            with open(self._pointer(), "rb", opener=lambda p, f: os.open(p, f | os.O_NOFOLLOW)) as fh:
+                text = fh.read(64).decode("ascii", "replace").strip()
+        except OSError:
+            return None
+        return text if _RUN.match(text) else None
+
+    def _open_local(self) -> None:
+        """This rank's folders of the run, and its local runs: the own tier and one per rank whose replicas it
+        holds, each a CheckpointManager of this process alone. Building them removes what crashed saves of this
+        rank left, by the lease rules: a save whose process still lives is left alone."""
+        for folder in (self.run_dir, self.own_dir, self.held_dir):
+            private_dir(folder)
+        tmp = f"{self._pointer()}.tmp-{uuid.uuid4().hex}"
+        with open(tmp, "w", opener=lambda p, f: os.open(p, f | os.O_EXCL | os.O_NOFOLLOW, 0o600)) as fh:
+            fh.write(self.run_id)
+        os.replace(tmp, self._pointer())
+        self._own_run = self._local_run(self.own_dir)
+        self._held_runs: dict[int, CheckpointManager] = {}
+        for name in sorted(os.listdir(self.held_dir)):
+            m = _OWNER.match(name)
+            if m and is_real_dir(os.path.join(self.held_dir, name)):
+                self._held(int(m.group(1)))
+
+    @staticmethod
+    def _local_run(folder: str) -> CheckpointManager:
+        return CheckpointManager(folder, step_names="plain", no_dist=True)
+
+    def _held(self, owner: int) -> CheckpointManager:
+        if owner not in self._held_runs:
+            self._held_runs[owner] = self._local_run(private_dir(self._replica_dir(owner)))
+        return self._held_runs[owner]
+
+    # ---- agreement: a phase of the package's Coordinator on the manager's group
+
+    def _agree(self, phase: str, local_fn: Callable[[], Any], global_fn: Optional[Callable[[list[Any]], Any]] = None) -> Any:
+        """``local_fn`` on every rank, ``global_fn`` (default: the list of every rank's answer) over their answers;
+        its result on every rank. A failure anywhere, or a rank that does not answer within the collective
+        timeout, raises on every rank, naming each failing rank."""
+        self._coord.begin(f"tier {phase}")
+        return self._coord.all_reduce(phase, local_fn, global_fn or (lambda values: values), _JSON, _JSON)
+
+    # ---- paths and listings
 
     def _own(self, step: int) -> str:
         return os.path.join(self.own_dir, f"step-{step}")
@@ -158,20 +223,16 @@ class TieredCheckpointManager:
     def _replica_dir(self, owner: int) -> str:
         return os.path.join(self.held_dir, f"rank-{owner}")
 
+    def _replica(self, owner: int, step: int) -> str:
+        return os.path.join(self._replica_dir(owner), f"step-{step}")
+
     def own_steps(self) -> list[int]:
         """Steps this rank's own tier holds, committed."""
-        return _steps_in(self.own_dir)
+        return self._own_run.all_steps()
 
     def replica_steps(self) -> dict[int, list[int]]:
         """For each rank whose replicas this rank keeps, the committed steps held."""
-        root = self.held_dir
-        out = {}
-        if os.path.isdir(root):
-            for name in os.listdir(root):
-                m = re.match(r"rank-(\d+)\Z", name)
-                if m:
-                    out[int(m.group(1))] = _steps_in(os.path.join(root, name))
-        return out
+        return {owner: run.all_steps() for owner, run in sorted(self._held_runs.items())}
 
     # ---- save
 
@@ -186,8 +247,11 @@ class TieredCheckpointManager:
         waited = time.perf_counter() - start
         try:
             view = LocalView(state, self.rank, self.world_size)
-            record = {"step": step, "rank": self.rank, "world": self.world_size, "fingerprint": view.fingerprint}
-            handle = async_save({**view.view, _RECORD: record}, checkpoint_id=self._own(step), no_dist=True, overwrite=True)
+            record = {"step": step, "rank": self.rank, "world": self.world_size, "fingerprint": view.fingerprint,
+                      "run": self.run_id}
+            if step in self.own_steps():  # a step of a history the run left (see restore): saved anew
+                self._own_run.delete(step)
+            handle = self._own_run.async_save(step, {**view.view, _RECORD: record})
         except BaseException:
             self._slots.release()
             raise
@@ -231,18 +295,16 @@ class TieredCheckpointManager:
                 if job is None:
                     return
                 _, step, handle, persist, start = job
-                ok = True
+                failure: Optional[BaseException] = None
                 try:
                     handle.result()
                 except BaseException as exc:  # noqa: BLE001 - told to the other ranks, raised at the next call
-                    ok = False
-                    self._errors.append(exc)
+                    failure = exc
                 self._timed(step, local_s=time.perf_counter() - start)
                 try:
-                    sent = self._replicate(step, ok)
+                    sent = self._replicate(step, failure)
                     self._timed(step, replicated_bytes=sent)
-                    self._bound(step)
-                    if persist and ok:
+                    if persist:
                         t0 = time.perf_counter()
                         self._persist(step)
                         self._timed(step, persist_s=time.perf_counter() - t0)
@@ -250,6 +312,10 @@ class TieredCheckpointManager:
                     self._errors.append(exc)
                 finally:
                     self._slots.release()
+                    try:  # failures never skip the bound
+                        self._bound(step)
+                    except (CheckpointError, OSError) as exc:
+                        log.warning("rank %d: bounding the local tier after step %d failed: %s", self.rank, step, exc)
             finally:
                 self._queue.task_done()
 
@@ -258,43 +324,85 @@ class TieredCheckpointManager:
         while len(self.timings) > _TIMINGS_KEPT:
             del self.timings[min(self.timings)]
 
-    def _replicate(self, step: int, ok: bool) -> int:
-        """Send this rank's step to its replica holders and take the replicas it holds, in one exchange; returns
-        the bytes this rank sent."""
+    def _replicate(self, step: int, failure: Optional[BaseException]) -> int:
+        """Agree that every rank committed its local copy of ``step`` (where one did not, the step is never whole:
+        every rank removes its copy), then send this rank's copy to its replica holders and take the replicas it
+        holds, in one exchange; returns the bytes this rank sent."""
         t0 = time.perf_counter()
-        manifest = dir_manifest(self._own(step)) if ok else None
-        everyone = all_gather_json({"ok": ok, "manifest": manifest}, self.group)
+
+        def committed() -> Any:
+            if failure is not None:
+                raise CheckpointError(f"the local copy of step {step} failed: {failure}")
+            return dir_manifest(self._own(step))
+
+        try:
+            manifests = self._agree(f"step {step}: local copies", committed)
+        except CheckpointError:
+            self._discard_own(step)
+            raise
+        manifest = manifests[self.rank]
         t1 = time.perf_counter()
         self._timed(step, agree_s=t1 - t0)
-        if not all(r["ok"] for r in everyone):
-            bad = [r for r, rep in enumerate(everyone) if not rep["ok"]]
-            raise CheckpointError(f"step {step} failed on ranks {bad}; it is not kept as a tiered step")
         if not self.replicas:
             return 0
-        failure, tmps = None, []
+        incoming = []
+        error: Optional[BaseException] = None
         try:
             faults.point("collective", f"tier replication of step {step}")
-            tmps = transfer([(self._own(step), manifest, dst) for dst in self.targets[self.rank]],
-                            [(self._replica_dir(src), everyone[src]["manifest"], src, self._spare(src))
-                             for src in self.sources], self.group, self._buffers)
+            for src in self.sources:
+                self._held(src)
+                incoming.append(self._receive_into(self._replica(src, step), self._spare(src), manifests[src]))
+            transfer([(self._own(step), manifest, dst) for dst in self.targets[self.rank]],
+                     [(staging.root, manifests[src], src) for src, (_, staging, _) in zip(self.sources, incoming)],
+                     self.group, self._buffers)
         except (CheckpointError, OSError) as exc:  # every stream ran to its end: the ranks can still agree
-            failure = f"rank {self.rank}: {exc}"
-        failures = [f for f in all_gather_json(failure, self.group) if f]
-        if failures:  # a replica whose sender failed carries zeros: no rank commits any replica of this step
-            for tmp in tmps:
-                shutil.rmtree(tmp, ignore_errors=True)
-            raise CheckpointError(f"replicating step {step} failed ({failures[0]}); the step stays in the own tiers "
-                                  "but has no replicas")
-        for src, tmp in zip(self.sources, tmps):
-            commit_dir(tmp, os.path.join(self._replica_dir(src), f"step-{step}"))
+            error = exc
+
+        def transferred() -> None:
+            if error is not None:
+                raise CheckpointError(f"replicating step {step}: {error}") from error
+
+        try:
+            self._agree(f"step {step}: replicas", transferred)
+        except CheckpointError as exc:  # a replica whose sender failed carries zeros: no rank commits any of this step
+            for store, staging, lease in incoming:
+                _discard(store, staging, lease)
+            raise CheckpointError(f"replicating step {step} failed ({exc}); the step stays in the own tiers but has "
+                                  "no replicas") from exc
+        for store, staging, lease in incoming:
+            _commit(store, staging, lease)
         self._timed(step, replicate_s=time.perf_counter() - t1)
         return sum(size for _, size in manifest) * len(self.targets[self.rank])
+
+    def _receive_into(self, final: str, spare: Optional[str], manifest: list[list[Any]]) -> tuple[FsStore, FsStore, Lease]:
+        """A leased staging area beside ``final`` to receive a step into (made from ``spare`` where one is kept):
+        a sweep of another process leaves it alone while this one lives."""
+        store = FsStore(final)
+        save_id = uuid.uuid4().hex
+        lease = Lease(store, save_id)
+        staging = store.staging(save_id)
+        try:
+            if spare is not None and is_real_dir(spare):
+                reuse_spare(spare, staging.root, manifest)
+            else:
+                os.mkdir(staging.root, 0o700)
+        except BaseException:
+            _discard(store, staging, lease)
+            raise
+        return store, staging, lease
+
+    def _discard_own(self, step: int) -> None:
+        try:
+            self._own_run.delete(step)
+        except (CheckpointError, OSError) as exc:
+            log.warning("rank %d: could not remove its copy of the failed step %d: %s", self.rank, step, exc)
+        self._views.pop(step, None)
 
     def _bound(self, upto: int) -> None:
         """Keep the newest ``keep_local`` steps up to ``upto`` (the step just replicated), within the memory budget;
         the newest own step always stays. Newer steps, which training saved while this one was being replicated,
         are left to their own turn. The newest replica dropped of each owner is kept as that owner's spare,
-        budget permitting: the next replica from it is received over its files (see ``exchange.transfer``)."""
+        budget permitting: the next replica from it is received over its files (see ``exchange.reuse_spare``)."""
         own = [s for s in self.own_steps() if s <= upto]
         replica = {o: [s for s in ss if s <= upto] for o, ss in self.replica_steps().items()}
         steps = sorted(set(own) | {s for ss in replica.values() for s in ss}, reverse=True)
@@ -304,70 +412,92 @@ class TieredCheckpointManager:
             if s not in keep:
                 continue
             size = (dir_bytes(self._own(s)) if s in own else 0) + sum(
-                dir_bytes(os.path.join(self._replica_dir(o), f"step-{s}")) for o, ss in replica.items() if s in ss)
+                dir_bytes(self._replica(o, s)) for o, ss in replica.items() if s in ss)
             if self.memory_budget_bytes is not None and used + size > self.memory_budget_bytes and own and s != own[-1]:
                 keep.discard(s)
             else:
                 used += size
         for s in own:
             if s not in keep:
-                shutil.rmtree(self._own(s), ignore_errors=True)
+                self._own_run.delete(s)
                 self._views.pop(s, None)
         for o, ss in replica.items():
             spare = self._spare(o)
             for s in sorted(ss, reverse=True):
                 if s in keep:
                     continue
-                path = os.path.join(self._replica_dir(o), f"step-{s}")
+                path = self._replica(o, s)
                 size = dir_bytes(path)
                 room = self.memory_budget_bytes is None or used + size <= self.memory_budget_bytes
-                if room and not os.path.lexists(spare):
+                if room and not os.path.lexists(spare) and is_real_dir(path):
                     os.rename(path, spare)
                     used += size
                 else:
-                    shutil.rmtree(path, ignore_errors=True)
+                    self._held(o).delete(s)
 
     def _spare(self, owner: int) -> str:
         return os.path.join(self._replica_dir(owner), ".spare")
 
     # ---- durable tier
 
+    def _usable_durable(self) -> CheckpointManager:
+        if self.durable_failure is not None or self.durable is None:
+            raise CheckpointError(f"the durable tier {self._durable_root!r} could not be opened when the manager "
+                                  f"started ({self.durable_failure}); build the manager again once it answers")
+        return self.durable
+
     def _persist(self, step: Optional[int]) -> Optional[int]:
-        held = all_gather_json({"own": self.own_steps(), "views": sorted(self._views)}, self.group)
-        common = set(held[0]["own"]).intersection(*(set(h["own"]) for h in held[1:]))
-        durable = self.durable.all_steps()
-        if step is None:
-            step = max(common) if common else None
-            if step is None or (durable and step < max(durable)):
-                return None  # nothing held everywhere, or the durable tier already has a newer step
-        elif step not in common:
-            raise CheckpointError(f"step {step} is not in every rank's local tier (held everywhere: {sorted(common)}); "
-                                  "persist a step that is")
-        if step in durable:
-            return step
-        missing = [r for r, h in enumerate(held) if step not in h["views"]]
-        if missing:  # decided alike on every rank, before any rank starts the collective save
-            raise CheckpointError(f"step {step} was saved by an earlier process on ranks {missing}; restore() it first, "
-                                  "then persist")
-        view = self._views[step]
+        durable = self._usable_durable()
+
+        def held() -> dict[str, Any]:
+            out: dict[str, Any] = {"own": self.own_steps(), "views": sorted(self._views)}
+            if self.rank == 0:
+                out["durable"] = durable.all_steps()
+            return out
+
+        def decide(reports: list[dict[str, Any]]) -> dict[str, Any]:
+            common = set(reports[0]["own"]).intersection(*(set(h["own"]) for h in reports[1:]))
+            stored = reports[0]["durable"]
+            chosen = step
+            if chosen is None:
+                chosen = max(common) if common else None
+                if chosen is None or (stored and chosen < max(stored)):
+                    return {"step": None}  # nothing held everywhere, or the durable tier already has a newer step
+            elif chosen not in common:
+                raise CheckpointError(f"step {chosen} is not in every rank's local tier (held everywhere: "
+                                      f"{sorted(common)}); persist a step that is")
+            if chosen in stored:
+                return {"step": chosen, "durable": True}
+            missing = [r for r, h in enumerate(reports) if chosen not in h["views"]]
+            if missing:
+                raise CheckpointError(f"step {chosen} was saved by an earlier process on ranks {missing}; restore() it "
+                                      "first, then persist")
+            return {"step": chosen, "durable": False}
+
+        plan = self._agree("persist: choose", held, decide)
+        chosen = plan["step"]
+        if chosen is None or plan["durable"]:
+            return chosen
+        view = self._views[chosen]
         state = _host_state(view, "meta")
-        if not map_step(self._own(step), state["view"], state["dtensors"]):
+        if not map_step(self._own(chosen), state["view"], state["dtensors"]):
             state = _host_state(view, "cpu")
-            load(state["view"], checkpoint_id=self._own(step), no_dist=True)
-        self.durable.save(step, _as_saved(state))
-        log.info("rank %d: step %d persisted to %s", self.rank, step, self.durable.root)
-        return step
+            load(state["view"], checkpoint_id=self._own(chosen), no_dist=True)
+        durable.save(chosen, _as_saved(state))
+        log.info("rank %d: step %d persisted to %s", self.rank, chosen, durable.root)
+        return chosen
 
     # ---- restore
 
     def restore(self, state: dict[str, Any]) -> RestoreReport:
-        """Load the newest step that can be fully assembled, from the nearest source of each rank (own tier, a
-        replica holder, the durable tier), into ``state`` in place. Collective. See docs/tiers.md."""
+        """Load the newest step of this run that can be fully assembled, from the nearest source of each rank (own
+        tier, a replica holder, the durable tier), into ``state`` in place. Collective. Nothing is deleted unless
+        the restore succeeds. See docs/tiers.md."""
         self.wait()
         view = LocalView(state, self.rank, self.world_size)
-        durable = self.durable.all_steps() if self.rank == 0 else []
+        layouts = self._agree("restore: layouts", lambda: view.fingerprint)
+        bound: dict[str, bool] = {}
         struck: set = set()
-        report = RestoreReport(None, "none")
         seconds = {"agree": 0.0, "fetch": 0.0, "verify": 0.0, "load": 0.0}
         clock = time.perf_counter()
 
@@ -377,27 +507,62 @@ class TieredCheckpointManager:
             seconds[what] += now - clock
             clock = now
 
-        for round_ in range(1, 2 * self.world_size + 4):
-            own = [s for s in self.own_steps() if self._record(self._own(s)) == view.fingerprint]
-            reports = all_gather_json({"own": own, "replicas": {str(o): ss for o, ss in self.replica_steps().items()},
-                                       "durable": durable}, self.group)
-            step, tier, sources = choose_restore(reports, frozenset(struck))
-            report = RestoreReport(step, tier, rounds=round_, seconds=seconds)
-            self._drop_after(step)
+        def listing() -> dict[str, Any]:
+            own = [s for s in self.own_steps() if self._bound_to(self._own(s), view.fingerprint, bound)]
+            replicas = {str(o): [s for s in ss if self._bound_to(self._replica(o, s), layouts[o], bound)]
+                        for o, ss in self.replica_steps().items() if o < self.world_size}
+            out: dict[str, Any] = {"own": own, "replicas": replicas}
+            if self.rank == 0:
+                try:
+                    out["durable"] = self._usable_durable().all_steps()
+                except (CheckpointError, OSError) as exc:
+                    out["durable_failure"] = str(exc)
+            return out
+
+        def choose(reports: list[dict[str, Any]]) -> dict[str, Any]:
+            failure = reports[0].get("durable_failure")
+            step, tier, sources = choose_restore(reports, frozenset(tuple(s) for s in struck))
+            if failure is not None and tier != "memory":
+                raise CheckpointError(f"no step of this run is whole in memory, and the durable tier cannot be listed "
+                                      f"({failure}); nothing was restored or removed. Bring the durable tier back and "
+                                      "restore again")
+            return {"step": step, "tier": tier, "sources": {str(r): s for r, s in sources.items()},
+                    "durable_failure": failure}
+
+        report = RestoreReport(None, "none", seconds=seconds)
+        for round_ in range(1, 2 * self.world_size + 8):
+            plan = self._agree("restore: choose", listing, choose)
+            step, tier = plan["step"], plan["tier"]
+            sources = {int(r): s for r, s in plan["sources"].items()}
+            report = RestoreReport(step, tier, rounds=round_, seconds=seconds, struck=sorted(struck, key=str))
             lap("agree")
+            if plan["durable_failure"] is not None:
+                log.warning("rank %d: the durable tier cannot be listed (%s); restoring from memory, which may be "
+                            "older than a durable step", self.rank, plan["durable_failure"])
             if step is None:
-                log.info("rank %d: nothing to restore (no step in memory or in the durable tier)", self.rank)
+                log.info("rank %d: nothing to restore (no step of run %s in memory or in the durable tier)", self.rank,
+                         self.run_id)
                 return report
             if tier == "durable":
-                stored = _stored_bytes(self.durable.path(step))
-                self.durable.load(state, step)
+                durable = self._usable_durable()
+                try:
+                    durable.load(state, step)
+                except CheckpointError as exc:
+                    if not _damaged(exc):
+                        raise
+                    log.warning("rank %d: durable step %d is damaged (%s); trying an older source", self.rank, step,
+                                str(exc).splitlines()[0])
+                    struck.update((r, step, "durable") for r in range(self.world_size))
+                    lap("load")
+                    continue
                 lap("load")
                 report.sources = {r: "durable" for r in range(self.world_size)}
-                report.bytes_from["durable"] = stored
-                log.info("rank %d: restored step %d from the durable tier %s", self.rank, step, self.durable.root)
+                report.bytes_from["durable"] = _stored_bytes(durable.path(step))
+                self._drop_after(step)
+                log.info("rank %d: restored step %d from the durable tier %s", self.rank, step, durable.root)
                 return report
             mine = sources[self.rank]
-            failure = None
+            failure: Optional[str] = None
             try:
                 self._fetch(step, sources)
                 lap("fetch")
@@ -405,86 +570,137 @@ class TieredCheckpointManager:
                 lap("verify")
                 report.bytes_from["own" if mine == "own" else "peer"] = checked.bytes_checked
             except (CheckpointError, OSError) as exc:
-                failure = str(exc)
-            votes = all_gather_json(failure, self.group)
+                failure = str(exc) or type(exc).__name__
+            votes = self._agree(f"restore: verify step {step}", lambda: failure)
             lap("agree")
             if any(votes):
                 for r, v in enumerate(votes):
                     if v:
-                        log.warning("rank %d: step %d for rank %d from %s failed verification (%s); trying the next "
-                                    "source", self.rank, step, r, sources[r], v.splitlines()[0])
+                        log.warning("rank %d: step %d for rank %d from %s failed (%s); trying the next source",
+                                    self.rank, step, r, sources[r], v.splitlines()[0])
                         struck.add((r, step, sources[r]))
                 continue
             # every checksum of this copy passed just above, and only this rank writes its own tier: one read,
             # not a second pass over the bytes (headers, sizes and save ids are still checked)
-            load(view.view, storage_reader=FileSystemReader(self._own(step), verify_checksums=False), no_dist=True)
-            view.write_back()
+            self._agree(f"restore: load step {step}", lambda: self._load_own(step, view))
             lap("load")
             report.sources = {r: ("own" if s == "own" else f"peer {s}") for r, s in sources.items()}
+            self._drop_after(step)
             log.info("rank %d: restored step %d from %s", self.rank, step,
                      "its own tier" if mine == "own" else f"the replica on rank {mine}")
             self._views[step] = view
             return report
-        raise CheckpointError(f"restore gave up after {report.rounds} rounds of failed sources")
+        raise CheckpointError(f"restore gave up after {report.rounds} rounds of failed sources ({sorted(struck, key=str)}); "
+                              "nothing was removed")
 
-    def _drop_after(self, step: Optional[int]) -> None:
-        """Remove the local steps after ``step``, which every rank now restores: they belong to a run that did not
-        go on (saved by some ranks only, or before a crash), and the run saves those step numbers again."""
-        newest = -1 if step is None else step
+    def _load_own(self, step: int, view: LocalView) -> None:
+        load(view.view, storage_reader=FileSystemReader(self._own(step), verify_checksums=False), no_dist=True)
+        view.write_back()
+
+    def _bound_to(self, path: str, fingerprint: str, seen: dict[str, bool]) -> bool:
+        """Whether the step at ``path`` was written by this run for the layout ``fingerprint`` (its record says so)."""
+        if path not in seen:
+            try:
+                holder: dict[str, Any] = {_RECORD: {"fingerprint": "", "run": ""}}
+                load(holder, checkpoint_id=path, no_dist=True)
+                record = holder[_RECORD]
+                seen[path] = record.get("run") == self.run_id and record.get("fingerprint") == fingerprint
+            except (CheckpointError, OSError, KeyError, TypeError, AttributeError) as exc:
+                log.warning("rank %d: %s is not a source (%s)", self.rank, path, exc)
+                seen[path] = False
+        return seen[path]
+
+    def _drop_after(self, step: int) -> None:
+        """After every rank restored ``step``: remove the local steps after it. They belong to a history the run did
+        not go on with (saved by some ranks only, or before a crash), and the run saves those step numbers again."""
         for s in self.own_steps():
-            if s > newest:
-                shutil.rmtree(self._own(s), ignore_errors=True)
+            if s > step:
+                self._own_run.delete(s)
+                self._views.pop(s, None)
         for owner, steps in self.replica_steps().items():
             for s in steps:
-                if s > newest:
-                    shutil.rmtree(os.path.join(self._replica_dir(owner), f"step-{s}"), ignore_errors=True)
-
-    def _record(self, path: str) -> Optional[str]:
-        try:
-            holder = {_RECORD: {"fingerprint": ""}}
-            load(holder, checkpoint_id=path, no_dist=True)
-            return holder[_RECORD]["fingerprint"]
-        except (CheckpointError, OSError, KeyError, TypeError):
-            return None
+                if s > step:
+                    self._held(owner).delete(s)
 
     def _fetch(self, step: int, sources: dict[int, Any]) -> None:
         """Bring each rank's step into its own tier from the replica holder chosen for it."""
         wanted = {r: s for r, s in sources.items() if s != "own"}
-        offers = {}
-        for r, holder in wanted.items():
-            if holder == self.rank:
-                offers[str(r)] = dir_manifest(os.path.join(self._replica_dir(r), f"step-{step}"))
-        everyone = all_gather_json(offers, self.group)
-        outgoing = [(os.path.join(self._replica_dir(r), f"step-{step}"), everyone[holder][str(r)], r)
-                    for r, holder in wanted.items() if holder == self.rank]
-        incoming = [(self.own_dir, everyone[holder][str(r)], holder, None) for r, holder in wanted.items() if r == self.rank]
-        tmps = transfer(outgoing, incoming, self.group, self._buffers)
-        if tmps:
-            commit_dir(tmps[0], self._own(step))
+
+        def offers() -> dict[str, Any]:
+            return {str(r): dir_manifest(self._replica(r, step)) for r, holder in wanted.items() if holder == self.rank}
+
+        everyone = self._agree(f"restore: offers of step {step}", offers)
+        outgoing = [(self._replica(r, step), everyone[holder][str(r)], r) for r, holder in wanted.items()
+                    if holder == self.rank]
+        incoming = []
+        try:
+            if self.rank in wanted:
+                manifest = everyone[wanted[self.rank]][str(self.rank)]
+                incoming.append(self._receive_into(self._own(step), None, manifest))
+            transfer(outgoing, [(staging.root, everyone[wanted[self.rank]][str(self.rank)], wanted[self.rank])
+                                for _, staging, _ in incoming], self.group, self._buffers)
+        except BaseException:
+            for store, staging, lease in incoming:
+                _discard(store, staging, lease)
+            raise
+        for store, staging, lease in incoming:
+            _commit(store, staging, lease)
 
     # ---- preemption
 
     def install_preemption_handler(self, grace_s: float = 30.0, signum: int = signal.SIGTERM) -> None:
         """On ``signum`` (SIGTERM: what schedulers send before they kill): finish the saves in flight, persist the
-        newest step every rank holds to the durable tier, log what was persisted, and exit with 128+signum.
-        Every rank must get the signal (torchrun passes it to all its workers). The persist runs against
-        ``grace_s``: a deadline the log reports as met or missed."""
+        newest step every rank holds to the durable tier (whatever failed before), log what was persisted, and exit
+        with 128+signum. Every rank must get the signal (torchrun passes it to all its workers). The persist runs
+        against ``grace_s``: a deadline the log reports as met or missed."""
 
         def handler(signo: int, _frame: Any) -> None:
             start = time.monotonic()
             log.warning("rank %d: signal %d: persisting the newest local step within %.0f s", self.rank, signo, grace_s)
             step = None
             try:
-                self.wait()
+                self._queue.join()
+                for exc in self._errors:
+                    log.warning("rank %d: a save before signal %d had failed (%s); persisting the newest step whole "
+                                "on every rank", self.rank, signo, exc)
+                self._errors.clear()
                 step = self._persist(None)
             except BaseException as exc:  # noqa: BLE001 - reported, then the process exits as asked
                 log.error("rank %d: persisting on signal %d failed: %s", self.rank, signo, exc)
             took = time.monotonic() - start
-            log.warning("rank %d: on signal %d persisted step %s to %s in %.2f s (%s the %.0f s grace)", self.rank, signo,
-                        step, self.durable.root, took, "within" if took <= grace_s else "past", grace_s)
+            what = f"persisted step {step}" if step is not None else "persisted nothing (no step held everywhere)"
+            log.warning("rank %d: on signal %d %s to %s in %.2f s (%s the %.0f s grace)", self.rank, signo, what,
+                        self._durable_root, took, "within" if took <= grace_s else "past", grace_s)
             os._exit(128 + signo)
 
         signal.signal(signum, handler)
+
+
+def _commit(store: FsStore, staging: FsStore, lease: Lease) -> None:
+    """Put a received step in place (replacing an older copy of the same step), then give its lease back."""
+    try:
+        store.commit(staging, overwrite=True, sync=False)
+    except BaseException:
+        _discard(store, staging, lease)
+        raise
+    lease.release()
+
+
+def _discard(store: FsStore, staging: FsStore, lease: Lease) -> None:
+    try:
+        store.discard(staging)
+    finally:
+        lease.release()
+
+
+def _damaged(exc: CheckpointError) -> bool:
+    """Whether a failed load of a committed step says its bytes are damaged or missing (on any rank)."""
+    kinds = (CorruptCheckpointError, CheckpointNotFoundError)
+    if isinstance(exc, kinds):
+        return True
+    if isinstance(exc, RankFailuresError):
+        return any(isinstance(w.exception, kinds) for w in exc.failures.values())
+    return False
 
 
 def _host_state(view: LocalView, device: str) -> dict[str, Any]:
