@@ -35,6 +35,7 @@ __all__ = [
     "s3_upload_concurrency",
     "s3_read_piece_bytes",
     "tier_dir",
+    "tier_chunk_bytes",
     "node_id",
 ]
 
@@ -284,3 +285,10 @@ def node_id() -> str:
     """What identifies this process's node to the memory tier's placement (DISTCKPT_NODE_ID, else torchrun's
     GROUP_RANK, else the host name): replicas go to ranks of other nodes."""
     return os.environ.get("DISTCKPT_NODE_ID") or os.environ.get("GROUP_RANK") or os.uname().nodename
+
+
+def tier_chunk_bytes() -> int:
+    """Bytes of one message of the memory tier's transfers between nodes (DISTCKPT_TIER_CHUNK_BYTES, default 64 MiB):
+    large enough that a message's overhead is lost in its bytes, small enough that three in flight per stream
+    keep reading, sending and writing overlapped."""
+    return _int("DISTCKPT_TIER_CHUNK_BYTES", 64 << 20, minimum=4096)

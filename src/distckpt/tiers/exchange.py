@@ -18,12 +18,12 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from .. import knobs
 from ..backends.fs_objects import remove_tree
 from ..errors import CheckpointError, CorruptCheckpointError
 
 __all__ = ["dir_manifest", "transfer", "Buffers", "reuse_spare", "dir_bytes", "huge_pages", "map_file"]
 
-_CHUNK = 64 << 20
 _DEPTH = 3
 
 
@@ -50,8 +50,9 @@ class Buffers:
     transfers so that steady-state replication allocates nothing (fresh pages cost several times warm ones to
     touch); a buffer is no larger than the largest file its stream has carried."""
 
-    def __init__(self, chunk_bytes: int = _CHUNK, depth: int = _DEPTH, mapped: Optional[bool] = None) -> None:
-        self.chunk_bytes, self.depth, self.mapped = chunk_bytes, depth, mapped
+    def __init__(self, chunk_bytes: Optional[int] = None, depth: int = _DEPTH, mapped: Optional[bool] = None) -> None:
+        self.chunk_bytes = knobs.tier_chunk_bytes() if chunk_bytes is None else chunk_bytes
+        self.depth, self.mapped = depth, mapped
         self._rings: list[list[torch.Tensor]] = []
 
     def maps(self, folder: str) -> bool:

@@ -213,7 +213,7 @@ class TieredCheckpointManager:
         its result on every rank. A failure anywhere, or a rank that does not answer within the collective
         timeout, raises on every rank, naming each failing rank."""
         self._coord.begin(f"tier {phase}")
-        return self._coord.all_reduce(phase, local_fn, global_fn or (lambda values: values), _JSON, _JSON)
+        return self._coord.all_reduce(f"tier {phase}", local_fn, global_fn or (lambda values: values), _JSON, _JSON)
 
     # ---- paths and listings
 
