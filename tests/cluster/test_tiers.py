@@ -98,6 +98,22 @@ def test_sigterm_persists_the_newest_local_step_within_the_grace_period(tmp_path
         assert "persisted step 3" in logs[node] and "(within the 30 s grace)" in logs[node], logs[node][-2000:]
 
 
+def test_sigterm_after_a_failed_save_persists_the_newest_step_whole_everywhere(tmp_path, durable_env):
+    with Cluster(str(tmp_path / "c"), nodes=2, ranks_per_node=1) as cluster:
+        job = cluster.launch(TRAIN, env=durable_env, run="run", steps=3, hold=True, persist_every=0, preempt_grace_s=30,
+                             fail_last=True)
+        job.wait_for_marks("saved", 2, timeout_s=240)
+        job.signal_workers(signal.SIGTERM)
+        for p in job.procs.values():
+            p.wait(timeout=60)
+        logs = job.logs()
+    assert os.path.isfile(tmp_path / "durable" / "run" / "step-0000000002" / "metadata.json")
+    assert not os.path.exists(tmp_path / "durable" / "run" / "step-0000000003")
+    for node in (0, 1):
+        assert "step 3 failed as planned" in logs[node], logs[node][-2000:]
+        assert "persisted step 2" in logs[node] and "(within the 30 s grace)" in logs[node], logs[node][-2000:]
+
+
 def test_sigkill_anywhere_in_a_save_never_restores_a_mixed_step(tmp_path, durable_env):
     """The whole job is SIGKILLed at points spread over local writes, replication and persisting (every node keeps
     its memory tier); the restore then takes a step whose every byte is that step's, on every rank."""

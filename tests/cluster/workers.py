@@ -34,10 +34,11 @@ def _model(world_size):
 
 
 def train(rank, world_size, run, steps, resume=False, hold=False, persist_every=0, replicas=1, corrupt=None,
-          preempt_grace_s=None, extra_mb=0, keep_local=2):
+          preempt_grace_s=None, extra_mb=0, keep_local=2, fail_last=False):
     """Train to ``steps``, saving every step through a TieredCheckpointManager (resuming first with ``resume``);
     the loss of each step run, the restore report, and a digest of the final weights. With ``hold`` the rank
-    waits, after its last save is done everywhere, to be killed (or preempted)."""
+    waits, after its last save is done everywhere, to be killed (or preempted). With ``fail_last`` the last step's
+    local copy fails on rank 1."""
     import logging
     import time
 
@@ -56,11 +57,13 @@ def train(rank, world_size, run, steps, resume=False, hold=False, persist_every=
     report = None
     if corrupt and rank == corrupt["holder"]:
         held = os.path.join(mgr.held_dir, f"rank-{corrupt['owner']}", f"step-{corrupt['step']}")
-        data = [f for f in os.listdir(held) if f.endswith(".safetensors")][0]
-        with open(os.path.join(held, data), "r+b") as f:  # flip one bit in the last byte of tensor data
-            f.seek(-1, os.SEEK_END)
+        # flip one bit in the middle of the first tensor's bytes (the record is read before the agreement)
+        info = min((i for i in distckpt.read_metadata(held).storage_data.items.values() if i.length > 8),
+                   key=lambda i: (i.file, i.offset))
+        with open(os.path.join(held, info.file), "r+b") as f:
+            f.seek(info.offset + info.length // 2)
             b = f.read(1)
-            f.seek(-1, os.SEEK_END)
+            f.seek(info.offset + info.length // 2)
             f.write(bytes([b[0] ^ 1]))
     if resume:
         distckpt.init_optimizer_state(optim)
@@ -83,6 +86,16 @@ def train(rank, world_size, run, steps, resume=False, hold=False, persist_every=
         if extra_mb:
             state["extra"].fill_(step)
         digests[str(step)] = _weights(model)
+        if fail_last and step == steps:  # node 1's tmpfs is full: its local copy of the last step fails
+            from distckpt import faults
+
+            with faults.inject(faults.Fault("enospc", kinds=("write",)) if rank == 1 else faults.Fault("call")):
+                mgr.save(step, state)
+                try:
+                    mgr.wait()
+                except distckpt.CheckpointError as exc:
+                    print(f"rank {rank}: step {step} failed as planned: {str(exc)[:200]}", flush=True)
+            continue
         mgr.save(step, state)
     mgr.wait()
     if hold:

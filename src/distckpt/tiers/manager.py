@@ -564,9 +564,16 @@ class TieredCheckpointManager:
             mine = sources[self.rank]
             failure: Optional[str] = None
             try:
-                self._fetch(step, sources)
+                fetched = self._fetch(step, sources)
                 lap("fetch")
-                checked = verify(self._own(step))
+                try:  # a copy from a peer is checked before it takes the step's place in this rank's tier
+                    checked = verify(self._own(step) if fetched is None else fetched[1].root)
+                except BaseException:
+                    if fetched is not None:
+                        _discard(*fetched)
+                    raise
+                if fetched is not None:
+                    _commit(*fetched)
                 lap("verify")
                 report.bytes_from["own" if mine == "own" else "peer"] = checked.bytes_checked
             except (CheckpointError, OSError) as exc:
@@ -622,8 +629,9 @@ class TieredCheckpointManager:
                 if s > step:
                     self._held(owner).delete(s)
 
-    def _fetch(self, step: int, sources: dict[int, Any]) -> None:
-        """Bring each rank's step into its own tier from the replica holder chosen for it."""
+    def _fetch(self, step: int, sources: dict[int, Any]) -> Optional[tuple[FsStore, FsStore, Lease]]:
+        """Bring each rank's step from the replica holder chosen for it, into a leased staging area beside its place
+        in the rank's own tier (returned, for the caller to check and commit; None where the rank has its own)."""
         wanted = {r: s for r, s in sources.items() if s != "own"}
 
         def offers() -> dict[str, Any]:
@@ -632,19 +640,19 @@ class TieredCheckpointManager:
         everyone = self._agree(f"restore: offers of step {step}", offers)
         outgoing = [(self._replica(r, step), everyone[holder][str(r)], r) for r, holder in wanted.items()
                     if holder == self.rank]
-        incoming = []
+        incoming: list[tuple[str, list[list[Any]], int]] = []
+        fetched = None
         try:
             if self.rank in wanted:
                 manifest = everyone[wanted[self.rank]][str(self.rank)]
-                incoming.append(self._receive_into(self._own(step), None, manifest))
-            transfer(outgoing, [(staging.root, everyone[wanted[self.rank]][str(self.rank)], wanted[self.rank])
-                                for _, staging, _ in incoming], self.group, self._buffers)
+                fetched = self._receive_into(self._own(step), None, manifest)
+                incoming.append((fetched[1].root, manifest, wanted[self.rank]))
+            transfer(outgoing, incoming, self.group, self._buffers)
         except BaseException:
-            for store, staging, lease in incoming:
-                _discard(store, staging, lease)
+            if fetched is not None:
+                _discard(*fetched)
             raise
-        for store, staging, lease in incoming:
-            _commit(store, staging, lease)
+        return fetched
 
     # ---- preemption
 
