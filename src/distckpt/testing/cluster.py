@@ -75,8 +75,11 @@ class _Node:
         _run("ip", "-n", self.ns, "addr", "add", f"{self.ip}/24", "dev", self.ifname)
         _run("ip", "-n", self.ns, "link", "set", self.ifname, "up")
         _run("ip", "-n", self.ns, "link", "set", "lo", "up")
+        if self.cluster.link_mbit:  # the node's link: out of the node, and into it
+            _shape(self.ifname, self.cluster.link_mbit, self.ns)
+            _shape(host_if, self.cluster.link_mbit)
         # the keeper holds the node's mount namespace, and with it the private tmpfs, until the node is killed
-        options = f"size={self.cluster.tmpfs_bytes}" + (",huge=within_size" if self.cluster.huge_pages else "")
+        options = f"size={self.cluster.tmpfs_bytes},mode=0700" + (",huge=within_size" if self.cluster.huge_pages else "")
         script = (f"mount -t tmpfs -o {options} distckpt-node{self.index} {self.local} "
                   "&& echo ready && exec sleep 1000000")
         self.keeper = subprocess.Popen(["ip", "netns", "exec", self.ns, "unshare", "--mount", "--propagation", "private",
@@ -197,12 +200,16 @@ class Cluster:
     """``nodes`` simulated nodes of ``ranks_per_node`` ranks each, under ``root`` (see the module text)."""
 
     def __init__(self, root: str, nodes: int = 2, ranks_per_node: int = 2, mode: Optional[str] = None,
-                 tmpfs_bytes: int = 2 << 30, huge_pages: bool = True) -> None:
+                 tmpfs_bytes: int = 2 << 30, huge_pages: bool = True, link_mbit: Optional[int] = None) -> None:
         self.root = os.path.abspath(root)
         self.nodes_count, self.ranks_per_node = nodes, ranks_per_node
         self.world_size = nodes * ranks_per_node
         self.mode = mode or cluster_mode()
         self.tmpfs_bytes, self.huge_pages = tmpfs_bytes, huge_pages
+        if link_mbit and self.mode != "netns":
+            raise RuntimeError("link_mbit= shapes the nodes' links: it needs the netns mode (root, ip, tc)")
+        self.link_mbit = link_mbit
+        self._store: Optional[subprocess.Popen] = None
         self.tag = f"dk{uuid.uuid4().hex[:5]}"
         self.bridge = f"{self.tag}br"
         self.subnet = ""
@@ -275,7 +282,47 @@ class Cluster:
         """Run ``fn`` on every rank to the end; each rank's result."""
         return self.launch(fn, env=env, **kwargs).wait(timeout_s)
 
+    def start_store(self, rate_mbit: Optional[int] = None) -> str:
+        """Start an S3-compatible server (moto's) in a network namespace of its own, joined to the bridge by one
+        link that every node shares, shaped to ``rate_mbit`` each way (a cluster's shared durable store); return its
+        endpoint. netns mode only; the server stops with the cluster."""
+        if self.mode != "netns":
+            raise RuntimeError("start_store needs the netns mode (root, ip, tc)")
+        ns, host_if, inner = f"{self.tag}-s3", f"{self.tag}hs", f"{self.tag}s"
+        ip = f"{self.subnet}.9"
+        _run("ip", "netns", "add", ns)
+        _run("ip", "link", "add", host_if, "type", "veth", "peer", "name", inner)
+        _run("ip", "link", "set", host_if, "master", self.bridge)
+        _run("ip", "link", "set", host_if, "up")
+        _run("ip", "link", "set", inner, "netns", ns)
+        _run("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", inner)
+        _run("ip", "-n", ns, "link", "set", inner, "up")
+        _run("ip", "-n", ns, "link", "set", "lo", "up")
+        if rate_mbit:
+            _shape(inner, rate_mbit, ns)
+            _shape(host_if, rate_mbit)
+        script = ("import logging, sys, time\n"
+                  "from moto.server import ThreadedMotoServer\n"
+                  "logging.getLogger('werkzeug').setLevel(logging.ERROR)\n"
+                  f"s = ThreadedMotoServer(ip_address='{ip}', port=9000, verbose=False)\n"
+                  "s.start()\nprint('ready', flush=True)\nwhile True: time.sleep(3600)\n")
+        self._store = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-c", script], stdout=subprocess.PIPE,
+                                       stderr=subprocess.PIPE, start_new_session=True)
+        line = self._store.stdout.readline().decode().strip() if self._store.stdout else ""
+        if line != "ready":
+            raise RuntimeError(f"the store did not start: {self._store.stderr.read().decode()[-2000:]}")
+        return f"http://{ip}:9000"
+
     def close(self) -> None:
+        if self._store is not None:
+            try:
+                os.killpg(self._store.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self._store.wait(timeout=30)
+            self._store = None
+            subprocess.run(["ip", "netns", "del", f"{self.tag}-s3"], stderr=subprocess.DEVNULL, timeout=30)
+            subprocess.run(["ip", "link", "del", f"{self.tag}hs"], stderr=subprocess.DEVNULL, timeout=30)
         for node in self.nodes.values():
             node.kill()
         if self.mode == "netns" and self.subnet:
@@ -286,6 +333,14 @@ class Cluster:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _shape(ifname: str, rate_mbit: int, ns: Optional[str] = None) -> None:
+    """Limit what leaves ``ifname`` (in namespace ``ns``) to ``rate_mbit``: a token bucket with 20 ms of burst."""
+    burst = max(64 << 10, rate_mbit * 1_000_000 // 8 // 50)
+    cmd = ["tc", "qdisc", "replace", "dev", ifname, "root", "tbf", "rate", f"{rate_mbit}mbit", "burst", str(burst),
+           "latency", "100ms"]
+    _run(*(["ip", "netns", "exec", ns] + cmd if ns else cmd))
 
 
 def _free_subnet() -> str:
