@@ -1,5 +1,6 @@
-"""A hypothesis state machine over the tiered manager: save, persist, lose a node (its tier wiped, every process
-restarted), restart every process, restore, corrupt a replica. 4 real ranks over gloo stand for 2 nodes of 2
+"""A hypothesis state machine over the tiered manager: save, a save that fails on one rank, persist, preempt (what
+SIGTERM's handler does), lose a node (its tier wiped, every process restarted), restart every process, restore,
+corrupt a replica. 4 real ranks over gloo stand for 2 nodes of 2
 (DISTCKPT_NODE_ID), one replica each. Rank 0 runs the machine and sends each rule to the other ranks.
 
 After every rule each rank's tier holds the steps the bound keeps. After every restore: every rank has the values
@@ -57,6 +58,21 @@ class _Rank:
             self.mgr.save(cmd["step"], self.state)
             self.mgr.wait()
             return None
+        if kind == "fail":  # the local write of this step fails on one rank (its tmpfs is full)
+            from distckpt import faults
+
+            self.state["w"].to_local().fill_(1000 * cmd["step"] + self.rank)
+            self.state["meta"]["step"] = cmd["step"]
+            fault = faults.Fault("enospc", kinds=("write",)) if self.rank == cmd["rank"] else faults.Fault("call")
+            with faults.inject(fault):
+                self.mgr.save(cmd["step"], self.state)
+                try:
+                    self.mgr.wait()
+                except Exception:  # noqa: BLE001 - the step fails on every rank
+                    return "failed"
+            return "saved"
+        if kind == "preempt":  # what SIGTERM's handler does, short of exiting
+            return self.mgr.preempt()
         if kind == "persist":
             return self.mgr.persist()
         if kind == "inspect":
@@ -169,16 +185,19 @@ def _machine(rank, world_size, root, examples, steps):
                 else:  # one step everywhere, never a mix
                     assert res["values"] == [1000.0 * step + r] and res["meta"] == step, (r, res, step)
                 assert self.durable <= set(res["durable"]), (self.durable, res["durable"])
+            if step is None:  # nothing restored: nothing deleted either
+                self.next = 1
+                return
             for r in range(WORLD):
                 if sources and sources[r] != "own":
                     self.own[r].add(step)
-            newest = -1 if step is None else step
+            newest = step
             for r in range(WORLD):
                 self.own[r] = {s for s in self.own[r] if s <= newest}
                 for o in self.held[r]:
                     self.held[r][o] = {s for s in self.held[r][o] if s <= newest}
             self.corrupt = {c for c in self.corrupt if c[2] <= newest}
-            self.next = newest + 1 if step is not None else 1
+            self.next = newest + 1
 
         @rule()
         def save(self):
@@ -191,13 +210,30 @@ def _machine(rank, world_size, root, examples, steps):
             self._bound(s)
             self.next += 1
 
+        @rule(rank=st.integers(0, WORLD - 1))
+        def failed_save(self, rank):
+            s = self.next
+            got = everyone({"do": "fail", "step": s, "rank": rank})
+            assert got == ["failed"] * WORLD, got
+            for r in range(WORLD):  # an older copy of this step number (a history the run left) went before the save
+                self.own[r].discard(s)
+            self._bound(s)  # nothing of the step stays anywhere; the bound still runs
+            self.next += 1
+
+        @rule()
+        def preempt(self):
+            self._persist_newest({"do": "preempt"})
+
         @rule()
         def persist(self):
+            self._persist_newest({"do": "persist"})
+
+        def _persist_newest(self, cmd):
             common = set.intersection(*self.own.values())
             expected = max(common) if common else None
             if expected is not None and self.durable and expected < max(self.durable):
                 expected = None
-            got = everyone({"do": "persist"})
+            got = everyone(cmd)
             assert all(g == expected for g in got), (got, expected)
             if expected is not None:
                 self.durable.add(expected)

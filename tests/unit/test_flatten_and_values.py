@@ -96,3 +96,17 @@ def test_flattening_leaves_no_reference_cycle_holding_the_values():
     finally:
         if was_enabled:
             gc.enable()
+
+
+def test_map_leaves_walks_as_leaves_does_and_keeps_the_structure():
+    from distckpt.planning.flatten import RankLocal, leaves, map_leaves
+
+    t = torch.zeros(2)
+    state = {"a": {"b": t, "c": [1, 2], "d": (t, 3)}, "e": RankLocal({"f": t}), "g": {}}
+    seen = []
+    out = map_leaves(state, lambda path, leaf: seen.append(path) or (leaf + 1 if isinstance(leaf, torch.Tensor) else leaf))
+    assert seen == [p for p, _, _ in leaves(state)]
+    assert out["a"]["c"] == [1, 2] and out["a"]["c"] is state["a"]["c"]  # a list without tensors is one leaf
+    assert isinstance(out["a"]["d"], tuple) and out["a"]["d"][1] == 3 and torch.equal(out["a"]["d"][0], t + 1)
+    assert isinstance(out["e"], RankLocal) and torch.equal(out["e"].value["f"], t + 1)
+    assert out["g"] == {} and out["a"] is not state["a"] and torch.equal(state["a"]["b"], t)

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import errno
 import logging
+import mmap
 import os
 import time
 import uuid
 from typing import Any, Iterable, Optional, Union
 
 from .. import faults
-from ..engine.blobs import LEASES, RUNS, BlobReader, BlobStore, BlobWriter
-from ..errors import CheckpointError, CheckpointNotFoundError, StorageIOError
+from ..engine.blobs import LEASES, MAPS, RUNS, BlobReader, BlobStore, BlobWriter
+from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StorageIOError
 from ..format import FORMAT_NAME, METADATA_FILE
 from ..format.codec import stored_file_sizes
 from ..format.stream_transforms import StreamTransforms
@@ -168,7 +169,7 @@ def _fsync_dir(path: str) -> None:
 class FsStore(BlobStore):
     """Blobs as files in one directory."""
 
-    capabilities = frozenset({RUNS, LEASES})
+    capabilities = frozenset({RUNS, LEASES, MAPS})
 
     def __init__(self, root: Union[str, os.PathLike]):
         self.root = os.fspath(root)
@@ -234,6 +235,22 @@ class FsStore(BlobStore):
 
     def exists(self, name: str) -> bool:
         return os.path.lexists(self._p(name))
+
+    def map(self, name: str, size: int) -> Optional[mmap.mmap]:
+        """Blob ``name`` mapped whole, private and never written back (None when it is empty): a regular file of
+        exactly ``size`` bytes, opened without following links; anything else raises CorruptCheckpointError.
+        A file truncated while it is mapped ends the process with SIGBUS at the first read past its end: map only
+        files nothing else rewrites (a committed checkpoint's)."""
+        fd = open_regular(self._p(name))
+        try:
+            if os.fstat(fd).st_size != size:
+                raise CorruptCheckpointError(f"{self._p(name)} holds {os.fstat(fd).st_size} bytes, not the {size} its "
+                                             "metadata records; the checkpoint is damaged")
+            if not size:
+                return None
+            return mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
 
     def list(self) -> Iterable[str]:
         try:

@@ -83,12 +83,16 @@ RUNS = "runs"
 LEASES = "leases"
 """A store that keeps leases of saves in flight: ``put_lease``, ``renew_lease``, ``read_lease``, ``drop_lease``."""
 
+MAPS = "maps"
+"""A store whose blobs lie in memory that can be mapped, read-only, in place: ``map(name, size)`` (a tmpfs: a
+reader that would copy each byte into fresh memory can view the blob's own pages instead)."""
+
 
 class BlobStore(abc.ABC):
     """One checkpoint's directory (or prefix) of blobs.
 
     ``capabilities`` declares which optional parts of the interface the store
-    implements (:data:`RUNS`, :data:`LEASES`); the shipped contract suite
+    implements (:data:`RUNS`, :data:`LEASES`, :data:`MAPS`); the shipped contract suite
     (:mod:`distckpt.testing.blob_store_suite`) tests those and skips the rest.
     """
 

@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
 from ..errors import CheckpointError
 from .tensors import is_sharded_tensor
 
-__all__ = ["leaves", "flatten_state_dict", "stored_paths", "expand_to_match", "set_element", "get_element", "RankLocal", "rank_local_key"]
+__all__ = ["leaves", "map_leaves", "flatten_state_dict", "stored_paths", "expand_to_match", "set_element", "get_element",
+           "RankLocal", "rank_local_key"]
 
 Path = tuple
 
@@ -74,6 +75,19 @@ def leaves(obj: Any, path: Path = (), local: bool = False) -> Iterator[tuple[Pat
             yield from leaves(v, path + (i,), local)
     else:
         yield path, obj, local
+
+
+def map_leaves(obj: Any, fn: Callable[[Path, Any], Any], path: Path = ()) -> Any:
+    """``obj`` rebuilt with each leaf, as :func:`leaves` walks it, replaced by ``fn(path, leaf)``: new dicts, lists,
+    tuples and RankLocals around whatever ``fn`` returns (the leaf itself, where nothing is to change)."""
+    if isinstance(obj, RankLocal):
+        return RankLocal(map_leaves(obj.value, fn, path + (RANK_LOCAL,)))
+    if isinstance(obj, dict) and obj:
+        return {k: map_leaves(v, fn, path + (k,)) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)) and _has_tensor(obj):
+        out = [map_leaves(v, fn, path + (i,)) for i, v in enumerate(obj)]
+        return out if isinstance(obj, list) else tuple(out)
+    return fn(path, obj)
 
 
 def flatten_state_dict(state_dict: dict, rank: int = 0) -> tuple[dict[str, Any], dict[str, Path]]:

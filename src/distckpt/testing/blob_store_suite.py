@@ -21,7 +21,7 @@ import uuid
 
 import pytest
 
-from ..engine.blobs import LEASES, RUNS, BlobStore
+from ..engine.blobs import LEASES, MAPS, RUNS, BlobStore
 from ..errors import CheckpointError, CheckpointNotFoundError
 from ..format import METADATA_FILE
 from ..format.codec import encode_metadata
@@ -161,6 +161,22 @@ class BlobStoreSuite:
         parent.child("step-1").remove()
         assert not parent.child("step-1").is_committed()
         assert parent.remove_incomplete_below("step-") == []
+
+    def test_mapped_blobs(self, tmp_path):
+        store = self.store(tmp_path)
+        self.needs(store, MAPS)
+        store.prepare()
+        _write(store, "blob", b"0123456789")
+        mapped = store.map("blob", 10)
+        assert bytes(mapped[:]) == b"0123456789"
+        mapped[0:1] = b"x"  # private: the blob itself never changes
+        reader = store.open("blob")
+        assert reader.pread(10, 0) == b"0123456789"
+        reader.close()
+        with pytest.raises(CheckpointError):
+            store.map("blob", 11)  # not the size the metadata records
+        with pytest.raises(CheckpointError):
+            store.map("missing", 1)
 
     def test_leases(self, tmp_path):
         store = self.store(tmp_path)

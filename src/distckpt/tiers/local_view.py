@@ -2,7 +2,8 @@
 
 The view is what the node-local tier stores for a rank. Its tensors are the state's own memory (a DTensor's
 shard is a view of it), so loading into the view in place fills the state; :meth:`LocalView.write_back` then
-puts the loaded non-tensor values back and hands each Stateful object its state dict.
+puts the loaded non-tensor values back and hands each Stateful object its state dict. Every walk goes the way
+the package's own does (``planning.flatten``): the view's paths are the state's.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from ..errors import CheckpointError
+from ..planning.flatten import Path, get_element, leaves, map_leaves, set_element
 from ..stateful import Stateful
 
-__all__ = ["LocalView", "local_view"]
+__all__ = ["LocalView"]
 
 
 def _is_stateful(value: Any) -> bool:
@@ -31,66 +34,67 @@ def _shard_layout(t: DTensor) -> dict[str, Any]:
 
 
 class LocalView:
+    """``view``: the state with each DTensor replaced by its local shard (``dtensors`` keeps each one by its path)
+    and each Stateful by its state dict; ``fingerprint``: the layout it was taken at (rank, world size, and each
+    tensor's shape, dtype and, for a DTensor, global shape, offset, placements and mesh)."""
+
     def __init__(self, state: dict[str, Any], rank: int, world_size: int) -> None:
         self.state = state
         self.layout: dict[str, Any] = {}
         self.statefuls: dict[str, tuple[Any, Any]] = {}
+        self.dtensors: dict[Path, DTensor] = {}
         view: dict[str, Any] = {}
         with torch.no_grad():
             for key, value in state.items():
                 if _is_stateful(value):
                     sd = value.state_dict()
                     self.statefuls[key] = (value, sd)
-                    view[key] = self._walk(sd, key)
-                else:
-                    view[key] = self._walk(value, key)
+                    value = sd
+                view[key] = map_leaves(value, self._local, (key,))
         self.view = view
         self.fingerprint = hashlib.sha256(json.dumps({"rank": rank, "world": world_size, "layout": self.layout},
                                                      sort_keys=True).encode()).hexdigest()
 
-    def _walk(self, obj: Any, path: str) -> Any:
-        if isinstance(obj, DTensor):
-            self.layout[path] = _shard_layout(obj)
-            return obj.to_local()
-        if isinstance(obj, torch.Tensor):
-            self.layout[path] = {"local": list(obj.shape), "dtype": str(obj.dtype)}
-            return obj
-        if isinstance(obj, dict):
-            return {k: self._walk(v, f"{path}.{k}") for k, v in obj.items()}
-        if isinstance(obj, list):
-            return [self._walk(v, f"{path}.{i}") for i, v in enumerate(obj)]
-        if isinstance(obj, tuple):
-            return tuple(self._walk(v, f"{path}.{i}") for i, v in enumerate(obj))
-        return obj
+    def _local(self, path: Path, leaf: Any) -> Any:
+        name = ".".join(map(str, path))
+        if isinstance(leaf, DTensor):
+            self.layout[name] = _shard_layout(leaf)
+            self.dtensors[path] = leaf
+            return leaf.to_local()
+        if isinstance(leaf, torch.Tensor):
+            self.layout[name] = {"local": list(leaf.shape), "dtype": str(leaf.dtype)}
+        return leaf
 
     def write_back(self) -> None:
         """After a load into :attr:`view`: the state's non-tensor values take the loaded ones, and each Stateful
         object gets ``load_state_dict`` with its state dict (DTensors in it already hold the loaded shards)."""
-        for key, value in list(self.state.items()):
+        for key in list(self.state):
             if key in self.statefuls:
                 obj, sd = self.statefuls[key]
                 obj.load_state_dict(_merge(sd, self.view[key]))
             else:
-                self.state[key] = _merge(value, self.view[key])
+                self.state[key] = _merge(self.state[key], self.view[key])
 
 
 def _merge(original: Any, loaded: Any) -> Any:
-    """``original`` with its non-tensor leaves taken from ``loaded`` (tensors were filled in place)."""
+    """``original`` with its non-tensor leaves taken from ``loaded`` (tensors were filled in place): in place, so
+    that a caller's references into the state see the loaded values; rebuilt where a tuple is in the way."""
     if isinstance(original, torch.Tensor):
         return original
-    if isinstance(original, dict) and isinstance(loaded, dict):
-        for k in list(original):
-            if k in loaded:
-                original[k] = _merge(original[k], loaded[k])
+    found = []
+    for path, leaf, _ in leaves(original):
+        if isinstance(leaf, torch.Tensor):
+            continue
+        try:
+            found.append((path, get_element(loaded, path)))
+        except (KeyError, IndexError, TypeError, AttributeError):
+            continue  # not in what was loaded: kept
+    if found and found[0][0] == ():  # the value is a leaf itself
+        return found[0][1]
+    try:
+        for path, value in found:
+            set_element(original, path, value)
         return original
-    if isinstance(original, list) and isinstance(loaded, list) and len(original) == len(loaded):
-        for i in range(len(original)):
-            original[i] = _merge(original[i], loaded[i])
-        return original
-    if isinstance(original, tuple) and isinstance(loaded, (tuple, list)) and len(original) == len(loaded):
-        return tuple(_merge(a, b) for a, b in zip(original, loaded))
-    return loaded
-
-
-def local_view(state: dict[str, Any], rank: int, world_size: int) -> LocalView:
-    return LocalView(state, rank, world_size)
+    except CheckpointError:  # inside a tuple
+        values = dict(found)
+        return map_leaves(original, lambda path, leaf: values.get(path, leaf))

@@ -30,6 +30,7 @@ from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpoint
 from ..format.records import FileStorageData
 from ..loading import load, read_metadata
 from ..manager import CheckpointManager
+from ..planning.flatten import map_leaves
 from ..verification import verify
 from .exchange import Buffers, dir_bytes, dir_manifest, reuse_spare, transfer
 from .local_view import LocalView
@@ -656,23 +657,29 @@ class TieredCheckpointManager:
 
     # ---- preemption
 
+    def preempt(self) -> Optional[int]:
+        """What the preemption handler does, without exiting: finish the saves in flight, log (and set aside) what
+        failed among them, and persist the newest step whole on every rank; returns it (None: nothing to persist,
+        or the durable tier already has a newer step). Collective."""
+        self._queue.join()
+        for exc in self._errors:
+            log.warning("rank %d: a save before the preemption had failed (%s); persisting the newest step whole on "
+                        "every rank", self.rank, exc)
+        self._errors.clear()
+        return self._persist(None)
+
     def install_preemption_handler(self, grace_s: float = 30.0, signum: int = signal.SIGTERM) -> None:
-        """On ``signum`` (SIGTERM: what schedulers send before they kill): finish the saves in flight, persist the
-        newest step every rank holds to the durable tier (whatever failed before), log what was persisted, and exit
-        with 128+signum. Every rank must get the signal (torchrun passes it to all its workers). The persist runs
-        against ``grace_s``: a deadline the log reports as met or missed."""
+        """On ``signum`` (SIGTERM: what schedulers send before they kill): :meth:`preempt` (finish the saves in
+        flight, persist the newest step every rank holds whole, whatever failed before), log what was persisted,
+        and exit with 128+signum. Every rank must get the signal (torchrun passes it to all its workers). The
+        persist runs against ``grace_s``: a deadline the log reports as met or missed."""
 
         def handler(signo: int, _frame: Any) -> None:
             start = time.monotonic()
             log.warning("rank %d: signal %d: persisting the newest local step within %.0f s", self.rank, signo, grace_s)
             step = None
             try:
-                self._queue.join()
-                for exc in self._errors:
-                    log.warning("rank %d: a save before signal %d had failed (%s); persisting the newest step whole "
-                                "on every rank", self.rank, signo, exc)
-                self._errors.clear()
-                step = self._persist(None)
+                step = self.preempt()
             except BaseException as exc:  # noqa: BLE001 - reported, then the process exits as asked
                 log.error("rank %d: persisting on signal %d failed: %s", self.rank, signo, exc)
             took = time.monotonic() - start
@@ -712,45 +719,33 @@ def _damaged(exc: CheckpointError) -> bool:
 
 
 def _host_state(view: LocalView, device: str) -> dict[str, Any]:
-    """Fresh tensors on ``device`` shaped like ``view``'s, in the same structure, and the DTensors to rebuild."""
+    """Fresh tensors on ``device`` shaped like ``view``'s, in the same structure, and the DTensors to rebuild (keyed
+    by the ``id`` of the fresh tensor that stands for each)."""
     dtensors: dict[int, Any] = {}
 
-    def walk(src: Any, local: Any) -> Any:
-        if isinstance(src, DTensor):
-            t = torch.empty(local.shape, dtype=local.dtype, device=device)
-            dtensors[id(t)] = src
-            return t
-        if isinstance(local, torch.Tensor):
-            return torch.empty(local.shape, dtype=local.dtype, device=device)
-        if isinstance(local, dict):
-            return {k: walk(src.get(k) if isinstance(src, dict) else None, v) for k, v in local.items()}
-        if isinstance(local, (list, tuple)):
-            out = [walk(src[i] if isinstance(src, (list, tuple)) and i < len(src) else None, v) for i, v in enumerate(local)]
-            return out if isinstance(local, list) else tuple(out)
-        return local
+    def fresh(path: tuple, leaf: Any) -> Any:
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        t = torch.empty(leaf.shape, dtype=leaf.dtype, device=device)
+        if path in view.dtensors:
+            dtensors[id(t)] = view.dtensors[path]
+        return t
 
-    sources = {k: (view.statefuls[k][1] if k in view.statefuls else view.state[k]) for k in view.view}
-    return {"view": {k: walk(sources.get(k), v) for k, v in view.view.items()}, "dtensors": dtensors}
+    return {"view": {k: map_leaves(v, fresh, (k,)) for k, v in view.view.items()}, "dtensors": dtensors}
 
 
 def _as_saved(state: dict[str, Any]) -> dict[str, Any]:
     """The host state with each DTensor's shard wrapped back as a DTensor of the same mesh and placements."""
     dtensors = state["dtensors"]
 
-    def walk(obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor) and id(obj) in dtensors:
-            src = dtensors[id(obj)]
-            return DTensor.from_local(obj, src.device_mesh, src.placements, run_check=False, shape=src.shape,
+    def wrap(_path: tuple, leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor) and id(leaf) in dtensors:
+            src = dtensors[id(leaf)]
+            return DTensor.from_local(leaf, src.device_mesh, src.placements, run_check=False, shape=src.shape,
                                       stride=src.stride())
-        if isinstance(obj, dict):
-            return {k: walk(v) for k, v in obj.items()}
-        if isinstance(obj, list):
-            return [walk(v) for v in obj]
-        if isinstance(obj, tuple):
-            return tuple(walk(v) for v in obj)
-        return obj
+        return leaf
 
-    return walk(state["view"])
+    return {k: map_leaves(v, wrap, (k,)) for k, v in state["view"].items()}
 
 
 def _stored_bytes(checkpoint_id: str) -> int:

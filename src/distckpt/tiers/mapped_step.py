@@ -13,18 +13,18 @@ unlinks its files, and the pages stay until the tensors go.
 from __future__ import annotations
 
 import mmap
-import os
 from typing import Any
 
 import torch
 
+from ..backends.filesystem import FsStore
+from ..engine.blobs import MAPS
 from ..errors import CorruptCheckpointError
 from ..format.checksum import crc32c
 from ..format.records import FileStorageData, StorageInfo
 from ..loading import load, read_metadata
 from ..metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from ..planning.flatten import flatten_state_dict, get_element, set_element
-from .exchange import map_file
 
 __all__ = ["map_step"]
 
@@ -42,11 +42,14 @@ def map_step(path: str, view: dict[str, Any], dtensors: dict[int, Any]) -> bool:
     places = {fqn: _place(md, fqn, value) for fqn, value in flat.items() if isinstance(value, torch.Tensor)}
     if not all(places.values()) or any(isinstance(get_element(view, mappings[fqn][:-1]), tuple) for fqn in places):
         return False
+    store = FsStore(path)
+    if MAPS not in store.capabilities:
+        return False
     maps: dict[str, mmap.mmap] = {}
     mapped = {}
     for fqn, info in places.items():
         if info.file not in maps:
-            maps[info.file] = map_file(os.path.join(path, info.file), md.storage_data.files[info.file].size)
+            maps[info.file] = store.map(info.file, md.storage_data.files[info.file].size)
         data = torch.frombuffer(maps[info.file], dtype=torch.uint8)[info.offset:info.offset + info.length]
         got = crc32c(memoryview(data.numpy()))
         if got != info.crc32c:
