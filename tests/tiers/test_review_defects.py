@@ -379,3 +379,166 @@ def test_a_damaged_durable_step_is_struck_and_the_older_one_restored(tmp_path):
         assert out["restored"][:2] == (1, "durable") and out["restored"][2] in (10.0, 11.0), out
         assert [0, 2, "durable"] in [list(s) for s in out["struck"]], out
         assert out["durable"] == [1, 2], out  # struck for this restore, never deleted
+
+
+# ---- found by the adversarial review of the rewritten tier
+
+
+def _stale_node(rank, world_size, root, phase):
+    mgr = _manager(root, rank)
+    out = None
+    if phase == "A":
+        for step in (1, 2):
+            mgr.save(step, _state(rank, step))
+        mgr.wait()
+        out = mgr.held_dir
+    elif phase == "B":  # node 1 replaced by a fresh node; the run goes back to step 1 and saves step 2 anew
+        state = _state(rank, 0)
+        report = mgr.restore(state)
+        mgr.save(2, _state(rank, 20))
+        mgr.wait()
+        out = (report.step, report.tier)
+    else:  # C: the old node 1 came back with its tier
+        state = _state(rank, 0)
+        report = mgr.restore(state)
+        out = (report.step, report.tier, state["w"][0].item(), state["meta"]["step"])
+    mgr.close()
+    return out
+
+
+def test_a_node_back_with_an_old_tier_never_mixes_two_saves_of_one_step(tmp_path):
+    root = str(tmp_path)
+    held = run_ranks(_stale_node, 2, root, "A", timeout_s=120)
+    os.rename(tmp_path / "node1", tmp_path / "node1-away")
+    shutil.rmtree(os.path.join(held[0], "rank-1", "step-2"))  # rank 1's step 2 was never replicated
+    assert [tuple(r) for r in run_ranks(_stale_node, 2, root, "B", timeout_s=120)] == [(1, "memory")] * 2
+    shutil.rmtree(tmp_path / "node1")
+    os.rename(tmp_path / "node1-away", tmp_path / "node1")
+    for rank, out in enumerate(run_ranks(_stale_node, 2, root, "C", timeout_s=120)):
+        assert tuple(out) == (2, "memory", 200.0 + rank, 20), out  # the second save of step 2 on both ranks
+
+
+def _damaged_for_persist(rank, world_size, root):
+    import distckpt
+
+    os.environ["DISTCKPT_TIMEOUT_S"] = "120"
+    mgr = _manager(root, rank)
+    mgr.save(2, _state(rank, 2))
+    mgr.wait()
+    if rank == 0:  # a bit flips in rank 0's node memory
+        md = distckpt.read_metadata(os.path.join(mgr.own_dir, "step-2"))
+        info = next(i for idx, i in md.storage_data.items.items() if idx.fqn == "w")
+        with open(os.path.join(mgr.own_dir, "step-2", info.file), "r+b") as f:
+            f.seek(info.offset + 9)
+            b = f.read(1)
+            f.seek(info.offset + 9)
+            f.write(bytes([b[0] ^ 1]))
+    start = time.monotonic()
+    try:
+        mgr.persist(2)
+        error = None
+    except distckpt.CheckpointError as exc:
+        error = str(exc)
+    took = time.monotonic() - start
+    mgr.save(3, _state(rank, 3))  # the manager is still in step
+    persisted = mgr.persist()
+    mgr.close()
+    return {"error": error, "took": took, "persisted": persisted}
+
+
+def test_a_damaged_local_copy_fails_persist_on_every_rank_at_once(tmp_path):
+    for out in run_ranks(_damaged_for_persist, 2, str(tmp_path), timeout_s=180):
+        assert out["error"] and "fail their checksum" in out["error"] and out["took"] < 30, out
+        assert out["persisted"] == 3, out
+
+
+def _trainer_and_evaluator(rank, world_size, root, who):
+    import torch.distributed as dist
+
+    if who == "trainer":
+        mgr = _manager(root, rank)
+        for step in (1, 2, 3):
+            mgr.save(step, _state(rank, step))
+        mgr.wait()
+        mgr.persist(3)
+        mgr.save(4, _state(rank, 4))
+        mgr.wait()
+        out = (mgr.own_steps(), {str(o): s for o, s in mgr.replica_steps().items()})
+    elif who == "evaluator":  # an evaluation job of one process on node 0, on the same durable root and node tier
+        mgr = _manager(root, 0, replicas=0)
+        state = _state(0, 0)
+        report = mgr.restore(state)
+        out = (report.step, report.tier)
+    else:  # the trainer, restarted after node 1 was lost
+        mgr = _manager(root, rank)
+        state = _state(rank, 0)
+        report = mgr.restore(state)
+        out = (report.step, report.tier, state["w"][0].item())
+    mgr.close()
+    dist.barrier()
+    return out
+
+
+def test_a_manager_of_another_world_leaves_the_trainer_s_steps_alone(tmp_path):
+    saved = run_ranks(_trainer_and_evaluator, 2, str(tmp_path), "trainer", timeout_s=120)
+    assert tuple(saved[0]) == ([3, 4], {"1": [3, 4]}), saved
+    assert [tuple(x) for x in run_ranks(_trainer_and_evaluator, 1, str(tmp_path), "evaluator", timeout_s=120)] == \
+        [(3, "durable")]
+    shutil.rmtree(tmp_path / "node1")
+    for rank, out in enumerate(run_ranks(_trainer_and_evaluator, 2, str(tmp_path), "resume", timeout_s=120)):
+        assert tuple(out) == (4, "memory", 40.0 + rank), out
+
+
+def _tight_replacement(rank, world_size, root, phase, local):
+    mgr = _manager(root, rank, local=local if rank == 1 else None)
+    if phase == "save":
+        mgr.save(1, {"w": torch.full((1 << 20,), 10.0 + rank)})
+        mgr.wait()
+        mgr.persist(1)
+        mgr.save(2, {"w": torch.full((1 << 20,), 20.0 + rank)})
+        mgr.wait()
+        mgr.close()
+        return None
+    state = {"w": torch.zeros(1 << 20)}
+    report = mgr.restore(state)
+    kept = (mgr.own_steps(), {str(o): s for o, s in mgr.replica_steps().items()})
+    mgr.close()
+    return {"restored": (report.step, report.tier, state["w"][0].item()), "kept": kept}
+
+
+def test_a_source_that_fails_to_fetch_falls_back_and_keeps_the_newer_step(tmp_path, tiny_tmpfs):
+    root = str(tmp_path)
+    run_ranks(_tight_replacement, 2, root, "save", str(tmp_path / "node1"), timeout_s=120)
+    shutil.rmtree(tmp_path / "node1")  # node 1 is lost; its replacement's tmpfs is too small for step 2, for now
+    subprocess.run(["mount", "-o", "remount,size=2m", tiny_tmpfs], check=True)
+    small = run_ranks(_tight_replacement, 2, root, "restore", tiny_tmpfs, timeout_s=120)
+    assert [tuple(o["restored"]) for o in small] == [(1, "durable", 10.0), (1, "durable", 10.0)], small
+    assert small[0]["kept"] == ([1, 2], {"1": [1, 2]}), small  # step 2 of rank 0, and its replica of rank 1's
+    subprocess.run(["mount", "-o", "remount,size=16m", tiny_tmpfs], check=True)  # space is back
+    for rank, out in enumerate(run_ranks(_tight_replacement, 2, root, "restore", tiny_tmpfs, timeout_s=120)):
+        assert tuple(out["restored"]) == (2, "memory", 20.0 + rank), out
+
+
+def _debris(rank, world_size, root, phase):
+    mgr = _manager(root, rank)
+    if phase == "save":
+        for step in (1, 2):
+            mgr.save(step, _state(rank, step))
+        mgr.wait()
+        if rank == 0:  # what a crash left half-deleted at rank 0's own step 2: a folder without its metadata
+            os.unlink(os.path.join(mgr.own_dir, "step-2", "metadata.json"))
+        mgr.close()
+        return None
+    state = _state(rank, 0)
+    report = mgr.restore(state)
+    left = sorted(os.listdir(mgr.own_dir))
+    mgr.close()
+    return {"restored": (report.step, report.tier, state["w"][0].item()), "left": left}
+
+
+def test_debris_at_a_step_s_place_is_moved_aside_and_the_replica_restored(tmp_path):
+    run_ranks(_debris, 2, str(tmp_path), "save", timeout_s=120)
+    out = run_ranks(_debris, 2, str(tmp_path), "restore", timeout_s=120)
+    for rank, o in enumerate(out):
+        assert tuple(o["restored"]) == (2, "memory", 20.0 + rank), o
+    assert any(n.startswith(".aside-") and n.endswith("step-2") for n in out[0]["left"]), out[0]

@@ -61,16 +61,20 @@ class _Rank:
         if kind == "fail":  # the local write of this step fails on one rank (its tmpfs is full)
             from distckpt import faults
 
+            before, meta = self.state["w"].to_local().clone(), self.state["meta"]["step"]
             self.state["w"].to_local().fill_(1000 * cmd["step"] + self.rank)
             self.state["meta"]["step"] = cmd["step"]
             fault = faults.Fault("enospc", kinds=("write",)) if self.rank == cmd["rank"] else faults.Fault("call")
+            outcome = "saved"
             with faults.inject(fault):
                 self.mgr.save(cmd["step"], self.state)
                 try:
                     self.mgr.wait()
                 except Exception:  # noqa: BLE001 - the step fails on every rank
-                    return "failed"
-            return "saved"
+                    outcome = "failed"
+            self.state["w"].to_local().copy_(before)  # training goes on from what it had before the failed step
+            self.state["meta"]["step"] = meta
+            return outcome
         if kind == "preempt":  # what SIGTERM's handler does, short of exiting
             return self.mgr.preempt()
         if kind == "persist":
@@ -188,16 +192,12 @@ def _machine(rank, world_size, root, examples, steps):
             if step is None:  # nothing restored: nothing deleted either
                 self.next = 1
                 return
-            for r in range(WORLD):
+            for r in range(WORLD):  # a copy fetched from a peer takes its place in the rank's own tier
                 if sources and sources[r] != "own":
                     self.own[r].add(step)
-            newest = step
-            for r in range(WORLD):
-                self.own[r] = {s for s in self.own[r] if s <= newest}
-                for o in self.held[r]:
-                    self.held[r][o] = {s for s in self.held[r][o] if s <= newest}
-            self.corrupt = {c for c in self.corrupt if c[2] <= newest}
-            self.next = newest + 1
+            # newer steps stay where they are (a restore deletes nothing): they are never whole again, and the run's
+            # next saves replace them
+            self.next = step + 1
 
         @rule()
         def save(self):

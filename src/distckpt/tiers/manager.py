@@ -115,21 +115,23 @@ class TieredCheckpointManager:
         self.durable: Optional[CheckpointManager] = None
         self.durable_failure: Optional[str] = None  # why the durable tier cannot be used, alike on every rank
         start = self._agree("start", lambda: self._start_report(local, run_id), self._start_plan)
-        self.nodes, self.run_id = start["nodes"], start["run"]
+        self.nodes, self.run_id, self.incarnation = start["nodes"], start["run"], start["incarnation"]
         self.durable_failure = start["durable_failure"]
         if self.durable_failure is not None:
             log.warning("rank %d: the durable tier %s cannot be used (%s); restores take steps from memory only, and "
                         "persisting raises until it can", self.rank, self._durable_root, self.durable_failure)
         self.run_dir = os.path.join(self.local, f"run-{self.run_id}")
-        self.own_dir = os.path.join(self.run_dir, "own", f"rank-{self.rank}")
-        self.held_dir = os.path.join(self.run_dir, "held", f"rank-{self.rank}")
+        self.world_dir = os.path.join(self.run_dir, f"world-{self.world_size}")
+        self.own_dir = os.path.join(self.world_dir, "own", f"rank-{self.rank}")
+        self.held_dir = os.path.join(self.world_dir, "held", f"rank-{self.rank}")
         self._agree("local tier", self._open_local)
         self.targets = replica_targets(self.nodes, replicas) if replicas else {r: [] for r in range(self.world_size)}
         self.sources = sorted(r for r, ts in self.targets.items() if self.rank in ts)
         self._saves = 0
         self._queue: "queue.Queue[Any]" = queue.Queue()
         self._slots = threading.BoundedSemaphore(keep_local)  # saves in the background at once (see save)
-        self._errors: list[BaseException] = []
+        self._errors: list[tuple[int, BaseException]] = []  # (the save call's index, what it raised)
+        self._errors_lock = threading.Lock()
         self._worker = threading.Thread(target=self._work, name="distckpt-tier", daemon=True)
         self._worker.start()
         self._views: dict[int, LocalView] = {}
@@ -166,7 +168,10 @@ class TieredCheckpointManager:
                     f"served different runs of it ({sorted(pointers)}): which steps in memory belong to this run is "
                     "unknown. Bring the durable tier back, or pass run_id=")
             run = pointers.pop() if pointers else uuid.uuid4().hex
-        return {"nodes": [r["node"] for r in reports], "run": run, "durable_failure": failures[0] if failures else None}
+        # what this manager's saves are known by: later incarnations order after earlier ones (see choose_restore)
+        incarnation = f"{time.time_ns():020d}-{uuid.uuid4().hex[:8]}"
+        return {"nodes": [r["node"] for r in reports], "run": run, "incarnation": incarnation,
+                "durable_failure": failures[0] if failures else None}
 
     def _pointer(self) -> str:
         """This node's note of the run it last served for this durable root (used when the root cannot be read)."""
@@ -185,7 +190,7 @@ class TieredCheckpointManager:
         """This rank's folders of the run, and its local runs: the own tier and one per rank whose replicas it
         holds, each a CheckpointManager of this process alone. Building them removes what crashed saves of this
         rank left, by the lease rules: a save whose process still lives is left alone."""
-        for folder in (self.run_dir, self.own_dir, self.held_dir):
+        for folder in (self.run_dir, self.world_dir, self.own_dir, self.held_dir):
             private_dir(folder)
         tmp = f"{self._pointer()}.tmp-{uuid.uuid4().hex}"
         with open(tmp, "w", opener=lambda p, f: os.open(p, f | os.O_EXCL | os.O_NOFOLLOW, 0o600)) as fh:
@@ -241,17 +246,23 @@ class TieredCheckpointManager:
         """Save ``state`` as ``step``: returns once it is copied to host memory; the local write, replication and
         (every ``persist_every`` saves) the durable write follow in the background, in call order. When
         ``keep_local`` earlier saves are still in the background, this waits for the oldest (``timings[step]
-        ["waited_s"]``): a background that lags, behind a slow persist, cannot pile steps up in memory."""
-        self._raise_background_error()
+        ["waited_s"]``): a background that lags, behind a slow persist, cannot pile steps up in memory.
+
+        A background save that failed raises here ``keep_local`` calls later (by then it has ended on every rank,
+        so every rank raises at the same call), or at the next :meth:`wait`, :meth:`persist` or :meth:`restore`."""
+        index = self._saves
         start = time.perf_counter()
         self._slots.acquire()
         waited = time.perf_counter() - start
         try:
+            # the saves up to index - keep_local have ended here, and so, alike, on every rank
+            self._raise_background_error(upto=index - self.keep_local)
             view = LocalView(state, self.rank, self.world_size)
             record = {"step": step, "rank": self.rank, "world": self.world_size, "fingerprint": view.fingerprint,
-                      "run": self.run_id}
+                      "run": self.run_id, "save": self.incarnation}
             if step in self.own_steps():  # a step of a history the run left (see restore): saved anew
                 self._own_run.delete(step)
+            _make_room(self._own(step))
             handle = self._own_run.async_save(step, {**view.view, _RECORD: record})
         except BaseException:
             self._slots.release()
@@ -260,7 +271,7 @@ class TieredCheckpointManager:
         persist = self.persist_every > 0 and self._saves % self.persist_every == 0
         self._views[step] = view
         self._timed(step, blocked_s=time.perf_counter() - start, waited_s=waited)
-        self._queue.put(("save", step, handle, persist, start + waited))
+        self._queue.put((index, step, handle, persist, start + waited))
 
     def persist(self, step: Optional[int] = None) -> Optional[int]:
         """Write ``step`` (default: the newest step every rank holds) to the durable tier from the local copies,
@@ -283,10 +294,13 @@ class TieredCheckpointManager:
         self._queue.put(None)
         self._worker.join(timeout=60)
 
-    def _raise_background_error(self) -> None:
-        if self._errors:
-            exc = self._errors.pop(0)
-            self._errors.clear()
+    def _raise_background_error(self, upto: Optional[int] = None) -> None:
+        """Raise the first error of the background saves (of those up to call ``upto``), and forget them."""
+        with self._errors_lock:
+            due = [(i, exc) for i, exc in self._errors if upto is None or i <= upto]
+            self._errors = [(i, exc) for i, exc in self._errors if not (upto is None or i <= upto)]
+        if due:
+            exc = due[0][1]
             raise CheckpointError(f"a background save of the tiered manager failed: {exc}") from exc
 
     def _work(self) -> None:
@@ -295,7 +309,7 @@ class TieredCheckpointManager:
             try:
                 if job is None:
                     return
-                _, step, handle, persist, start = job
+                index, step, handle, persist, start = job
                 failure: Optional[BaseException] = None
                 try:
                     handle.result()
@@ -310,7 +324,8 @@ class TieredCheckpointManager:
                         self._persist(step)
                         self._timed(step, persist_s=time.perf_counter() - t0)
                 except BaseException as exc:  # noqa: BLE001
-                    self._errors.append(exc)
+                    with self._errors_lock:
+                        self._errors.append((index, exc))
                 finally:
                     self._slots.release()
                     try:  # failures never skip the bound
@@ -364,16 +379,23 @@ class TieredCheckpointManager:
                 raise CheckpointError(f"replicating step {step}: {error}") from error
 
         try:
+            # a replica whose sender failed carries zeros: no rank commits any replica of a step whose transfer
+            # failed anywhere (the first agreement); a commit that fails on one rank fails the step on all (the second)
             self._agree(f"step {step}: replicas", transferred)
-        except CheckpointError as exc:  # a replica whose sender failed carries zeros: no rank commits any of this step
+            self._agree(f"step {step}: replicas committed", lambda: self._commit_all(incoming))
+        except CheckpointError as exc:
             for store, staging, lease in incoming:
-                _discard(store, staging, lease)
+                if os.path.lexists(staging.root):
+                    _discard(store, staging, lease)
             raise CheckpointError(f"replicating step {step} failed ({exc}); the step stays in the own tiers but has "
                                   "no replicas") from exc
-        for store, staging, lease in incoming:
-            _commit(store, staging, lease)
         self._timed(step, replicate_s=time.perf_counter() - t1)
         return sum(size for _, size in manifest) * len(self.targets[self.rank])
+
+    @staticmethod
+    def _commit_all(incoming: list[tuple[FsStore, FsStore, Lease]]) -> None:
+        for store, staging, lease in incoming:
+            _commit(store, staging, lease)
 
     def _receive_into(self, final: str, spare: Optional[str], manifest: list[list[Any]]) -> tuple[FsStore, FsStore, Lease]:
         """A leased staging area beside ``final`` to receive a step into (made from ``spare`` where one is kept):
@@ -451,7 +473,8 @@ class TieredCheckpointManager:
         durable = self._usable_durable()
 
         def held() -> dict[str, Any]:
-            out: dict[str, Any] = {"own": self.own_steps(), "views": sorted(self._views)}
+            # the steps this process saved or restored: a copy left by an earlier process is not known to match
+            out: dict[str, Any] = {"own": [s for s in self.own_steps() if s in self._views]}
             if self.rank == 0:
                 out["durable"] = durable.all_steps()
             return out
@@ -465,25 +488,29 @@ class TieredCheckpointManager:
                 if chosen is None or (stored and chosen < max(stored)):
                     return {"step": None}  # nothing held everywhere, or the durable tier already has a newer step
             elif chosen not in common:
-                raise CheckpointError(f"step {chosen} is not in every rank's local tier (held everywhere: "
-                                      f"{sorted(common)}); persist a step that is")
+                raise CheckpointError(f"step {chosen} is not in every rank's local tier as this run saved or restored "
+                                      f"it (held everywhere: {sorted(common)}); persist a step that is, or restore() "
+                                      "it first")
             if chosen in stored:
                 return {"step": chosen, "durable": True}
-            missing = [r for r, h in enumerate(reports) if chosen not in h["views"]]
-            if missing:
-                raise CheckpointError(f"step {chosen} was saved by an earlier process on ranks {missing}; restore() it "
-                                      "first, then persist")
             return {"step": chosen, "durable": False}
 
         plan = self._agree("persist: choose", held, decide)
         chosen = plan["step"]
         if chosen is None or plan["durable"]:
             return chosen
-        view = self._views[chosen]
-        state = _host_state(view, "meta")
-        if not map_step(self._own(chosen), state["view"], state["dtensors"]):
-            state = _host_state(view, "cpu")
-            load(state["view"], checkpoint_id=self._own(chosen), no_dist=True)
+        staged: dict[str, Any] = {}
+
+        def stage() -> None:  # a damaged local copy fails this phase on every rank, before the durable save starts
+            view = self._views[chosen]
+            state = _host_state(view, "meta")
+            if not map_step(self._own(chosen), state["view"], state["dtensors"]):
+                state = _host_state(view, "cpu")
+                load(state["view"], checkpoint_id=self._own(chosen), no_dist=True)
+            staged["state"] = state
+
+        self._agree(f"persist: stage step {chosen}", stage)
+        state = staged["state"]
         durable.save(chosen, _as_saved(state))
         log.info("rank %d: step %d persisted to %s", self.rank, chosen, durable.root)
         return chosen
@@ -497,7 +524,7 @@ class TieredCheckpointManager:
         self.wait()
         view = LocalView(state, self.rank, self.world_size)
         layouts = self._agree("restore: layouts", lambda: view.fingerprint)
-        bound: dict[str, bool] = {}
+        bound: dict[str, Optional[str]] = {}
         struck: set = set()
         seconds = {"agree": 0.0, "fetch": 0.0, "verify": 0.0, "load": 0.0}
         clock = time.perf_counter()
@@ -509,8 +536,8 @@ class TieredCheckpointManager:
             clock = now
 
         def listing() -> dict[str, Any]:
-            own = [s for s in self.own_steps() if self._bound_to(self._own(s), view.fingerprint, bound)]
-            replicas = {str(o): [s for s in ss if self._bound_to(self._replica(o, s), layouts[o], bound)]
+            own = [[s, save] for s in self.own_steps() if (save := self._bound_to(self._own(s), view.fingerprint, bound))]
+            replicas = {str(o): [[s, save] for s in ss if (save := self._bound_to(self._replica(o, s), layouts[o], bound))]
                         for o, ss in self.replica_steps().items() if o < self.world_size}
             out: dict[str, Any] = {"own": own, "replicas": replicas}
             if self.rank == 0:
@@ -559,7 +586,6 @@ class TieredCheckpointManager:
                 lap("load")
                 report.sources = {r: "durable" for r in range(self.world_size)}
                 report.bytes_from["durable"] = _stored_bytes(durable.path(step))
-                self._drop_after(step)
                 log.info("rank %d: restored step %d from the durable tier %s", self.rank, step, durable.root)
                 return report
             mine = sources[self.rank]
@@ -593,7 +619,6 @@ class TieredCheckpointManager:
             self._agree(f"restore: load step {step}", lambda: self._load_own(step, view))
             lap("load")
             report.sources = {r: ("own" if s == "own" else f"peer {s}") for r, s in sources.items()}
-            self._drop_after(step)
             log.info("rank %d: restored step %d from %s", self.rank, step,
                      "its own tier" if mine == "own" else f"the replica on rank {mine}")
             self._views[step] = view
@@ -605,30 +630,20 @@ class TieredCheckpointManager:
         load(view.view, storage_reader=FileSystemReader(self._own(step), verify_checksums=False), no_dist=True)
         view.write_back()
 
-    def _bound_to(self, path: str, fingerprint: str, seen: dict[str, bool]) -> bool:
-        """Whether the step at ``path`` was written by this run for the layout ``fingerprint`` (its record says so)."""
+    def _bound_to(self, path: str, fingerprint: str, seen: dict[str, Optional[str]]) -> Optional[str]:
+        """The save (manager incarnation) that wrote the step at ``path``, where its record says it was written by
+        this run for the layout ``fingerprint``; None where it was not, or cannot be read."""
         if path not in seen:
             try:
-                holder: dict[str, Any] = {_RECORD: {"fingerprint": "", "run": ""}}
+                holder: dict[str, Any] = {_RECORD: {"fingerprint": "", "run": "", "save": ""}}
                 load(holder, checkpoint_id=path, no_dist=True)
                 record = holder[_RECORD]
-                seen[path] = record.get("run") == self.run_id and record.get("fingerprint") == fingerprint
+                ok = record.get("run") == self.run_id and record.get("fingerprint") == fingerprint
+                seen[path] = str(record["save"]) if ok and record.get("save") else None
             except (CheckpointError, OSError, KeyError, TypeError, AttributeError) as exc:
                 log.warning("rank %d: %s is not a source (%s)", self.rank, path, exc)
-                seen[path] = False
+                seen[path] = None
         return seen[path]
-
-    def _drop_after(self, step: int) -> None:
-        """After every rank restored ``step``: remove the local steps after it. They belong to a history the run did
-        not go on with (saved by some ranks only, or before a crash), and the run saves those step numbers again."""
-        for s in self.own_steps():
-            if s > step:
-                self._own_run.delete(s)
-                self._views.pop(s, None)
-        for owner, steps in self.replica_steps().items():
-            for s in steps:
-                if s > step:
-                    self._held(owner).delete(s)
 
     def _fetch(self, step: int, sources: dict[int, Any]) -> Optional[tuple[FsStore, FsStore, Lease]]:
         """Bring each rank's step from the replica holder chosen for it, into a leased staging area beside its place
@@ -662,10 +677,11 @@ class TieredCheckpointManager:
         failed among them, and persist the newest step whole on every rank; returns it (None: nothing to persist,
         or the durable tier already has a newer step). Collective."""
         self._queue.join()
-        for exc in self._errors:
+        with self._errors_lock:
+            failed, self._errors = self._errors, []
+        for _, exc in failed:
             log.warning("rank %d: a save before the preemption had failed (%s); persisting the newest step whole on "
                         "every rank", self.rank, exc)
-        self._errors.clear()
         return self._persist(None)
 
     def install_preemption_handler(self, grace_s: float = 30.0, signum: int = signal.SIGTERM) -> None:
@@ -691,9 +707,25 @@ class TieredCheckpointManager:
         signal.signal(signum, handler)
 
 
+def _make_room(final: str) -> None:
+    """Where ``final`` holds something that is not a committed step (what a crash left half-deleted, a file, a
+    link), move it aside under a hidden name: nothing is deleted, and the step's place is free."""
+    if not os.path.lexists(final):
+        return
+    try:
+        FsStore(final).check_replaceable()
+        return
+    except CheckpointError:
+        pass
+    aside = os.path.join(os.path.dirname(final), f".aside-{uuid.uuid4().hex[:12]}-{os.path.basename(final)}")
+    os.rename(final, aside)
+    log.warning("%s is not a committed step (left by a crash, or put there); moved aside to %s", final, aside)
+
+
 def _commit(store: FsStore, staging: FsStore, lease: Lease) -> None:
     """Put a received step in place (replacing an older copy of the same step), then give its lease back."""
     try:
+        _make_room(store.root)
         store.commit(staging, overwrite=True, sync=False)
     except BaseException:
         _discard(store, staging, lease)

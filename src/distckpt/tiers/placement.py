@@ -35,36 +35,46 @@ def replica_targets(nodes: list[str], replicas: int) -> dict[int, list[int]]:
 def choose_restore(reports: list[dict[str, Any]], struck: frozenset = frozenset()) -> tuple[Optional[int], str, dict[int, Any]]:
     """The step every rank restores and each rank's source, from every rank's report.
 
-    A report is ``{"own": [steps], "replicas": {owner rank: [steps]}, "durable": [steps]}`` (durable steps from any
-    rank that lists them). ``struck`` holds ``(rank, step, source)`` triples that failed verification and may not be
-    used again. Returns ``(step, "memory" | "durable" | "none", sources)`` where ``sources[r]`` is ``"own"``, the
-    rank holding r's replica, or ``"durable"``.
+    A report is ``{"own": [[step, save], ...], "replicas": {owner rank: [[step, save], ...]}, "durable": [steps]}``
+    (durable steps from any rank that lists them). ``save`` names the manager incarnation that saved the copy: a
+    string that orders incarnations by when they started. A step is whole in memory for one save only: every
+    rank's source must hold the copy that same incarnation saved, so copies of one step number from two histories
+    (a node that came back with an old tier) never mix. ``struck`` holds ``(rank, step, source)`` triples that
+    failed and may not be used again (a durable step struck on any rank is struck for all).
+
+    The memory candidate is the newest save's newest step whole in memory (a later incarnation continued from
+    what it restored, so its steps are the run's present); the durable tier's newest step that is not struck
+    wins where it is newer than that. Returns ``(step, "memory" | "durable" | "none", sources)`` where
+    ``sources[r]`` is ``"own"``, the rank holding r's replica, or ``"durable"``.
     """
     world = len(reports)
     durable = sorted({int(s) for r in reports for s in r.get("durable", [])})
-    holders: dict[tuple[int, int], list[int]] = {}
-    for holder, report in enumerate(reports):
-        for owner, steps in report.get("replicas", {}).items():
-            for step in steps:
-                holders.setdefault((int(owner), int(step)), []).append(holder)
+    durable = [s for s in durable if not any((rank, s, "durable") in struck for rank in range(world))]
+    own: dict[tuple[int, int], str] = {}
+    holders: dict[tuple[int, int, str], list[int]] = {}
+    for rank, report in enumerate(reports):
+        for step, save in report.get("own", []):
+            own[(rank, int(step))] = str(save)
+        for owner, entries in report.get("replicas", {}).items():
+            for step, save in entries:
+                holders.setdefault((int(owner), int(step), str(save)), []).append(rank)
 
-    def source(rank: int, step: int) -> Any:
-        if step in reports[rank].get("own", []) and (rank, step, "own") not in struck:
+    def source(rank: int, step: int, save: str) -> Any:
+        if own.get((rank, step)) == save and (rank, step, "own") not in struck:
             return "own"
-        for holder in sorted(holders.get((rank, step), [])):
+        for holder in sorted(holders.get((rank, step, save), [])):
             if (rank, step, holder) not in struck:
                 return holder
         return None
 
-    candidates = sorted({int(s) for r in reports for s in r.get("own", [])} | {s for _, s in holders}, reverse=True)
-    newest_durable = durable[-1] if durable else None
-    for step in candidates:
-        if newest_durable is not None and newest_durable > step:
-            break
-        sources = {rank: source(rank, step) for rank in range(world)}
+    candidates = sorted({(save, step) for (_, step), save in own.items()} | {(save, step) for _, step, save in holders},
+                        reverse=True)
+    for save, step in candidates:
+        sources = {rank: source(rank, step, save) for rank in range(world)}
         if all(s is not None for s in sources.values()):
+            if durable and durable[-1] > step:
+                break
             return step, "memory", sources
-    for step in reversed(durable):
-        if all((rank, step, "durable") not in struck for rank in range(world)):
-            return step, "durable", {rank: "durable" for rank in range(world)}
+    if durable:
+        return durable[-1], "durable", {rank: "durable" for rank in range(world)}
     return None, "none", {}
