@@ -8,6 +8,7 @@ the package's own does (``planning.flatten``): the view's paths are the state's.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from typing import Any
@@ -28,9 +29,16 @@ def _is_stateful(value: Any) -> bool:
 
 
 def _shard_layout(t: DTensor) -> dict[str, Any]:
-    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-    return {"global": list(t.shape), "local": list(shape), "offset": list(offset), "dtype": str(t.dtype),
-            "placements": [str(p) for p in t.placements], "mesh": list(t.device_mesh.shape)}
+    return _layout(tuple(t.shape), t.device_mesh, tuple(t.placements), t.dtype)
+
+
+@functools.lru_cache(maxsize=4096)
+def _layout(shape: tuple, mesh: Any, placements: tuple, dtype: torch.dtype) -> dict[str, Any]:
+    """One DTensor's layout on this rank; a model's thousands of DTensors have a few dozen (the save's blocked
+    time would otherwise pay torch's shard arithmetic for each, at every save)."""
+    local, offset = compute_local_shape_and_global_offset(torch.Size(shape), mesh, placements)
+    return {"global": list(shape), "local": list(local), "offset": list(offset), "dtype": str(dtype),
+            "placements": [str(p) for p in placements], "mesh": list(mesh.shape)}
 
 
 class LocalView:
