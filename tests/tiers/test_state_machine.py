@@ -11,6 +11,7 @@ a lost durable step)."""
 import os
 import shutil
 
+import pytest
 import torch
 
 from distckpt.testing import run_ranks
@@ -289,3 +290,9 @@ def _machine(rank, world_size, root, examples, steps):
 def test_state_machine_over_saves_node_losses_restores_and_persists(tmp_path):
     out = run_ranks(_machine, WORLD, str(tmp_path), 12, 10, timeout_s=900)
     assert out[0] >= 12
+
+
+@pytest.mark.slow
+def test_a_longer_state_machine(tmp_path):
+    out = run_ranks(_machine, WORLD, str(tmp_path), 60, 20, timeout_s=3600)
+    assert out[0] >= 60

@@ -175,7 +175,8 @@ class TieredCheckpointManager:
 
     def _pointer(self) -> str:
         """This node's note of the run it last served for this durable root (used when the root cannot be read)."""
-        key = hashlib.sha256(self._durable_root.encode()).hexdigest()[:32]
+        endpoint = (self._durable_options.get("storage_options") or {}).get("endpoint_url")
+        key = hashlib.sha256(json.dumps([self._durable_root, endpoint]).encode()).hexdigest()[:32]
         return os.path.join(self.local, f"last-run-{key}")
 
     def _read_pointer(self) -> Optional[str]:
