@@ -542,3 +542,38 @@ def test_debris_at_a_step_s_place_is_moved_aside_and_the_replica_restored(tmp_pa
     for rank, o in enumerate(out):
         assert tuple(o["restored"]) == (2, "memory", 20.0 + rank), o
     assert any(n.startswith(".aside-") and n.endswith("step-2") for n in out[0]["left"]), out[0]
+
+
+# ---- SIGTERM inside a restore
+
+
+def _sigterm_in_restore(rank, world_size, root, phase):
+    import signal as signals
+
+    from distckpt import faults
+
+    mgr = _manager(root, rank)
+    if phase == "save":
+        for step in (1, 2):
+            mgr.save(step, _state(rank, step))
+        mgr.wait()
+        mgr.close()
+        return None
+    mgr.install_preemption_handler(grace_s=60)
+    fired = []
+
+    def sigterm(kind, what):  # the scheduler's SIGTERM lands inside the restore's first collective
+        if "restore" in what and not fired:
+            fired.append(what)
+            os.kill(os.getpid(), signals.SIGTERM)
+
+    with faults.inject(faults.Fault("call", kinds=("collective",), callback=sigterm)):
+        mgr.restore(_state(rank, 0))
+    return "not exited"
+
+
+def test_sigterm_inside_a_restore_persists_once_the_restore_s_collectives_end(tmp_path):
+    run_ranks(_sigterm_in_restore, 2, str(tmp_path), "save", timeout_s=120)
+    out = run_ranks(_sigterm_in_restore, 2, str(tmp_path), "restore", timeout_s=120, allow_failures=True)
+    assert all("143" in str(o) for o in out), out  # each rank exited as the signal asks, after persisting
+    assert os.path.isfile(tmp_path / "durable" / "step-0000000002" / "metadata.json")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -14,7 +15,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -132,6 +133,8 @@ class TieredCheckpointManager:
         self._slots = threading.BoundedSemaphore(keep_local)  # saves in the background at once (see save)
         self._errors: list[tuple[int, BaseException]] = []  # (the save call's index, what it raised)
         self._errors_lock = threading.Lock()
+        self._in_call = 0  # restore() or persist() running on the calling thread (see install_preemption_handler)
+        self._deferred: Optional[Callable[[], None]] = None
         self._worker = threading.Thread(target=self._work, name="distckpt-tier", daemon=True)
         self._worker.start()
         self._views: dict[int, LocalView] = {}
@@ -278,12 +281,13 @@ class TieredCheckpointManager:
         """Write ``step`` (default: the newest step every rank holds) to the durable tier from the local copies,
         once the saves before it are done; returns the step persisted or already durable (None where no step is
         held everywhere, or the newest held everywhere is older than the newest durable step)."""
-        self.wait()
-        start = time.perf_counter()
-        done = self._persist(step)
-        if done is not None:
-            self._timed(done, persist_s=time.perf_counter() - start)
-        return done
+        with self._main_collectives():
+            self.wait()
+            start = time.perf_counter()
+            done = self._persist(step)
+            if done is not None:
+                self._timed(done, persist_s=time.perf_counter() - start)
+            return done
 
     def wait(self) -> None:
         """Block until every save so far is written, replicated and (where due) persisted; raise its error."""
@@ -522,6 +526,10 @@ class TieredCheckpointManager:
         """Load the newest step of this run that can be fully assembled, from the nearest source of each rank (own
         tier, a replica holder, the durable tier), into ``state`` in place. Collective. Nothing is deleted unless
         the restore succeeds. See docs/tiers.md."""
+        with self._main_collectives():
+            return self._restore(state)
+
+    def _restore(self, state: dict[str, Any]) -> RestoreReport:
         self.wait()
         view = LocalView(state, self.rank, self.world_size)
         layouts = self._agree("restore: layouts", lambda: view.fingerprint)
@@ -685,6 +693,19 @@ class TieredCheckpointManager:
                         "every rank", self.rank, exc)
         return self._persist(None)
 
+    @contextlib.contextmanager
+    def _main_collectives(self) -> Iterator[None]:
+        """Marks a call whose collectives run on the calling thread: a preemption signal that lands inside it is
+        handled once it ends, so that the handler's own collectives never interleave with its."""
+        self._in_call += 1
+        try:
+            yield
+        finally:
+            self._in_call -= 1
+            if not self._in_call and self._deferred is not None:
+                deferred, self._deferred = self._deferred, None
+                deferred()
+
     def install_preemption_handler(self, grace_s: float = 30.0, signum: int = signal.SIGTERM) -> None:
         """On ``signum`` (SIGTERM: what schedulers send before they kill): :meth:`preempt` (finish the saves in
         flight, persist the newest step every rank holds whole, whatever failed before), log what was persisted,
@@ -692,6 +713,10 @@ class TieredCheckpointManager:
         persist runs against ``grace_s``: a deadline the log reports as met or missed."""
 
         def handler(signo: int, _frame: Any) -> None:
+            if self._in_call:  # the signal landed inside restore() or persist(): its collectives end first
+                log.warning("rank %d: signal %d during a collective call; persisting once it ends", self.rank, signo)
+                self._deferred = lambda: handler(signo, None)
+                return
             start = time.monotonic()
             log.warning("rank %d: signal %d: persisting the newest local step within %.0f s", self.rank, signo, grace_s)
             step = None
