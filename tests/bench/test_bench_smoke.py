@@ -151,3 +151,24 @@ def test_tier_bench_runs_on_a_simulated_cluster(tmp_path, capsys):
     for label in ("local save blocked / one memcpy", "replication speed / raw send", "restore: replica vs cold durable"):
         assert label in out
     assert (tmp_path / "t.json").exists()
+
+
+def test_shared_store_tier_bench_runs_on_a_shaped_cluster(tmp_path, capsys):
+    import os
+
+    import pytest
+
+    from distckpt.testing.cluster import cluster_mode
+
+    if os.geteuid() != 0 or cluster_mode() != "netns":
+        pytest.skip("shaped links need network namespaces and tc (root)")
+    from bench import tiers_shared
+
+    (res,) = tiers_shared.main(["--nodes", "2", "--mib", "4", "--repeat", "1", "--json", str(tmp_path / "s.json")])
+    out = capsys.readouterr().out
+    for key in ("blocked_s", "memcpy_s", "replicate_s", "raw_send_s", "restore_peer_s", "restore_durable_s"):
+        assert len(res[key]) == 1 and res[key][0] > 0, key
+    # the last node was really lost: its rank took every byte from its peer, none from the shared store
+    assert res["first_report"]["sources"] == {"0": "own", "1": "peer 0"}
+    assert res["peer_report"]["bytes_from"]["durable"] == 0 and res["durable_report"]["bytes_from"]["durable"] > 0
+    assert "dur/peer" in out and (tmp_path / "s.json").exists()
