@@ -110,3 +110,17 @@ def test_map_leaves_walks_as_leaves_does_and_keeps_the_structure():
     assert isinstance(out["a"]["d"], tuple) and out["a"]["d"][1] == 3 and torch.equal(out["a"]["d"][0], t + 1)
     assert isinstance(out["e"], RankLocal) and torch.equal(out["e"].value["f"], t + 1)
     assert out["g"] == {} and out["a"] is not state["a"] and torch.equal(state["a"]["b"], t)
+
+
+def test_a_tier_view_s_fingerprint_follows_the_layout_not_the_cache():
+    from distckpt.tiers.local_view import LocalView
+
+    a = LocalView({"w": torch.zeros(4), "b": {"x": torch.zeros(2, dtype=torch.float16)}}, 0, 2)
+    again = LocalView({"w": torch.ones(4), "b": {"x": torch.ones(2, dtype=torch.float16)}}, 0, 2)
+    other_dtype = LocalView({"w": torch.zeros(4, dtype=torch.float64), "b": {"x": torch.zeros(2, dtype=torch.float16)}}, 0, 2)
+    other_shape = LocalView({"w": torch.zeros(5), "b": {"x": torch.zeros(2, dtype=torch.float16)}}, 0, 2)
+    other_rank = LocalView({"w": torch.zeros(4), "b": {"x": torch.zeros(2, dtype=torch.float16)}}, 1, 2)
+    other_name = LocalView({"v": torch.zeros(4), "b": {"x": torch.zeros(2, dtype=torch.float16)}}, 0, 2)
+    assert a.fingerprint == again.fingerprint
+    assert len({a.fingerprint, other_dtype.fingerprint, other_shape.fingerprint, other_rank.fingerprint,
+                other_name.fingerprint}) == 5

@@ -32,6 +32,14 @@ def _shard_layout(t: DTensor) -> dict[str, Any]:
     return _layout(tuple(t.shape), t.device_mesh, tuple(t.placements), t.dtype)
 
 
+_fingerprints: dict[tuple, tuple[str, tuple]] = {}
+
+
+@functools.lru_cache(maxsize=4096)
+def _plain_layout(shape: tuple, dtype: torch.dtype) -> dict[str, Any]:
+    return {"local": list(shape), "dtype": str(dtype)}
+
+
 @functools.lru_cache(maxsize=4096)
 def _layout(shape: tuple, mesh: Any, placements: tuple, dtype: torch.dtype) -> dict[str, Any]:
     """One DTensor's layout on this rank; a model's thousands of DTensors have a few dozen (the save's blocked
@@ -60,8 +68,18 @@ class LocalView:
                     value = sd
                 view[key] = map_leaves(value, self._local, (key,))
         self.view = view
-        self.fingerprint = hashlib.sha256(json.dumps({"rank": rank, "world": world_size, "layout": self.layout},
-                                                     sort_keys=True).encode()).hexdigest()
+        # a layout dict is shared by every tensor of the same layout (see _layout): the same names with the same
+        # dicts are the same fingerprint, which a save then need not encode and hash again
+        # (the cache holds the dicts themselves, so that no id in a key can be reused while the key is there)
+        key = (rank, world_size, tuple((name, id(entry)) for name, entry in self.layout.items()))
+        cached = _fingerprints.get(key)
+        if cached is None:
+            fingerprint = hashlib.sha256(json.dumps({"rank": rank, "world": world_size, "layout": self.layout},
+                                                    sort_keys=True).encode()).hexdigest()
+            if len(_fingerprints) > 64:
+                _fingerprints.clear()
+            cached = _fingerprints[key] = (fingerprint, tuple(self.layout.values()))
+        self.fingerprint = cached[0]
 
     def _local(self, path: Path, leaf: Any) -> Any:
         name = ".".join(map(str, path))
@@ -70,7 +88,7 @@ class LocalView:
             self.dtensors[path] = leaf
             return leaf.to_local()
         if isinstance(leaf, torch.Tensor):
-            self.layout[name] = {"local": list(leaf.shape), "dtype": str(leaf.dtype)}
+            self.layout[name] = _plain_layout(tuple(leaf.shape), leaf.dtype)
         return leaf
 
     def write_back(self) -> None:
