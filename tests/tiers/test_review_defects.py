@@ -577,3 +577,141 @@ def test_sigterm_inside_a_restore_persists_once_the_restore_s_collectives_end(tm
     out = run_ranks(_sigterm_in_restore, 2, str(tmp_path), "restore", timeout_s=120, allow_failures=True)
     assert all("143" in str(o) for o in out), out  # each rank exited as the signal asks, after persisting
     assert os.path.isfile(tmp_path / "durable" / "step-0000000002" / "metadata.json")
+
+
+# ---- found by the second adversarial review
+
+
+def _resave(rank, world_size, root, phase):
+    import errno
+
+    from distckpt import faults
+
+    mgr = _manager(root, rank)
+    out = None
+    if phase == "save":
+        mgr.save(5, _state(rank, 5))
+        mgr.wait()
+
+        def full(kind, what):  # rank 1's tmpfs is full when the second save's replica of step 5 arrives
+            if rank == 1 and "tier staging" in what and "rank-0" in what:
+                raise OSError(errno.ENOSPC, "No space left on device")
+
+        with faults.inject(faults.Fault("call", kinds=("write",), callback=full)):
+            start = time.monotonic()
+            mgr.save(5, _state(rank, 7))  # step 5 again, other values
+            try:
+                mgr.wait()
+            except Exception as exc:  # noqa: BLE001 - the replication fails on every rank, promptly
+                out = {"error": str(exc), "took": time.monotonic() - start}
+    else:
+        state = _state(rank, 0)
+        report = mgr.restore(state)
+        out = {"step": report.step, "w": state["w"][0].item(), "meta": state["meta"]["step"]}
+    mgr.close()
+    return out
+
+
+def test_copies_of_two_saves_of_one_step_never_mix_and_a_failed_receiver_fails_promptly(tmp_path):
+    os.environ["DISTCKPT_TIMEOUT_S"] = "120"
+    try:
+        saved = run_ranks(_resave, 2, str(tmp_path), "save", timeout_s=180)
+    finally:
+        del os.environ["DISTCKPT_TIMEOUT_S"]
+    for out in saved:
+        assert "No space left" in out["error"] and out["took"] < 30, out
+    shutil.rmtree(tmp_path / "node1")  # node 1 is lost
+    restored = run_ranks(_resave, 2, str(tmp_path), "restore", timeout_s=180)
+    metas = {out["meta"] for out in restored}
+    assert len(metas) == 1, restored  # one save everywhere, never a mix
+    for rank, out in enumerate(restored):
+        assert out["step"] is None or out["w"] == 10.0 * out["meta"] + rank, restored
+
+
+def _stale_durable(rank, world_size, root, phase):
+    mgr = _manager(root, rank)
+    out = None
+    if phase == "A":
+        for step in range(1, 6):
+            mgr.save(step, _state(rank, step))
+            if step in (3, 5):
+                mgr.persist(step)
+        mgr.wait()
+    elif phase == "B":
+        state = _state(rank, 0)
+        report = mgr.restore(state)
+        for step in (4, 5):
+            mgr.save(step, _state(rank, 100 + step))  # the run's new history
+        out = {"restored": (report.step, report.tier), "persisted": mgr.persist(5)}
+    else:
+        state = _state(rank, 0)
+        report = mgr.restore(state)
+        out = {"restored": (report.step, report.tier, state["meta"]["step"])}
+    mgr.close()
+    return out
+
+
+def test_persist_replaces_a_durable_step_struck_as_damaged_and_never_claims_one_it_did_not_write(tmp_path):
+    import distckpt
+
+    run_ranks(_stale_durable, 2, str(tmp_path), "A", timeout_s=180)
+    step5 = tmp_path / "durable" / "step-0000000005"
+    info = next(i for idx, i in distckpt.read_metadata(str(step5)).storage_data.items.items() if idx.fqn == "w")
+    with open(step5 / info.file, "r+b") as f:  # a bit flips in durable step 5
+        f.seek(info.offset + 3)
+        b = f.read(1)
+        f.seek(info.offset + 3)
+        f.write(bytes([b[0] ^ 1]))
+    for node in ("node0", "node1"):  # every node lost
+        shutil.rmtree(tmp_path / node)
+    for out in run_ranks(_stale_durable, 2, str(tmp_path), "B", timeout_s=180):
+        assert tuple(out["restored"]) == (3, "durable") and out["persisted"] == 5, out
+    for node in ("node0", "node1"):
+        shutil.rmtree(tmp_path / node)
+    for out in run_ranks(_stale_durable, 2, str(tmp_path), "C", timeout_s=180):
+        assert tuple(out["restored"]) == (5, "durable", 105), out  # the new history's step 5, written over
+
+
+class _Flaky:
+    def __init__(self, fail):
+        self.fail = fail
+
+    def state_dict(self):
+        if self.fail:
+            raise RuntimeError("state_dict failed on this rank")
+        return {"x": torch.ones(4)}
+
+    def load_state_dict(self, sd):
+        pass
+
+
+def _one_rank_raises(rank, world_size, root):
+    os.environ["DISTCKPT_TIMEOUT_S"] = "30"
+    mgr = _manager(root, rank)
+    mgr.save(1, {**_state(rank, 1), "opt": _Flaky(False)})
+    mgr.wait()
+    outcomes = []
+    try:
+        mgr.save(2, {**_state(rank, 2), "opt": _Flaky(rank == 1)})  # raises on rank 1 only
+        outcomes.append("saved")
+    except RuntimeError:
+        outcomes.append("raised")
+    try:
+        mgr.wait()
+        outcomes.append("ok")
+    except Exception:  # noqa: BLE001 - the step failed on every rank
+        outcomes.append("step 2 failed")
+    start = time.monotonic()
+    for step in (3, 4):
+        mgr.save(step, {**_state(rank, step), "opt": _Flaky(False)})
+    mgr.wait()
+    took = time.monotonic() - start
+    steps = mgr.own_steps()
+    mgr.close()
+    return {"outcomes": outcomes, "took": took, "steps": steps}
+
+
+def test_a_save_that_raises_on_one_rank_fails_the_step_everywhere_and_the_next_saves_work(tmp_path):
+    for rank, out in enumerate(run_ranks(_one_rank_raises, 2, str(tmp_path), timeout_s=180)):
+        assert out["outcomes"] == ["raised" if rank == 1 else "saved", "step 2 failed"], out
+        assert out["steps"] == [3, 4] and out["took"] < 20, out

@@ -55,7 +55,9 @@ class Buffers:
         self.depth, self.mapped = depth, mapped
         self._rings: list[list[torch.Tensor]] = []
 
-    def maps(self, folder: str) -> bool:
+    def maps(self, folder: Optional[str]) -> bool:
+        if folder is None:  # nothing to map: a stream that only drains
+            return False
         return huge_pages(folder) if self.mapped is None else self.mapped
 
     def rings(self, largest: list[Optional[int]]) -> list[list[torch.Tensor]]:
@@ -111,17 +113,20 @@ def _send_stream(folder: str, manifest: list[list[Any]], dst: int, group: Any, r
         raise failure
 
 
-def _recv_stream(tmp: str, manifest: list[list[Any]], src: int, group: Any, ring: list[torch.Tensor], chunk: int) -> None:
+def _recv_stream(tmp: Optional[str], manifest: list[list[Any]], src: int, group: Any, ring: list[torch.Tensor], chunk: int) -> None:
     """Receive the files of ``manifest`` chunk by chunk into ``ring``, writing each chunk to its file; a buffer takes
     the next chunk once its bytes are written. A file that cannot be created or written (a full tmpfs) still has its
     messages taken, and dropped, so that the sender finishes its list instead of waiting on this rank; the error is
-    raised once all is through."""
+    raised once all is through. With no folder (``tmp`` None: the receiving rank could not make one), every
+    message is taken and dropped."""
     plan = _chunks(manifest, chunk)
     fds: dict[int, int] = {}
     pending: dict[int, Any] = {}
     failure: Optional[BaseException] = None
+    if tmp is None:
+        failure = CheckpointError("no folder to receive into (see the error before this transfer)")
     try:
-        for i, (name, size) in enumerate(manifest):
+        for i, (name, size) in enumerate(manifest if tmp is not None else []):
             try:
                 # a reused file (see reuse_spare) keeps its pages; every byte up to ``size`` is written below
                 fds[i] = os.open(os.path.join(tmp, name), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
@@ -276,13 +281,14 @@ def check_names(manifest: list[list[Any]]) -> None:
             raise CheckpointError(f"a peer sent the file entry {[name, size]!r}; tier steps hold plain files only")
 
 
-def transfer(outgoing: list[tuple[str, list[list[Any]], int]], incoming: list[tuple[str, list[list[Any]], int]],
-             group: Any, buffers: Buffers) -> None:
+def transfer(outgoing: list[tuple[str, list[list[Any]], int]],
+             incoming: list[tuple[Optional[str], list[list[Any]], int]], group: Any, buffers: Buffers) -> None:
     """Send each ``(folder, manifest, dst)`` and receive each ``(folder, manifest, src)`` into its folder (made by the
     caller, empty or holding a spare's files), all at once: one thread per stream, straight from or into the files'
     mapped pages, or pipelining file I/O with the network through its own ring of buffers (the network runs while
     a chunk is read or written), as ``buffers`` says. Every stream runs its whole list of messages, whatever fails
-    on either end, so that no peer is left waiting; then the first error is raised."""
+    on either end (an incoming folder of None only drains), so that no peer is left waiting; then the first
+    error is raised, as a CheckpointError where it is not an OSError (gloo's own errors included)."""
     for _, manifest, _ in incoming:
         check_names(manifest)
     streams = [(_send_stream, folder, manifest, peer) for folder, manifest, peer in outgoing]
@@ -308,4 +314,7 @@ def transfer(outgoing: list[tuple[str, list[list[Any]], int]], incoming: list[tu
     for t in threads:
         t.join()
     if errors:
-        raise errors[0]
+        first = errors[0]
+        if isinstance(first, (CheckpointError, OSError)):
+            raise first
+        raise CheckpointError(f"a transfer between ranks failed: {first}") from first

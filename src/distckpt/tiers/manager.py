@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from .. import faults, knobs
-from ..backends import FileSystemReader
+from ..backends import FileSystemReader, FileSystemWriter
 from ..backends.filesystem import FsStore
 from ..backends.fs_objects import is_real_dir, private_dir
 from ..backends.leases import Lease
@@ -133,6 +133,7 @@ class TieredCheckpointManager:
         self._slots = threading.BoundedSemaphore(keep_local)  # saves in the background at once (see save)
         self._errors: list[tuple[int, BaseException]] = []  # (the save call's index, what it raised)
         self._errors_lock = threading.Lock()
+        self._struck_durable: set[int] = set()  # durable steps whose load failed its checksums at restore
         self._in_call = 0  # restore() or persist() running on the calling thread (see install_preemption_handler)
         self._deferred: Optional[Callable[[], None]] = None
         self._worker = threading.Thread(target=self._work, name="distckpt-tier", daemon=True)
@@ -164,31 +165,38 @@ class TieredCheckpointManager:
         failures = [r["durable_failure"] for r in reports if r.get("durable_failure")]
         run = reports[0].get("run")
         if run is None:  # the durable root could not say: the run this node's tier last served, if all agree
-            pointers = {r["pointer"] for r in reports if r.get("pointer")}
+            pointers = {r["pointer"]["run"] for r in reports if r.get("pointer")}
             if len(pointers) > 1:
                 raise CheckpointError(
                     f"the durable tier {self._durable_root!r} cannot be read ({failures[0]}), and the nodes' tiers last "
                     f"served different runs of it ({sorted(pointers)}): which steps in memory belong to this run is "
                     "unknown. Bring the durable tier back, or pass run_id=")
             run = pointers.pop() if pointers else uuid.uuid4().hex
-        # what this manager's saves are known by: later incarnations order after earlier ones (see choose_restore)
-        incarnation = f"{time.time_ns():020d}-{uuid.uuid4().hex[:8]}"
+        # what this manager's saves are known by: one more than any incarnation a node of the run recorded, so that
+        # later incarnations order after earlier ones whatever the clocks say (see choose_restore)
+        counted = [r["pointer"]["incarnation"] for r in reports if r.get("pointer") and r["pointer"]["run"] == run]
+        incarnation = f"{max(counted, default=0) + 1:012d}-{uuid.uuid4().hex[:8]}"
         return {"nodes": [r["node"] for r in reports], "run": run, "incarnation": incarnation,
                 "durable_failure": failures[0] if failures else None}
 
     def _pointer(self) -> str:
         """This node's note of the run it last served for this durable root (used when the root cannot be read)."""
         endpoint = (self._durable_options.get("storage_options") or {}).get("endpoint_url")
-        key = hashlib.sha256(json.dumps([self._durable_root, endpoint]).encode()).hexdigest()[:32]
+        root = self._durable_root if "://" in self._durable_root else os.path.abspath(self._durable_root)
+        key = hashlib.sha256(json.dumps([root, endpoint]).encode()).hexdigest()[:32]
         return os.path.join(self.local, f"last-run-{key}")
 
-    def _read_pointer(self) -> Optional[str]:
+    def _read_pointer(self) -> Optional[dict[str, Any]]:
+        """``{"run": id, "incarnation": n}`` as this node last wrote it for this durable root, or None."""
         try:
             with open(self._pointer(), "rb", opener=lambda p, f: os.open(p, f | os.O_NOFOLLOW)) as fh:
-                text = fh.read(64).decode("ascii", "replace").strip()
-        except OSError:
+                note = json.loads(fh.read(4096).decode("utf-8"))
+            if not (isinstance(note, dict) and isinstance(note.get("run"), str) and _RUN.match(note["run"])
+                    and type(note.get("incarnation")) is int and note["incarnation"] >= 0):
+                raise ValueError(note)
+        except (OSError, ValueError, UnicodeDecodeError):
             return None
-        return text if _RUN.match(text) else None
+        return note
 
     def _open_local(self) -> None:
         """This rank's folders of the run, and its local runs: the own tier and one per rank whose replicas it
@@ -198,7 +206,7 @@ class TieredCheckpointManager:
             private_dir(folder)
         tmp = f"{self._pointer()}.tmp-{uuid.uuid4().hex}"
         with open(tmp, "w", opener=lambda p, f: os.open(p, f | os.O_EXCL | os.O_NOFOLLOW, 0o600)) as fh:
-            fh.write(self.run_id)
+            json.dump({"run": self.run_id, "incarnation": int(self.incarnation.split("-")[0])}, fh)
         os.replace(tmp, self._pointer())
         self._own_run = self._local_run(self.own_dir)
         self._held_runs: dict[int, CheckpointManager] = {}
@@ -261,21 +269,31 @@ class TieredCheckpointManager:
         try:
             # the saves up to index - keep_local have ended here, and so, alike, on every rank
             self._raise_background_error(upto=index - self.keep_local)
-            view = LocalView(state, self.rank, self.world_size)
-            record = {"step": step, "rank": self.rank, "world": self.world_size, "fingerprint": view.fingerprint,
-                      "run": self.run_id, "save": self.incarnation}
-            if step in self.own_steps():  # a step of a history the run left (see restore): saved anew
-                self._own_run.delete(step)
-            _make_room(self._own(step))
-            handle = self._own_run.async_save(step, {**view.view, _RECORD: record})
         except BaseException:
             self._slots.release()
             raise
+        # from here the call counts on every rank: a failure on this rank alone still goes through the step's
+        # agreement in the background, so that every rank fails the step, and the next save starts in step
         self._saves += 1
         persist = self.persist_every > 0 and self._saves % self.persist_every == 0
-        self._views[step] = view
+        failure: Optional[BaseException] = None
+        handle = None
+        try:
+            view = LocalView(state, self.rank, self.world_size)
+            # this call's save of the step: copies of one step from two calls never make one whole step
+            record = {"step": step, "rank": self.rank, "world": self.world_size, "fingerprint": view.fingerprint,
+                      "run": self.run_id, "save": f"{self.incarnation}:{index:012d}"}
+            _make_room(self._own(step))
+            # an older copy of the step (of a history the run left) is replaced only once this one commits
+            writer = FileSystemWriter(self._own(step), overwrite=True)
+            handle = self._own_run.async_save(step, {**view.view, _RECORD: record}, storage_writer=writer)
+            self._views[step] = view
+        except Exception as exc:  # noqa: BLE001 - raised below, and told to every rank by the background
+            failure = exc
         self._timed(step, blocked_s=time.perf_counter() - start, waited_s=waited)
-        self._queue.put((index, step, handle, persist, start + waited))
+        self._queue.put((index, step, handle if failure is None else failure, persist, start + waited))
+        if failure is not None:
+            raise failure
 
     def persist(self, step: Optional[int] = None) -> Optional[int]:
         """Write ``step`` (default: the newest step every rank holds) to the durable tier from the local copies,
@@ -315,14 +333,15 @@ class TieredCheckpointManager:
                 if job is None:
                     return
                 index, step, handle, persist, start = job
-                failure: Optional[BaseException] = None
+                failure: Optional[BaseException] = handle if isinstance(handle, BaseException) else None
                 try:
-                    handle.result()
+                    if failure is None:
+                        handle.result()
                 except BaseException as exc:  # noqa: BLE001 - told to the other ranks, raised at the next call
                     failure = exc
                 self._timed(step, local_s=time.perf_counter() - start)
                 try:
-                    sent = self._replicate(step, failure)
+                    sent = self._replicate(step, failure, f"{self.incarnation}:{index:012d}")
                     self._timed(step, replicated_bytes=sent)
                     if persist:
                         t0 = time.perf_counter()
@@ -345,7 +364,7 @@ class TieredCheckpointManager:
         while len(self.timings) > _TIMINGS_KEPT:
             del self.timings[min(self.timings)]
 
-    def _replicate(self, step: int, failure: Optional[BaseException]) -> int:
+    def _replicate(self, step: int, failure: Optional[BaseException], save: str) -> int:
         """Agree that every rank committed its local copy of ``step`` (where one did not, the step is never whole:
         every rank removes its copy), then send this rank's copy to its replica holders and take the replicas it
         holds, in one exchange; returns the bytes this rank sent."""
@@ -359,25 +378,29 @@ class TieredCheckpointManager:
         try:
             manifests = self._agree(f"step {step}: local copies", committed)
         except CheckpointError:
-            self._discard_own(step)
+            self._discard_own(step, save)
             raise
         manifest = manifests[self.rank]
         t1 = time.perf_counter()
         self._timed(step, agree_s=t1 - t0)
         if not self.replicas:
             return 0
-        incoming = []
+        incoming: list[Optional[tuple[FsStore, FsStore, Lease]]] = []
         error: Optional[BaseException] = None
-        try:
-            faults.point("collective", f"tier replication of step {step}")
-            for src in self.sources:
+        for src in self.sources:
+            try:
                 self._held(src)
                 incoming.append(self._receive_into(self._replica(src, step), self._spare(src), manifests[src]))
+            except (CheckpointError, OSError) as exc:  # its messages are still taken (and dropped) below
+                error = error or exc
+                incoming.append(None)
+        try:
+            faults.point("collective", f"tier replication of step {step}")
             transfer([(self._own(step), manifest, dst) for dst in self.targets[self.rank]],
-                     [(staging.root, manifests[src], src) for src, (_, staging, _) in zip(self.sources, incoming)],
+                     [(got[1].root if got else None, manifests[src], src) for src, got in zip(self.sources, incoming)],
                      self.group, self._buffers)
         except (CheckpointError, OSError) as exc:  # every stream ran to its end: the ranks can still agree
-            error = exc
+            error = error or exc
 
         def transferred() -> None:
             if error is not None:
@@ -389,24 +412,26 @@ class TieredCheckpointManager:
             self._agree(f"step {step}: replicas", transferred)
             self._agree(f"step {step}: replicas committed", lambda: self._commit_all(incoming))
         except CheckpointError as exc:
-            for store, staging, lease in incoming:
-                if os.path.lexists(staging.root):
-                    _discard(store, staging, lease)
+            for got in incoming:
+                if got is not None and os.path.lexists(got[1].root):
+                    _discard(*got)
             raise CheckpointError(f"replicating step {step} failed ({exc}); the step stays in the own tiers but has "
                                   "no replicas") from exc
         self._timed(step, replicate_s=time.perf_counter() - t1)
         return sum(size for _, size in manifest) * len(self.targets[self.rank])
 
     @staticmethod
-    def _commit_all(incoming: list[tuple[FsStore, FsStore, Lease]]) -> None:
-        for store, staging, lease in incoming:
-            _commit(store, staging, lease)
+    def _commit_all(incoming: list[Optional[tuple[FsStore, FsStore, Lease]]]) -> None:
+        for got in incoming:
+            if got is not None:
+                _commit(*got)
 
     def _receive_into(self, final: str, spare: Optional[str], manifest: list[list[Any]]) -> tuple[FsStore, FsStore, Lease]:
         """A leased staging area beside ``final`` to receive a step into (made from ``spare`` where one is kept):
         a sweep of another process leaves it alone while this one lives."""
         store = FsStore(final)
         save_id = uuid.uuid4().hex
+        faults.point("write", f"tier staging of {final}")
         lease = Lease(store, save_id)
         staging = store.staging(save_id)
         try:
@@ -419,12 +444,15 @@ class TieredCheckpointManager:
             raise
         return store, staging, lease
 
-    def _discard_own(self, step: int) -> None:
+    def _discard_own(self, step: int, save: str) -> None:
+        """Remove this rank's copy of ``step`` made by the save ``save`` (a step some rank failed to commit is never
+        whole); an older copy of the step, which that save would have replaced, stays."""
+        self._views.pop(step, None)
         try:
-            self._own_run.delete(step)
+            if self._record_of(self._own(step)).get("save") == save:
+                self._own_run.delete(step)
         except (CheckpointError, OSError) as exc:
             log.warning("rank %d: could not remove its copy of the failed step %d: %s", self.rank, step, exc)
-        self._views.pop(step, None)
 
     def _bound(self, upto: int) -> None:
         """Keep the newest ``keep_local`` steps up to ``upto`` (the step just replicated), within the memory budget;
@@ -478,27 +506,40 @@ class TieredCheckpointManager:
         durable = self._usable_durable()
 
         def held() -> dict[str, Any]:
-            # the steps this process saved or restored: a copy left by an earlier process is not known to match
-            out: dict[str, Any] = {"own": [s for s in self.own_steps() if s in self._views]}
+            # the steps this process saved or restored (a copy left by an earlier process is not known to match),
+            # each with the save that wrote it
+            own = {str(s): self._record_of(self._own(s)).get("save") for s in self.own_steps() if s in self._views}
+            out: dict[str, Any] = {"own": own}
             if self.rank == 0:
-                out["durable"] = durable.all_steps()
+                stored = durable.all_steps()
+                low = min((int(s) for s in own), default=None)
+                out["durable"] = {str(s): (self._durable_save(durable, s) if low is not None and s >= low else None)
+                                  for s in stored}
             return out
 
         def decide(reports: list[dict[str, Any]]) -> dict[str, Any]:
-            common = set(reports[0]["own"]).intersection(*(set(h["own"]) for h in reports[1:]))
-            stored = reports[0]["durable"]
+            saves = [r["own"] for r in reports]
+            common = {int(s): v for s, v in saves[0].items() if v and all(o.get(s) == v for o in saves[1:])}
+            stored = {int(s): v for s, v in reports[0]["durable"].items()}
+            live = [s for s in stored if s not in self._struck_durable]  # a damaged step is not "newer"
             chosen = step
             if chosen is None:
                 chosen = max(common) if common else None
-                if chosen is None or (stored and chosen < max(stored)):
+                if chosen is None or (live and chosen < max(live)):
                     return {"step": None}  # nothing held everywhere, or the durable tier already has a newer step
             elif chosen not in common:
-                raise CheckpointError(f"step {chosen} is not in every rank's local tier as this run saved or restored "
-                                      f"it (held everywhere: {sorted(common)}); persist a step that is, or restore() "
+                raise CheckpointError(f"step {chosen} is not in every rank's local tier as one save of this run "
+                                      f"(held everywhere: {sorted(common)}); persist a step that is, or restore() "
                                       "it first")
-            if chosen in stored:
+            if chosen not in stored:
+                return {"step": chosen, "durable": False, "replace": False}
+            if stored[chosen] == common[chosen]:
                 return {"step": chosen, "durable": True}
-            return {"step": chosen, "durable": False}
+            if chosen in self._struck_durable:  # its bytes failed their checksums at this manager's restore
+                return {"step": chosen, "durable": False, "replace": True}
+            raise CheckpointError(f"the durable tier {self._durable_root!r} holds another save of step {chosen} (a "
+                                  "history the run did not go on with); a committed durable step is never replaced. "
+                                  "Delete it (CheckpointManager(root).delete(step)) to persist this one")
 
         plan = self._agree("persist: choose", held, decide)
         chosen = plan["step"]
@@ -516,7 +557,13 @@ class TieredCheckpointManager:
 
         self._agree(f"persist: stage step {chosen}", stage)
         state = staged["state"]
-        durable.save(chosen, _as_saved(state))
+        if plan["replace"] and self.rank == 0:
+            log.warning("rank %d: durable step %d failed its checksums at restore; replacing it with the step in "
+                        "memory", self.rank, chosen)
+            durable.delete(chosen)
+        record = self._record_of(self._own(chosen))  # what every rank shares of it: the run, the step, the save
+        shared = {k: record[k] for k in ("run", "step", "save") if k in record}
+        durable.save(chosen, {**_as_saved(state), _RECORD: shared})
         log.info("rank %d: step %d persisted to %s", self.rank, chosen, durable.root)
         return chosen
 
@@ -590,6 +637,7 @@ class TieredCheckpointManager:
                     log.warning("rank %d: durable step %d is damaged (%s); trying an older source", self.rank, step,
                                 str(exc).splitlines()[0])
                     struck.update((r, step, "durable") for r in range(self.world_size))
+                    self._struck_durable.add(step)
                     lap("load")
                     continue
                 lap("load")
@@ -639,14 +687,30 @@ class TieredCheckpointManager:
         load(view.view, storage_reader=FileSystemReader(self._own(step), verify_checksums=False), no_dist=True)
         view.write_back()
 
+    def _durable_save(self, durable: CheckpointManager, step: int) -> Optional[str]:
+        """The save that wrote durable step ``step`` (its tier record), or None where it has none or is unreadable."""
+        try:
+            holder: dict[str, Any] = {_RECORD: {"save": ""}}
+            durable.load(holder, step, no_dist=True)
+            return str(holder[_RECORD]["save"]) or None
+        except (CheckpointError, OSError, KeyError, TypeError):
+            return None
+
+    @staticmethod
+    def _record_of(path: str) -> dict[str, Any]:
+        """The tier's record stored in the step at ``path`` ({} where there is no committed step there)."""
+        if not FsStore(path).is_committed():
+            return {}
+        holder: dict[str, Any] = {_RECORD: {"fingerprint": "", "run": "", "save": ""}}
+        load(holder, checkpoint_id=path, no_dist=True)
+        return holder[_RECORD]
+
     def _bound_to(self, path: str, fingerprint: str, seen: dict[str, Optional[str]]) -> Optional[str]:
-        """The save (manager incarnation) that wrote the step at ``path``, where its record says it was written by
-        this run for the layout ``fingerprint``; None where it was not, or cannot be read."""
+        """The save that wrote the step at ``path``, where its record says it was written by this run for the layout
+        ``fingerprint``; None where it was not, or cannot be read."""
         if path not in seen:
             try:
-                holder: dict[str, Any] = {_RECORD: {"fingerprint": "", "run": "", "save": ""}}
-                load(holder, checkpoint_id=path, no_dist=True)
-                record = holder[_RECORD]
+                record = self._record_of(path)
                 ok = record.get("run") == self.run_id and record.get("fingerprint") == fingerprint
                 seen[path] = str(record["save"]) if ok and record.get("save") else None
             except (CheckpointError, OSError, KeyError, TypeError, AttributeError) as exc:
@@ -665,14 +729,20 @@ class TieredCheckpointManager:
         everyone = self._agree(f"restore: offers of step {step}", offers)
         outgoing = [(self._replica(r, step), everyone[holder][str(r)], r) for r, holder in wanted.items()
                     if holder == self.rank]
-        incoming: list[tuple[str, list[list[Any]], int]] = []
+        incoming: list[tuple[Optional[str], list[list[Any]], int]] = []
         fetched = None
+        error: Optional[BaseException] = None
         try:
             if self.rank in wanted:
                 manifest = everyone[wanted[self.rank]][str(self.rank)]
-                fetched = self._receive_into(self._own(step), None, manifest)
-                incoming.append((fetched[1].root, manifest, wanted[self.rank]))
+                try:
+                    fetched = self._receive_into(self._own(step), None, manifest)
+                except (CheckpointError, OSError) as exc:  # its messages are still taken (and dropped) below
+                    error = exc
+                incoming.append((fetched[1].root if fetched else None, manifest, wanted[self.rank]))
             transfer(outgoing, incoming, self.group, self._buffers)
+            if error is not None:
+                raise error
         except BaseException:
             if fetched is not None:
                 _discard(*fetched)
