@@ -1,7 +1,8 @@
 """A hypothesis state machine over the tiered manager: save, a save that fails on one rank, persist, preempt (what
 SIGTERM's handler does), lose a node (its tier wiped, every process restarted), restart every process, restore,
-corrupt a replica. 4 real ranks over gloo stand for 2 nodes of 2
-(DISTCKPT_NODE_ID), one replica each. Rank 0 runs the machine and sends each rule to the other ranks.
+corrupt a replica. It runs as a job of the Cluster kit in loopback mode: 2 nodes of 2 ranks (torchrun's multi-node
+rendezvous, a tier directory per node), one replica each. Rank 0 runs the machine and sends each rule to the other
+ranks.
 
 After every rule each rank's tier holds the steps the bound keeps. After every restore: every rank has the values
 of one step (never a mixed step), the step is the newest that own tiers, uncorrupted replicas on live nodes or the
@@ -13,8 +14,6 @@ import shutil
 
 import pytest
 import torch
-
-from distckpt.testing import run_ranks
 
 WORLD, KEEP = 4, 2
 TARGET = {0: 2, 1: 3, 2: 0, 3: 1}  # each rank's replica holder: the same index on the other node
@@ -36,7 +35,9 @@ class _Rank:
 
         if run is not None:
             self.root = os.path.join(self.base, run)
-            self.local = os.path.join(self.root, f"node{_node(self.rank)}")
+            # the node's own tier directory where the Cluster kit gives one (a folder per node in loopback mode)
+            node_dir = os.environ.get("DISTCKPT_TIER_DIR") or os.path.join(self.base, f"node{_node(self.rank)}")
+            self.local = os.path.join(node_dir, run)
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import DTensor, Shard
 
@@ -287,12 +288,24 @@ def _machine(rank, world_size, root, examples, steps):
     return run["n"]
 
 
+def machine_job(rank, world_size, root, examples, steps):
+    """The machine as a job of the Cluster kit: torchrun's multi-node rendezvous, a tier directory per node."""
+    return _machine(rank, world_size, root, examples, steps)
+
+
+def _on_cluster(tmp_path, examples, steps, timeout_s):
+    from distckpt.testing.cluster import Cluster
+
+    with Cluster(str(tmp_path / "cluster"), nodes=2, ranks_per_node=2, mode="loopback") as cluster:
+        out = cluster.run("tests.tiers.test_state_machine:machine_job", timeout_s=timeout_s, root=str(tmp_path / "runs"),
+                          examples=examples, steps=steps, env={"DISTCKPT_CLUSTER_TIMEOUT_S": "600"})
+    return out[0]
+
+
 def test_state_machine_over_saves_node_losses_restores_and_persists(tmp_path):
-    out = run_ranks(_machine, WORLD, str(tmp_path), 12, 10, timeout_s=900)
-    assert out[0] >= 12
+    assert _on_cluster(tmp_path, 12, 10, timeout_s=900) >= 12
 
 
 @pytest.mark.slow
 def test_a_longer_state_machine(tmp_path):
-    out = run_ranks(_machine, WORLD, str(tmp_path), 60, 20, timeout_s=3600)
-    assert out[0] >= 60
+    assert _on_cluster(tmp_path, 60, 20, timeout_s=3600) >= 60
