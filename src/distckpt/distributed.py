@@ -421,6 +421,14 @@ class Coordinator:
         return self._collective(run)
 
 
+def new_gloo_group(ranks: Optional[list[int]]) -> Any:
+    """A gloo group over ``ranks`` (None: every rank) whose own operations end at the checkpoint timeout
+    (``DISTCKPT_TIMEOUT_S``), not torch's default 30 minutes. Collective: every rank of the job calls it."""
+    from datetime import timedelta
+
+    return dist.new_group(ranks=ranks, backend="gloo", timeout=timedelta(seconds=knobs.collective_timeout_s()))
+
+
 def describe(exc: BaseException) -> dict:
     """An exception as JSON for the other ranks: its type, text, plain arguments and stack (no pickle)."""
     args = list(exc.args) if all(isinstance(a, (str, int, float, bool, type(None))) for a in exc.args) else None

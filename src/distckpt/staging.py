@@ -37,7 +37,7 @@ import torch
 from . import faults, knobs
 from ._sequence import pick_storage, split_stateful, storage_by_position, tell_rank
 from .backends.direct_io import release_bounce_buffers
-from .distributed import Coordinator, dist
+from .distributed import Coordinator, dist, new_gloo_group
 from .engine.device_copy import pin_in_place, unpin_in_place
 from .errors import CheckpointError, RankFailuresError, StagingMemoryError
 from .metadata import STATE_DICT_TYPE, Metadata
@@ -189,18 +189,10 @@ class _Channel:
 
     def __init__(self, ranks: Optional[list[int]]):
         self.ranks = ranks
-        self.background = _new_gloo_group(ranks)
-        self.control = _new_gloo_group(ranks)
+        self.background = new_gloo_group(ranks)
+        self.control = new_gloo_group(ranks)
         self.broken: Optional[str] = None
         self.control_lost: Optional[str] = None
-
-
-def _new_gloo_group(ranks: Optional[list[int]]) -> Any:
-    """A gloo group over ``ranks`` whose own operations end at the checkpoint timeout (collective: every rank calls)."""
-    from datetime import timedelta
-
-    timeout = timedelta(seconds=knobs.collective_timeout_s())
-    return dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
 
 
 class _AsyncState:
@@ -278,7 +270,7 @@ def _replace_background_group(channel: _Channel, current: Any) -> None:
         earlier = [h for h in _STATE.in_flight if h is not current]
     for handle in earlier:
         _wait_for(handle)  # they ran on the old group
-    channel.background = _new_gloo_group(channel.ranks)
+    channel.background = new_gloo_group(channel.ranks)
     channel.broken = None
 
 

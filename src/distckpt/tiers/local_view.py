@@ -21,7 +21,7 @@ from ..errors import CheckpointError
 from ..planning.flatten import Path, get_element, leaves, map_leaves, set_element
 from ..stateful import Stateful
 
-__all__ = ["LocalView"]
+__all__ = ["LocalView", "host_state", "as_saved"]
 
 
 def _is_stateful(value: Any) -> bool:
@@ -124,3 +124,33 @@ def _merge(original: Any, loaded: Any) -> Any:
     except CheckpointError:  # inside a tuple
         values = dict(found)
         return map_leaves(original, lambda path, leaf: values.get(path, leaf))
+
+
+def host_state(view: LocalView, device: str) -> dict[str, Any]:
+    """Fresh tensors on ``device`` shaped like ``view``'s, in the same structure, and the DTensors to rebuild (keyed
+    by the ``id`` of the fresh tensor that stands for each)."""
+    dtensors: dict[int, Any] = {}
+
+    def fresh(path: tuple, leaf: Any) -> Any:
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        t = torch.empty(leaf.shape, dtype=leaf.dtype, device=device)
+        if path in view.dtensors:
+            dtensors[id(t)] = view.dtensors[path]
+        return t
+
+    return {"view": {k: map_leaves(v, fresh, (k,)) for k, v in view.view.items()}, "dtensors": dtensors}
+
+
+def as_saved(state: dict[str, Any]) -> dict[str, Any]:
+    """The host state with each DTensor's shard wrapped back as a DTensor of the same mesh and placements."""
+    dtensors = state["dtensors"]
+
+    def wrap(_path: tuple, leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor) and id(leaf) in dtensors:
+            src = dtensors[id(leaf)]
+            return DTensor.from_local(leaf, src.device_mesh, src.placements, run_check=False, shape=src.shape,
+                                      stride=src.stride())
+        return leaf
+
+    return {k: map_leaves(v, wrap, (k,)) for k, v in state["view"].items()}

@@ -14,34 +14,28 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any, Callable, Iterator, Optional, Union
 
-import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from .. import faults, knobs
 from ..backends import FileSystemReader, FileSystemWriter
-from ..backends.filesystem import FsStore
 from ..backends.fs_objects import is_real_dir, private_dir
-from ..backends.leases import Lease
-from ..distributed import Coordinator, Wire
+from ..distributed import Coordinator, Wire, new_gloo_group
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, RankFailuresError
 from ..format.records import FileStorageData
 from ..loading import load, read_metadata
 from ..manager import CheckpointManager
-from ..planning.flatten import map_leaves
 from ..verification import verify
-from .exchange import Buffers, dir_bytes, dir_manifest, reuse_spare, transfer
-from .local_view import LocalView
+from .exchange import Buffers, dir_bytes, dir_manifest, transfer
+from .local_steps import RECORD, Incoming, commit, discard, make_room, receive_into, record_of
+from .local_view import LocalView, as_saved, host_state
 from .mapped_step import map_step
 from .placement import choose_restore, replica_targets
 
 __all__ = ["TieredCheckpointManager", "RestoreReport"]
 
 log = logging.getLogger("distckpt.tiers")
-_RECORD = "distckpt_tier"
 _TIMINGS_KEPT = 64
 _OWNER = re.compile(r"rank-(0|[1-9]\d{0,8})\Z")
 _RUN = re.compile(r"[0-9a-f]{32}\Z")
@@ -107,8 +101,7 @@ class TieredCheckpointManager:
             raise CheckpointError(f"run_id={run_id!r}: a run id is 32 lowercase hex digits (secrets.token_hex(16))")
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
-        self.group = dist.new_group(ranks=None if process_group is None else dist.get_process_group_ranks(process_group),
-                                    backend="gloo", timeout=timedelta(seconds=knobs.collective_timeout_s()))
+        self.group = new_gloo_group(None if process_group is None else dist.get_process_group_ranks(process_group))
         self._coord = Coordinator(self.group)
         self.replicas, self.keep_local, self.memory_budget_bytes = replicas, keep_local, memory_budget_bytes
         self.persist_every = persist_every
@@ -283,10 +276,10 @@ class TieredCheckpointManager:
             # this call's save of the step: copies of one step from two calls never make one whole step
             record = {"step": step, "rank": self.rank, "world": self.world_size, "fingerprint": view.fingerprint,
                       "run": self.run_id, "save": f"{self.incarnation}:{index:012d}"}
-            _make_room(self._own(step))
+            make_room(self._own(step))
             # an older copy of the step (of a history the run left) is replaced only once this one commits
             writer = FileSystemWriter(self._own(step), overwrite=True)
-            handle = self._own_run.async_save(step, {**view.view, _RECORD: record}, storage_writer=writer)
+            handle = self._own_run.async_save(step, {**view.view, RECORD: record}, storage_writer=writer)
             self._views[step] = view
         except Exception as exc:  # noqa: BLE001 - raised below, and told to every rank by the background
             failure = exc
@@ -385,19 +378,19 @@ class TieredCheckpointManager:
         self._timed(step, agree_s=t1 - t0)
         if not self.replicas:
             return 0
-        incoming: list[Optional[tuple[FsStore, FsStore, Lease]]] = []
+        incoming: list[Optional[Incoming]] = []
         error: Optional[BaseException] = None
         for src in self.sources:
             try:
                 self._held(src)
-                incoming.append(self._receive_into(self._replica(src, step), self._spare(src), manifests[src]))
+                incoming.append(receive_into(self._replica(src, step), self._spare(src), manifests[src]))
             except (CheckpointError, OSError) as exc:  # its messages are still taken (and dropped) below
                 error = error or exc
                 incoming.append(None)
         try:
             faults.point("collective", f"tier replication of step {step}")
             transfer([(self._own(step), manifest, dst) for dst in self.targets[self.rank]],
-                     [(got[1].root if got else None, manifests[src], src) for src, got in zip(self.sources, incoming)],
+                     [(got.staging.root if got else None, manifests[src], src) for src, got in zip(self.sources, incoming)],
                      self.group, self._buffers)
         except (CheckpointError, OSError) as exc:  # every stream ran to its end: the ranks can still agree
             error = error or exc
@@ -413,43 +406,25 @@ class TieredCheckpointManager:
             self._agree(f"step {step}: replicas committed", lambda: self._commit_all(incoming))
         except CheckpointError as exc:
             for got in incoming:
-                if got is not None and os.path.lexists(got[1].root):
-                    _discard(*got)
+                if got is not None and os.path.lexists(got.staging.root):
+                    discard(got)
             raise CheckpointError(f"replicating step {step} failed ({exc}); the step stays in the own tiers but has "
                                   "no replicas") from exc
         self._timed(step, replicate_s=time.perf_counter() - t1)
         return sum(size for _, size in manifest) * len(self.targets[self.rank])
 
     @staticmethod
-    def _commit_all(incoming: list[Optional[tuple[FsStore, FsStore, Lease]]]) -> None:
+    def _commit_all(incoming: list[Optional[Incoming]]) -> None:
         for got in incoming:
             if got is not None:
-                _commit(*got)
-
-    def _receive_into(self, final: str, spare: Optional[str], manifest: list[list[Any]]) -> tuple[FsStore, FsStore, Lease]:
-        """A leased staging area beside ``final`` to receive a step into (made from ``spare`` where one is kept):
-        a sweep of another process leaves it alone while this one lives."""
-        store = FsStore(final)
-        save_id = uuid.uuid4().hex
-        faults.point("write", f"tier staging of {final}")
-        lease = Lease(store, save_id)
-        staging = store.staging(save_id)
-        try:
-            if spare is not None and is_real_dir(spare):
-                reuse_spare(spare, staging.root, manifest)
-            else:
-                os.mkdir(staging.root, 0o700)
-        except BaseException:
-            _discard(store, staging, lease)
-            raise
-        return store, staging, lease
+                commit(got)
 
     def _discard_own(self, step: int, save: str) -> None:
         """Remove this rank's copy of ``step`` made by the save ``save`` (a step some rank failed to commit is never
         whole); an older copy of the step, which that save would have replaced, stays."""
         self._views.pop(step, None)
         try:
-            if self._record_of(self._own(step)).get("save") == save:
+            if record_of(self._own(step)).get("save") == save:
                 self._own_run.delete(step)
         except (CheckpointError, OSError) as exc:
             log.warning("rank %d: could not remove its copy of the failed step %d: %s", self.rank, step, exc)
@@ -508,7 +483,7 @@ class TieredCheckpointManager:
         def held() -> dict[str, Any]:
             # the steps this process saved or restored (a copy left by an earlier process is not known to match),
             # each with the save that wrote it
-            own = {str(s): self._record_of(self._own(s)).get("save") for s in self.own_steps() if s in self._views}
+            own = {str(s): record_of(self._own(s)).get("save") for s in self.own_steps() if s in self._views}
             out: dict[str, Any] = {"own": own}
             if self.rank == 0:
                 stored = durable.all_steps()
@@ -549,9 +524,9 @@ class TieredCheckpointManager:
 
         def stage() -> None:  # a damaged local copy fails this phase on every rank, before the durable save starts
             view = self._views[chosen]
-            state = _host_state(view, "meta")
+            state = host_state(view, "meta")
             if not map_step(self._own(chosen), state["view"], state["dtensors"]):
-                state = _host_state(view, "cpu")
+                state = host_state(view, "cpu")
                 load(state["view"], checkpoint_id=self._own(chosen), no_dist=True)
             staged["state"] = state
 
@@ -561,9 +536,9 @@ class TieredCheckpointManager:
             log.warning("rank %d: durable step %d failed its checksums at restore; replacing it with the step in "
                         "memory", self.rank, chosen)
             durable.delete(chosen)
-        record = self._record_of(self._own(chosen))  # what every rank shares of it: the run, the step, the save
+        record = record_of(self._own(chosen))  # what every rank shares of it: the run, the step, the save
         shared = {k: record[k] for k in ("run", "step", "save") if k in record}
-        durable.save(chosen, {**_as_saved(state), _RECORD: shared})
+        durable.save(chosen, {**as_saved(state), RECORD: shared})
         log.info("rank %d: step %d persisted to %s", self.rank, chosen, durable.root)
         return chosen
 
@@ -651,13 +626,13 @@ class TieredCheckpointManager:
                 fetched = self._fetch(step, sources)
                 lap("fetch")
                 try:  # a copy from a peer is checked before it takes the step's place in this rank's tier
-                    checked = verify(self._own(step) if fetched is None else fetched[1].root)
+                    checked = verify(self._own(step) if fetched is None else fetched.staging.root)
                 except BaseException:
                     if fetched is not None:
-                        _discard(*fetched)
+                        discard(fetched)
                     raise
                 if fetched is not None:
-                    _commit(*fetched)
+                    commit(fetched)
                 lap("verify")
                 report.bytes_from["own" if mine == "own" else "peer"] = checked.bytes_checked
             except (CheckpointError, OSError) as exc:
@@ -690,27 +665,18 @@ class TieredCheckpointManager:
     def _durable_save(self, durable: CheckpointManager, step: int) -> Optional[str]:
         """The save that wrote durable step ``step`` (its tier record), or None where it has none or is unreadable."""
         try:
-            holder: dict[str, Any] = {_RECORD: {"save": ""}}
+            holder: dict[str, Any] = {RECORD: {"save": ""}}
             durable.load(holder, step, no_dist=True)
-            return str(holder[_RECORD]["save"]) or None
+            return str(holder[RECORD]["save"]) or None
         except (CheckpointError, OSError, KeyError, TypeError):
             return None
-
-    @staticmethod
-    def _record_of(path: str) -> dict[str, Any]:
-        """The tier's record stored in the step at ``path`` ({} where there is no committed step there)."""
-        if not FsStore(path).is_committed():
-            return {}
-        holder: dict[str, Any] = {_RECORD: {"fingerprint": "", "run": "", "save": ""}}
-        load(holder, checkpoint_id=path, no_dist=True)
-        return holder[_RECORD]
 
     def _bound_to(self, path: str, fingerprint: str, seen: dict[str, Optional[str]]) -> Optional[str]:
         """The save that wrote the step at ``path``, where its record says it was written by this run for the layout
         ``fingerprint``; None where it was not, or cannot be read."""
         if path not in seen:
             try:
-                record = self._record_of(path)
+                record = record_of(path)
                 ok = record.get("run") == self.run_id and record.get("fingerprint") == fingerprint
                 seen[path] = str(record["save"]) if ok and record.get("save") else None
             except (CheckpointError, OSError, KeyError, TypeError, AttributeError) as exc:
@@ -718,7 +684,7 @@ class TieredCheckpointManager:
                 seen[path] = None
         return seen[path]
 
-    def _fetch(self, step: int, sources: dict[int, Any]) -> Optional[tuple[FsStore, FsStore, Lease]]:
+    def _fetch(self, step: int, sources: dict[int, Any]) -> Optional[Incoming]:
         """Bring each rank's step from the replica holder chosen for it, into a leased staging area beside its place
         in the rank's own tier (returned, for the caller to check and commit; None where the rank has its own)."""
         wanted = {r: s for r, s in sources.items() if s != "own"}
@@ -736,16 +702,16 @@ class TieredCheckpointManager:
             if self.rank in wanted:
                 manifest = everyone[wanted[self.rank]][str(self.rank)]
                 try:
-                    fetched = self._receive_into(self._own(step), None, manifest)
+                    fetched = receive_into(self._own(step), None, manifest)
                 except (CheckpointError, OSError) as exc:  # its messages are still taken (and dropped) below
                     error = exc
-                incoming.append((fetched[1].root if fetched else None, manifest, wanted[self.rank]))
+                incoming.append((fetched.staging.root if fetched else None, manifest, wanted[self.rank]))
             transfer(outgoing, incoming, self.group, self._buffers)
             if error is not None:
                 raise error
         except BaseException:
             if fetched is not None:
-                _discard(*fetched)
+                discard(fetched)
             raise
         return fetched
 
@@ -803,39 +769,6 @@ class TieredCheckpointManager:
         signal.signal(signum, handler)
 
 
-def _make_room(final: str) -> None:
-    """Where ``final`` holds something that is not a committed step (what a crash left half-deleted, a file, a
-    link), move it aside under a hidden name: nothing is deleted, and the step's place is free."""
-    if not os.path.lexists(final):
-        return
-    try:
-        FsStore(final).check_replaceable()
-        return
-    except CheckpointError:
-        pass
-    aside = os.path.join(os.path.dirname(final), f".aside-{uuid.uuid4().hex[:12]}-{os.path.basename(final)}")
-    os.rename(final, aside)
-    log.warning("%s is not a committed step (left by a crash, or put there); moved aside to %s", final, aside)
-
-
-def _commit(store: FsStore, staging: FsStore, lease: Lease) -> None:
-    """Put a received step in place (replacing an older copy of the same step), then give its lease back."""
-    try:
-        _make_room(store.root)
-        store.commit(staging, overwrite=True, sync=False)
-    except BaseException:
-        _discard(store, staging, lease)
-        raise
-    lease.release()
-
-
-def _discard(store: FsStore, staging: FsStore, lease: Lease) -> None:
-    try:
-        store.discard(staging)
-    finally:
-        lease.release()
-
-
 def _damaged(exc: CheckpointError) -> bool:
     """Whether a failed load of a committed step says its bytes are damaged or missing (on any rank)."""
     kinds = (CorruptCheckpointError, CheckpointNotFoundError)
@@ -844,36 +777,6 @@ def _damaged(exc: CheckpointError) -> bool:
     if isinstance(exc, RankFailuresError):
         return any(isinstance(w.exception, kinds) for w in exc.failures.values())
     return False
-
-
-def _host_state(view: LocalView, device: str) -> dict[str, Any]:
-    """Fresh tensors on ``device`` shaped like ``view``'s, in the same structure, and the DTensors to rebuild (keyed
-    by the ``id`` of the fresh tensor that stands for each)."""
-    dtensors: dict[int, Any] = {}
-
-    def fresh(path: tuple, leaf: Any) -> Any:
-        if not isinstance(leaf, torch.Tensor):
-            return leaf
-        t = torch.empty(leaf.shape, dtype=leaf.dtype, device=device)
-        if path in view.dtensors:
-            dtensors[id(t)] = view.dtensors[path]
-        return t
-
-    return {"view": {k: map_leaves(v, fresh, (k,)) for k, v in view.view.items()}, "dtensors": dtensors}
-
-
-def _as_saved(state: dict[str, Any]) -> dict[str, Any]:
-    """The host state with each DTensor's shard wrapped back as a DTensor of the same mesh and placements."""
-    dtensors = state["dtensors"]
-
-    def wrap(_path: tuple, leaf: Any) -> Any:
-        if isinstance(leaf, torch.Tensor) and id(leaf) in dtensors:
-            src = dtensors[id(leaf)]
-            return DTensor.from_local(leaf, src.device_mesh, src.placements, run_check=False, shape=src.shape,
-                                      stride=src.stride())
-        return leaf
-
-    return {k: map_leaves(v, wrap, (k,)) for k, v in state["view"].items()}
 
 
 def _stored_bytes(checkpoint_id: str) -> int:
