@@ -25,6 +25,7 @@ __all__ = [
     "memory_budget_bytes",
     "max_metadata_bytes",
     "max_header_bytes",
+    "max_value_bytes",
     "collective_timeout_s",
     "allow_pickle_transport",
     "async_write_nice",
@@ -185,6 +186,15 @@ def max_metadata_bytes() -> int:
 def max_header_bytes() -> int:
     """Largest data-file header a reader accepts (DISTCKPT_MAX_HEADER_BYTES, default 256 MiB)."""
     return _int("DISTCKPT_MAX_HEADER_BYTES", 256 << 20, minimum=1024)
+
+
+def max_value_bytes() -> int:
+    """Most bytes one value stored through a codec (a stream transform such as zstd) may decode to
+    (DISTCKPT_MAX_VALUE_BYTES, default 1 GiB). The metadata does not record a value's decoded size, so
+    without a cap a few kilobytes of stored bytes could decode to more memory than the host has; a reader
+    decodes in pieces and stops with CorruptCheckpointError at the cap. Chunks of tensors are capped by
+    their recorded dtype and sizes instead."""
+    return _int("DISTCKPT_MAX_VALUE_BYTES", 1 << 30, minimum=1)
 
 
 def collective_timeout_s() -> float:

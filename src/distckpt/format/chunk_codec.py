@@ -9,18 +9,65 @@ is built, store it as a byte entry, checksum the stored bytes, and at load
 read the stored bytes whole, check them, decode and copy out. Format 2.1
 records a chunk's codec by name in the metadata document (docs/format.md);
 DCP's stream extensions are codecs too (:mod:`.stream_transforms`).
+
+Decoding is bounded: a chunk decodes to exactly the bytes its dtype and sizes
+imply, and a value (whose size the metadata does not record) to at most
+``limit`` bytes, by default :func:`distckpt.knobs.max_value_bytes`, so a few
+stored bytes cannot make a reader allocate without end.
 """
 
 from __future__ import annotations
 
 import abc
+import functools
+import inspect
 from typing import Optional
 
+from .. import knobs
 from ..errors import CorruptCheckpointError
 
-__all__ = ["ChunkCodec", "IDENTITY", "CODEC_SEPARATOR", "register_codec", "registered_codec"]
+__all__ = ["ChunkCodec", "IDENTITY", "CODEC_SEPARATOR", "register_codec", "registered_codec", "value_limit", "too_large"]
 
 CODEC_SEPARATOR = "|"  # a codec recorded as a chain of transforms is named by their names, joined by this
+
+
+def value_limit(limit: Optional[int] = None) -> int:
+    """The most bytes a value may decode to: ``limit`` when given, else DISTCKPT_MAX_VALUE_BYTES."""
+    return knobs.max_value_bytes() if limit is None else limit
+
+
+def too_large(where: str, codec: str, bound: int, limit: Optional[int] = None, chunk: bool = False) -> CorruptCheckpointError:
+    """The error for stored bytes that decode through ``codec`` to more than ``bound`` bytes: the ``bound``
+    of a chunk (``chunk``), or the value limit (``limit`` as the caller gave it, None for the knob)."""
+    if chunk:
+        return CorruptCheckpointError(f"{where}: the stored bytes decode through {codec} to more than the {bound} "
+                                      "bytes of the item; the stored bytes are damaged or belong to another item")
+    if limit is None:
+        fix = ("the limit DISTCKPT_MAX_VALUE_BYTES sets; if the checkpoint is trusted and the value really is that "
+               "large, raise DISTCKPT_MAX_VALUE_BYTES")
+    else:
+        fix = f"the limit this read allows (limit={limit}; DISTCKPT_MAX_VALUE_BYTES when none is given)"
+    return CorruptCheckpointError(f"{where}: the stored bytes decode through {codec} to more than {bound} bytes, {fix}")
+
+
+def _takes_limit(fn) -> bool:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return True
+    return "limit" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def _checked_after(decode):
+    @functools.wraps(decode)
+    def checked(self, stored: memoryview, nbytes: int, where: str, limit: Optional[int] = None) -> memoryview:
+        out = decode(self, stored, nbytes, where)
+        if nbytes < 0 and len(out) > value_limit(limit):
+            raise too_large(where, self.name, value_limit(limit), limit)
+        if nbytes >= 0 and len(out) > nbytes:
+            raise too_large(where, self.name, nbytes, chunk=True)
+        return out
+    return checked
 
 
 class ChunkCodec(abc.ABC):
@@ -29,14 +76,30 @@ class ChunkCodec(abc.ABC):
     name: str
     identity: bool = False  # stored bytes are the chunk's bytes: direct reads and slab streaming apply
 
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        decode = cls.__dict__.get("decode")
+        if decode is not None and not _takes_limit(decode):
+            cls.decode = _checked_after(decode)  # a codec written before ``limit``: its output is checked after the fact
+
     @abc.abstractmethod
     def encode(self, data: memoryview) -> bytes:
         """The bytes to store for a chunk whose bytes are ``data``."""
 
     @abc.abstractmethod
-    def decode(self, stored: memoryview, nbytes: int, where: str) -> memoryview:
+    def decode(self, stored: memoryview, nbytes: int, where: str, limit: Optional[int] = None) -> memoryview:
         """The ``nbytes`` bytes of the chunk stored as ``stored`` (all it decodes to, for a value: ``nbytes`` is -1);
-        raise CorruptCheckpointError (naming ``where``) if they cannot be recovered."""
+        raise CorruptCheckpointError (naming ``where``) if they cannot be recovered.
+
+        A value may decode to at most ``limit`` bytes (default :func:`value_limit`), a chunk to no more than
+        ``nbytes``. A codec should decode in bounded steps and stop at the bound (:func:`too_large` is the
+        error), never materialise all that damaged or hostile stored bytes decode to. A subclass whose
+        ``decode`` takes no ``limit`` still works: its output is checked against the bound after it returns."""
+
+    def decoded_size(self, stored: memoryview, nbytes: int, where: str, limit: Optional[int] = None) -> int:
+        """How many bytes ``stored`` decodes to, checked as :meth:`decode` checks them, keeping none of them
+        (``verify`` calls this). A codec that decodes in pieces overrides it to run in bounded memory."""
+        return len(self.decode(stored, nbytes, where, limit=limit))
 
 
 class _Identity(ChunkCodec):
@@ -46,9 +109,11 @@ class _Identity(ChunkCodec):
     def encode(self, data: memoryview) -> bytes:
         return bytes(data)
 
-    def decode(self, stored: memoryview, nbytes: int, where: str) -> memoryview:
+    def decode(self, stored: memoryview, nbytes: int, where: str, limit: Optional[int] = None) -> memoryview:
         if nbytes >= 0 and len(stored) != nbytes:
             raise CorruptCheckpointError(f"{where}: stored {len(stored)} bytes for a chunk of {nbytes}")
+        if nbytes < 0 and len(stored) > value_limit(limit):
+            raise too_large(where, self.name, value_limit(limit), limit)
         return stored
 
 

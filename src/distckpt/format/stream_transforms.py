@@ -23,7 +23,7 @@ from typing import IO, Any, Optional, Sequence
 
 from ..errors import CheckpointError, CorruptCheckpointError
 from .chunk_codec import CODEC_SEPARATOR as SEPARATOR
-from .chunk_codec import ChunkCodec, registered_codec
+from .chunk_codec import ChunkCodec, registered_codec, too_large, value_limit
 
 __all__ = ["Extension", "StreamTransformExtension", "ZStandard", "ExtensionRegistry", "StreamTransforms",
            "codec_for"]
@@ -158,33 +158,119 @@ class StreamTransforms(ChunkCodec):
         stream.close()  # ends compressed frames; _Unclosed keeps the bytes
         return sink.getvalue()
 
-    def decode(self, stored: memoryview, nbytes: int, where: str) -> memoryview:
-        stream: Any = io.BytesIO(stored)
-        for ext in self.extensions:  # the first given wraps the stored bytes on write, so it is undone first
-            stream = ext.transform_from(stream)
-        if nbytes < 0:
-            try:
-                return memoryview(stream.read())
-            except Exception as exc:  # noqa: BLE001 - as below
-                raise CorruptCheckpointError(f"{where}: the stored bytes do not decode through {self.name} "
-                                             f"({type(exc).__name__}: {exc})") from None
-        out = bytearray(nbytes)
-        view = memoryview(out)
-        done = 0
+    def decode(self, stored: memoryview, nbytes: int, where: str, limit: Optional[int] = None) -> memoryview:
+        stages: list[_Capped] = []
         try:
-            while done < nbytes:
-                n = stream.readinto(view[done:]) if hasattr(stream, "readinto") else _read_into(stream, view[done:])
-                if not n:
-                    break
-                done += n
-            extra = stream.read(1)
+            stream = self._chain(stored, nbytes, limit, stages)  # a transform may read its input as it is made
+            if nbytes < 0:
+                out = bytearray()
+                while piece := stream.read(_PIECE):
+                    out += piece
+                view = memoryview(out)
+                done = len(out)
+            else:
+                view = memoryview(bytearray(nbytes))
+                done = 0
+                while done < nbytes:
+                    n = stream.readinto(view[done:])
+                    if not n:
+                        break
+                    done += n
+                stream.read(1)  # one byte past the item's end is an overflow of the last stage
         except Exception as exc:  # noqa: BLE001 - a transform raises what its library raises on damaged input
+            self._check_stages(stages, nbytes, where, limit)
             raise CorruptCheckpointError(f"{where}: the stored bytes do not decode through {self.name} "
                                          f"({type(exc).__name__}: {exc})") from None
-        if done != nbytes or extra:
+        self._check_stages(stages, nbytes, where, limit)
+        if nbytes >= 0 and done != nbytes:
             raise CorruptCheckpointError(f"{where}: the stored bytes decode through {self.name} to "
-                                         f"{'more' if extra else done} bytes, not the {nbytes} of the item")
+                                         f"{done} bytes, not the {nbytes} of the item")
         return view
+
+    def decoded_size(self, stored: memoryview, nbytes: int, where: str, limit: Optional[int] = None) -> int:
+        """As :meth:`decode`, through one buffer of 1 MiB that every piece overwrites: memory stays bounded
+        whatever the stored bytes decode to."""
+        stages: list[_Capped] = []
+        buf = memoryview(bytearray(_PIECE))
+        done = 0
+        try:
+            stream = self._chain(stored, nbytes, limit, stages)
+            while n := stream.readinto(buf):
+                done += n
+        except Exception as exc:  # noqa: BLE001 - as in decode
+            self._check_stages(stages, nbytes, where, limit)
+            raise CorruptCheckpointError(f"{where}: the stored bytes do not decode through {self.name} "
+                                         f"({type(exc).__name__}: {exc})") from None
+        self._check_stages(stages, nbytes, where, limit)
+        if nbytes >= 0 and done != nbytes:
+            raise CorruptCheckpointError(f"{where}: the stored bytes decode through {self.name} to "
+                                         f"{done} bytes, not the {nbytes} of the item")
+        return done
+
+    def _chain(self, stored: memoryview, nbytes: int, limit: Optional[int], stages: list["_Capped"]) -> Any:
+        """The chain of transforms over ``stored``, each stage read through a cap: the last at the item's
+        bytes (``nbytes``, or the value limit), the others at the larger of that and the value limit (a stage
+        may legitimately expand what the next one shrinks, as an encryption's tag before a compression)."""
+        final = nbytes if nbytes >= 0 else value_limit(limit)
+        inner = max(final, value_limit(limit))
+        stream: Any = io.BytesIO(stored)
+        for i, ext in enumerate(self.extensions):  # the first given wraps the stored bytes on write: undone first
+            last = i == len(self.extensions) - 1
+            stream = _Capped(ext.transform_from(stream), final if last else inner, ext)
+            stages.append(stream)
+        return stream
+
+    def _check_stages(self, stages: list["_Capped"], nbytes: int, where: str, limit: Optional[int]) -> None:
+        for i, stage in enumerate(stages):
+            if stage.over:
+                last = i == len(self.extensions) - 1
+                codec = self.name if len(self.extensions) == 1 else f"{self.name} (at {_descriptor(stage.ext)})"
+                raise too_large(where, codec, stage.bound, limit, chunk=last and nbytes >= 0)
+
+
+_PIECE = 1 << 20  # bytes asked of a transform at a time
+
+
+class _Overflow(Exception):
+    """A stage of a chain of transforms gave more bytes than its cap (raised into the transform reading it)."""
+
+
+class _Capped(io.RawIOBase):
+    """A stage's output, read through: never asks it for more than one byte past ``bound`` in all, and
+    raises once it gave that byte, so even a transform that reads its input whole stops at the bound."""
+
+    def __init__(self, stream: Any, bound: int, ext: Any) -> None:
+        self.stream, self.bound, self.ext = stream, bound, ext
+        self.count = 0
+        self.over = False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        view = memoryview(b).cast("B")
+        if not len(view):
+            return 0
+        want = min(len(view), self.bound + 1 - self.count)
+        if self.over or want <= 0:
+            self.over = True
+            raise _Overflow(f"more than {self.bound} bytes")
+        if hasattr(self.stream, "readinto"):
+            n = self.stream.readinto(view[:want]) or 0
+        else:
+            n = _read_into(self.stream, view[:want])
+        self.count += n
+        if self.count > self.bound:
+            self.over = True
+            raise _Overflow(f"more than {self.bound} bytes")
+        return n
+
+
+def _descriptor(ext: Any) -> str:
+    try:
+        return str(ext.get_descriptor())
+    except Exception:  # noqa: BLE001 - only for a message
+        return type(ext).__name__
 
 
 def _read_into(stream: Any, view: memoryview) -> int:
