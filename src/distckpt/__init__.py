@@ -23,6 +23,7 @@ from .errors import (
     ShapeMismatchError,
     StagingMemoryError,
     StorageIOError,
+    UnexpectedKeyError,
     UnsafeValueError,
     UnsupportedTensorError,
     WrappedException,
@@ -34,7 +35,8 @@ CheckpointException = RankFailuresError
 # The rest of the API is imported on first use (PEP 562): ``import distckpt`` does not import torch,
 # so the command line answers ``--help`` at once. Name -> module that defines it.
 _LAZY = {
-    **dict.fromkeys(["DCPReader", "FileSystemReader", "FileSystemWriter", "MemoryReader", "MemoryWriter"], "backends"),
+    **dict.fromkeys(["DCPReader", "FileSystemReader", "FileSystemWriter", "HuggingFaceReader", "MemoryReader", "MemoryWriter"],
+                  "backends"),
     **dict.fromkeys(["ExtensionRegistry", "StreamTransformExtension", "ZStandard"], "format.stream_transforms"),
     **dict.fromkeys(["load", "load_state_dict", "read_metadata"], "loading"),
     "CheckpointManager": "manager",
@@ -88,6 +90,7 @@ __all__ = [
     "FileSystemWriter",
     "FileSystemReader",
     "DCPReader",
+    "HuggingFaceReader",
     "MemoryWriter",
     "MemoryReader",
     "ZStandard",
@@ -103,6 +106,7 @@ __all__ = [
     "FormatVersionError",
     "InvalidStepError",
     "MissingKeyError",
+    "UnexpectedKeyError",
     "NotRegularFileError",
     "StagingMemoryError",
     "RankFailuresError",

@@ -15,6 +15,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointNotFoundError",
     "MissingKeyError",
+    "UnexpectedKeyError",
     "ShapeMismatchError",
     "DTypeMismatchError",
     "UnsafeValueError",
@@ -44,6 +45,13 @@ class MissingKeyError(CheckpointError, KeyError):
     """A key requested by the caller's state dict is not in the checkpoint."""
 
     def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable
+        return str(self.args[0]) if self.args else ""
+
+
+class UnexpectedKeyError(CheckpointError, KeyError):
+    """The checkpoint holds keys the caller's state dict lacks, where every key is meant to be loaded."""
+
+    def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
 
 

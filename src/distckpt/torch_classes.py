@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from .backends import DCPReader, FileSystemReader, FileSystemWriter
-from .backends.dcp_reader import is_dcp_directory
+from .backends import DCPReader, FileSystemReader, FileSystemWriter, HuggingFaceReader
+from .layouts.dcp import is_dcp_directory
 from .planning import DefaultLoadPlanner, DefaultSavePlanner
 from .torch_save_reader import BroadcastingTorchSaveReader, DynamicMetaLoadPlanner
 
@@ -31,7 +31,7 @@ _REPLACEMENT = {
     "FsspecWriter": "distckpt.FileSystemWriter, or checkpoint_id='s3://bucket/prefix'",
     "FsspecReader": "distckpt.FileSystemReader, or checkpoint_id='s3://bucket/prefix'",
     "HuggingFaceStorageWriter": "distckpt.convert.to_safetensors after a save",
-    "HuggingFaceStorageReader": "distckpt.convert.from_safetensors, then load",
+    "HuggingFaceStorageReader": "distckpt.HuggingFaceReader",
 }
 
 
@@ -94,6 +94,8 @@ def _replace(obj: Any, name: str) -> Any:
         return cls(flatten_state_dict=getattr(obj, "flatten_state_dict", True),
                    flatten_sharded_tensors=getattr(obj, "flatten_sharded_tensors", True),
                    allow_partial_load=getattr(obj, "allow_partial_load", False))
+    if name == "HuggingFaceStorageReader":
+        return HuggingFaceReader(str(obj.path), thread_count=getattr(obj, "thread_count", None))
     if name == "BroadcastingTorchSaveReader":
         return BroadcastingTorchSaveReader(getattr(obj, "checkpoint_id", None), getattr(obj, "coordinator_rank", 0))
     return None

@@ -19,8 +19,9 @@ class Opaque:
         self.n = n
 
 
-def dcp_save(rank, world_size, path, opaque=False):
+def dcp_save(rank, world_size, path, opaque=False, zstd=False):
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._extension import ZStandard
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -31,7 +32,8 @@ def dcp_save(rank, world_size, path, opaque=False):
         sd["obj"] = Opaque(4)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.save(sd, checkpoint_id=path)
+        writer = dcp.FileSystemWriter(path, _extensions=[ZStandard()]) if zstd else None
+        dcp.save(sd, checkpoint_id=path, storage_writer=writer)
     return True
 
 

@@ -31,6 +31,15 @@ def test_a_dcp_checkpoint_of_two_ranks_loads_at_three_and_at_one(tmp_path):
     assert torch.equal(out["model"]["b"], torch.arange(5.0))
 
 
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_a_dcp_checkpoint_compressed_with_zstd_loads_bit_exact(tmp_path, world):
+    path = str(tmp_path / "dcp")
+    run_ranks(d.dcp_save, 2, path, False, True)
+    md = distckpt.read_metadata(path)
+    assert md.storage_data.items[distckpt.metadata.MetadataIndex("model.b", [0])].codec == "torch.save|stream.zstd/1"
+    assert run_ranks(d.distckpt_load, world, path) == [True] * world
+
+
 def test_an_object_value_needs_allow_pickle(tmp_path):
     path = str(tmp_path / "dcp")
     run_ranks(d.dcp_save, 1, path, True)

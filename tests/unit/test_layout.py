@@ -1,4 +1,4 @@
-"""The package's rooms import one way (README, Layout): protocol <- format <- wire <- planning <- engine <- backends
+"""The package's rooms import one way (README, Layout): protocol <- format <- wire <- planning <- engine <- layouts <- backends
 <- call sequences <- manager / cli / convert; no function-level imports of the package's own modules; no private
 names imported from another room."""
 
@@ -11,7 +11,7 @@ SRC = pathlib.Path(distckpt.__file__).parent
 PROTOCOL = {"metadata", "planner", "item_columns", "storage", "stateful", "errors", "knobs", "capabilities", "gc_pause", "progress",
             "faults"}
 TOP = {"manager", "cli", "convert", "optim", "format_utils", "tiers", "__init__", "__main__"}
-ORDER = ["protocol", "format", "wire", "planning", "engine", "backends", "sequences", "top", "integrations", "testing", "demo"]
+ORDER = ["protocol", "format", "wire", "planning", "engine", "layouts", "backends", "sequences", "top", "integrations", "testing", "demo"]
 LAZY_OK: set = set()  # (module, imported) pairs allowed inside functions: none today
 
 

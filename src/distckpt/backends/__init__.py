@@ -16,11 +16,13 @@ from ..errors import CheckpointError
 from ..storage import StorageReader, StorageWriter
 from .dcp_reader import DCPReader
 from .filesystem import FileSystemReader, FileSystemWriter
+from .hf_reader import HuggingFaceReader
 from .memory import MemoryReader, MemoryWriter, clear_memory_store
 from .s3 import S3Reader, S3Writer
 
 __all__ = [
-    "FileSystemWriter", "FileSystemReader", "DCPReader", "MemoryWriter", "MemoryReader", "S3Writer", "S3Reader", "clear_memory_store",
+    "FileSystemWriter", "FileSystemReader", "DCPReader", "HuggingFaceReader", "MemoryWriter", "MemoryReader", "S3Writer", "S3Reader",
+    "clear_memory_store",
     "register_backend", "writer_for", "reader_for",
 ]
 
@@ -47,9 +49,11 @@ def writer_for(checkpoint_id: Union[str, os.PathLike], **options: Any) -> Storag
 
 def reader_for(checkpoint_id: Union[str, os.PathLike], **options: Any) -> StorageReader:
     """A new reader of the backend that accepts ``checkpoint_id``, given the ``options`` its constructor takes
-    (a directory that torch.distributed.checkpoint wrote gets the DCP reader)."""
-    if DCPReader.validate_checkpoint_id(checkpoint_id):
-        return DCPReader(**_accepted(DCPReader, options))
+    (a directory that torch.distributed.checkpoint wrote gets the DCP reader, a Hugging Face directory the
+    Hugging Face reader)."""
+    for foreign in (DCPReader, HuggingFaceReader):
+        if foreign.validate_checkpoint_id(checkpoint_id):
+            return foreign(**_accepted(foreign, options))
     for _, reader in _BACKENDS:
         if reader.validate_checkpoint_id(checkpoint_id):
             return reader(**_accepted(reader, options))

@@ -19,7 +19,7 @@ from ..format.datafile import VALUE_FORM, HeaderInfo, check_header_entry, header
 from ..format.dtypes import itemsize
 from ..format.expected_headers import expected_leads
 from ..format.locations import ChunkLocations
-from ..format.records import FileStorageData, StorageInfo
+from ..format.records import FileStorageData, ForeignStorageData, StorageInfo
 from ..format.stream_transforms import codec_for
 from ..format.tensor_table import stored_dtypes
 from ..item_columns import BYTES, ReadColumns
@@ -54,6 +54,10 @@ def open_and_validate(store: BlobStore, fsd: FileStorageData, names, where: str,
             if blob.size != info.size:
                 raise CorruptCheckpointError(
                     f"{here}: size is {blob.size} bytes, the metadata records {info.size}; the file is truncated or was replaced")
+            if isinstance(fsd, ForeignStorageData):  # another program's file: no header of ours to check
+                if spans is not None:
+                    spans[name] = None
+                continue
             header = _check_header(blob, info, fsd.save_id, here, expected.get(name) if expected else None)
             if spans is not None:
                 spans[name] = None if header is None else header_spans(header)
@@ -127,6 +131,9 @@ class Read:
         self.store, self.md, self.planner, self.where, self.verify = store, md, planner, where, verify
         self.verified_elsewhere = verified_elsewhere
         self.fsd: FileStorageData = md.storage_data
+        self.foreign = isinstance(self.fsd, ForeignStorageData)
+        if self.foreign and any(info.crc32c is None for info in self.fsd.items.values()):
+            self.verify = False  # another program's checkpoint without checksums: its layout checked what it could
         self.streams = caller_streams()  # copies to a device happen in worker threads, ordered on the caller's stream
         self.by_chunk: dict[MetadataIndex, list[ReadItem]] = defaultdict(list)
         self.infos: dict[MetadataIndex, StorageInfo] = {}
@@ -173,7 +180,10 @@ class Read:
             raise CorruptCheckpointError(f"{self.where}: key {index.fqn!r} chunk {list(index.offset or [])} has no storage "
                                          "entry in the metadata")
         self.infos[index], self.chunk_shapes[index] = info, shape
-        self.codecs[index] = codec_for(info.codec, self.registry, self.here(index))
+        if self.foreign and info.codec != "identity":
+            self.codecs[index] = self.fsd.decoder(index, info, self.here(index))
+        else:
+            self.codecs[index] = codec_for(info.codec, self.registry, self.here(index))
 
     def here(self, index: MetadataIndex) -> str:
         chunk = f", chunk {list(index.offset)}" if index.offset is not None else ""
@@ -188,7 +198,8 @@ class Read:
         names = {i.file for i in self.infos.values()}
         if self.whole:
             names |= {locations.file_list[n][0] for n in set(locations.file_no[w[4]] for w in self.whole)}
-        self.blobs = open_and_validate(self.store, self.fsd, names, self.where, spans, expected_leads(self.md, names))
+        leads = {} if self.foreign else expected_leads(self.md, names)
+        self.blobs = open_and_validate(self.store, self.fsd, names, self.where, spans, leads)
         try:  # files whose header is the one the metadata implies (spans None) agree with it on every item
             for index, info in self.infos.items():
                 file_spans = spans[info.file]

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Optional
 
 from ..metadata import MetadataIndex
 from ..storage import WriteResult
 
-__all__ = ["StorageInfo", "FileInfo", "FileResult", "FileStorageData"]
+__all__ = ["StorageInfo", "FileInfo", "FileResult", "FileStorageData", "ForeignStorageData"]
 
 
 @dataclass(frozen=True)
@@ -17,7 +18,7 @@ class StorageInfo:
     file: str
     offset: int
     length: int
-    crc32c: int
+    crc32c: Optional[int]  # None: the program that wrote the item recorded no CRC-32C of it (a foreign layout)
     codec: str = "identity"  # how the bytes are stored (format/chunk_codec.py); identity in every format-2.0 checkpoint
 
 
@@ -57,3 +58,19 @@ class FileStorageData:
     save_id: str
     files: dict[str, FileInfo] = field(default_factory=dict)
     items: dict[MetadataIndex, StorageInfo] = field(default_factory=dict)
+
+
+@dataclass
+class ForeignStorageData(FileStorageData):
+    """``Metadata.storage_data`` of a checkpoint another program wrote, as a layout describes it (distckpt.layouts).
+
+    Its files carry no distckpt header and no save id, so the read engine checks only what can be checked: each
+    file's size, and each item's bounds, shape and dtype (the layout checks them before handing the metadata
+    over). An item's ``crc32c`` is None where the program recorded none. An item whose ``codec`` is not
+    ``identity`` is decoded by ``decoder(index, info, where)``, which returns a ChunkCodec bounded by the chunk's
+    size: torch.save archives, compressed streams.
+    """
+
+    layout: str = ""
+    decoder: Any = None
+    every_key: bool = False  # a whole model's weights (as Hugging Face's): a key the state dict lacks is an error

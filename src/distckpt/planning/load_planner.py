@@ -8,7 +8,7 @@ from typing import Any, Optional
 import torch
 
 from ..capabilities import keeps_plans, resolves_columns
-from ..errors import CheckpointError, DTypeMismatchError, MissingKeyError, ShapeMismatchError
+from ..errors import CheckpointError, DTypeMismatchError, MissingKeyError, ShapeMismatchError, UnexpectedKeyError
 from ..format.tensor_table import table_of
 from ..format.values import decode_value
 from ..item_columns import ReadColumns
@@ -16,7 +16,7 @@ from ..metadata import STATE_DICT_TYPE, BytesStorageMetadata, Metadata, Metadata
 from ..planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from .flatten import expand_to_match, flatten_state_dict, set_element
 from .resharding import ChunkIndex
-from .tensors import check_no_aliasing, dtype_of, local_pieces, piece_at
+from .tensors import check_no_aliasing, dtype_of, is_dtensor, local_pieces, piece_at
 
 __all__ = ["DefaultLoadPlanner"]
 
@@ -37,6 +37,14 @@ class DefaultLoadPlanner(LoadPlanner):
             only for checkpoints you trust.
         allow_dtype_conversion: load a stored dtype into a destination of
             another dtype, converting. Off by default: a mismatch raises.
+        allow_unexpected_keys: leave keys of the checkpoint that the state
+            dict lacks unread. None (the default): allowed, as DCP does,
+            except for checkpoints that hold one whole model's weights (a
+            Hugging Face directory), where they raise UnexpectedKeyError.
+
+    A key of the state dict that the checkpoint lacks is not missing when its
+    tensor is the very tensor of a key the checkpoint has (tied weights, which
+    Hugging Face checkpoints store once): loading that key fills both.
     """
 
     def __init__(
@@ -46,12 +54,14 @@ class DefaultLoadPlanner(LoadPlanner):
         allow_partial_load: bool = False,
         allow_pickle: bool = False,
         allow_dtype_conversion: bool = False,
+        allow_unexpected_keys: Optional[bool] = None,
     ) -> None:
         self.flatten_state_dict = flatten_state_dict
         self.flatten_sharded_tensors = flatten_sharded_tensors
         self.allow_partial_load = allow_partial_load
         self.allow_pickle = allow_pickle
         self.allow_dtype_conversion = allow_dtype_conversion
+        self.allow_unexpected_keys = allow_unexpected_keys
         self.mappings: dict = {}
         self.rank = 0  # set by distckpt.load before set_up_planner
 
@@ -141,13 +151,38 @@ class DefaultLoadPlanner(LoadPlanner):
                 cols.add_bytes(fqn)
         check_no_aliasing(loose, spans)
         if missing:
+            missing = self._not_tied(missing)
+        if missing:
             raise MissingKeyError(self._missing_message(missing))
+        self._check_unexpected()
         if problems:
             first = problems[0]
             more = "".join(f"\n  also: {p}" for p in problems[1:_MAX_LISTED])
             raise type(first)(f"{first}{more}")
         self.plan = LoadPlan(cols)
         return self.plan
+
+    def _not_tied(self, missing: list[str]) -> list[str]:
+        """The keys of ``missing`` whose tensor is not also the tensor of a key the checkpoint has."""
+        sdm = self.metadata.state_dict_metadata
+        loaded = {_identity(obj): fqn for fqn, obj in self.state_dict.items() if fqn in sdm and isinstance(obj, torch.Tensor)}
+        return [fqn for fqn in missing if not (isinstance(self.state_dict[fqn], torch.Tensor)
+                                               and _identity(self.state_dict[fqn]) in loaded)]
+
+    def _check_unexpected(self) -> None:
+        allow = self.allow_unexpected_keys
+        if allow is None:
+            allow = not getattr(self.metadata.storage_data, "every_key", False)
+        if allow:
+            return
+        unexpected = [fqn for fqn in self.metadata.state_dict_metadata if fqn not in self.state_dict]
+        if unexpected:
+            shown = ", ".join(repr(k) for k in unexpected[:_MAX_LISTED])
+            more = f" and {len(unexpected) - _MAX_LISTED} more" if len(unexpected) > _MAX_LISTED else ""
+            raise UnexpectedKeyError(
+                f"Unexpected key(s) in {self._checkpoint_name()}: {shown}{more} ({len(unexpected)} key(s) the state dict "
+                "lacks would not be loaded). Check that the model matches the checkpoint, or pass "
+                "planner=DefaultLoadPlanner(allow_unexpected_keys=True) to leave them unread.")
 
     def _missing_message(self, missing: list[str]) -> str:
         sdm = self.metadata.state_dict_metadata
@@ -232,3 +267,11 @@ class DefaultLoadPlanner(LoadPlanner):
     @resolves_columns
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
         """Nothing to do: ``resolve_tensor`` returned a view of the destination."""
+
+
+def _identity(tensor: torch.Tensor) -> tuple:
+    """What makes two destinations the same tensor: the same memory, viewed the same way (a DTensor by its local
+    shard and global shape)."""
+    local = tensor.to_local() if is_dtensor(tensor) else tensor
+    return (local.data_ptr(), tuple(local.shape), tuple(local.stride()), local.dtype, str(local.device),
+            tuple(tensor.shape)) if not local.is_meta else (id(tensor),)

@@ -1,0 +1,114 @@
+"""The storage reader of checkpoints other programs wrote: a layout (distckpt.layouts) read by distckpt's engine.
+
+A :class:`LayoutReader` lists the checkpoint's files on its store (a local directory, or ``s3://bucket/prefix``),
+asks its layout for the metadata, and hands every read to the read engine, as distckpt's own readers do: the
+same checks, memory budget, lanes and progress. Subclasses say how their layout is read (``describe``).
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from typing import Any, Optional, Union
+
+from torch.futures import Future
+
+from .. import knobs
+from ..capabilities import keeps_plans
+from ..engine.blobs import BlobStore
+from ..engine.read import read_items
+from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from ..format.records import ForeignStorageData
+from ..metadata import Metadata
+from ..planner import LoadPlan, LoadPlanner
+from ..storage import StorageReader
+from .filesystem import FsStore
+from .s3 import S3Reader
+
+__all__ = ["LayoutReader"]
+
+
+class LayoutReader(StorageReader):
+    """Reads another program's checkpoint through a layout (see the module docstring).
+
+    Args:
+        path: the checkpoint (a directory, or ``s3://bucket/prefix``; may also be given as ``checkpoint_id``).
+        thread_count: reader threads per rank (default: the DISTCKPT_IO_THREADS knob).
+        s3_options: for an ``s3://`` path, the options of :class:`~distckpt.S3Reader` (``endpoint_url=``, ``client=``...).
+    """
+
+    kind = "foreign"  # how errors name the checkpoint
+
+    def __init__(self, path: Union[str, os.PathLike, None] = None, *, thread_count: Optional[int] = None, **s3_options: Any):
+        self.path = None if path is None else os.fspath(path)
+        self.thread_count = thread_count
+        self.s3_options = s3_options
+        self.load_id = uuid.uuid4().hex
+        self.metadata: Optional[Metadata] = None
+
+    def reset(self, checkpoint_id: Union[str, os.PathLike, None] = None) -> None:
+        if checkpoint_id is not None:
+            self.path = os.fspath(checkpoint_id)
+        self.load_id = uuid.uuid4().hex
+        self.metadata = None
+
+    def where(self) -> str:
+        return f"{self.kind} checkpoint {self.path!r}"
+
+    def _store(self) -> BlobStore:
+        if self.path is None:
+            raise CheckpointError(f"{type(self).__name__} needs the checkpoint: {type(self).__name__}(path) or checkpoint_id=")
+        if self.path.startswith("s3://"):
+            return S3Reader(self.path, **self.s3_options)._store()
+        path = self.path[len("file://"):] if self.path.startswith("file://") else self.path
+        if not os.path.isdir(path):
+            raise CheckpointNotFoundError(f"{self.where()} does not exist (no such directory); check the path")
+        if os.path.islink(path.rstrip(os.sep) or path):
+            raise CheckpointError(f"{self.where()} is a symbolic link; distckpt reads only directories it can see are "
+                                  "real. Pass the directory it points to.")
+        return FsStore(path)
+
+    def describe(self, store: BlobStore, sizes: dict[str, int]) -> Metadata:
+        """The checkpoint's metadata (its storage_data a ForeignStorageData), from its regular files' ``sizes``."""
+        raise NotImplementedError
+
+    def read_small(self, store: BlobStore, name: str, cap: int, sizes: dict[str, int]) -> bytes:
+        """The whole of file ``name``, a regular file of at most ``cap`` bytes."""
+        if name not in sizes:
+            raise CheckpointNotFoundError(f"{self.where()}: {name} is missing, or not a regular file")
+        blob = store.open(name)
+        try:
+            if blob.size > cap:
+                raise CorruptCheckpointError(f"{self.where()}: {name} is {blob.size} bytes, over the cap of {cap}")
+            raw = blob.pread(blob.size, 0)
+        finally:
+            blob.close()
+        if len(raw) != sizes[name]:
+            raise CorruptCheckpointError(f"{self.where()}: {name} changed while it was read")
+        return raw
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        store = self._store()
+        self.metadata = self.describe(store, store.sizes())
+        return self.metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if not isinstance(metadata.storage_data, ForeignStorageData):
+            raise CorruptCheckpointError(f"{self.where()}: the metadata given was not read by {type(self).__name__}")
+        self.metadata = metadata
+        self.is_coordinator = is_coordinator
+        self.store = self._store()
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    @keeps_plans
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
+        read_items(self.store, self.metadata, plan, planner, str(self.path), verify=False,
+                   threads=self.thread_count or knobs.io_threads(), is_coordinator=getattr(self, "is_coordinator", True))
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
