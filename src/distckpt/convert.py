@@ -67,8 +67,34 @@ def _placeholders(entries: dict, tensor_type: type, where: str, stored: int) -> 
         raise CorruptCheckpointError(
             f"{where}: its metadata claims {claimed} bytes of tensors, but its data files hold {stored}; "
             "the checkpoint is damaged or its metadata was edited. Nothing was converted.")
-    return {fqn: torch.empty(e.size, dtype=e.properties.dtype) if isinstance(e, tensor_type) else None
+    return {fqn: _empty(e.size, e.properties.dtype, f"{where}, key {fqn!r}") if isinstance(e, tensor_type) else None
             for fqn, e in entries.items()}
+
+
+def _empty(size: Any, dtype: torch.dtype, where: str) -> torch.Tensor:
+    """An uninitialised tensor of ``size``. One with no elements whose dimensions are so large that its row-major
+    strides overflow 64 bits (``(0, 2**62, 2**62)``) gets strides of 1: it holds nothing, and torch makes it."""
+    size = tuple(size)
+    if _row_major_fits(size):
+        return torch.empty(size, dtype=dtype)
+    if math.prod(size) == 0:
+        try:
+            return torch.empty_strided(size, (1,) * len(size), dtype=dtype)
+        except (RuntimeError, OverflowError, TypeError):  # torch counts elements left to right: (2**62, 2**62, 0)
+            pass
+    raise CorruptCheckpointError(f"{where}: shape {list(size)} cannot be a torch tensor (its element count or strides "
+                                 "overflow 64 bits); the checkpoint is damaged or was written by another program. "
+                                 "Nothing was converted.")
+
+
+def _row_major_fits(size: tuple) -> bool:
+    """Whether torch can make a tensor of ``size`` with row-major strides: what torch.empty and safetensors'
+    readers (torch.frombuffer(...).reshape) need. Asked of the meta device, which allocates nothing."""
+    try:
+        torch.empty(size, device="meta")
+    except (RuntimeError, OverflowError, TypeError, ValueError):
+        return False
+    return True
 
 
 def _new_destination(dst: PathLike, kind: str) -> None:
@@ -228,6 +254,13 @@ def to_safetensors(src: PathLike, dst: PathLike, *, allow_pickle: bool = False,
     _new_destination(dst, "file")
     from safetensors.torch import save
 
+    for k, e in read_metadata(src).state_dict_metadata.items():  # before reading anything
+        if isinstance(e, TensorStorageMetadata) and math.prod(e.size) == 0 and not _row_major_fits(tuple(e.size)):
+            raise CheckpointError(
+                f"checkpoint {os.fspath(src)}, key {k!r}: shape {list(e.size)} has no elements, but its row-major "
+                "strides overflow 64 bits, so no safetensors reader (torch, numpy) could make the tensor back. "
+                "Convert to a torch.save file instead (`--to torch-save`), which keeps it, or give the tensor a "
+                "smaller empty shape, such as (0,), and save again. Nothing was written.")
     state = _read_whole(src, allow_pickle, progress)
     tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
     values = {k: to_data(v, allow_pickle=allow_pickle, where=f"key {k!r}") for k, v in state.items() if k not in tensors}
