@@ -42,6 +42,7 @@ from .backends import DCPReader
 from .backends.fs_objects import create_exclusive, open_regular
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from .format.dtypes import itemsize
+from .format.json_text import parse_json
 from .format.values import from_data, to_data
 from .loading import load, read_metadata
 from .metadata import TensorStorageMetadata
@@ -313,10 +314,7 @@ def from_safetensors(src: PathLike, dst: PathLike, *, allow_pickle: bool = False
     finally:
         os.close(fd)
     if raw_values is not None:
-        try:
-            values = json.loads(raw_values)
-        except ValueError as exc:
-            raise CorruptCheckpointError(f"{where}: metadata {VALUES_KEY!r} is not JSON: {exc}") from None
+        values = parse_json(raw_values, f"{where}: metadata {VALUES_KEY!r}")
         if not isinstance(values, dict):
             raise CorruptCheckpointError(f"{where}: metadata {VALUES_KEY!r} is not a JSON object")
         for k, v in values.items():

@@ -15,6 +15,7 @@ from .backends.blob_storage import BlobStorageWriter
 from .distributed import Coordinator
 from .engine.blobs import RUNS, BlobStore
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, InvalidStepError
+from .format.json_text import parse_json
 from .loading import load
 from .metadata import STATE_DICT_TYPE, Metadata
 from .saving import save
@@ -167,7 +168,7 @@ class CheckpointManager:
         finally:
             reader.close()
         try:
-            found = json.loads(raw.decode("utf-8"))["run_id"]
+            found = parse_json(raw, self._store.describe(RUN_ID_FILE))["run_id"]
             if not isinstance(found, str) or not _RUN_ID.match(found):
                 raise ValueError(found)
         except (ValueError, KeyError, TypeError, UnicodeDecodeError):

@@ -4,13 +4,17 @@ far deeper than Python's parser recurses, each converted or refused with a typed
 import pytest
 import torch
 from click.testing import CliRunner
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 import distckpt
-from distckpt import CorruptCheckpointError
+from distckpt import CheckpointManager, CorruptCheckpointError
+from distckpt.backends.leases import holder_is_dead
 from distckpt.cli import main
-from distckpt.convert import _placeholders, from_safetensors, to_safetensors, to_torch_save
+from distckpt.convert import VALUES_KEY, _placeholders, from_safetensors, to_safetensors, to_torch_save
+from distckpt.format.json_text import parse_json
 from distckpt.metadata import TensorProperties, TensorStorageMetadata
+
+DEEP = 200_000
 
 
 def _empty(shape):
@@ -45,3 +49,31 @@ def test_a_shape_torch_cannot_count_is_a_typed_error_naming_the_key():
     entry = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([2**62, 2**62, 0]), [])
     with pytest.raises(CorruptCheckpointError, match=r"checkpoint x, key 'e': shape \[4611686018427387904, 4611686018427387904, 0\]"):
         _placeholders({"e": entry}, TensorStorageMetadata, "checkpoint x", 0)
+
+
+def test_values_json_nested_deeper_than_the_parser_goes_is_a_typed_error(tmp_path):
+    src = tmp_path / "m.safetensors"
+    save_file({"w": torch.ones(2)}, src, metadata={"format": "pt", VALUES_KEY: "[" * DEEP + "]" * DEEP})
+    with pytest.raises(CorruptCheckpointError, match=rf"m.safetensors: metadata '{VALUES_KEY}'.*nests.*too deeply"):
+        from_safetensors(src, tmp_path / "out")
+    res = CliRunner().invoke(main, ["convert", "--from", "safetensors", str(src), str(tmp_path / "out")])
+    assert isinstance(res.exception, SystemExit) and "too deeply" in res.output
+    save_file({"w": torch.ones(2)}, tmp_path / "bad.safetensors", metadata={VALUES_KEY: "{not json"})
+    with pytest.raises(CorruptCheckpointError, match=f"metadata '{VALUES_KEY}': not valid JSON"):
+        from_safetensors(tmp_path / "bad.safetensors", tmp_path / "out2")
+
+
+def test_parse_json_turns_every_failure_into_one_typed_error():
+    assert parse_json(b'{"a": [1]}', "f") == {"a": [1]}
+    for raw in (b"[" * DEEP, "{\"a\":" * DEEP, b"\xff", b"{"):
+        with pytest.raises(CorruptCheckpointError, match="^f: "):
+            parse_json(raw, "f")
+
+
+def test_a_deeply_nested_run_id_file_or_lease_record_is_handled(tmp_path):
+    manager = CheckpointManager(str(tmp_path / "run"))
+    manager.run_id()
+    (tmp_path / "run" / "run-id.json").write_bytes(b"[" * 4096)
+    with pytest.raises(CorruptCheckpointError, match="run-id.json.*remove it"):
+        manager.run_id()
+    assert holder_is_dead(b"[" * DEEP, 0.0) is False  # unreadable: not proven dead, and no RecursionError

@@ -32,6 +32,7 @@ from typing import Any, Optional
 
 from .. import knobs
 from ..engine.blobs import BlobStore
+from ..format.json_text import parse_json
 
 
 def _read(path: str) -> str:
@@ -70,7 +71,7 @@ def holder() -> dict[str, Any]:
 def holder_is_dead(record: bytes, age_s: Optional[float]) -> bool:
     """Whether the holder of the lease ``record``, last renewed ``age_s`` seconds ago, is proven dead."""
     try:
-        who = json.loads(record.decode("utf-8"))
+        who = parse_json(record, "a lease record")
         if not isinstance(who, dict):
             raise ValueError
     except (ValueError, UnicodeDecodeError):
@@ -102,7 +103,7 @@ def save_is_dead(store: "BlobStore", save_id: str, staging_age_s: Optional[float
 
 def _is_mine(record: bytes) -> bool:
     try:
-        who = json.loads(record.decode("utf-8"))
+        who = parse_json(record, "a lease record")
     except (ValueError, UnicodeDecodeError):
         return False
     here = holder()

@@ -36,6 +36,7 @@ import torch
 
 from ..errors import CorruptCheckpointError, UnsafeValueError
 from .dtypes import dtype_from_name, dtype_name
+from .json_text import parse_json
 
 __all__ = ["encode_value", "decode_value", "to_data", "from_data", "MAGIC", "MAX_DEPTH"]
 
@@ -182,8 +183,5 @@ def decode_value(raw: bytes, *, allow_pickle: bool = False, where: str = "value"
     """Decode bytes written by :func:`encode_value`."""
     if not raw.startswith(MAGIC):
         raise CorruptCheckpointError(f"{where}: stored value does not start with the distckpt value marker")
-    try:
-        data = json.loads(raw[len(MAGIC):].decode("utf-8"))
-    except (ValueError, RecursionError) as exc:
-        raise CorruptCheckpointError(f"{where}: stored value is not valid JSON: {exc}") from None
+    data = parse_json(raw[len(MAGIC):], f"{where}: stored value")
     return from_data(data, allow_pickle=allow_pickle, where=where)

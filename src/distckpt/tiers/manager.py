@@ -23,6 +23,7 @@ from ..backends import FileSystemReader, FileSystemWriter
 from ..backends.fs_objects import is_real_dir, private_dir
 from ..distributed import Coordinator, Wire, new_gloo_group
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, RankFailuresError
+from ..format.json_text import parse_json
 from ..format.records import FileStorageData
 from ..loading import load, read_metadata
 from ..manager import CheckpointManager
@@ -183,7 +184,7 @@ class TieredCheckpointManager:
         """``{"run": id, "incarnation": n}`` as this node last wrote it for this durable root, or None."""
         try:
             with open(self._pointer(), "rb", opener=lambda p, f: os.open(p, f | os.O_NOFOLLOW)) as fh:
-                note = json.loads(fh.read(4096).decode("utf-8"))
+                note = parse_json(fh.read(4096), self._pointer())
             if not (isinstance(note, dict) and isinstance(note.get("run"), str) and _RUN.match(note["run"])
                     and type(note.get("incarnation")) is int and note["incarnation"] >= 0):
                 raise ValueError(note)
