@@ -1,11 +1,13 @@
-"""Loading a ``torch.save`` file straight into a (possibly sharded) state dict, as DCP's format_utils does.
+"""Loading a ``torch.save`` file straight into a (possibly sharded) state dict.
 
-``load(state_dict, planner=DynamicMetaLoadPlanner(), storage_reader=BroadcastingTorchSaveReader(),
-checkpoint_id="model.pt")``: the coordinator reads the file (``torch.load(weights_only=True)``: tensors and plain
-data only, nothing unpickled that could run code), and broadcasts each tensor to the other ranks over the
-default process group; every rank copies out the part its state dict holds (a DTensor's local shard, say).
-The file has no checkpoint metadata, so the planner makes it up from the state dict: every tensor one chunk
-as large as the tensor. Every rank must pass the same keys; only tensors are read.
+The file is never given to ``torch.load``: distckpt.layouts.torch_save reads its archive (records stored as they
+are, a pickle of tensors and plain data only, every tensor inside its storage) and places every tensor at its bytes
+in the file. Two readers use it:
+
+- :class:`TorchSaveReader` (chosen by ``distckpt.load(state_dict, checkpoint_id="model.pt")``): every rank reads
+  the rows its state dict holds straight from the file, through the read engine, like any checkpoint;
+- :class:`BroadcastingTorchSaveReader` (DCP's name, with :class:`DynamicMetaLoadPlanner`): the coordinator reads
+  the tensors and broadcasts each over the default process group, for a file only it can see.
 """
 
 from __future__ import annotations
@@ -17,7 +19,10 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
-from .errors import CheckpointError, CheckpointNotFoundError, MissingKeyError, ShapeMismatchError
+from .backends.fs_objects import open_regular
+from .backends.torch_save_file import TorchSaveReader, is_torch_save_file
+from .errors import CheckpointError, MissingKeyError, ShapeMismatchError
+from .layouts.torch_save import load_torch_save
 from .metadata import STATE_DICT_TYPE, ChunkStorageMetadata, Metadata, StorageMeta, TensorProperties, TensorStorageMetadata
 from .planner import LoadItemType, LoadPlan, LoadPlanner
 from .planning import DefaultLoadPlanner
@@ -25,8 +30,7 @@ from .planning.flatten import flatten_state_dict
 from .planning.tensors import dtype_of, is_dtensor, is_sharded_tensor
 from .storage import StorageReader
 
-__all__ = ["BroadcastingTorchSaveReader", "DynamicMetaLoadPlanner"]
-
+__all__ = ["TorchSaveReader", "BroadcastingTorchSaveReader", "DynamicMetaLoadPlanner", "is_torch_save_file"]
 
 class DynamicMetaLoadPlanner(DefaultLoadPlanner):
     """A load planner for sources without checkpoint metadata: it describes every tensor of the state dict as
@@ -126,12 +130,11 @@ class BroadcastingTorchSaveReader(StorageReader):
     def _source(self, planner: LoadPlanner) -> Union[dict, BaseException]:
         """The file's tensors by key, as the metadata wants them; or the error, raised after telling the others."""
         try:
-            if not os.path.isfile(self.checkpoint_id):
-                raise CheckpointNotFoundError(f"{self._where()} does not exist or is not a regular file; check the path")
+            fd = open_regular(os.fspath(self.checkpoint_id))
             try:
-                loaded = torch.load(self.checkpoint_id, map_location="cpu", weights_only=True)
-            except Exception as exc:  # noqa: BLE001 - torch.load raises many kinds
-                raise CheckpointError(f"{self._where()}: not a torch.save file of tensors and plain data ({exc})") from None
+                loaded = load_torch_save(lambda n, offset: os.pread(fd, n, offset), os.fstat(fd).st_size, self._where())
+            finally:
+                os.close(fd)
             if not isinstance(loaded, dict):
                 raise CheckpointError(f"{self._where()} holds a {type(loaded).__name__}, not a state dict")
             flat = flatten_state_dict(loaded)[0] if getattr(planner, "flatten_state_dict", True) else loaded
@@ -145,8 +148,10 @@ class BroadcastingTorchSaveReader(StorageReader):
                     raise CheckpointError(f"{self._where()}: key {fqn!r} is a {type(value).__name__} in the file, not a plain tensor")
                 if tuple(value.shape) != tuple(entry.size):
                     raise ShapeMismatchError(f"{self._where()}: key {fqn!r} has shape {tuple(value.shape)}, the state dict "
-                                                 f"{tuple(entry.size)} (Size mismatch)")
+                                             f"{tuple(entry.size)} (Size mismatch)")
                 out[fqn] = value.to(entry.properties.dtype).contiguous()
             return out
         except CheckpointError as exc:
             return exc
+        except OSError as exc:
+            return CheckpointError(f"{self._where()}: cannot be read ({exc})")

@@ -19,9 +19,11 @@ from .filesystem import FileSystemReader, FileSystemWriter
 from .hf_reader import HuggingFaceReader
 from .memory import MemoryReader, MemoryWriter, clear_memory_store
 from .s3 import S3Reader, S3Writer
+from .torch_save_file import TorchSaveReader
 
 __all__ = [
-    "FileSystemWriter", "FileSystemReader", "DCPReader", "HuggingFaceReader", "MemoryWriter", "MemoryReader", "S3Writer", "S3Reader",
+    "FileSystemWriter", "FileSystemReader", "DCPReader", "HuggingFaceReader", "TorchSaveReader", "MemoryWriter", "MemoryReader",
+    "S3Writer", "S3Reader",
     "clear_memory_store",
     "register_backend", "writer_for", "reader_for",
 ]
@@ -50,8 +52,8 @@ def writer_for(checkpoint_id: Union[str, os.PathLike], **options: Any) -> Storag
 def reader_for(checkpoint_id: Union[str, os.PathLike], **options: Any) -> StorageReader:
     """A new reader of the backend that accepts ``checkpoint_id``, given the ``options`` its constructor takes
     (a directory that torch.distributed.checkpoint wrote gets the DCP reader, a Hugging Face directory the
-    Hugging Face reader)."""
-    for foreign in (DCPReader, HuggingFaceReader):
+    Hugging Face reader, a torch.save file the torch.save reader)."""
+    for foreign in (DCPReader, HuggingFaceReader, TorchSaveReader):
         if foreign.validate_checkpoint_id(checkpoint_id):
             return foreign(**_accepted(foreign, options))
     for _, reader in _BACKENDS:

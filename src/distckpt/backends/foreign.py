@@ -17,7 +17,7 @@ from .. import knobs
 from ..capabilities import keeps_plans
 from ..engine.blobs import BlobStore
 from ..engine.read import read_items
-from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, MissingKeyError, ShapeMismatchError
 from ..format.records import ForeignStorageData
 from ..metadata import Metadata
 from ..planner import LoadPlan, LoadPlanner
@@ -107,8 +107,25 @@ class LayoutReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
+        self._check_planned(planner)
         read_items(self.store, self.metadata, plan, planner, str(self.path), verify=False,
                    threads=self.thread_count or knobs.io_threads(), is_coordinator=getattr(self, "is_coordinator", True))
         fut: Future = Future()
         fut.set_result(None)
         return fut
+
+    def _check_planned(self, planner: LoadPlanner) -> None:
+        """Where the planner planned on metadata of its own (DynamicMetaLoadPlanner), its keys and shapes must be
+        the checkpoint's: the engine reads by the checkpoint's."""
+        theirs = getattr(planner, "metadata", None)
+        if theirs is None or theirs is self.metadata:
+            return
+        ours = self.metadata.state_dict_metadata
+        for fqn, entry in theirs.state_dict_metadata.items():
+            stored = ours.get(fqn)
+            if stored is None:
+                raise MissingKeyError(f"{self.where()}: key {fqn!r} is not in the checkpoint (Missing key in checkpoint); "
+                                      "leave it out of the state dict")
+            if getattr(stored, "size", None) != getattr(entry, "size", None):
+                raise ShapeMismatchError(f"{self.where()}: key {fqn!r} has shape {tuple(stored.size)}, the state dict "
+                                         f"{tuple(entry.size)} (Size mismatch)")

@@ -33,8 +33,10 @@ def _dims(values, what: str, here: str) -> tuple[int, ...]:
     return dims
 
 
-def check_layout(md: Metadata, where: str) -> None:
-    """Raise CorruptCheckpointError, naming the key or file, where ``md`` breaks a rule of the module docstring."""
+def check_layout(md: Metadata, where: str, shared_bytes: bool = False) -> None:
+    """Raise CorruptCheckpointError, naming the key or file, where ``md`` breaks a rule of the module docstring.
+
+    ``shared_bytes``: items may share bytes of a file (a torch.save file's tensors that view one storage)."""
     fsd = md.storage_data
     if not isinstance(fsd, ForeignStorageData):
         raise CorruptCheckpointError(f"{where}: the layout gave no table of stored items")
@@ -81,7 +83,8 @@ def check_layout(md: Metadata, where: str) -> None:
     if expected != len(fsd.items):
         raise CorruptCheckpointError(f"{where}: {len(fsd.items)} stored items for {expected} chunks and values; some item "
                                      "belongs to no key")
-    check_no_overlap(fsd.items, fsd.files, where)
+    if not shared_bytes:
+        check_no_overlap(fsd.items, fsd.files, where)
     check_planner_data(md, where)
 
 

@@ -251,7 +251,7 @@ class _TensorItem(ChunkCodec):
             rec = archive.storage(ref.storage)
             start = rec.offset + ref.offset * itemsize(ref.dtype)
             return archive_bytes[start:start + nbytes]
-        return memoryview(tensor_from(archive, ref, archive_bytes).contiguous().view(torch.uint8).numpy()).cast("B")
+        return memoryview(tensor_from(archive, ref, pread).contiguous().view(torch.uint8).numpy()).cast("B")
 
 
 class _ValueItem(ChunkCodec):
@@ -271,7 +271,7 @@ class _ValueItem(ChunkCodec):
         pread = _pread_of(archive_bytes)
         archive = open_archive(pread, len(archive_bytes), where)
         try:
-            value = materialise(unpickle_refs(archive, pread, where, limit), archive, archive_bytes)
+            value = materialise(unpickle_refs(archive, pread, where, limit), archive, pread)
         except NotPlainData:  # an object only the unpickler can build: the planner runs it only if allowed
             return memoryview(encode_value(_TrustedArchive(bytes(archive_bytes)), allow_pickle=True, where=where))
         try:

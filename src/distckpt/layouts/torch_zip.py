@@ -22,7 +22,7 @@ import pickle
 import struct
 import zipfile
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -285,32 +285,36 @@ def unpickle_refs(archive: Archive, pread: Callable[[int, int], bytes], where: s
         raise CorruptCheckpointError(f"{where}: the torch.save pickle is damaged ({type(exc).__name__}: {exc})") from None
 
 
-def tensor_from(archive: Archive, ref: TensorRef, data: memoryview, base: int = 0) -> torch.Tensor:
-    """The tensor ``ref`` describes, copied out of ``data`` (the archive's bytes, starting at offset ``base``)."""
+def tensor_from(archive: Archive, ref: TensorRef, pread: Callable[[int, int], bytes], cache: Optional[dict] = None) -> torch.Tensor:
+    """The tensor ``ref`` describes, a copy of its bytes in the archive ``pread`` reads (each storage read once per
+    ``cache``)."""
     rec = archive.storage(ref.storage)
-    start = rec.offset - base
-    storage = data[start:start + rec.size]
-    if len(storage) != rec.size:
-        raise CorruptCheckpointError(f"{archive.where}: storage {ref.storage.key!r} lies outside the archive")
-    flat = torch.frombuffer(bytearray(storage), dtype=torch.uint8) if rec.size else torch.empty(0, dtype=torch.uint8)
-    if ref.dtype.itemsize > 1 and flat.numel() % itemsize(ref.dtype):
+    flat = None if cache is None else cache.get(ref.storage.key)
+    if flat is None:
+        raw = pread(rec.size, rec.offset)
+        if len(raw) != rec.size:
+            raise CorruptCheckpointError(f"{archive.where}: storage {ref.storage.key!r} lies outside the archive")
+        flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if rec.size else torch.empty(0, dtype=torch.uint8)
+        if cache is not None:
+            cache[ref.storage.key] = flat
+    if flat.numel() % itemsize(ref.dtype):
         raise CorruptCheckpointError(f"{archive.where}: storage {ref.storage.key!r} is not a whole number of {ref.dtype}")
-    typed = flat.view(ref.dtype)
-    return typed.as_strided(ref.size, ref.stride, ref.offset).clone()
+    return flat.view(ref.dtype).as_strided(ref.size, ref.stride, ref.offset).clone()
 
 
-def materialise(obj: Any, archive: Archive, data: memoryview, base: int = 0, depth: int = 0) -> Any:
+def materialise(obj: Any, archive: Archive, pread: Callable[[int, int], bytes], cache: Optional[dict] = None,
+                depth: int = 0) -> Any:
     """``obj`` with every :class:`TensorRef` in it replaced by its tensor (see :func:`tensor_from`)."""
+    cache = {} if cache is None else cache
     if depth > 64:
-        raise UnsafeValueError(f"{archive.where}: the value nests deeper than 64 levels")
+        raise UnsafeValueError(f"{archive.where}: the object nests deeper than 64 levels")
     if isinstance(obj, TensorRef):
-        return tensor_from(archive, obj, data, base)
+        return tensor_from(archive, obj, pread, cache)
     if type(obj) in (list, tuple, set, frozenset):
-        return type(obj)(materialise(v, archive, data, base, depth + 1) for v in obj)
+        return type(obj)(materialise(v, archive, pread, cache, depth + 1) for v in obj)
     if isinstance(obj, dict):
         out = type(obj)() if type(obj) in (dict, collections.OrderedDict) else {}
         for k, v in obj.items():
-            out[k] = materialise(v, archive, data, base, depth + 1)
+            out[k] = materialise(v, archive, pread, cache, depth + 1)
         return out
     return obj
-

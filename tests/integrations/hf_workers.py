@@ -1,0 +1,84 @@
+"""Rank functions for the Hugging Face tests: tiny Llama- and GPT-2-style models built from their configs (no
+downloads), sharded with FSDP2, loaded from a ``save_pretrained`` directory with one distckpt.load."""
+
+from __future__ import annotations
+
+import torch
+
+import distckpt
+
+BATCH = torch.tensor([[1, 5, 9, 17, 33, 2, 7, 64], [3, 3, 8, 100, 12, 0, 44, 6]])
+
+
+def config(kind: str):
+    import transformers
+
+    if kind == "llama":
+        return transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                        tie_word_embeddings=False)
+    return transformers.GPT2Config(vocab_size=128, n_embd=64, n_layer=3, n_head=4, n_positions=64)  # tied lm_head
+
+
+def build(kind: str, seed: int):
+    import transformers
+
+    torch.manual_seed(seed)
+    cls = transformers.LlamaForCausalLM if kind == "llama" else transformers.GPT2LMHeadModel
+    model = cls(config(kind)).eval()
+    return model
+
+
+def reference(kind: str, path: str, max_shard_size: str) -> torch.Tensor:
+    """Save a model as Hugging Face does, in several shards; return its logits on BATCH."""
+    model = build(kind, 0)
+    model.save_pretrained(path, max_shard_size=max_shard_size)
+    with torch.no_grad():
+        return model(BATCH).logits
+
+
+class ReadCounter:
+    """Counts the bytes distckpt's file readers return (the process's rchar would count the process group's
+    socket traffic as well)."""
+
+    def __init__(self) -> None:
+        from distckpt.backends import filesystem
+
+        self.total = 0
+        cls = filesystem._FdReader
+        readinto, readv = cls.readinto, cls.readv
+        counter = self
+
+        def counted_readinto(reader, buf, offset):
+            got = readinto(reader, buf, offset)
+            counter.total += got
+            return got
+
+        def counted_readv(reader, views, offset):
+            got = readv(reader, views, offset)
+            counter.total += got
+            return got
+        cls.readinto, cls.readv = counted_readinto, counted_readv
+
+
+def fsdp_load(rank: int, world_size: int, kind: str, path: str):
+    """An FSDP2 model of other weights, loaded from ``path`` in place; its logits and the bytes this rank read."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = build(kind, 1 + rank)
+    layers = model.model.layers if kind == "llama" else model.transformer.h
+    for layer in layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    state = get_model_state_dict(model)
+    assert all(isinstance(v, torch.distributed.tensor.DTensor) for v in state.values())
+    counter = ReadCounter()
+    distckpt.load(state, checkpoint_id=path)
+    read = counter.total
+    with torch.no_grad():
+        logits = model(BATCH).logits
+    local = sum(v.to_local().nbytes for v in state.values())
+    return logits, read, local
