@@ -6,6 +6,8 @@ import errno
 import logging
 import mmap
 import os
+import re
+import stat
 import time
 import uuid
 from typing import Any, Iterable, Optional, Union
@@ -274,11 +276,12 @@ class FsStore(BlobStore):
         final = os.path.abspath(self.root)
         if not os.path.lexists(final) or (is_real_dir(final) and not os.listdir(final)):
             return
-        if is_real_dir(final) and _holds_committed_metadata(final):
+        if is_real_dir(final) and (_holds_committed_metadata(final) or dcp_checkpoint_files(final) is not None):
             return
         raise CheckpointError(
             f"{final} is not a committed distckpt checkpoint (no metadata.json of distckpt in it, or not a directory "
-            "of its own); overwrite=True replaces only a committed checkpoint. Save to a new path, or remove it yourself.")
+            "of its own), nor one torch.distributed.checkpoint wrote (only its .metadata and __<rank>_<n>.distcp files, "
+            "regular files); overwrite=True replaces only a committed checkpoint. Save to a new path, or remove it yourself.")
 
     def commit(self, staging: BlobStore, overwrite: bool, sync: bool) -> None:
         assert isinstance(staging, FsStore)
@@ -294,7 +297,7 @@ class FsStore(BlobStore):
                 exchange(staging.root, final)  # atomic swap: the old checkpoint is now at staging.root
                 if sync:
                     _fsync_dir(os.path.dirname(final))
-                if _carry_foreign(staging.root, final):
+                if _carry_foreign(staging.root, final):  # the replaced checkpoint, distckpt's or DCP's
                     remove_tree(staging.root)
             else:
                 rename_noreplace(staging.root, final)
@@ -456,19 +459,28 @@ def _age(path: str, now: float) -> Optional[float]:
 def _carry_foreign(old: str, new: str) -> bool:
     """Move what the replaced checkpoint at ``old`` holds but does not list (a user's notes, another tool's
     files) into the checkpoint that replaced it at ``new``; return whether ``old`` is left holding only
-    distckpt's own files. What cannot move (its name is taken) stays in ``old``, which is then kept."""
-    try:
-        fd = open_regular(os.path.join(old, METADATA_FILE))
+    the replaced checkpoint's own files. What cannot move (its name is taken) stays in ``old``, which is
+    then kept. A replaced checkpoint of DCP's lists its ``.metadata`` and ``__<rank>_<n>.distcp`` files, when
+    they are regular files: anything else, links included, is carried."""
+    if not os.path.lexists(os.path.join(old, METADATA_FILE)) and os.path.lexists(os.path.join(old, DCP_METADATA_FILE)):
         try:
-            listed = set(stored_file_sizes(os.pread(fd, os.fstat(fd).st_size, 0)))
-        finally:
-            os.close(fd)
-    except (CheckpointError, OSError):
-        log.warning("distckpt: the replaced checkpoint's metadata at %s is unreadable; left in place", old)
-        return False
+            listed = set(_dcp_names(old))
+        except OSError:
+            log.warning("distckpt: the replaced DCP checkpoint at %s cannot be listed; left in place", old)
+            return False
+    else:
+        try:
+            fd = open_regular(os.path.join(old, METADATA_FILE))
+            try:
+                listed = set(stored_file_sizes(os.pread(fd, os.fstat(fd).st_size, 0))) | {METADATA_FILE}
+            finally:
+                os.close(fd)
+        except (CheckpointError, OSError):
+            log.warning("distckpt: the replaced checkpoint's metadata at %s is unreadable; left in place", old)
+            return False
     kept = []
     for name in os.listdir(old):
-        if name in listed or name == METADATA_FILE:
+        if name in listed:
             continue
         try:
             rename_noreplace(os.path.join(old, name), os.path.join(new, name))
@@ -477,6 +489,43 @@ def _carry_foreign(old: str, new: str) -> bool:
     if kept:
         log.warning("distckpt: the replaced checkpoint left in %s: %s could not move into %s", old, ", ".join(kept[:5]), new)
     return not kept
+
+
+DCP_METADATA_FILE = ".metadata"
+_DCP_DATA_FILE = re.compile(r"__\d+_\d+\.distcp\Z")  # DCP's FileSystemWriter: __<rank>_<file index>.distcp
+
+
+def _dcp_names(directory: str) -> list[str]:
+    """The entries of ``directory`` named as DCP names its checkpoint's files that are regular files (not links)."""
+    fd = open_dir(directory)
+    try:
+        return [name for name in os.listdir(fd)
+                if (name == DCP_METADATA_FILE or _DCP_DATA_FILE.match(name))
+                and stat.S_ISREG(os.lstat(name, dir_fd=fd).st_mode)]
+    finally:
+        os.close(fd)
+
+
+def dcp_checkpoint_files(directory: str) -> Optional[list[str]]:
+    """The files of a committed checkpoint torch.distributed.checkpoint wrote at ``directory``, if that is all it
+    holds: a real directory whose entries are all regular files named ``.metadata`` (present, and a pickle, as DCP
+    writes it) or ``__<rank>_<n>.distcp``. None when it holds anything else: another file, a subdirectory, a link
+    (not followed), or no ``.metadata`` (a DCP save that never finished)."""
+    if not is_real_dir(directory):
+        return None
+    try:
+        names = sorted(os.listdir(directory))
+        if DCP_METADATA_FILE not in names or sorted(_dcp_names(directory)) != names:
+            return None
+        fd = open_regular(os.path.join(directory, DCP_METADATA_FILE))
+        try:
+            if os.pread(fd, 1, 0) != b"\x80":  # pickle's PROTO opcode: DCP pickles its metadata
+                return None
+        finally:
+            os.close(fd)
+    except (CheckpointError, OSError):
+        return None
+    return names
 
 
 def _holds_committed_metadata(directory: str) -> bool:
@@ -577,14 +626,25 @@ class FileSystemWriter(_AtPath, BlobStorageWriter):
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         super().set_up_storage_writer(is_coordinator, *args, **kwargs)
         if is_coordinator:
-            _check_target(os.path.abspath(self._require_path()))
+            _check_target(os.path.abspath(self._require_path()), self._replaces())
 
 
-def _check_target(final: str) -> None:
+def _check_target(final: str, replaces: bool) -> None:
     """A save commits by renaming its directory into place: the path must be free, an empty directory, or a
-    committed checkpoint (to replace). Anything else is refused before a byte is written."""
+    committed checkpoint (to replace): distckpt's, or one torch.distributed.checkpoint wrote (``replaces``
+    only: DCP's replace-on-save, for code that switches to distckpt and saves where DCP saved before).
+    Anything else is refused before a byte is written."""
     if not os.path.lexists(final) or (is_real_dir(final) and _holds_committed_metadata(final)):
         return
+    dcp_files = dcp_checkpoint_files(final)
+    if dcp_files is not None:
+        if replaces:
+            return
+        raise CheckpointError(
+            f"cannot save to {final!r}: it holds a committed checkpoint torch.distributed.checkpoint wrote "
+            f"({len(dcp_files)} files: .metadata and its .distcp files), and distckpt does not replace a committed "
+            "checkpoint unless asked. Pass overwrite=True to the storage writer (or route_dcp_calls(overwrite=True), "
+            "or set DISTCKPT_OVERWRITE=1) to replace it atomically, or save to a new path.")
     if not is_real_dir(final):
         raise CheckpointError(f"cannot save to {final!r}: it exists and is not a directory (a file or a link); "
                               "save to another path")

@@ -12,9 +12,20 @@ for the block only::
 
 Routed saves keep DCP's replace-on-save: a save given only a ``checkpoint_id`` replaces a committed
 checkpoint there (atomically: the old one stays whole until the new one commits), because frameworks
-written for DCP save ``last.ckpt`` or ``pytorch_model_fsdp_0`` again and again into one folder.
-``route_dcp_calls(overwrite=False)`` keeps distckpt's refusal instead. A save given a storage writer
-follows that writer's own setting.
+written for DCP save ``last.ckpt`` or ``pytorch_model_fsdp_0`` again and again into one folder. That
+includes a checkpoint DCP itself wrote there before the switch to distckpt (a folder holding only its
+``.metadata`` and ``__<rank>_<n>.distcp`` files): it is replaced by distckpt's, so a run that changes
+to distckpt goes on saving where it saved. ``route_dcp_calls(overwrite=False)`` keeps distckpt's
+refusal instead. A save given a storage writer follows that writer's own setting.
+
+Nesting: routings may be opened inside one another. The one opened last and still open decides
+``overwrite`` (for its block, in every thread); when it closes, the setting of the one that was in force
+before holds again, and DCP's own functions come back when the last one closes.
+
+What was routed is told: the first routed call after routing begins logs one line (INFO, logger
+``distckpt``) naming DCP's function and that distckpt handled it, later ones log at DEBUG; every
+routing counts the calls routed while it was open (``routing.calls``, by function in
+``routing.counts``), and :func:`routed_calls` gives the count of the whole process.
 
 Only the module attributes are replaced: code that bound DCP's functions to its own names before the
 call (``from torch.distributed.checkpoint import save``) keeps DCP's.
@@ -22,9 +33,11 @@ call (``from torch.distributed.checkpoint import save``) keeps DCP's.
 
 from __future__ import annotations
 
+import collections
 import functools
+import logging
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import torch.distributed.checkpoint as _dcp
 import torch.distributed.checkpoint.state_dict_loader as _dcp_loader
@@ -34,40 +47,51 @@ from ..loading import load, load_state_dict
 from ..saving import save, save_state_dict
 from ..staging import async_save
 
-__all__ = ["route_dcp_calls"]
+__all__ = ["route_dcp_calls", "routed_calls"]
+
+log = logging.getLogger("distckpt")
 
 _PLAIN = {"load": load, "save_state_dict": save_state_dict, "load_state_dict": load_state_dict}
 _SAVES = {"save": save, "async_save": async_save}
 _MODULES = (_dcp, _dcp_saver, _dcp_loader)
 _lock = threading.Lock()
-_depth = 0
+_open: list["_Routing"] = []  # the routings in force, in the order they were opened
 _originals: dict = {}
+_total = 0  # calls routed in this process, ever
+_told = False  # whether the first routed call since routing began was logged
 
 
 class _Routing:
-    """Routing in force until :meth:`close` (or the end of a ``with`` block)."""
+    """Routing in force until :meth:`close` (or the end of a ``with`` block).
+
+    ``calls`` counts DCP calls distckpt handled while it was open, ``counts`` the same by DCP's function name.
+    """
 
     def __init__(self, overwrite: bool) -> None:
-        global _depth
+        global _told
+        self.overwrite = bool(overwrite)
+        self.calls = 0
+        self.counts: collections.Counter = collections.Counter()
         with _lock:
-            if _depth == 0:
-                ours_by_name = {**_PLAIN, **{name: _overwriting(fn, overwrite) for name, fn in _SAVES.items()}}
+            if not _open:
+                routed = {**{name: _routed(name, fn, False) for name, fn in _PLAIN.items()},
+                          **{name: _routed(name, fn, True) for name, fn in _SAVES.items()}}
                 for module in _MODULES:
-                    for name, ours in ours_by_name.items():
+                    for name, ours in routed.items():
                         if hasattr(module, name):
                             _originals[(module, name)] = getattr(module, name)
                             setattr(module, name, ours)
-            _depth += 1
+                _told = False
+            _open.append(self)
         self.open = True
 
     def close(self) -> None:
-        global _depth
         with _lock:
             if not self.open:
                 return
             self.open = False
-            _depth -= 1
-            if _depth == 0:
+            _open.remove(self)
+            if not _open:
                 for (module, name), original in _originals.items():
                     setattr(module, name, original)
                 _originals.clear()
@@ -78,13 +102,27 @@ class _Routing:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
+    def __repr__(self) -> str:
+        return f"route_dcp_calls(overwrite={self.overwrite}) [{'open' if self.open else 'closed'}, {self.calls} calls routed]"
 
-def _overwriting(fn: Any, overwrite: bool) -> Any:
-    """``fn`` with ``overwrite`` as the default of a call that names no storage writer."""
+
+def _routed(name: str, fn: Callable, is_save: bool) -> Callable:
+    """``fn`` as DCP's ``name``: counted and told; a save that names no storage writer gets ``overwrite`` from
+    the routing in force."""
 
     @functools.wraps(fn)
     def routed(*args: Any, **kwargs: Any) -> Any:
-        if kwargs.get("storage_writer") is None and len(args) < 2:
+        global _total, _told
+        with _lock:
+            overwrite = _open[-1].overwrite if _open else True
+            for routing in _open:
+                routing.calls += 1
+                routing.counts[name] += 1
+            _total += 1
+            first, _told = not _told, True
+        log.log(logging.INFO if first else logging.DEBUG,
+                "distckpt: torch.distributed.checkpoint.%s was routed to distckpt (route_dcp_calls), which handled it", name)
+        if is_save and kwargs.get("storage_writer") is None and len(args) < 2:
             kwargs.setdefault("overwrite", overwrite)
         return fn(*args, **kwargs)
 
@@ -93,6 +131,12 @@ def _overwriting(fn: Any, overwrite: bool) -> Any:
 
 def route_dcp_calls(overwrite: bool = True) -> _Routing:
     """Make ``torch.distributed.checkpoint``'s save, load and async_save (and the deprecated names) distckpt's,
-    until the returned object is closed; nested routings undo only when the outermost closes (the outermost's
-    ``overwrite`` holds for all of them)."""
+    until the returned object is closed. Nested, the routing opened last decides ``overwrite`` while it is open;
+    DCP's functions come back when the last routing closes (see the module text)."""
     return _Routing(overwrite)
+
+
+def routed_calls() -> int:
+    """How many calls of torch.distributed.checkpoint distckpt handled in this process, through any routing."""
+    with _lock:
+        return _total
