@@ -18,12 +18,13 @@ def llama_config(gib: float):
     """A Llama-style config of about ``gib`` GiB of float32 weights (untied embeddings)."""
     import transformers
 
-    hidden, inter, vocab = 1024, 2816, 32000
+    hidden, inter, vocab = (1024, 2816, 32000) if gib >= 0.5 else (128, 352, 4000)  # small ones for smoke runs
     per_layer = 4 * hidden * hidden * 3 // 4 + 3 * hidden * inter + 2 * hidden  # q,o full; k,v at half the heads
     fixed = 2 * vocab * hidden + hidden
     layers = max(1, round((gib * (1 << 30) / 4 - fixed) / per_layer))
     return transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-                                    num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=False)
+                                    num_attention_heads=16 if gib >= 0.5 else 4, num_key_value_heads=8 if gib >= 0.5 else 2,
+                                    tie_word_embeddings=False)
 
 
 class FileReads:

@@ -73,7 +73,7 @@ def inspect(checkpoint: str, as_json: bool) -> None:
         click.echo(f"error: {_shown(str(exc))}", err=True)
         sys.exit(_code(exc))
     fsd = md.storage_data
-    dcp_folder = distckpt.DCPReader.validate_checkpoint_id(checkpoint)
+    layout = getattr(fsd, "layout", None)  # another program's checkpoint (distckpt.layouts), or None: distckpt's
     rows = []
     for fqn, entry in md.state_dict_metadata.items():
         if isinstance(entry, distckpt.TensorStorageMetadata):
@@ -83,15 +83,18 @@ def inspect(checkpoint: str, as_json: bool) -> None:
             rows.append({"key": fqn, "kind": "value"})
     files = {name: {"size": info.size, "rank": info.rank} for name, info in getattr(fsd, "files", {}).items()}
     if as_json:
-        click.echo(json.dumps({"checkpoint": checkpoint, "written_by": "dcp" if dcp_folder else "distckpt",
+        click.echo(json.dumps({"checkpoint": checkpoint, "written_by": layout or "distckpt",
                                "format_version": md.version,
                                "save_id": getattr(fsd, "save_id", None), "entries": rows, "files": files}, indent=1))
         return
     total = sum(f["size"] for f in files.values())
-    if dcp_folder:
+    if layout == "DCP":
         click.echo(f"DCP checkpoint {_shown(checkpoint)} (written by torch.distributed.checkpoint, version {md.version}), "
                    f"{len(rows)} entries: distckpt.load reads it directly (resharding as for its own), and "
                    "`distckpt convert --from dcp SRC DST` makes a distckpt checkpoint of it")
+    elif layout:
+        click.echo(f"{layout} checkpoint {_shown(checkpoint)}, {len(rows)} entries, {len(files)} file(s), {_human(total)}: "
+                   "distckpt.load reads it directly into any sharding")
     else:
         click.echo(f"checkpoint {_shown(checkpoint)}: format {md.version}, save {_shown(str(getattr(fsd, 'save_id', '?')))}, "
                    f"{len(rows)} entries, {len(files)} data file(s), {_human(total)}")

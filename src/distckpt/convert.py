@@ -9,7 +9,7 @@ and writes DCP's format through DCP itself.
 DCP stores its metadata, and every non-tensor value, as pickles. :func:`from_dcp`
 reads them as a load of a DCP directory does (:class:`distckpt.DCPReader`): the
 metadata through an unpickler that resolves only DCP's metadata classes, tensors
-and values with ``torch.load(weights_only=True)``. Only metadata from a DCP
+and values through distckpt's torch.save archive reader (never ``torch.load``). Only metadata from a DCP
 version that reader refuses needs ``trust_pickle=True`` (the command line's
 ``--trust-pickle``), and is then read by DCP itself: for checkpoints you trust.
 The other direction unpickles nothing: distckpt's format is pickle-free.
@@ -21,9 +21,9 @@ loads from the converted checkpoint as it loaded from the original.
 A safetensors file holds the tensors under their flat keys; non-tensor
 values, which safetensors cannot hold, go as distckpt's pickle-free value
 encoding (JSON) into the file's ``__metadata__`` under ``distckpt.values``,
-and come back from there. A torch.save file is read with
-``torch.load(weights_only=True)``, which unpickles only tensors and plain
-data; it is written as one flat dict of keys to tensors and values.
+and come back from there. A torch.save file is read by distckpt's archive
+reader, which builds only tensors and plain data (never ``torch.load``); it
+is written as one flat dict of keys to tensors and values.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointE
 from .format.dtypes import itemsize
 from .format.json_text import parse_json
 from .format.values import from_data, to_data
+from .layouts.torch_save import load_torch_save
 from .loading import load, read_metadata
 from .metadata import TensorStorageMetadata
 from .planning import DefaultLoadPlanner, DefaultSavePlanner
@@ -117,7 +118,7 @@ def from_dcp(src: PathLike, dst: PathLike, *, trust_pickle: bool = False, allow_
     The state is nested again as it was saved (DCP records each key's path), so keys keep their names
     and a state dict laid out as the original (``get_state_dict``'s, say) loads from ``dst`` as it
     loaded from ``src``. DCP's metadata is read by distckpt's restricted unpickler and its tensors and
-    values with ``torch.load(weights_only=True)`` (see :class:`distckpt.DCPReader`). Non-tensor values
+    values by its torch.save archive reader (see :class:`distckpt.DCPReader`). Non-tensor values
     must be plain data unless ``allow_pickle`` (then they are stored pickled in distckpt too, and
     loading them needs the same opt-in). ``trust_pickle`` lets metadata the restricted unpickler
     refuses (from a newer DCP) be read by DCP itself: only for checkpoints you trust.
@@ -367,8 +368,8 @@ def dcp_to_torch_save(dcp_checkpoint_dir: PathLike, torch_save_path: PathLike) -
 
 
 def torch_save_to_dcp(torch_save_path: PathLike, dcp_checkpoint_dir: PathLike) -> None:
-    """DCP's helper of this name: the torch.save file as a new checkpoint (distckpt's format), read with
-    ``weights_only=True``."""
+    """DCP's helper of this name: the torch.save file as a new checkpoint (distckpt's format), read by
+    distckpt's archive reader (tensors and plain data only)."""
     from_torch_save(torch_save_path, dcp_checkpoint_dir)
 
 
@@ -417,19 +418,17 @@ def _put(container: Any, step: Any, value: Any) -> None:
 def from_torch_save(src: PathLike, dst: PathLike, *, progress: Optional[Callable[[str], None]] = None) -> int:
     """Convert the torch.save file ``src`` into a new distckpt checkpoint ``dst``; return the count of top-level keys.
 
-    The file is read with ``weights_only=True``: only tensors and plain data are
-    unpickled, and a file holding anything else is refused. Nested dicts are
-    kept (keys become dotted paths, as for any nested state dict).
+    The file is never given to ``torch.load``: distckpt's archive reader (distckpt.layouts.torch_save) builds only
+    tensors and plain data, and refuses a file holding anything else. Nested dicts are kept (keys become dotted
+    paths, as for any nested state dict).
     """
     _new_destination(dst, "checkpoint")
     where = f"torch.save file {os.fspath(src)}"
     fd = _open_source(src, where)
     try:
-        with os.fdopen(fd, "rb") as f:
-            state = torch.load(f, map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - torch raises UnpicklingError, RuntimeError, ...
-        raise CheckpointError(f"{where} cannot be loaded with weights_only=True (it holds more than tensors and "
-                              f"plain data, or is damaged): {str(exc).splitlines()[0]}") from exc
+        state = load_torch_save(lambda n, offset: os.pread(fd, n, offset), os.fstat(fd).st_size, where)
+    finally:
+        os.close(fd)
     if not isinstance(state, dict):
         raise CheckpointError(f"{where} holds a {type(state).__name__}, not a dict of keys to tensors and values")
     return _write_distckpt(state, dst, False, progress)

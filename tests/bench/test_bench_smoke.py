@@ -172,3 +172,14 @@ def test_shared_store_tier_bench_runs_on_a_shaped_cluster(tmp_path, capsys):
     assert res["first_report"]["sources"] == {"0": "own", "1": "peer 0"}
     assert res["peer_report"]["bytes_from"]["durable"] == 0 and res["durable_report"]["bytes_from"]["durable"] > 0
     assert "dur/peer" in out and (tmp_path / "s.json").exists()
+
+
+def test_hugging_face_load_bench_runs_every_peer_at_a_tiny_size(tmp_path, capsys):
+    from bench import hf_load
+
+    results = hf_load.main(["--gib", "0.01", "--repeat", "1", "--shard-mb", "2", "--dir", str(tmp_path)])
+    assert set(results["peers"]) == {"distckpt", "dcp-hf", "from_pretrained", "raw"} and results["shards"] >= 2
+    ours, floor = results["peers"]["distckpt"], results["peers"]["raw"]
+    assert ours["read_bytes_per_rank"] and all(b <= 1.1 * f + (1 << 20) for b, f in zip(ours["read_bytes_per_rank"],
+                                                                                      floor["local_bytes_per_rank"]))
+    assert "floor/time" in capsys.readouterr().out

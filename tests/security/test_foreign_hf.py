@@ -191,3 +191,18 @@ def test_a_torch_save_file_with_compressed_records_or_a_forged_storage_size_is_r
     file.write_bytes(out.getvalue())
     with pytest.raises(distckpt.CorruptCheckpointError, match="holds 64 bytes, but the pickle claims 1020|reads bytes"):
         distckpt.load({"w": torch.zeros(16)}, checkpoint_id=str(file), no_dist=True)
+
+
+def test_the_cli_inspects_a_hugging_face_directory(tmp_path):
+    from click.testing import CliRunner
+
+    from distckpt.cli import main as cli
+
+    path = _hf(tmp_path / "m")
+    out = CliRunner().invoke(cli, ["inspect", path])
+    assert out.exit_code == 0 and "Hugging Face safetensors checkpoint" in out.output and "x" in out.output
+    out = CliRunner().invoke(cli, ["inspect", "--json", path])
+    assert json.loads(out.output)["written_by"] == "Hugging Face safetensors"
+    (tmp_path / "m" / INDEX).write_text('{"weight_map": {"x": "../x.safetensors"}}')
+    out = CliRunner().invoke(cli, ["inspect", path])
+    assert out.exit_code == 1 and "inside the checkpoint's directory" in out.output

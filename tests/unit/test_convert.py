@@ -108,7 +108,7 @@ def test_torch_save_round_trip_and_unsafe_files_are_refused(tmp_path):
     assert_same(flat, _flat(want))
 
     torch.save({"w": torch.ones(1), "f": _Unsafe()}, tmp_path / "unsafe.pt")
-    with pytest.raises(distckpt.CheckpointError, match="weights_only=True"):
+    with pytest.raises(distckpt.CheckpointError, match="does not unpickle it"):
         from_torch_save(tmp_path / "unsafe.pt", tmp_path / "u")
     torch.save([torch.ones(1)], tmp_path / "list.pt")
     with pytest.raises(distckpt.CheckpointError, match="not a dict"):

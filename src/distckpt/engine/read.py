@@ -274,10 +274,37 @@ class Read:
                 if view is not None:
                     add((index.fqn, index.offset, dest, view, info.file, info.offset, info.length, info.crc32c, items[0]))
                     continue
+            if self.row_ranges(index, items, shape, add):
+                continue
             buffered.append(index)
         if len(direct) > in_order:  # runs of adjacent chunks are found in this order (tasks)
             direct.sort(key=itemgetter(_FILE, _BEGIN))
         return direct, buffered
+
+    def row_ranges(self, index: MetadataIndex, items: list[ReadItem], shape: tuple, add) -> bool:
+        """Where nothing of a chunk is checked on this rank (no checksum recorded, or another rank verifies it) and
+        each item wants whole rows into host memory of the stored dtype, read each item's rows straight into its
+        destination, as direct jobs without a checksum: no buffer, no copy, no byte read that is not needed.
+        Returns whether it did."""
+        if (self.verify and index not in self.verified_elsewhere) or not self.codecs[index].identity or not shape:
+            return False
+        if items[0].type != LoadItemType.TENSOR or any(
+                any(item.storage_offsets[1:]) or tuple(item.lengths[1:]) != shape[1:] for item in items):
+            return False
+        info = self.infos[index]
+        row_bytes = info.length // shape[0] if shape[0] else 0
+        dtype = self.md.state_dict_metadata[index.fqn].properties.dtype
+        jobs = []
+        for item in items:
+            dest = self.planner.resolve_tensor(item)
+            view = writable_bytes(dest) if dest.dtype == dtype and tuple(dest.shape) == tuple(item.lengths) else None
+            if view is None:
+                return False
+            begin = info.offset + item.storage_offsets[0] * row_bytes
+            jobs.append((index.fqn, index.offset, dest, view, info.file, begin, len(view), None, item))
+        for job in jobs:
+            add(job)
+        return True
 
     def tasks(self) -> list[tuple]:
         """(step, argument) pairs: runs of adjacent direct chunks up to ``io_batch_bytes``, then each buffered chunk."""
@@ -392,6 +419,7 @@ class Read:
         blob = self.reader(first[_FILE])
         views = [job[3] for job in batch]
         crcs = [0] * len(views)
+        checked = self.verify and any(job[_CRC] is not None for job in batch)  # None: read partly, checked elsewhere
         position = first[_BEGIN]
         for pieces in windows(views, self.direct_window(blob, views, position)):
             want = sum(len(piece) for _, piece in pieces)
@@ -400,12 +428,13 @@ class Read:
                 here = self.here(MetadataIndex(first[0], first[1]))
                 raise CorruptCheckpointError(f"{here}: file {first[_FILE]!r} ends at {position + got}, "
                                              f"before offset {position + want}; it is truncated")
-            if self.verify:
+            if checked:
                 for j, piece in pieces:
-                    crcs[j] = crc32c(piece, crcs[j])
+                    if batch[j][_CRC] is not None:
+                        crcs[j] = crc32c(piece, crcs[j])
             position += want
-        if self.verify and crcs != [job[_CRC] for job in batch]:
-            bad = [(job, crc) for job, crc in zip(batch, crcs) if crc != job[_CRC]]
+        if checked and crcs != [job[_CRC] or 0 for job in batch]:
+            bad = [(job, crc) for job, crc in zip(batch, crcs) if job[_CRC] is not None and crc != job[_CRC]]
             job, got = bad[0]  # every chunk of the batch that failed is zeroed, not only the first
             check_checksum(self.verify, got, StorageInfo(job[_FILE], job[_BEGIN], job[_LENGTH], job[_CRC]),
                            self.here(MetadataIndex(job[0], job[1])), [job[2] for job, _ in bad])
