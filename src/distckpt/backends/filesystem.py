@@ -18,8 +18,8 @@ from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpoint
 from ..format import FORMAT_NAME, METADATA_FILE
 from ..format.codec import stored_file_sizes
 from ..format.stream_transforms import StreamTransforms
+from ..layouts.dcp import is_dcp_directory
 from .blob_storage import BlobStorageReader, BlobStorageWriter
-from .dcp_reader import is_dcp_directory
 from .direct_io import DirectWriter, bounce_buffer_bytes, direct_io_wanted, pwrite_all
 from .fs_objects import create_exclusive, is_real_dir, open_dir, open_regular, remove_tree
 from .leases import save_is_dead
