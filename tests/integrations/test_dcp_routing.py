@@ -95,10 +95,22 @@ def test_the_dcp_checkpoint_survives_a_routed_save_that_fails_before_commit(tmp_
     assert_same(got, _state(3))
 
 
-def test_a_folder_with_anything_besides_dcps_files_is_not_replaced(tmp_path):
+def test_a_frameworks_files_beside_dcps_are_carried_into_the_replacing_checkpoint(tmp_path):
+    d = tmp_path / "last.ckpt"  # Lightning's ModelParallelStrategy writes meta.pt beside DCP's files
+    _dcp_wrote(d)
+    (d / "meta.pt").write_bytes(b"lightning's")
+    with route_dcp_calls():
+        dcp.save(_state(2), checkpoint_id=str(d))
+    assert (d / "meta.pt").read_bytes() == b"lightning's" and not (d / ".metadata").exists()
+    got = blank_like(_state(2))
+    distckpt.load(got, checkpoint_id=d)
+    assert_same(got, _state(2))
+
+
+def test_a_folder_with_links_or_subdirectories_beside_dcps_files_is_not_replaced(tmp_path):
     outside = tmp_path / "outside.bin"
     outside.write_bytes(b"not yours")
-    cases = {"notes": lambda d: (d / "notes.txt").write_text("mine"),
+    cases = {"notes": lambda d: os.symlink(outside, d / "notes.txt"),
              "link": lambda d: os.symlink(outside, d / "__1_0.distcp"),
              "subdir": lambda d: (d / "__2_0.distcp").mkdir()}
     for name, add in cases.items():

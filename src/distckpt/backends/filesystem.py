@@ -280,8 +280,8 @@ class FsStore(BlobStore):
             return
         raise CheckpointError(
             f"{final} is not a committed distckpt checkpoint (no metadata.json of distckpt in it, or not a directory "
-            "of its own), nor one torch.distributed.checkpoint wrote (only its .metadata and __<rank>_<n>.distcp files, "
-            "regular files); overwrite=True replaces only a committed checkpoint. Save to a new path, or remove it yourself.")
+            "of its own), nor one torch.distributed.checkpoint wrote (its .metadata and regular files only, no "
+            "links or subdirectories); overwrite=True replaces only a committed checkpoint. Save to a new path, or remove it yourself.")
 
     def commit(self, staging: BlobStore, overwrite: bool, sync: bool) -> None:
         assert isinstance(staging, FsStore)
@@ -507,16 +507,22 @@ def _dcp_names(directory: str) -> list[str]:
 
 
 def dcp_checkpoint_files(directory: str) -> Optional[list[str]]:
-    """The files of a committed checkpoint torch.distributed.checkpoint wrote at ``directory``, if that is all it
-    holds: a real directory whose entries are all regular files named ``.metadata`` (present, and a pickle, as DCP
-    writes it) or ``__<rank>_<n>.distcp``. None when it holds anything else: another file, a subdirectory, a link
-    (not followed), or no ``.metadata`` (a DCP save that never finished)."""
+    """The files of a committed checkpoint torch.distributed.checkpoint wrote at ``directory``: a real directory
+    holding a regular ``.metadata`` that is a pickle (as DCP writes it), whose entries named as DCP names its files
+    (``.metadata``, ``__<rank>_<n>.distcp``) are all regular files, and whose other entries are regular files (a
+    framework's beside DCP's, as Lightning's ``meta.pt``: a replacing save carries them into the new checkpoint).
+    None otherwise: a link or subdirectory anywhere (not followed), or no ``.metadata`` (a DCP save that never
+    finished)."""
     if not is_real_dir(directory):
         return None
     try:
-        names = sorted(os.listdir(directory))
-        if DCP_METADATA_FILE not in names or sorted(_dcp_names(directory)) != names:
-            return None
+        fd = open_dir(directory)
+        try:
+            names = sorted(os.listdir(fd))
+            if DCP_METADATA_FILE not in names or not all(stat.S_ISREG(os.lstat(n, dir_fd=fd).st_mode) for n in names):
+                return None
+        finally:
+            os.close(fd)
         fd = open_regular(os.path.join(directory, DCP_METADATA_FILE))
         try:
             if os.pread(fd, 1, 0) != b"\x80":  # pickle's PROTO opcode: DCP pickles its metadata
@@ -642,7 +648,7 @@ def _check_target(final: str, replaces: bool) -> None:
             return
         raise CheckpointError(
             f"cannot save to {final!r}: it holds a committed checkpoint torch.distributed.checkpoint wrote "
-            f"({len(dcp_files)} files: .metadata and its .distcp files), and distckpt does not replace a committed "
+            f"({len(dcp_files)} files: .metadata, its .distcp files and any beside them), and distckpt does not replace a committed "
             "checkpoint unless asked. Pass overwrite=True to the storage writer (or route_dcp_calls(overwrite=True), "
             "or set DISTCKPT_OVERWRITE=1) to replace it atomically, or save to a new path.")
     if not is_real_dir(final):
