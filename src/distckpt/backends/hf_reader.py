@@ -55,8 +55,10 @@ class HuggingFaceReader(LayoutReader):
         headers = {}
         for shard in shard_names(weight_map):
             if shard not in sizes:
-                raise CorruptCheckpointError(f"{self.where()}: the index names shard {shard!r}, which is missing or not a "
-                                             "regular file (a symbolic link is not followed: copy the real file in)")
+                raise CorruptCheckpointError(
+                    f"{self.where()}: the index names shard {shard!r}, which is missing or not a regular file (a symbolic "
+                    "link is not followed: for a Hugging Face cache snapshot, whose files are links, download with "
+                    "huggingface_hub.snapshot_download(local_dir=...), which writes real files)")
             blob = store.open(shard)
             try:
                 if blob.size != sizes[shard]:
