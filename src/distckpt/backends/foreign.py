@@ -14,7 +14,7 @@ from typing import Any, Optional, Union
 from torch.futures import Future
 
 from .. import knobs
-from ..capabilities import keeps_plans
+from ..capabilities import SHARED_VERIFICATION, keeps_plans
 from ..engine.blobs import BlobStore
 from ..engine.read import read_items
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, MissingKeyError, ShapeMismatchError
@@ -38,6 +38,10 @@ class LayoutReader(StorageReader):
     """
 
     kind = "foreign"  # how errors name the checkpoint
+    # nothing of another program's checkpoint is verified on read (it records no checksums), so verification is
+    # trivially shared: the load keeps every rank's plan where it made it, with no plan exchanged
+    capabilities = frozenset({SHARED_VERIFICATION})
+    verify_checksums = False
 
     def __init__(self, path: Union[str, os.PathLike, None] = None, *, thread_count: Optional[int] = None, **s3_options: Any):
         self.path = None if path is None else os.fspath(path)
@@ -98,6 +102,9 @@ class LayoutReader(StorageReader):
         self.metadata = metadata
         self.is_coordinator = is_coordinator
         self.store = self._store()
+
+    def skip_verification(self, chunks: set) -> None:
+        """Nothing to skip: nothing is verified (see ``capabilities``)."""
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
