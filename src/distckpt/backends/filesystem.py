@@ -6,8 +6,6 @@ import errno
 import logging
 import mmap
 import os
-import re
-import stat
 import time
 import uuid
 from typing import Any, Iterable, Optional, Union
@@ -15,8 +13,6 @@ from typing import Any, Iterable, Optional, Union
 from .. import faults
 from ..engine.blobs import LEASES, MAPS, RUNS, BlobReader, BlobStore, BlobWriter
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StorageIOError
-from ..format import FORMAT_NAME, METADATA_FILE
-from ..format.codec import stored_file_sizes
 from ..format.stream_transforms import StreamTransforms
 from ..layouts.dcp import is_dcp_directory
 from .blob_storage import BlobStorageReader, BlobStorageWriter
@@ -24,6 +20,7 @@ from .direct_io import DirectWriter, bounce_buffer_bytes, direct_io_wanted, pwri
 from .fs_objects import create_exclusive, is_real_dir, open_dir, open_regular, remove_tree
 from .leases import save_is_dead
 from .rename import exchange, rename_noreplace
+from .replaced import carry_foreign, check_target, dcp_checkpoint_files, holds_committed_metadata
 
 log = logging.getLogger("distckpt")
 
@@ -276,7 +273,7 @@ class FsStore(BlobStore):
         final = os.path.abspath(self.root)
         if not os.path.lexists(final) or (is_real_dir(final) and not os.listdir(final)):
             return
-        if is_real_dir(final) and (_holds_committed_metadata(final) or dcp_checkpoint_files(final) is not None):
+        if is_real_dir(final) and (holds_committed_metadata(final) or dcp_checkpoint_files(final) is not None):
             return
         raise CheckpointError(
             f"{final} is not a committed distckpt checkpoint (no metadata.json of distckpt in it, or not a directory "
@@ -297,7 +294,7 @@ class FsStore(BlobStore):
                 exchange(staging.root, final)  # atomic swap: the old checkpoint is now at staging.root
                 if sync:
                     _fsync_dir(os.path.dirname(final))
-                if _carry_foreign(staging.root, final):  # the replaced checkpoint, distckpt's or DCP's
+                if carry_foreign(staging.root, final):  # the replaced checkpoint, distckpt's or DCP's
                     remove_tree(staging.root)
             else:
                 rename_noreplace(staging.root, final)
@@ -456,96 +453,6 @@ def _age(path: str, now: float) -> Optional[float]:
         return None
 
 
-def _carry_foreign(old: str, new: str) -> bool:
-    """Move what the replaced checkpoint at ``old`` holds but does not list (a user's notes, another tool's
-    files) into the checkpoint that replaced it at ``new``; return whether ``old`` is left holding only
-    the replaced checkpoint's own files. What cannot move (its name is taken) stays in ``old``, which is
-    then kept. A replaced checkpoint of DCP's lists its ``.metadata`` and ``__<rank>_<n>.distcp`` files, when
-    they are regular files: anything else, links included, is carried."""
-    if not os.path.lexists(os.path.join(old, METADATA_FILE)) and os.path.lexists(os.path.join(old, DCP_METADATA_FILE)):
-        try:
-            listed = set(_dcp_names(old))
-        except OSError:
-            log.warning("distckpt: the replaced DCP checkpoint at %s cannot be listed; left in place", old)
-            return False
-    else:
-        try:
-            fd = open_regular(os.path.join(old, METADATA_FILE))
-            try:
-                listed = set(stored_file_sizes(os.pread(fd, os.fstat(fd).st_size, 0))) | {METADATA_FILE}
-            finally:
-                os.close(fd)
-        except (CheckpointError, OSError):
-            log.warning("distckpt: the replaced checkpoint's metadata at %s is unreadable; left in place", old)
-            return False
-    kept = []
-    for name in os.listdir(old):
-        if name in listed:
-            continue
-        try:
-            rename_noreplace(os.path.join(old, name), os.path.join(new, name))
-        except OSError:
-            kept.append(name)
-    if kept:
-        log.warning("distckpt: the replaced checkpoint left in %s: %s could not move into %s", old, ", ".join(kept[:5]), new)
-    return not kept
-
-
-DCP_METADATA_FILE = ".metadata"
-_DCP_DATA_FILE = re.compile(r"__\d+_\d+\.distcp\Z")  # DCP's FileSystemWriter: __<rank>_<file index>.distcp
-
-
-def _dcp_names(directory: str) -> list[str]:
-    """The entries of ``directory`` named as DCP names its checkpoint's files that are regular files (not links)."""
-    fd = open_dir(directory)
-    try:
-        return [name for name in os.listdir(fd)
-                if (name == DCP_METADATA_FILE or _DCP_DATA_FILE.match(name))
-                and stat.S_ISREG(os.lstat(name, dir_fd=fd).st_mode)]
-    finally:
-        os.close(fd)
-
-
-def dcp_checkpoint_files(directory: str) -> Optional[list[str]]:
-    """The files of a committed checkpoint torch.distributed.checkpoint wrote at ``directory``: a real directory
-    holding a regular ``.metadata`` that is a pickle (as DCP writes it), whose entries named as DCP names its files
-    (``.metadata``, ``__<rank>_<n>.distcp``) are all regular files, and whose other entries are regular files (a
-    framework's beside DCP's, as Lightning's ``meta.pt``: a replacing save carries them into the new checkpoint).
-    None otherwise: a link or subdirectory anywhere (not followed), or no ``.metadata`` (a DCP save that never
-    finished)."""
-    if not is_real_dir(directory):
-        return None
-    try:
-        fd = open_dir(directory)
-        try:
-            names = sorted(os.listdir(fd))
-            if DCP_METADATA_FILE not in names or not all(stat.S_ISREG(os.lstat(n, dir_fd=fd).st_mode) for n in names):
-                return None
-        finally:
-            os.close(fd)
-        fd = open_regular(os.path.join(directory, DCP_METADATA_FILE))
-        try:
-            if os.pread(fd, 1, 0) != b"\x80":  # pickle's PROTO opcode: DCP pickles its metadata
-                return None
-        finally:
-            os.close(fd)
-    except (CheckpointError, OSError):
-        return None
-    return names
-
-
-def _holds_committed_metadata(directory: str) -> bool:
-    """Whether ``directory`` holds a regular metadata.json of distckpt (its first bytes say so)."""
-    try:
-        fd = open_regular(os.path.join(directory, METADATA_FILE))
-    except (CheckpointError, OSError):
-        return False
-    try:
-        return os.pread(fd, 64, 0).startswith(b'{"format":"' + FORMAT_NAME.encode() + b'"')
-    finally:
-        os.close(fd)
-
-
 def _is_local_path(checkpoint_id: Union[str, os.PathLike]) -> bool:
     text = os.fspath(checkpoint_id)
     return isinstance(text, str) and ("://" not in text or text.startswith("file://"))
@@ -632,35 +539,7 @@ class FileSystemWriter(_AtPath, BlobStorageWriter):
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         super().set_up_storage_writer(is_coordinator, *args, **kwargs)
         if is_coordinator:
-            _check_target(os.path.abspath(self._require_path()), self._replaces())
-
-
-def _check_target(final: str, replaces: bool) -> None:
-    """A save commits by renaming its directory into place: the path must be free, an empty directory, or a
-    committed checkpoint (to replace): distckpt's, or one torch.distributed.checkpoint wrote (``replaces``
-    only: DCP's replace-on-save, for code that switches to distckpt and saves where DCP saved before).
-    Anything else is refused before a byte is written."""
-    if not os.path.lexists(final) or (is_real_dir(final) and _holds_committed_metadata(final)):
-        return
-    dcp_files = dcp_checkpoint_files(final)
-    if dcp_files is not None:
-        if replaces:
-            return
-        raise CheckpointError(
-            f"cannot save to {final!r}: it holds a committed checkpoint torch.distributed.checkpoint wrote "
-            f"({len(dcp_files)} files: .metadata, its .distcp files and any beside them), and distckpt does not replace a committed "
-            "checkpoint unless asked. Pass overwrite=True to the storage writer (or route_dcp_calls(overwrite=True), "
-            "or set DISTCKPT_OVERWRITE=1) to replace it atomically, or save to a new path.")
-    if not is_real_dir(final):
-        raise CheckpointError(f"cannot save to {final!r}: it exists and is not a directory (a file or a link); "
-                              "save to another path")
-    names = sorted(os.listdir(final))
-    if names:
-        shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
-        raise CheckpointError(
-            f"cannot save to {final!r}: the directory holds files that are not a distckpt checkpoint ({shown}). "
-            "A save commits atomically by putting a whole directory in place, and never mixes its files with "
-            "others; save to a new or empty directory, such as a subdirectory of this one.")
+            check_target(os.path.abspath(self._require_path()), self._replaces())
 
 
 class FileSystemReader(_AtPath, BlobStorageReader):
