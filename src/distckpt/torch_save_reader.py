@@ -12,6 +12,7 @@ in the file. Two readers use it:
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any, Optional, Union
 
@@ -21,7 +22,8 @@ from torch.futures import Future
 
 from .backends.fs_objects import open_regular
 from .backends.torch_save_file import TorchSaveReader, is_torch_save_file
-from .errors import CheckpointError, MissingKeyError, ShapeMismatchError
+from .errors import CheckpointError, DTypeMismatchError, MissingKeyError, ShapeMismatchError
+from .format.dtypes import dtype_from_name, dtype_name
 from .layouts.torch_save import load_torch_save
 from .metadata import STATE_DICT_TYPE, ChunkStorageMetadata, Metadata, StorageMeta, TensorProperties, TensorStorageMetadata
 from .planner import LoadItemType, LoadPlan, LoadPlanner
@@ -89,28 +91,21 @@ class BroadcastingTorchSaveReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
-        metadata: Metadata = planner.metadata
         by_key: dict[str, list] = {}
         for item in plan.items:
             if item.type == LoadItemType.BYTE_IO:
                 raise CheckpointError(f"key {item.dest_index.fqn!r}: {type(self).__name__} loads tensors only")
             by_key.setdefault(item.storage_index.fqn, []).append(item)
+        mine = {fqn: [list(entry.size), dtype_name(entry.properties.dtype)]
+                for fqn, entry in sorted(planner.metadata.state_dict_metadata.items())}
         source = self._source(planner) if self.is_coordinator else None
         spread = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        if spread:  # the coordinator says whether it could read the file before anyone waits for a tensor
-            status = torch.tensor([0 if self.is_coordinator and isinstance(source, dict) else 1])
-            dist.broadcast(status, src=self.coordinator_rank)
-            if status.item():
-                raise source if isinstance(source, BaseException) else CheckpointError(
-                    f"{self._where()}: the coordinator (rank {self.coordinator_rank}) could not read the file")
+        if spread:
+            self._agree(mine, source)
         elif isinstance(source, BaseException):
             raise source
-        for fqn in sorted(metadata.state_dict_metadata):
-            entry = metadata.state_dict_metadata[fqn]
-            if self.is_coordinator:
-                tensor = source[fqn]
-            else:
-                tensor = torch.empty(entry.size, dtype=entry.properties.dtype)
+        for fqn, (size, dtype) in mine.items():  # every rank the same keys, shapes and dtypes, in one order
+            tensor = source[fqn] if self.is_coordinator else torch.empty(size, dtype=dtype_from_name(dtype))
             if spread:
                 dist.broadcast(tensor, src=self.coordinator_rank)
             for item in by_key.get(fqn, ()):
@@ -123,6 +118,41 @@ class BroadcastingTorchSaveReader(StorageReader):
         fut: Future = Future()
         fut.set_result(None)
         return fut
+
+    def _agree(self, mine: dict, source: Any) -> None:
+        """Before any tensor travels: the coordinator says whether it read the file and what it will send (keys,
+        shapes, dtypes); every rank compares that with its own state dict, and if any rank differs, every rank
+        raises. Nothing is received into a destination of another shape or dtype, and no rank waits on a
+        broadcast that never comes."""
+        if self.is_coordinator:
+            doc = {"error": None, "keys": mine} if isinstance(source, dict) else {
+                "error": f"{type(source).__name__}: {source}", "keys": {}}
+            raw = json.dumps(doc).encode()
+            length = torch.tensor([len(raw)], dtype=torch.int64)
+        else:
+            length = torch.zeros(1, dtype=torch.int64)
+        dist.broadcast(length, src=self.coordinator_rank)
+        buf = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if self.is_coordinator else torch.empty(
+            int(length.item()), dtype=torch.uint8)
+        dist.broadcast(buf, src=self.coordinator_rank)
+        theirs = json.loads(bytes(buf.numpy()).decode())
+        if theirs["error"] is not None:
+            if isinstance(source, BaseException):
+                raise source
+            raise CheckpointError(f"{self._where()}: the coordinator (rank {self.coordinator_rank}) could not read the file "
+                                  f"({theirs['error']})")
+        differs = [fqn for fqn in sorted(set(mine) | set(theirs["keys"])) if mine.get(fqn) != theirs["keys"].get(fqn)]
+        flag = torch.tensor([1 if differs else 0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if differs:
+            fqn = differs[0]
+            raise CheckpointError(
+                f"{self._where()}: this rank's state dict has key {fqn!r} as {mine.get(fqn) or 'absent'}, the coordinator's "
+                f"as {theirs['keys'].get(fqn) or 'absent'} ([shape, dtype]); every rank must pass the same keys, shapes "
+                "and dtypes to BroadcastingTorchSaveReader")
+        if flag.item():
+            raise CheckpointError(f"{self._where()}: another rank's state dict differs from the coordinator's in keys, "
+                                  "shapes or dtypes; every rank must pass the same ones")
 
     def _where(self) -> str:
         return f"torch.save file {str(self.checkpoint_id)!r}"
@@ -149,6 +179,10 @@ class BroadcastingTorchSaveReader(StorageReader):
                 if tuple(value.shape) != tuple(entry.size):
                     raise ShapeMismatchError(f"{self._where()}: key {fqn!r} has shape {tuple(value.shape)}, the state dict "
                                              f"{tuple(entry.size)} (Size mismatch)")
+                if value.dtype != entry.properties.dtype and not getattr(planner, "allow_dtype_conversion", False):
+                    raise DTypeMismatchError(
+                        f"{self._where()}: key {fqn!r} is {value.dtype} in the file, {entry.properties.dtype} in the state "
+                        "dict; pass planner=DynamicMetaLoadPlanner(allow_dtype_conversion=True) to convert")
                 out[fqn] = value.to(entry.properties.dtype).contiguous()
             return out
         except CheckpointError as exc:

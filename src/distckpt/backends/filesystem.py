@@ -91,6 +91,10 @@ class _FdReader(BlobReader):
         self.fd = fd
         self.size = os.fstat(self.fd).st_size
 
+    def identity(self) -> Optional[tuple]:
+        st = os.fstat(self.fd)
+        return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
     def readinto(self, buf: memoryview, offset: int) -> int:
         view = memoryview(buf).cast("B")
         total = 0

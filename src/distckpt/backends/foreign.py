@@ -67,7 +67,7 @@ class LayoutReader(StorageReader):
         path = self.path[len("file://"):] if self.path.startswith("file://") else self.path
         if not os.path.isdir(path):
             raise CheckpointNotFoundError(f"{self.where()} does not exist (no such directory); check the path")
-        if os.path.islink(path.rstrip(os.sep) or path):
+        if os.path.islink(os.path.normpath(path)):
             raise CheckpointError(f"{self.where()} is a symbolic link; distckpt reads only directories it can see are "
                                   "real. Pass the directory it points to.")
         return FsStore(path)
@@ -93,8 +93,19 @@ class LayoutReader(StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         store = self._store()
-        self.metadata = self.describe(store, store.sizes())
-        return self.metadata
+        md = self.describe(store, store.sizes())
+        for name, info in md.storage_data.files.items():  # bind the layout to the files it was read from
+            if name in md.storage_data.identities:  # bound by describe, when it parsed the file
+                continue
+            blob = store.open(name)
+            try:
+                if blob.size != info.size:
+                    raise CorruptCheckpointError(f"{self.where()}: {name} changed while its layout was read")
+                md.storage_data.identities[name] = blob.identity()
+            finally:
+                blob.close()
+        self.metadata = md
+        return md
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if not isinstance(metadata.storage_data, ForeignStorageData):

@@ -52,7 +52,7 @@ class HuggingFaceReader(LayoutReader):
         weight_map = None
         if index is not None:
             weight_map = parse_index(self.read_small(store, index, knobs.max_metadata_bytes(), sizes), f"{self.where()}, {index}")
-        headers = {}
+        headers, identities = {}, {}
         for shard in shard_names(weight_map):
             if shard not in sizes:
                 raise CorruptCheckpointError(
@@ -64,9 +64,12 @@ class HuggingFaceReader(LayoutReader):
                 if blob.size != sizes[shard]:
                     raise CorruptCheckpointError(f"{self.where()}: shard {shard!r} changed while it was read")
                 headers[shard] = parse_shard_header(blob.pread, blob.size, f"{self.where()}, shard {shard!r}")
+                identities[shard] = blob.identity()
             finally:
                 blob.close()
-        return hf_layout(weight_map, headers, sizes, self.where(), self.path, self.load_id)
+        md = hf_layout(weight_map, headers, sizes, self.where(), self.path, self.load_id)
+        md.storage_data.identities.update(identities)
+        return md
 
 
 def _strip(path: Union[str, os.PathLike, None]) -> Optional[str]:

@@ -321,6 +321,8 @@ class ObjectReader(BlobReader):
         self.size = int(head["ContentLength"])
         self.etag = head.get("ETag")
 
+    def identity(self) -> Optional[tuple]:
+        return (self.etag,) if self.etag else None
     def readinto(self, buf: memoryview, offset: int) -> int:
         view = memoryview(buf).cast("B")[: max(0, self.size - offset)]
         piece = knobs.s3_read_piece_bytes()

@@ -55,6 +55,8 @@ class TorchSaveReader(LayoutReader):
         blob = store.open(name)
         try:
             obj, archive = read_archive(blob.pread, blob.size, self.where())
-            return torch_save_layout(obj, archive, name, blob.size, self.where(), self.path, self.load_id)
+            md = torch_save_layout(obj, archive, name, blob.size, self.where(), self.path, self.load_id)
+            md.storage_data.identities[name] = blob.identity()
+            return md
         finally:
             blob.close()

@@ -67,6 +67,11 @@ class BlobReader(abc.ABC):
         None where the reader cannot tell; then readv is the way to read."""
         return None
 
+    def identity(self) -> Optional[tuple]:
+        """What tells this version of the blob from another of the same name and size (a file's device, inode and
+        change times; an object's ETag), to bind what was planned on it to what is read; None where unknown."""
+        return None
+
     def pread(self, n: int, offset: int) -> bytes:
         buf = bytearray(n)
         got = self.readinto(memoryview(buf), offset)

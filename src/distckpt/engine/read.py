@@ -55,6 +55,10 @@ def open_and_validate(store: BlobStore, fsd: FileStorageData, names, where: str,
                 raise CorruptCheckpointError(
                     f"{here}: size is {blob.size} bytes, the metadata records {info.size}; the file is truncated or was replaced")
             if isinstance(fsd, ForeignStorageData):  # another program's file: no header of ours to check
+                bound = fsd.identities.get(name)
+                if bound is not None and blob.identity() != bound:
+                    raise CorruptCheckpointError(f"{here}: was replaced after its layout was read (same name, another "
+                                                 "file); load again")
                 if spans is not None:
                     spans[name] = None
                 continue
@@ -373,8 +377,8 @@ class Read:
             blob = self.store.open(name)
             with self.lock:
                 self.extra.append(blob)
-            if blob.size != self.blobs[name].size:
-                raise CorruptCheckpointError(f"{self.where}, file {name!r}: changed size while it was being read; it was replaced")
+            if blob.size != self.blobs[name].size or blob.identity() != self.blobs[name].identity():
+                raise CorruptCheckpointError(f"{self.where}, file {name!r}: changed while it was being read; it was replaced")
             self.per_thread.readers = {name: blob}
 
     def reader(self, name: str) -> BlobReader:

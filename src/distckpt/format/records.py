@@ -74,3 +74,6 @@ class ForeignStorageData(FileStorageData):
     layout: str = ""
     decoder: Any = None
     every_key: bool = False  # a whole model's weights (as Hugging Face's): a key the state dict lacks is an error
+    # each file's identity (BlobReader.identity) when the layout read it: a file replaced since, even by one of the
+    # same size, is refused rather than read at the places planned on the old one
+    identities: dict = field(default_factory=dict)

@@ -43,13 +43,14 @@ from ..metadata import (
     TensorStorageMetadata,
 )
 from .checks import MAX_DIM, check_layout
-from .torch_zip import NotPlainData, TensorRef, materialise, open_archive, tensor_from, unpickle_refs
+from .torch_zip import NotPlainData, TensorRef, check_crc, materialise, open_archive, tensor_from, unpickle_refs
 
 __all__ = ["DCP_METADATA_FILE", "TORCH_SAVE", "parse_dcp_metadata", "dcp_layout", "is_dcp_directory"]
 
 DCP_METADATA_FILE = ".metadata"
 TORCH_SAVE = "torch.save"  # the innermost codec of every DCP item: a torch.save archive
-ARCHIVE_SLACK = 1 << 16  # what a torch.save archive of one tensor holds beside its bytes (headers, pickle), at most
+ARCHIVE_SLACK = 1 << 16
+_MAX_CHUNKS = 50_000_000  # what a torch.save archive of one tensor holds beside its bytes (headers, pickle), at most
 
 _DCP_METADATA_CLASSES = {"Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
                          "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING"}
@@ -135,6 +136,7 @@ def dcp_layout(dcp_md: Any, file_sizes: dict[str, int], where: str, checkpoint_i
     stream extensions (None: one that knows ZStandard)."""
     sdm: dict[str, Any] = {}
     state = _field(dcp_md, "state_dict_metadata", where, dict)
+    chunk_count = 0
     for fqn, md in state.items():
         here = f"{where}: key {fqn!r}"
         if not isinstance(fqn, str):
@@ -149,7 +151,11 @@ def dcp_layout(dcp_md: Any, file_sizes: dict[str, int], where: str, checkpoint_i
                 raise CorruptCheckpointError(f"{here}: tensor properties without a torch dtype")
             props = TensorProperties(dtype, torch.strided, bool(getattr(p, "requires_grad", False)))
             chunks = []
-            for c in _field(md, "chunks", here, (list, tuple)):
+            listed = _field(md, "chunks", here, (list, tuple))
+            chunk_count += len(listed)
+            if chunk_count > _MAX_CHUNKS:  # one pickled list may be referenced by every key: bound the walk
+                raise CorruptCheckpointError(f"{where}: DCP's metadata lists more than {_MAX_CHUNKS} chunks")
+            for c in listed:
                 chunks.append(ChunkStorageMetadata(_int_tuple(getattr(c, "offsets", None), "chunk offsets", here),
                                                    _int_tuple(getattr(c, "sizes", None), "chunk sizes", here)))
             sdm[fqn] = TensorStorageMetadata(props, _int_tuple(getattr(md, "size", None), "the size", here), chunks)
@@ -249,6 +255,7 @@ class _TensorItem(ChunkCodec):
                 f"{self.dtype} of size {list(self.shape)}; the checkpoint is damaged or forged")
         if ref.contiguous():
             rec = archive.storage(ref.storage)
+            check_crc(rec, archive_bytes[rec.offset:rec.offset + rec.size], f"data/{ref.storage.key}", where)
             start = rec.offset + ref.offset * itemsize(ref.dtype)
             return archive_bytes[start:start + nbytes]
         return memoryview(tensor_from(archive, ref, pread).contiguous().view(torch.uint8).numpy()).cast("B")
@@ -272,12 +279,28 @@ class _ValueItem(ChunkCodec):
         archive = open_archive(pread, len(archive_bytes), where)
         try:
             value = materialise(unpickle_refs(archive, pread, where, limit), archive, pread)
+            held = sum(t.nbytes for t in _tensors(value))
+            if held > limit:
+                raise CorruptCheckpointError(f"{where}: the value's tensors hold {held} bytes, over the cap of {limit} "
+                                             "(DISTCKPT_MAX_VALUE_BYTES)")
         except NotPlainData:  # an object only the unpickler can build: the planner runs it only if allowed
             return memoryview(encode_value(_TrustedArchive(bytes(archive_bytes)), allow_pickle=True, where=where))
         try:
             return memoryview(encode_value(value, allow_pickle=False, where=where))
         except CheckpointError:  # not plain data by distckpt's rules (an OrderedDict, a set): pickled, as above
             return memoryview(encode_value(value, allow_pickle=True, where=where))
+
+
+def _tensors(obj: Any):
+    """The tensors in a materialised value (a tree: its size was bounded when it was unpickled)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+        for v in obj:
+            yield from _tensors(v)
 
 
 def _pread_of(data: memoryview):

@@ -121,7 +121,7 @@ def parse_shard_header(pread: Callable[[int, int], bytes], file_size: int, where
         if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
             raise CorruptCheckpointError(f"{here}: an entry needs exactly \"dtype\", \"shape\" and \"data_offsets\"")
         code, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-        if code not in _DTYPES:
+        if not isinstance(code, str) or code not in _DTYPES:
             raise CorruptCheckpointError(f"{here}: dtype {code!r:.40} is not one of {sorted(_DTYPES)}")
         if not isinstance(shape, list) or len(shape) > 64 or not all(type(d) is int and 0 <= d <= MAX_DIM for d in shape):
             raise CorruptCheckpointError(f"{here}: shape {shape!r:.200} is not a list of sizes")

@@ -21,11 +21,13 @@ import io
 import pickle
 import struct
 import zipfile
+import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
 
+from .. import knobs
 from ..errors import CorruptCheckpointError, UnsafeValueError
 from ..format.dtypes import itemsize
 
@@ -34,14 +36,17 @@ __all__ = ["Archive", "TensorRef", "StorageRef", "open_archive", "unpickle_refs"
 _LOCAL_HEADER = struct.Struct("<4s5H3L2H")
 _LOCAL_MAGIC = b"PK\x03\x04"
 _MAX_RECORDS = 1 << 20
+_MAX_NODES = 10_000_000  # containers and leaves of the unpickled object, counted as the tree a walk of it visits
 
 
 @dataclass(frozen=True)
 class Record:
-    """A record of the archive: its bytes lie at ``offset`` (absolute, in the file) for ``size`` bytes."""
+    """A record of the archive: its bytes lie at ``offset`` (absolute, in the file) for ``size`` bytes; ``crc32``
+    is the zip's CRC-32 of them, checked wherever a record is read whole (:func:`check_crc`)."""
 
     offset: int
     size: int
+    crc32: int = 0
 
 
 @dataclass(frozen=True)
@@ -166,13 +171,41 @@ def open_archive(pread: Callable[[int, int], bytes], size: int, where: str, base
         head = pread(_LOCAL_HEADER.size, info.header_offset) if 0 <= info.header_offset <= size - _LOCAL_HEADER.size else b""
         if len(head) != _LOCAL_HEADER.size:
             raise CorruptCheckpointError(f"{where}: record {name!r} of the torch.save archive lies outside it")
-        magic, *_, name_len, extra_len = _LOCAL_HEADER.unpack(head)
+        magic, _, flags, method, _, _, crc, csize, usize, name_len, extra_len = _LOCAL_HEADER.unpack(head)
         start = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
-        if magic != _LOCAL_MAGIC or start + info.file_size > size:
+        raw_name = pread(name_len, info.header_offset + _LOCAL_HEADER.size)
+        sizes_here = flags & 0x8 or (crc, csize, usize) == (info.CRC, info.file_size, info.file_size) or (
+            csize == usize == 0xFFFFFFFF)  # zip64: the sizes are in the extra field
+        if (magic != _LOCAL_MAGIC or method != zipfile.ZIP_STORED or flags & 0x1 or not sizes_here
+                or raw_name != name.encode("utf-8" if info.flag_bits & 0x800 else "cp437", "replace")):
+            raise CorruptCheckpointError(f"{where}: the local header of record {name!r} disagrees with the archive's "
+                                         "directory; the archive is damaged or forged")
+        if start + info.file_size > size:
             raise CorruptCheckpointError(f"{where}: record {name!r} of the torch.save archive lies outside it "
                                          f"(bytes {start}..{start + info.file_size} of {size})")
-        records[name] = Record(base + start, info.file_size)
+        records[name] = Record(base + start, info.file_size, info.CRC)
+    _check_alignment(records, prefix, pread, base, where)
+    spans = sorted((rec.offset, rec.offset + rec.size, name) for name, rec in records.items())
+    for (_, end, first), (begin, _, second) in zip(spans, spans[1:]):
+        if begin < end:
+            raise CorruptCheckpointError(f"{where}: records {first!r} and {second!r} of the torch.save archive overlap")
     return Archive(prefix, records, where)
+
+
+def _check_alignment(records: dict[str, Record], prefix: str, pread: Callable[[int, int], bytes], base: int, where: str) -> None:
+    """Where the archive records the alignment torch.save gave its storages (``.storage_alignment``), every storage
+    record must start on it: a local header that lies about its length shifts the bytes off it."""
+    rec = records.get(f"{prefix}/.storage_alignment")
+    if rec is None:
+        return
+    text = pread(min(rec.size, 16), rec.offset - base)
+    if not text.isdigit() or not 0 < int(text) <= 1 << 20:
+        raise CorruptCheckpointError(f"{where}: the torch.save archive's .storage_alignment is {text!r}")
+    align = int(text)
+    for name, r in records.items():
+        if name.startswith(f"{prefix}/data/") and (r.offset - base) % align:
+            raise CorruptCheckpointError(f"{where}: record {name!r} starts at byte {r.offset - base}, off the archive's "
+                                         f"alignment of {align}; its local header lies")
 
 
 _STORAGE_DTYPES = {name: getattr(torch, dtype) for name, dtype in {
@@ -236,9 +269,9 @@ class _Unpickler(pickle.Unpickler):
         else:
             raise CorruptCheckpointError(f"{self.where}: the torch.save pickle names storage {key!r} of type {kind!r:.100}")
         ref = StorageRef(key, dtype, nbytes)
-        if self.storages.setdefault(key, ref).nbytes != nbytes:
-            raise CorruptCheckpointError(f"{self.where}: the torch.save pickle gives storage {key!r} two sizes")
-        return ref
+        if self.storages.setdefault(key, ref) != ref:
+            raise CorruptCheckpointError(f"{self.where}: the torch.save pickle gives storage {key!r} two sizes or two dtypes")
+        return self.storages[key]
 
     def _rebuild_v2(self, storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any = False, *rest: Any) -> TensorRef:
         if not isinstance(storage, StorageRef):
@@ -274,9 +307,13 @@ def unpickle_refs(archive: Archive, pread: Callable[[int, int], bytes], where: s
     rec = archive.record("data.pkl")
     if rec.size > max_bytes:
         raise CorruptCheckpointError(f"{where}: the torch.save pickle is {rec.size} bytes, over the cap of {max_bytes}")
-    unpickler = _Unpickler(pread(rec.size, rec.offset), where)
+    data = pread(rec.size, rec.offset)
+    check_crc(rec, data, "data.pkl", where)
+    unpickler = _Unpickler(data, where)
     try:
-        return unpickler.load()
+        obj = unpickler.load()
+        _check_tree(obj, where, _MAX_NODES)
+        return obj
     except (NotPlainData, CorruptCheckpointError):
         raise
     except RecursionError:
@@ -285,21 +322,58 @@ def unpickle_refs(archive: Archive, pread: Callable[[int, int], bytes], where: s
         raise CorruptCheckpointError(f"{where}: the torch.save pickle is damaged ({type(exc).__name__}: {exc})") from None
 
 
-def tensor_from(archive: Archive, ref: TensorRef, pread: Callable[[int, int], bytes], cache: Optional[dict] = None) -> torch.Tensor:
-    """The tensor ``ref`` describes, a copy of its bytes in the archive ``pread`` reads (each storage read once per
-    ``cache``)."""
+def check_crc(rec: Record, data: Any, name: str, where: str) -> None:
+    """Raise where the bytes of a whole record differ from the zip's CRC-32 of them."""
+    got = zlib.crc32(data)
+    if got != rec.crc32:
+        raise CorruptCheckpointError(f"{where}: record {name!r} of the torch.save archive fails its CRC-32 (stored "
+                                     f"{rec.crc32:08x}, computed {got:08x}); the file is damaged")
+
+
+def _check_tree(obj: Any, where: str, limit: int) -> None:
+    """Raise where walking ``obj`` as a tree (as flattening and copying do) would visit more than ``limit`` nodes:
+    a pickle can reference one container many times, and a few hundred bytes can then stand for 2**40 paths."""
+    count = 0
+    stack = [(obj, 0)]
+    while stack:
+        node, depth = stack.pop()
+        count += 1
+        if count > limit or depth > 64:
+            raise CorruptCheckpointError(f"{where}: the torch.save pickle describes a structure of more than {limit} "
+                                         "nodes, or nested deeper than 64 levels, when walked (containers referenced many "
+                                         "times); it is damaged or forged")
+        if isinstance(node, dict):
+            stack.extend((v, depth + 1) for v in node.values())
+            count += len(node)
+        elif isinstance(node, (list, tuple, set, frozenset)):
+            stack.extend((v, depth + 1) for v in node)
+
+
+def tensor_from(archive: Archive, ref: TensorRef, pread: Callable[[int, int], bytes], cache: Optional[dict] = None,
+                limit: Optional[int] = None) -> torch.Tensor:
+    """The tensor ``ref`` describes, viewing its storage's bytes, read once per ``cache`` from the archive ``pread``
+    reads and checked against the record's CRC-32 (as ``torch.load``, tensors over one storage share it). A view
+    larger than its storage (overlapping strides, a stride of 0) may not exceed ``limit`` bytes (default
+    DISTCKPT_MAX_VALUE_BYTES): whoever copies it would allocate all of it."""
     rec = archive.storage(ref.storage)
     flat = None if cache is None else cache.get(ref.storage.key)
     if flat is None:
         raw = pread(rec.size, rec.offset)
         if len(raw) != rec.size:
             raise CorruptCheckpointError(f"{archive.where}: storage {ref.storage.key!r} lies outside the archive")
+        check_crc(rec, raw, f"data/{ref.storage.key}", archive.where)
         flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if rec.size else torch.empty(0, dtype=torch.uint8)
         if cache is not None:
             cache[ref.storage.key] = flat
+    limit = knobs.max_value_bytes() if limit is None else limit
+    if ref.nbytes() > max(rec.size, limit):
+        raise CorruptCheckpointError(
+            f"{archive.where}: a tensor of size {list(ref.size)} ({ref.nbytes()} bytes) views storage {ref.storage.key!r} of "
+            f"{rec.size} bytes through strides {list(ref.stride)}; over the cap of {limit} bytes (DISTCKPT_MAX_VALUE_BYTES) "
+            "for such views")
     if flat.numel() % itemsize(ref.dtype):
         raise CorruptCheckpointError(f"{archive.where}: storage {ref.storage.key!r} is not a whole number of {ref.dtype}")
-    return flat.view(ref.dtype).as_strided(ref.size, ref.stride, ref.offset).clone()
+    return flat.view(ref.dtype).as_strided(ref.size, ref.stride, ref.offset)
 
 
 def materialise(obj: Any, archive: Archive, pread: Callable[[int, int], bytes], cache: Optional[dict] = None,

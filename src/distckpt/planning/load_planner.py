@@ -165,9 +165,10 @@ class DefaultLoadPlanner(LoadPlanner):
     def _not_tied(self, missing: list[str]) -> list[str]:
         """The keys of ``missing`` whose tensor is not also the tensor of a key the checkpoint has."""
         sdm = self.metadata.state_dict_metadata
-        loaded = {_identity(obj): fqn for fqn, obj in self.state_dict.items() if fqn in sdm and isinstance(obj, torch.Tensor)}
+        loaded = {sig for fqn, obj in self.state_dict.items() if fqn in sdm and isinstance(obj, torch.Tensor)
+                  for sig in _identities(obj)}
         return [fqn for fqn in missing if not (isinstance(self.state_dict[fqn], torch.Tensor)
-                                               and _identity(self.state_dict[fqn]) in loaded)]
+                                               and loaded.intersection(_identities(self.state_dict[fqn])))]
 
     def _check_unexpected(self) -> None:
         allow = self.allow_unexpected_keys
@@ -269,9 +270,12 @@ class DefaultLoadPlanner(LoadPlanner):
         """Nothing to do: ``resolve_tensor`` returned a view of the destination."""
 
 
-def _identity(tensor: torch.Tensor) -> tuple:
-    """What makes two destinations the same tensor: the same memory, viewed the same way (a DTensor by its local
-    shard and global shape)."""
+def _identities(tensor: torch.Tensor) -> list:
+    """What makes two destinations the same tensor: the same object, or (where it holds elements: every empty
+    tensor has address 0) the same memory viewed the same way; a DTensor by its local shard and global shape."""
+    out = [("object", id(tensor))]
     local = tensor.to_local() if is_dtensor(tensor) else tensor
-    return (local.data_ptr(), tuple(local.shape), tuple(local.stride()), local.dtype, str(local.device),
-            tuple(tensor.shape)) if not local.is_meta else (id(tensor),)
+    if not local.is_meta and local.numel():
+        out.append((local.data_ptr(), tuple(local.shape), tuple(local.stride()), local.dtype, str(local.device),
+                    tuple(tensor.shape)))
+    return out
