@@ -29,7 +29,7 @@ from ..metadata import (
 from . import BASE_FORMAT_VERSION_STR, CODEC_FORMAT_VERSION_STR, FORMAT_NAME, FORMAT_VERSION_STR
 from .checksum import crc32c, format_crc
 from .chunk_codec import CODEC_SEPARATOR, IDENTITY
-from .datafile import quote, unique_members
+from .datafile import loads_json, quote
 from .dtypes import itemsize
 from .fields import MAX_INT as _MAX_INT
 from .fields import ints as _ints
@@ -75,7 +75,12 @@ def dec_chunk(data: Any, where: str) -> ChunkStorageMetadata:
 def opaque_to(value: Any, where: str, transport: bool) -> Any:
     if isinstance(value, FileStorageData):
         return {"$fs": _enc_file_storage(value)}
-    return to_data(value, allow_pickle=transport and knobs.allow_pickle_transport(), where=where)
+    data = to_data(value, allow_pickle=transport and knobs.allow_pickle_transport(), where=where)
+    if type(data) is dict and len(data) == 1 and ("$fs" in data or "$files" in data):
+        # a dict whose one member has a name the document reserves (opaque_from, _parse_metadata) is written in its
+        # tagged form, so it reads back as the dict it is, not as storage data
+        return {"$t": "dict", "v": [[name, member] for name, member in data.items()]}
+    return data
 
 
 def opaque_from(data: Any, where: str, transport: bool) -> Any:
@@ -90,7 +95,7 @@ def dumps(data: Any) -> bytes:
 
 def loads(raw: bytes, where: str) -> Any:
     try:
-        return json.loads(raw.decode("utf-8"), object_pairs_hook=unique_members)
+        return loads_json(raw)
     except (ValueError, RecursionError) as exc:
         raise CorruptCheckpointError(f"{where}: not valid JSON: {exc}") from None
 
@@ -156,20 +161,33 @@ def _file_table(document: bytes) -> Optional[dict]:
         return None
     try:
         table, _ = json.JSONDecoder().raw_decode(document[at + len(_FILES_MEMBER):].decode("utf-8"))
-    except ValueError as exc:
-        raise CorruptCheckpointError(f"metadata document: malformed data-file table ({exc})") from None
+    except (ValueError, RecursionError) as exc:  # RecursionError: arrays nested thousands deep
+        raise CorruptCheckpointError(f"metadata document: malformed data-file table ({exc}); {_RESTORE}") from None
     if not isinstance(table, dict):
-        raise CorruptCheckpointError("metadata document: malformed data-file table")
+        raise CorruptCheckpointError(f"metadata document: malformed data-file table; {_RESTORE}")
     return table
 
 
+_RESTORE = "the file is damaged or was not written by distckpt: restore it from a copy"
+
+
 def stored_file_sizes(document: bytes) -> dict[str, int]:
-    """The data files a metadata document lists, with their sizes (empty where it has no distckpt file table)."""
+    """The data files a metadata document lists, with their sizes (empty where it has no distckpt file table).
+
+    The document's checksum is not checked first (a commit reads the document it has just written; a
+    replaced checkpoint's document may be damaged), so every row is: [name, size, ...] with a string name
+    and an integer size, as decode_file_table would have them, or a CorruptCheckpointError."""
     table = _file_table(document)
-    try:
-        return {} if table is None else {str(row[0]): int(row[1]) for row in table["files"]}
-    except (ValueError, KeyError, TypeError, IndexError) as exc:
-        raise CorruptCheckpointError(f"metadata document: malformed data-file table ({exc})") from None
+    if table is None:
+        return {}
+    rows = table.get("files")
+    if type(rows) is not list:
+        raise CorruptCheckpointError(f"metadata document: the data-file table has no list of files; {_RESTORE}")
+    for row in rows:
+        if not (type(row) is list and len(row) >= 2 and type(row[0]) is str and type(row[1]) is int and 0 <= row[1] <= _MAX_INT):
+            raise CorruptCheckpointError(f"metadata document: malformed data-file entry {row!r:.200} (want [name, size, ...]); "
+                                         f"{_RESTORE}")
+    return {row[0]: row[1] for row in rows}
 
 
 def stored_save_id(document: bytes) -> Optional[str]:
@@ -446,6 +464,20 @@ def _whole_tensor(entry: Any, fqn: str, locations: Any) -> Optional[TensorStorag
     return TensorStorageMetadata(TensorProperties(*fields), size, [chunk])
 
 
+def _storage_meta(data: Any, where: str) -> Optional[StorageMeta]:
+    """``storage_meta``: null, or an object whose ids are strings or null and whose ``modules`` is a list of strings
+    (what :func:`metadata_document` writes; a number or a list there would reach planners, and the next save)."""
+    if data is None:
+        return None
+    ids = [data.get(name) for name in ("checkpoint_id", "save_id", "load_id")] if type(data) is dict else []
+    modules = data.get("modules") if type(data) is dict else None
+    if (type(data) is not dict or not all(x is None or type(x) is str for x in ids)
+            or not (modules is None or (type(modules) is list and all(type(m) is str for m in modules)))):
+        raise CorruptCheckpointError(f"{where}: malformed storage_meta {data!r:.200} (its ids are strings or null, its modules "
+                                     "a list of strings); the file is damaged or was not written by distckpt")
+    return StorageMeta(*ids, list(modules or []))
+
+
 def _parse_metadata(raw: bytes, where: str) -> Metadata:
     check_document(raw, where)
     body = loads(raw[:-1], where)
@@ -516,12 +548,7 @@ def _parse_metadata(raw: bytes, where: str) -> Metadata:
         sdm[fqn] = TensorStorageMetadata(props, size, chunks)
     if table is not None:  # entries of the table's keys are built when asked for
         sdm = TableEntries(table, sdm)
-    sm_raw = body.get("storage_meta")
-    sm = None
-    if sm_raw is not None:
-        if not isinstance(sm_raw, dict):
-            raise CorruptCheckpointError(f"{where}: malformed storage_meta")
-        sm = StorageMeta(sm_raw.get("checkpoint_id"), sm_raw.get("save_id"), sm_raw.get("load_id"), list(sm_raw.get("modules") or []))
+    sm = _storage_meta(body.get("storage_meta"), where)
     if fsd is not None:
         storage_data: Any = fsd
         locations.check_no_overlap(where)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import struct
 from dataclasses import dataclass
 from itertools import accumulate
@@ -132,7 +133,7 @@ def read_header(pread: Callable[[int, int], bytes], file_size: int, where: str) 
     raw = pread_exact(pread, n, 8, where)
     lead_crc = crc32c(raw, crc32c(prefix))
     try:
-        header = json.loads(raw.decode("utf-8"), object_pairs_hook=unique_members)
+        header = loads_json(raw)
     except (ValueError, RecursionError) as exc:
         raise CorruptCheckpointError(f"{where}: header is not valid JSON: {exc}") from None
     if not isinstance(header, dict) or len(header) > _MAX_ENTRIES:
@@ -140,10 +141,7 @@ def read_header(pread: Callable[[int, int], bytes], file_size: int, where: str) 
     meta = header.pop("__metadata__", None)
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME or not isinstance(meta.get("save_id"), str):
         raise CorruptCheckpointError(f"{where}: header lacks the distckpt __metadata__ (format, save_id)")
-    try:
-        rank = int(meta.get("rank", "-1"))
-    except (TypeError, ValueError):
-        raise CorruptCheckpointError(f"{where}: header rank is not an integer") from None
+    rank = _header_rank(meta.get("rank", "-1"), where)
     data_start = 8 + n
     data_len = file_size - data_start
     entries = {}
@@ -173,6 +171,20 @@ def read_header(pread: Callable[[int, int], bytes], file_size: int, where: str) 
     return HeaderInfo(meta["save_id"], rank, data_start, entries, lead_crc)
 
 
+_RANK = re.compile(r"-1|[0-9]{1,18}")
+
+
+def _header_rank(value: Any, where: str) -> int:
+    """The rank ``__metadata__`` records: the decimal string the writer gives it (an integer, from older hands)."""
+    if type(value) is int and -1 <= value <= 1 << 62:
+        return value
+    if type(value) is str and _RANK.fullmatch(value):
+        return int(value)
+    # not int(value): a JSON number 1e999 is a float infinity, which int() rejects with OverflowError
+    raise CorruptCheckpointError(f"{where}: header rank {value!r:.40} is not an integer; the file is damaged or was not "
+                                 "written by distckpt: restore it from a copy")
+
+
 def _fine_entry(e: Any, data_len: int) -> Optional[tuple[str, tuple[int, ...], int, int]]:
     """``(code, shape, begin, end)`` of a header entry that passes every check of :func:`read_header`, fused
     into one test (a file of many small items has as many entries); None for any other, which the checks one
@@ -200,6 +212,30 @@ def pread_exact(pread: Callable[[int, int], bytes], n: int, offset: int, where: 
         chunks.append(b)
         got += len(b)
     return b"".join(chunks)
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def loads_json(raw: bytes) -> Any:
+    """``raw`` (UTF-8) parsed as JSON whose objects name each member once and whose strings are Unicode text;
+    ``ValueError`` (or ``RecursionError``, for nesting past the interpreter's limit) otherwise.
+
+    JSON's ``\\ud800`` escapes can write a lone UTF-16 surrogate, which ``json.loads`` returns in a str that no
+    UTF-8 text can hold: a key or value read so could not be written again, nor printed. distckpt never writes one."""
+    value = json.loads(raw.decode("utf-8"), object_pairs_hook=unique_members)
+    check_text(raw, value)
+    return value
+
+
+def check_text(raw: bytes, value: Any) -> None:
+    """Raise ``ValueError`` where a string of ``value``, parsed from the JSON ``raw``, holds a lone UTF-16 surrogate."""
+    if _SURROGATE_ESCAPE.search(raw) is not None:  # rare: only then look at every string
+        try:
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("a string holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape), which is not "
+                             "Unicode text") from None
 
 
 def unique_members(pairs: list) -> dict:

@@ -9,6 +9,7 @@ that breaks any of these is a CorruptCheckpointError naming the key.
 
 from __future__ import annotations
 
+import bisect
 import math
 from array import array
 from collections.abc import Iterator, Mapping
@@ -94,6 +95,9 @@ def _overlapping_pair_few(offs: list, sizes: list) -> Optional[tuple[int, int]]:
     return None
 
 
+MAX_GRID_CELLS = 1 << 24  # a grid of boxes' cuts is drawn (an int64 per cell) up to this many cells, else swept
+
+
 def _overlapping_pair(off: np.ndarray, end: np.ndarray) -> Optional[tuple[int, int]]:
     """Indices of two boxes ``[off, end)`` (rows) that share an element, or None; empty boxes share none."""
     keep = np.flatnonzero((end > off).all(axis=1))
@@ -120,7 +124,7 @@ def _overlapping_pair(off: np.ndarray, end: np.ndarray) -> Optional[tuple[int, i
         order = np.argsort(cell, kind="stable")
         same = np.flatnonzero(cell[order][1:] == cell[order][:-1])
         return None if not same.size else (int(keep[order[same[0]]]), int(keep[order[same[0] + 1]]))
-    if math.prod(dims) <= 1 << 24:
+    if math.prod(dims) <= MAX_GRID_CELLS:
         seen = np.full(tuple(dims), -1, dtype=np.int64)
         for i in range(n):
             box = tuple(slice(int(lo[k][i]), int(hi[k][i])) for k in range(ndim))
@@ -129,10 +133,54 @@ def _overlapping_pair(off: np.ndarray, end: np.ndarray) -> Optional[tuple[int, i
                 return int(keep[int(taken[taken >= 0].flat[0])]), int(keep[i])
             seen[box] = i
         return None
-    for i in range(n - 1):  # a grid too fine to draw: compare each box with those after it
-        meet = ((off[i + 1:] < end[i]) & (end[i + 1:] > off[i])).all(axis=1)
-        if meet.any():
-            return int(keep[i]), int(keep[i + 1 + int(np.flatnonzero(meet)[0])])
+    pair = _overlapping_pair_sweep(off, end, split)  # a grid too fine to draw
+    return None if pair is None else (int(keep[pair[0]]), int(keep[pair[1]]))
+
+
+def _overlapping_pair_sweep(off: np.ndarray, end: np.ndarray, split: list[int]) -> Optional[tuple[int, int]]:
+    """As :func:`_overlapping_pair`, for non-empty boxes, by a sweep along one dimension of ``split`` (those in
+    which the boxes differ): two boxes share an element only while both are open in the sweep, and then only if
+    they meet in the other dimensions. Boxes open at once are kept pairwise disjoint (the first pair that is not
+    is the answer), so with two dimensions that differ a new box is compared with its two neighbours in the other
+    dimension only: n log n, where comparing every pair took minutes for a few hundred thousand chunks of an
+    irregular tiling (a brick wall: its grid is too fine to draw and no box is one cell of it)."""
+    sweep = max(split, key=lambda k: len(np.unique(off[:, k])))
+    others = [k for k in split if k != sweep]
+    n = len(off)
+    # events in order of position; at one position closings (0) before openings (1): boxes are half-open
+    kind = np.concatenate([np.ones(n, dtype=np.int64), np.zeros(n, dtype=np.int64)])
+    where = np.concatenate([off[:, sweep], end[:, sweep]])
+    which = np.concatenate([np.arange(n), np.arange(n)])
+    order = np.lexsort((kind, where))
+    events = zip(kind[order].tolist(), which[order].tolist())
+    if len(others) == 1:
+        k = others[0]
+        lo, hi = off[:, k].tolist(), end[:, k].tolist()
+        begins: list[int] = []  # the open boxes' intervals in dimension k, disjoint, sorted by begin
+        owners: list[int] = []
+        for opening, i in events:
+            at = bisect.bisect_left(begins, lo[i])
+            if not opening:
+                del begins[at], owners[at]  # disjoint non-empty intervals: each begin is one box's
+                continue
+            if at and hi[owners[at - 1]] > lo[i]:
+                return owners[at - 1], i
+            if at < len(begins) and begins[at] < hi[i]:
+                return i, owners[at]
+            begins.insert(at, lo[i])
+            owners.insert(at, i)
+        return None
+    open_: dict[int, None] = {}  # three or more dimensions differ: a new box against every open one
+    for opening, i in events:
+        if not opening:
+            del open_[i]
+            continue
+        if open_:
+            rows = np.fromiter(open_, dtype=np.int64, count=len(open_))
+            meet = ((off[rows][:, others] < end[i, others]) & (end[rows][:, others] > off[i, others])).all(axis=1)
+            if meet.any():
+                return int(rows[int(np.flatnonzero(meet)[0])]), i
+        open_[i] = None
     return None
 
 

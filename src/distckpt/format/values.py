@@ -35,7 +35,9 @@ from typing import Any
 import torch
 
 from ..errors import CorruptCheckpointError, UnsafeValueError
+from .datafile import check_text
 from .dtypes import dtype_from_name, dtype_name
+from .fields import MAX_INT
 from .json_text import parse_json
 
 __all__ = ["encode_value", "decode_value", "to_data", "from_data", "MAGIC", "MAX_DEPTH"]
@@ -137,8 +139,8 @@ def _from(data: Any, allow_pickle: bool, where: str, depth: int, budget: list[in
             return base64.b64decode(v.encode("ascii"), validate=True)
         if tag == "dtype":
             return dtype_from_name(v, where)
-        if tag == "size":
-            _need(isinstance(v, list) and all(type(x) is int and x >= 0 for x in v))
+        if tag == "size":  # at most 64-bit, as torch holds them: a larger one would build, then fail to print or use
+            _need(isinstance(v, list) and all(type(x) is int and 0 <= x <= MAX_INT for x in v))
             return torch.Size(v)
         if tag == "dict":
             _need(isinstance(v, list) and all(isinstance(p, list) and len(p) == 2 for p in v))
@@ -176,7 +178,11 @@ def _need(cond: bool) -> None:
 def encode_value(value: Any, *, allow_pickle: bool = False, where: str = "value") -> bytes:
     """Bytes of a stored non-tensor value."""
     data = to_data(value, allow_pickle=allow_pickle, where=where)
-    return MAGIC + json.dumps(data, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode("utf-8")
+    try:
+        return MAGIC + json.dumps(data, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise UnsafeValueError(f"{where}: a string in it holds a lone UTF-16 surrogate (\\ud800-\\udfff), which UTF-8 "
+                               "cannot store; pair it or drop it (s.encode('utf-8', 'replace').decode())") from None
 
 
 def decode_value(raw: bytes, *, allow_pickle: bool = False, where: str = "value") -> Any:
@@ -184,4 +190,8 @@ def decode_value(raw: bytes, *, allow_pickle: bool = False, where: str = "value"
     if not raw.startswith(MAGIC):
         raise CorruptCheckpointError(f"{where}: stored value does not start with the distckpt value marker")
     data = parse_json(raw[len(MAGIC):], f"{where}: stored value")
+    try:
+        check_text(raw, data)  # "\\ud800" would load as a str that no save could store again
+    except ValueError as exc:
+        raise CorruptCheckpointError(f"{where}: stored value: {exc}; the file is damaged or was not written by distckpt") from None
     return from_data(data, allow_pickle=allow_pickle, where=where)
