@@ -33,7 +33,6 @@ import io
 import json
 import math
 import os
-import pickletools
 import re
 import shutil
 import struct
@@ -89,7 +88,7 @@ def framings(data: bytes) -> list[bytes]:
 # Findings in parsers this suite's authors do not own, reported to their owners and not yet fixed there: the
 # innermost frame's file and function, the exception's type and a part of its message. A target lets such an
 # error pass (so the fuzzer looks past it) unless DISTCKPT_FUZZ_KNOWN=1; remove an entry once its fix lands.
-OPEN_FINDINGS: list[tuple[str, str, type, str]] = []  # none open: the DCP memo finding is screened by input below
+OPEN_FINDINGS: list[tuple[str, str, type, str]] = []  # none open
 
 
 def _open_finding(exc: BaseException) -> bool:
@@ -234,29 +233,9 @@ def _check_sizes(value) -> None:
 _dcp_dir = None
 
 
-def _huge_memo_index(pickled: bytes) -> bool:
-    """Whether ``pickled`` reaches a finding, reported and not yet fixed, in the restricted unpicklers of
-    layouts/dcp.py and layouts/torch_zip.py (both ``pickle.Unpickler``, the C one), so that the fuzzer looks past
-    it (DISTCKPT_FUZZ_KNOWN=1 looks at it again). Remove the check once the fix lands.
-
-    A memo index far past the pickle's length makes the C unpickler grow its memo array to that index and zero
-    it: ``b"\\x80\\x04Nr\\x00\\x00\\x00\\x10."`` (nine bytes: LONG_BINPUT 2**28) takes 4 GiB, and 2**31 the machine."""
-    if os.environ.get("DISTCKPT_FUZZ_KNOWN") == "1":
-        return False
-    try:
-        for op, arg, _ in pickletools.genops(pickled):
-            if op.name in ("PUT", "BINPUT", "LONG_BINPUT") and type(arg) is int and arg > len(pickled):
-                return True
-    except Exception:  # noqa: BLE001 - not a pickle past some point: what comes before it was looked at
-        pass
-    return False
-
-
 def dcp_metadata(data: bytes) -> None:
     from distckpt.backends.dcp_reader import DCPReader
 
-    if _huge_memo_index(data):
-        return
     global _dcp_dir
     if _dcp_dir is None:
         _dcp_dir = tempfile.mkdtemp(prefix="distckpt-fuzz-dcp-")
@@ -363,8 +342,6 @@ def torch_save(data: bytes) -> None:
     """The input is a torch.save archive if it looks like a zip, else the pickle of one (see :func:`archived`)."""
     torch_zip = _layout("torch_zip")
     archive_bytes = data if data.startswith(b"PK\x03\x04") else archived(data)
-    if _huge_memo_index(_pickle_of(archive_bytes)):
-        return
     pread = _reader(archive_bytes)
     try:
         archive = torch_zip.open_archive(pread, len(archive_bytes), WHERE)

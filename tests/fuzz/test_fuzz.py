@@ -10,7 +10,7 @@ A fuzz run writes only inside its temporary folder (the inputs it finds, a crash
 ``.metadata``), holds at most ``RSS_LIMIT_MB`` of memory, gives one input at most ``INPUT_TIMEOUT_S`` and
 ends after its time. A failure shows the crashing input in base64: fix the parser, then add the input to
 corpus/<target>/ as ``found-<what>`` so the replay test keeps it. Findings reported to the owners of parsers
-this suite does not fix are stepped around by the targets (targets.OPEN_FINDINGS, targets._huge_memo_index)
+this suite does not fix are stepped around by the targets (targets.OPEN_FINDINGS)
 until fixed; DISTCKPT_FUZZ_KNOWN=1 in a run by hand (run.py) looks at them again.
 """
 

@@ -183,3 +183,38 @@ def test_broadcasting_reader_casts_only_when_allowed(tmp_path):
     with pytest.raises(distckpt.DTypeMismatchError, match="allow_dtype_conversion"):
         distckpt.load({"w": torch.zeros(2, dtype=torch.int32)}, storage_reader=BroadcastingTorchSaveReader(path),
                       planner=DynamicMetaLoadPlanner(), no_dist=True)
+
+
+def test_a_pickle_memoizing_at_a_huge_index_is_refused_before_the_unpickler_grows_its_memo(tmp_path):
+    import zipfile
+
+    (tmp_path / ".metadata").write_bytes(b"\x80\x04Nr\x00\x00\x00\x10.")  # LONG_BINPUT 2**28: 4 GiB of memo
+    with pytest.raises(distckpt.CorruptCheckpointError, match="memoizes"):
+        distckpt.read_metadata(str(tmp_path))
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as z:
+        z.writestr("archive/data.pkl", b"\x80\x02}r\x00\x00\x00\x10.")
+    file = tmp_path / "m.pt"
+    file.write_bytes(out.getvalue())
+    with pytest.raises(distckpt.CorruptCheckpointError, match="memoizes"):
+        distckpt.read_metadata(str(file))
+
+
+def test_failed_unpickles_of_an_archive_leave_no_unpickler_behind(tmp_path):
+    import gc
+
+    from distckpt.layouts import torch_zip
+
+    # a well-formed pickle that fails inside the load, after the rebuild function is in the memo
+    blob = archive({"w": Tensor(Storage("0", "not a storage type", 4), 0, (4,), (1,))}, {"0": raw(torch.zeros(4))})
+
+    def pread(n, offset):
+        return blob[offset:offset + n]
+    arch = torch_zip.open_archive(pread, len(blob), "x.pt")
+    gc.collect()
+    before = sum(type(o).__name__ == "_Unpickler" for o in gc.get_objects())
+    for _ in range(200):
+        with pytest.raises(distckpt.CheckpointError, match="of type"):
+            torch_zip.unpickle_refs(arch, pread, "x.pt", 1 << 20)
+    gc.collect()
+    assert sum(type(o).__name__ == "_Unpickler" for o in gc.get_objects()) - before == 0

@@ -43,6 +43,7 @@ from ..metadata import (
     TensorStorageMetadata,
 )
 from .checks import MAX_DIM, check_layout
+from .pickles import check_memo
 from .torch_zip import NotPlainData, TensorRef, check_crc, materialise, open_archive, tensor_from, unpickle_refs
 
 __all__ = ["DCP_METADATA_FILE", "TORCH_SAVE", "parse_dcp_metadata", "dcp_layout", "is_dcp_directory"]
@@ -104,6 +105,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 def parse_dcp_metadata(raw: bytes, where: str) -> Any:
     """DCP's metadata object from the bytes of ``.metadata``, through the restricted unpickler."""
+    check_memo(raw, where)
     try:
         return _MetadataUnpickler(io.BytesIO(raw)).load()
     except Exception as exc:  # noqa: BLE001 - a damaged pickle raises anything

@@ -30,6 +30,7 @@ import torch
 from .. import knobs
 from ..errors import CorruptCheckpointError, UnsafeValueError
 from ..format.dtypes import itemsize
+from .pickles import check_memo
 
 __all__ = ["Archive", "TensorRef", "StorageRef", "open_archive", "unpickle_refs", "tensor_from", "materialise", "NotPlainData"]
 
@@ -229,35 +230,16 @@ def _shape(value: Any, what: str, where: str) -> tuple[int, ...]:
     return tuple(_int(v, what, where) for v in value)
 
 
-class _Unpickler(pickle.Unpickler):
-    """Builds the pickled object with every tensor as a :class:`TensorRef`; names only torch's rebuild functions,
-    storage types, dtypes, ``torch.Size`` and plain containers. Any other global raises :class:`NotPlainData`."""
+class _Rebuilder:
+    """What the restricted unpickler builds tensors and storages with. It holds no reference to the unpickler: a
+    load that fails leaves these functions on the C unpickler's stack, which the garbage collector cannot see, so a
+    cycle through the unpickler would never be freed."""
 
-    def __init__(self, data: bytes, where: str) -> None:
-        super().__init__(io.BytesIO(data))
+    def __init__(self, where: str) -> None:
         self.where = where
         self.storages: dict[str, StorageRef] = {}
 
-    def find_class(self, module: str, name: str) -> Any:
-        if module == "torch._utils" and name in ("_rebuild_tensor_v2", "_rebuild_tensor_v3"):
-            return self._rebuild_v2 if name == "_rebuild_tensor_v2" else self._rebuild_v3
-        if (module, name) == ("torch._utils", "_rebuild_parameter"):
-            return lambda data, requires_grad, hooks: data
-        if module == "torch" and name in _STORAGE_DTYPES:
-            return _STORAGE_DTYPES[name]
-        if (module, name) == ("torch.storage", "UntypedStorage") or (module, name) == ("torch", "UntypedStorage"):
-            return _UNTYPED
-        if module == "torch":
-            value = getattr(torch, name, None)
-            if value is torch.Size or isinstance(value, torch.dtype):
-                return value
-        if (module, name) == ("collections", "OrderedDict"):
-            return collections.OrderedDict
-        if module == "builtins" and name in ("set", "frozenset", "complex", "slice"):
-            return {"set": set, "frozenset": frozenset, "complex": complex, "slice": slice}[name]
-        raise NotPlainData(f"{module}.{name}")
-
-    def persistent_load(self, pid: Any) -> Any:
+    def storage(self, pid: Any) -> StorageRef:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[2], str)):
             raise CorruptCheckpointError(f"{self.where}: the torch.save pickle names a storage as {pid!r:.200}")
         _, kind, key, _location, count = pid
@@ -273,18 +255,18 @@ class _Unpickler(pickle.Unpickler):
             raise CorruptCheckpointError(f"{self.where}: the torch.save pickle gives storage {key!r} two sizes or two dtypes")
         return self.storages[key]
 
-    def _rebuild_v2(self, storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any = False, *rest: Any) -> TensorRef:
+    def v2(self, storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any = False, *rest: Any) -> TensorRef:
         if not isinstance(storage, StorageRef):
             raise CorruptCheckpointError(f"{self.where}: the torch.save pickle rebuilds a tensor over {storage!r:.100}")
-        return self._ref(storage, offset, size, stride, requires_grad, storage.dtype)
+        return self.ref(storage, offset, size, stride, requires_grad, storage.dtype)
 
-    def _rebuild_v3(self, storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any, hooks: Any, dtype: Any,
-                    *rest: Any) -> TensorRef:
+    def v3(self, storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any, hooks: Any, dtype: Any,
+           *rest: Any) -> TensorRef:
         if not isinstance(storage, StorageRef) or not isinstance(dtype, torch.dtype):
             raise CorruptCheckpointError(f"{self.where}: the torch.save pickle rebuilds a tensor over {storage!r:.100}")
-        return self._ref(storage, offset, size, stride, requires_grad, dtype)
+        return self.ref(storage, offset, size, stride, requires_grad, dtype)
 
-    def _ref(self, storage: StorageRef, offset: Any, size: Any, stride: Any, requires_grad: Any, dtype: torch.dtype) -> TensorRef:
+    def ref(self, storage: StorageRef, offset: Any, size: Any, stride: Any, requires_grad: Any, dtype: torch.dtype) -> TensorRef:
         size, stride = _shape(size, "a tensor size", self.where), _shape(stride, "a tensor stride", self.where)
         if len(size) != len(stride):
             raise CorruptCheckpointError(f"{self.where}: the torch.save pickle gives size {size} and stride {stride}")
@@ -298,6 +280,41 @@ class _Unpickler(pickle.Unpickler):
         return ref
 
 
+def _parameter(data: Any, requires_grad: Any, hooks: Any, *rest: Any) -> Any:
+    return data
+
+
+class _Unpickler(pickle.Unpickler):
+    """Builds the pickled object with every tensor as a :class:`TensorRef`; names only torch's rebuild functions,
+    storage types, dtypes, ``torch.Size`` and plain containers. Any other global raises :class:`NotPlainData`."""
+
+    def __init__(self, data: bytes, where: str) -> None:
+        super().__init__(io.BytesIO(data))
+        self.rebuild = _Rebuilder(where)
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch._utils" and name in ("_rebuild_tensor_v2", "_rebuild_tensor_v3"):
+            return self.rebuild.v2 if name == "_rebuild_tensor_v2" else self.rebuild.v3
+        if (module, name) == ("torch._utils", "_rebuild_parameter"):
+            return _parameter
+        if module == "torch" and name in _STORAGE_DTYPES:
+            return _STORAGE_DTYPES[name]
+        if (module, name) == ("torch.storage", "UntypedStorage") or (module, name) == ("torch", "UntypedStorage"):
+            return _UNTYPED
+        if module == "torch":
+            value = getattr(torch, name, None)
+            if value is torch.Size or isinstance(value, torch.dtype):
+                return value
+        if (module, name) == ("collections", "OrderedDict"):
+            return collections.OrderedDict
+        if module == "builtins" and name in ("set", "frozenset", "complex", "slice"):
+            return {"set": set, "frozenset": frozenset, "complex": complex, "slice": slice}[name]
+        raise NotPlainData(f"{module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        return self.rebuild.storage(pid)
+
+
 def unpickle_refs(archive: Archive, pread: Callable[[int, int], bytes], where: str, max_bytes: int) -> Any:
     """The archive's object, tensors as :class:`TensorRef`; raises :class:`NotPlainData` for anything else it would
     take code to build. Byte order must be little-endian, the pickle at most ``max_bytes``."""
@@ -309,6 +326,7 @@ def unpickle_refs(archive: Archive, pread: Callable[[int, int], bytes], where: s
         raise CorruptCheckpointError(f"{where}: the torch.save pickle is {rec.size} bytes, over the cap of {max_bytes}")
     data = pread(rec.size, rec.offset)
     check_crc(rec, data, "data.pkl", where)
+    check_memo(data, where)
     unpickler = _Unpickler(data, where)
     try:
         obj = unpickler.load()
