@@ -19,6 +19,7 @@ from __future__ import annotations
 import base64
 import os
 import pathlib
+import resource
 import subprocess
 import sys
 
@@ -72,7 +73,10 @@ def _start(target: str, seconds: int, folder: pathlib.Path) -> subprocess.Popen:
     """One fuzz run of ``target`` for ``seconds``, confined to ``folder``."""
     found = folder / "found"
     found.mkdir(parents=True, exist_ok=True)
-    options = [f"-max_total_time={seconds}", f"-rss_limit_mb={RSS_LIMIT_MB}",
+    # libFuzzer reads the peak RSS (ru_maxrss), which Linux carries from this process into the child through fork
+    # and exec: after a long test run it starts at this process's peak, so the limit is counted above it
+    inherited_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
+    options = [f"-max_total_time={seconds}", f"-rss_limit_mb={RSS_LIMIT_MB + inherited_mb}",
                f"-timeout={INPUT_TIMEOUT_S}", f"-max_len={MAX_LEN}", f"-artifact_prefix={folder}{os.sep}", "-print_final_stats=1"]
     if target in JSON_TARGETS:
         options.append(f"-dict={DICTIONARY}")
