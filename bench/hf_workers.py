@@ -9,6 +9,8 @@ import warnings
 
 import torch
 
+from distckpt.testing.read_counts import FileReads
+
 from .measure import measure, warm_memory
 
 DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
@@ -25,29 +27,6 @@ def llama_config(gib: float):
     return transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
                                     num_attention_heads=16 if gib >= 0.5 else 4, num_key_value_heads=8 if gib >= 0.5 else 2,
                                     tie_word_embeddings=False)
-
-
-class FileReads:
-    """Bytes returned by distckpt's file readers in this process."""
-
-    def __init__(self) -> None:
-        from distckpt.backends import filesystem
-
-        self.total = 0
-        cls = filesystem._FdReader
-        readinto, readv = cls.readinto, cls.readv
-        counter = self
-
-        def counted_readinto(reader, buf, offset):
-            got = readinto(reader, buf, offset)
-            counter.total += got
-            return got
-
-        def counted_readv(reader, views, offset):
-            got = readv(reader, views, offset)
-            counter.total += got
-            return got
-        cls.readinto, cls.readv = counted_readinto, counted_readv
 
 
 def _fsdp_model(config, mesh):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 import distckpt
+from distckpt.testing.read_counts import FileReads
 
 BATCH = torch.tensor([[1, 5, 9, 17, 33, 2, 7, 64], [3, 3, 8, 100, 12, 0, 44, 6]])
 
@@ -37,30 +38,6 @@ def reference(kind: str, path: str, max_shard_size: str) -> torch.Tensor:
         return model(BATCH).logits
 
 
-class ReadCounter:
-    """Counts the bytes distckpt's file readers return (the process's rchar would count the process group's
-    socket traffic as well)."""
-
-    def __init__(self) -> None:
-        from distckpt.backends import filesystem
-
-        self.total = 0
-        cls = filesystem._FdReader
-        readinto, readv = cls.readinto, cls.readv
-        counter = self
-
-        def counted_readinto(reader, buf, offset):
-            got = readinto(reader, buf, offset)
-            counter.total += got
-            return got
-
-        def counted_readv(reader, views, offset):
-            got = readv(reader, views, offset)
-            counter.total += got
-            return got
-        cls.readinto, cls.readv = counted_readinto, counted_readv
-
-
 def fsdp_load(rank: int, world_size: int, kind: str, path: str):
     """An FSDP2 model of other weights, loaded from ``path`` in place; its logits and the bytes this rank read."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
@@ -75,7 +52,7 @@ def fsdp_load(rank: int, world_size: int, kind: str, path: str):
     fully_shard(model, mesh=mesh)
     state = get_model_state_dict(model)
     assert all(isinstance(v, torch.distributed.tensor.DTensor) for v in state.values())
-    counter = ReadCounter()
+    counter = FileReads()
     distckpt.load(state, checkpoint_id=path)
     read = counter.total
     with torch.no_grad():

@@ -50,13 +50,13 @@ def _record_reads(monkeypatch, methods=("readv", "readv_cached")):
     seen = []
     lock = threading.Lock()
     for method in methods:  # data in the page cache comes through readv_cached
-        real = getattr(filesystem._FdReader, method)
+        real = getattr(filesystem.FileReader, method)
 
         def record(self, views, offset, real=real):
             with lock:
                 seen.append((threading.get_ident(), os.path.basename(self.path), id(self), offset, sum(len(v) for v in views)))
             return real(self, views, offset)
-        monkeypatch.setattr(filesystem._FdReader, method, record)
+        monkeypatch.setattr(filesystem.FileReader, method, record)
     return seen
 
 
@@ -92,14 +92,14 @@ def _cached_reads_refused(monkeypatch, cached_bytes):
     """Simulate a page cache that holds only the first ``cached_bytes`` of each read (where the file
     system cannot answer, as tmpfs, the real one would say None)."""
     calls = []
-    real_readv = filesystem._FdReader.readv
+    real_readv = filesystem.FileReader.readv
 
     def readv_cached(self, views, offset):
         want = sum(len(v) for v in views)
         got = min(want, cached_bytes)
         calls.append((offset, want, got))
         return min(real_readv(self, views, offset), got) if got else 0
-    monkeypatch.setattr(filesystem._FdReader, "readv_cached", readv_cached)
+    monkeypatch.setattr(filesystem.FileReader, "readv_cached", readv_cached)
     return calls
 
 

@@ -82,7 +82,7 @@ class _FdWriter(BlobWriter):
             os.close(self.fd)
 
 
-class _FdReader(BlobReader):
+class FileReader(BlobReader):
     small_reads_are_cheap = True
     nowait_refused = False
 
@@ -212,7 +212,7 @@ class FsStore(BlobStore):
         except OSError as exc:
             raise _io_error("opening", self.root, exc) from exc
         try:
-            return _FdReader(path, open_regular(name, dir_fd=dir_fd))  # relative to the checkpoint's directory
+            return FileReader(path, open_regular(name, dir_fd=dir_fd))  # relative to the checkpoint's directory
         except OSError as exc:
             if isinstance(exc, CheckpointError):
                 raise
