@@ -29,8 +29,9 @@ def _fast_saves(rank, world_size, root, delay_s):
         for step in range(1, 9):
             state["w"].fill_(step)
             mgr.save(step, state)  # no wait: training runs ahead of the background
-            # steps and unfinished writes alike (not the small lease files of the writes)
-            peak = max(peak, sum(n.startswith(("step-", ".distckpt-tmp-")) for n in os.listdir(own)))
+            # steps and unfinished writes alike (not the small lease files of the writes, nor a deleted step whose
+            # removal is still under way: renamed out of the way, it holds no step)
+            peak = max(peak, sum(n.startswith(("step-", ".distckpt-tmp-")) and "-trash-" not in n for n in os.listdir(own)))
         mgr.wait()
     waited = [mgr.timings[s]["waited_s"] for s in range(1, 9)]
     steps = mgr.own_steps()
