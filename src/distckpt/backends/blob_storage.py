@@ -34,7 +34,8 @@ from ..wire.columns import ResultColumns
 from .leases import Lease
 
 
-def _done(value: Any) -> Future:
+def done(value: Any) -> Future:
+    """A future that holds ``value`` already (the protocol returns futures; these steps finish in the call)."""
     fut: Future = Future()
     fut.set_result(value)
     return fut
@@ -118,7 +119,7 @@ class BlobStorageWriter(StorageWriter):
         results = write_file(staging, sd["file"], sd["save_id"], sd["rank"], plan, planner,
                              threads=self.thread_count or knobs.io_threads(), sync=self._sync(),
                              is_coordinator=self.is_coordinator, codec_of=self._codec_of())
-        return _done(results)
+        return done(results)
 
     def _codec_of(self):
         codec = self.chunk_codec
@@ -280,4 +281,4 @@ class BlobStorageReader(StorageReader):
                    verify=self.verify_checksums, threads=self.thread_count or knobs.io_threads(),
                    verified_elsewhere=getattr(self, "verified_elsewhere", set()), is_coordinator=self.is_coordinator,
                    extension_registry=getattr(self, "extension_registry", None))
-        return _done(None)
+        return done(None)

@@ -22,6 +22,7 @@ from ..format.records import ForeignStorageData
 from ..metadata import Metadata
 from ..planner import LoadPlan, LoadPlanner
 from ..storage import StorageReader
+from .blob_storage import done
 from .filesystem import FsStore
 from .s3 import S3Reader
 
@@ -128,9 +129,7 @@ class LayoutReader(StorageReader):
         self._check_planned(planner)
         read_items(self.store, self.metadata, plan, planner, str(self.path), verify=False,
                    threads=self.thread_count or knobs.io_threads(), is_coordinator=getattr(self, "is_coordinator", True))
-        fut: Future = Future()
-        fut.set_result(None)
-        return fut
+        return done(None)
 
     def _check_planned(self, planner: LoadPlanner) -> None:
         """Where the planner planned on metadata of its own (DynamicMetaLoadPlanner), its keys and shapes must be

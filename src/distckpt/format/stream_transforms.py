@@ -159,24 +159,42 @@ class StreamTransforms(ChunkCodec):
         return sink.getvalue()
 
     def decode(self, stored: memoryview, nbytes: int, where: str, limit: Optional[int] = None) -> memoryview:
-        stages: list[_Capped] = []
-        try:
-            stream = self._chain(stored, nbytes, limit, stages)  # a transform may read its input as it is made
+        def drain(stream: Any) -> tuple[memoryview, int]:
             if nbytes < 0:
                 out = bytearray()
                 while piece := stream.read(_PIECE):
                     out += piece
-                view = memoryview(out)
-                done = len(out)
-            else:
-                view = memoryview(bytearray(nbytes))
-                done = 0
-                while done < nbytes:
-                    n = stream.readinto(view[done:])
-                    if not n:
-                        break
-                    done += n
-                stream.read(1)  # one byte past the item's end is an overflow of the last stage
+                return memoryview(out), len(out)
+            view = memoryview(bytearray(nbytes))
+            done = 0
+            while done < nbytes:
+                n = stream.readinto(view[done:])
+                if not n:
+                    break
+                done += n
+            stream.read(1)  # one byte past the item's end is an overflow of the last stage
+            return view, done
+
+        return self._decoding(stored, nbytes, where, limit, drain)
+
+    def decoded_size(self, stored: memoryview, nbytes: int, where: str, limit: Optional[int] = None) -> int:
+        """As :meth:`decode`, through one buffer of 1 MiB that every piece overwrites: memory stays bounded
+        whatever the stored bytes decode to."""
+        def count(stream: Any) -> tuple[int, int]:
+            buf = memoryview(bytearray(_PIECE))
+            done = 0
+            while n := stream.readinto(buf):
+                done += n
+            return done, done
+
+        return self._decoding(stored, nbytes, where, limit, count)
+
+    def _decoding(self, stored: memoryview, nbytes: int, where: str, limit: Optional[int], drain: Any) -> Any:
+        """``drain(stream)`` over the chain of transforms, returning (result, bytes decoded); every stage's cap
+        and the item's size are checked, and a transform's own failure becomes CorruptCheckpointError."""
+        stages: list[_Capped] = []
+        try:
+            result, done = drain(self._chain(stored, nbytes, limit, stages))  # a transform may read its input as made
         except Exception as exc:  # noqa: BLE001 - a transform raises what its library raises on damaged input
             self._check_stages(stages, nbytes, where, limit)
             raise CorruptCheckpointError(f"{where}: the stored bytes do not decode through {self.name} "
@@ -185,27 +203,7 @@ class StreamTransforms(ChunkCodec):
         if nbytes >= 0 and done != nbytes:
             raise CorruptCheckpointError(f"{where}: the stored bytes decode through {self.name} to "
                                          f"{done} bytes, not the {nbytes} of the item")
-        return view
-
-    def decoded_size(self, stored: memoryview, nbytes: int, where: str, limit: Optional[int] = None) -> int:
-        """As :meth:`decode`, through one buffer of 1 MiB that every piece overwrites: memory stays bounded
-        whatever the stored bytes decode to."""
-        stages: list[_Capped] = []
-        buf = memoryview(bytearray(_PIECE))
-        done = 0
-        try:
-            stream = self._chain(stored, nbytes, limit, stages)
-            while n := stream.readinto(buf):
-                done += n
-        except Exception as exc:  # noqa: BLE001 - as in decode
-            self._check_stages(stages, nbytes, where, limit)
-            raise CorruptCheckpointError(f"{where}: the stored bytes do not decode through {self.name} "
-                                         f"({type(exc).__name__}: {exc})") from None
-        self._check_stages(stages, nbytes, where, limit)
-        if nbytes >= 0 and done != nbytes:
-            raise CorruptCheckpointError(f"{where}: the stored bytes decode through {self.name} to "
-                                         f"{done} bytes, not the {nbytes} of the item")
-        return done
+        return result
 
     def _chain(self, stored: memoryview, nbytes: int, limit: Optional[int], stages: list["_Capped"]) -> Any:
         """The chain of transforms over ``stored``, each stage read through a cap: the last at the item's
