@@ -35,7 +35,8 @@ CheckpointException = RankFailuresError
 # The rest of the API is imported on first use (PEP 562): ``import distckpt`` does not import torch,
 # so the command line answers ``--help`` at once. Name -> module that defines it.
 _LAZY = {
-    **dict.fromkeys(["DCPReader", "FileSystemReader", "FileSystemWriter", "HuggingFaceReader", "MemoryReader", "MemoryWriter",
+    **dict.fromkeys(["DCPReader", "FileSystemReader", "FileSystemWriter", "HuggingFaceReader", "HuggingFaceWriter", "MemoryReader",
+                     "MemoryWriter",
                      "TorchSaveReader"],
                   "backends"),
     **dict.fromkeys(["ExtensionRegistry", "StreamTransformExtension", "ZStandard"], "format.stream_transforms"),
@@ -92,6 +93,7 @@ __all__ = [
     "FileSystemReader",
     "DCPReader",
     "HuggingFaceReader",
+    "HuggingFaceWriter",
     "TorchSaveReader",
     "MemoryWriter",
     "MemoryReader",

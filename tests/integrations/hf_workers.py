@@ -59,3 +59,42 @@ def fsdp_load(rank: int, world_size: int, kind: str, path: str):
         logits = model(BATCH).logits
     local = sum(v.to_local().nbytes for v in state.values())
     return logits, read, local
+
+
+def fsdp_publish(rank: int, world_size: int, kind: str, path: str, max_shard_size: str):
+    """An FSDP2 model of the reference weights published as a Hugging Face directory from every rank; the peak
+    bytes any rank held of other ranks' rows is none: each writes its own local shards."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = build(kind, 0)
+    layers = model.model.layers if kind == "llama" else model.transformer.h
+    for layer in layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    state = get_model_state_dict(model)
+    distckpt.save(state, storage_writer=distckpt.HuggingFaceWriter(path, max_shard_size=max_shard_size, config=model.config))
+    return sorted(state)
+
+
+def dtensor_publish(rank: int, world_size: int, path: str):
+    """DTensors of every placement a publish meets: rows (uneven), columns, replicated, a scalar, bf16 and bool."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    full = dtensor_state()
+    placements = {"rows": Shard(0), "cols": Shard(1), "cube": Shard(2), "rep": Replicate(), "half": Shard(1),
+                  "mask": Shard(0)}
+    state = {k: distribute_tensor(v, mesh, [placements[k]]) if k in placements else v for k, v in full.items()}
+    distckpt.save(state, storage_writer=distckpt.HuggingFaceWriter(path, max_shard_size="2KB"))
+
+
+def dtensor_state() -> dict:
+    g = torch.Generator().manual_seed(7)
+    return {"rows": torch.randn(13, 5, generator=g), "cols": torch.randn(6, 11, generator=g),
+            "cube": torch.randn(3, 4, 7, generator=g).double(), "rep": torch.randn(9, generator=g),
+            "half": torch.randn(5, 9, generator=g).bfloat16(), "mask": torch.rand(10, 3, generator=g) > 0.5,
+            "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 3)}

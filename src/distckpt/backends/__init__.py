@@ -17,12 +17,14 @@ from ..storage import StorageReader, StorageWriter
 from .dcp_reader import DCPReader
 from .filesystem import FileSystemReader, FileSystemWriter
 from .hf_reader import HuggingFaceReader
+from .hf_writer import HuggingFaceWriter
 from .memory import MemoryReader, MemoryWriter, clear_memory_store
 from .s3 import S3Reader, S3Writer
 from .torch_save_file import TorchSaveReader
 
 __all__ = [
-    "FileSystemWriter", "FileSystemReader", "DCPReader", "HuggingFaceReader", "TorchSaveReader", "MemoryWriter", "MemoryReader",
+    "FileSystemWriter", "FileSystemReader", "DCPReader", "HuggingFaceReader", "HuggingFaceWriter", "TorchSaveReader",
+    "MemoryWriter", "MemoryReader",
     "S3Writer", "S3Reader",
     "clear_memory_store",
     "register_backend", "writer_for", "reader_for",
@@ -42,7 +44,10 @@ def register_backend(writer: type[StorageWriter], reader: type[StorageReader]) -
 
 
 def writer_for(checkpoint_id: Union[str, os.PathLike], **options: Any) -> StorageWriter:
-    """A new writer of the backend that accepts ``checkpoint_id``, given the ``options`` its constructor takes."""
+    """A new writer of the backend that accepts ``checkpoint_id``, given the ``options`` its constructor takes
+    (``hf://path`` publishes a Hugging Face checkpoint directory)."""
+    if HuggingFaceWriter.validate_checkpoint_id(checkpoint_id):
+        return HuggingFaceWriter(**_accepted(HuggingFaceWriter, options))
     for writer, _ in _BACKENDS:
         if writer.validate_checkpoint_id(checkpoint_id):
             return writer(**_accepted(writer, options))

@@ -1,0 +1,149 @@
+"""Publishing Hugging Face checkpoints from a distributed state, with transformers and safetensors as the real
+clients: FSDP2 models at 2 and 3 ranks write a sharded directory that ``from_pretrained`` loads with the same
+outputs, every placement of a DTensor lands bit-exact, shards split as ``save_pretrained`` splits them, and a publish
+killed at any point leaves nothing ``from_pretrained`` takes for a checkpoint."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import distckpt
+from distckpt.backends.filesystem import FsStore
+from distckpt.testing import run_ranks
+
+from . import hf_workers as w
+
+pytest.importorskip("transformers")
+
+
+def _tensors(path: str) -> dict:
+    from safetensors.torch import load_file
+
+    names = os.listdir(path)
+    if "model.safetensors" in names:
+        return load_file(os.path.join(path, "model.safetensors"))
+    index = json.load(open(os.path.join(path, "model.safetensors.index.json")))
+    out = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        part = load_file(os.path.join(path, shard))
+        assert {k for k, v in index["weight_map"].items() if v == shard} == set(part)
+        out.update(part)
+    return out
+
+
+@pytest.mark.parametrize("kind,world", [("llama", 2), ("gpt2", 3)])
+def test_an_fsdp2_state_publishes_a_directory_from_pretrained_loads(tmp_path, kind, world):
+    import transformers
+
+    path = str(tmp_path / "published")
+    keys = run_ranks(w.fsdp_publish, world, kind, path, "60KB", timeout_s=300)[0]
+    names = sorted(os.listdir(path))
+    assert "config.json" in names and "model.safetensors.index.json" in names
+    assert len([n for n in names if n.endswith(".safetensors")]) >= 3
+    assert not [n for n in os.listdir(tmp_path) if n != "published"]  # no staging directory or lease left
+    expected_model = w.build(kind, 0)
+    with torch.no_grad():
+        expected = expected_model(w.BATCH).logits
+    model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(w.BATCH).logits, expected, rtol=0, atol=0)
+    stored = _tensors(path)
+    assert set(stored) == set(keys)
+    reference = expected_model.state_dict()
+    assert all(torch.equal(stored[k], reference[k]) for k in keys)
+
+
+def test_every_dtensor_placement_lands_bit_exact(tmp_path):
+    path = str(tmp_path / "out")
+    run_ranks(w.dtensor_publish, 3, path, timeout_s=120)
+    stored = _tensors(path)
+    expected = w.dtensor_state()
+    assert set(stored) == set(expected)
+    for k, v in expected.items():
+        assert stored[k].dtype == v.dtype and torch.equal(stored[k], v), k
+    # and back through distckpt's own reader of the layout
+    back = {k: torch.empty_like(v) for k, v in expected.items()}
+    distckpt.load(back, checkpoint_id=path, no_dist=True)
+    assert all(torch.equal(back[k], expected[k]) for k in expected)
+
+
+def test_shards_split_as_save_pretrained_splits_them(tmp_path):
+    model = w.build("llama", 0)
+    model.save_pretrained(str(tmp_path / "hf"), max_shard_size="60KB")
+    distckpt.save(model.state_dict(), storage_writer=distckpt.HuggingFaceWriter(str(tmp_path / "ours"), max_shard_size="60KB",
+                                                                                  config=model.config), no_dist=True)
+    theirs = json.load(open(tmp_path / "hf" / "model.safetensors.index.json"))
+    ours = json.load(open(tmp_path / "ours" / "model.safetensors.index.json"))
+    assert ours["weight_map"] == theirs["weight_map"]
+    assert ours["metadata"]["total_size"] == theirs["metadata"]["total_size"]
+    assert json.load(open(tmp_path / "ours" / "config.json"))["model_type"] == "llama"
+    # one shard: one model.safetensors, no index, as save_pretrained
+    distckpt.save(model.state_dict(), checkpoint_id=f"hf://{tmp_path / 'one'}", no_dist=True)
+    assert os.listdir(tmp_path / "one") == ["model.safetensors"]
+
+
+def test_what_a_hugging_face_checkpoint_cannot_hold_is_refused_before_a_byte_is_written(tmp_path):
+    target = str(tmp_path / "out")
+    with pytest.raises(distckpt.UnsupportedTensorError, match="'step'.*not tensors"):
+        distckpt.save({"w": torch.ones(2), "step": 3}, storage_writer=distckpt.HuggingFaceWriter(target), no_dist=True)
+    with pytest.raises(distckpt.UnsupportedTensorError, match="'z'.*complex"):
+        distckpt.save({"z": torch.ones(2, dtype=torch.complex64)}, storage_writer=distckpt.HuggingFaceWriter(target),
+                      no_dist=True)
+    assert os.listdir(tmp_path) == []
+    os.mkdir(target)
+    open(os.path.join(target, "README.md"), "w").close()
+    with pytest.raises(distckpt.CheckpointError, match="holds files.*README.md"):
+        distckpt.save({"w": torch.ones(2)}, storage_writer=distckpt.HuggingFaceWriter(target), no_dist=True)
+    with pytest.raises(distckpt.CheckpointError, match="max_shard_size"):
+        distckpt.HuggingFaceWriter(target, max_shard_size="5 parsecs")
+    with pytest.raises(distckpt.CheckpointError, match="not a JSON document"):
+        distckpt.HuggingFaceWriter(target, config=str(tmp_path / "out" / "README.md"))
+
+
+_PUBLISH = """
+import sys, torch, distckpt
+sys.path.insert(0, {tests!r})
+from integrations import hf_workers as w
+model = w.build("llama", 0)
+distckpt.save(model.state_dict(), storage_writer=distckpt.HuggingFaceWriter({path!r}, max_shard_size="60KB",
+              config=model.config), no_dist=True)
+"""
+
+
+def _publish(path: str, **env) -> subprocess.CompletedProcess:
+    code = _PUBLISH.format(tests=os.path.dirname(os.path.dirname(__file__)), path=path)
+    env = {**os.environ, "DISTCKPT_FSYNC": "1", **env}  # durability is what a crash test checks
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_a_publish_killed_anywhere_leaves_nothing_from_pretrained_takes_for_a_checkpoint(tmp_path):
+    import transformers
+
+    log = tmp_path / "points.log"
+    done = _publish(str(tmp_path / "full"), DISTCKPT_FAULT_LOG=str(log))
+    assert done.returncode == 0, done.stderr
+    points = [line.split("\t") for line in log.read_text().splitlines()]  # index, rank, kind, path
+    kinds = [p[2] for p in points]
+    assert kinds.count("write") > 10 and kinds.count("rename") == 1, kinds
+    commit = kinds.index("rename")
+    # the first boundary (a shard's creation), the ranks' writes, and the commit's rename itself
+    for index in sorted({0, 1, commit // 3, commit // 2, commit - 1, commit}):
+        path = str(tmp_path / f"killed-{index}")
+        result = _publish(path, DISTCKPT_FAULT=f"kill:{index}")
+        assert result.returncode == -9, (index, result.returncode, result.stderr[-2000:])
+        assert not os.path.exists(path), index
+        with pytest.raises(OSError):
+            transformers.AutoModelForCausalLM.from_pretrained(path)
+    if commit + 1 < len(points):  # killed just after the rename (syncing the parent): the publish is whole
+        path = str(tmp_path / "killed-after")
+        assert _publish(path, DISTCKPT_FAULT=f"kill:{commit + 1}").returncode == -9
+        transformers.AutoModelForCausalLM.from_pretrained(path)
+    leftovers = [n for n in os.listdir(tmp_path) if n.startswith(".distckpt-")]
+    assert leftovers  # each dead publish's staging directory or lease
+    FsStore(str(tmp_path)).remove_incomplete_below()
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".distckpt-")]
+    assert sorted(n for n in os.listdir(tmp_path) if not n.endswith(".log")) in (["full"], ["full", "killed-after"])
