@@ -599,9 +599,10 @@ def frames(translation: Translation, local: dict[str, list], dtypes: dict[str, t
                                     f"checkpoint key {piece.key!r}; give them one dtype")
             if name not in frame.owners:
                 frame.owners.append(name)
-            if not volume(piece.sizes):
-                if blocks:  # an empty region (an empty part or tensor) is still a chunk of its key, written by every holder
-                    frame.add(blocks[0][0].new_empty(piece.sizes), piece.offsets, piece.sizes, name)
+            if not volume(piece.size):
+                if blocks and not frame.pieces:  # an empty key is still stored: one empty chunk, from every holder
+                    zeros = (0,) * len(piece.size)
+                    frame.add(blocks[0][0].new_empty(piece.size), zeros, piece.size, name)
                 continue
             for block, offsets, sizes in blocks:
                 hit = place(piece, block, tuple(offsets), tuple(sizes))
