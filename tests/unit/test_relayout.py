@@ -341,3 +341,28 @@ def test_blocks_of_any_sharding_cover_each_checkpoint_key_exactly(data):
     assert got.keys() == expected.keys()
     for key in expected:
         assert torch.equal(got[key], expected[key]), key
+
+
+def test_a_nested_state_dict_records_the_checkpoint_keys_paths(tmp_path):
+    q, k = rand(2, 3, seed=1), rand(2, 3, seed=2)
+    state = {"model": {"qk": torch.cat([q, k]), "emb": rand(4, seed=3)}, "opt": {"lr": 0.5}}
+    save(state, tmp_path, RelayoutSavePlanner([Fuse(["model.q", "model.k"], "model.qk"), Rename("model.{x}", "model.{x}")]))
+    md = distckpt.read_metadata(str(tmp_path))
+    assert {k: tuple(v) for k, v in md.planner_data.items()} == {
+        "model.q": ("model", "q"), "model.k": ("model", "k"), "model.emb": ("model", "emb"), "opt.lr": ("opt", "lr")}
+    back = {"model": {"q": torch.zeros(2, 3), "k": torch.zeros(2, 3), "emb": torch.zeros(4)}, "opt": {"lr": 0.0}}
+    load(back, tmp_path)
+    assert torch.equal(back["model"]["k"], k) and back["opt"]["lr"] == 0.5
+
+
+def test_frames_refuse_two_blocks_of_one_region_in_different_memory():
+    from distckpt.planning.relayout import Piece, Translation
+
+    box = ((0,), (2,))
+    tr = Translation(pieces={name: [Piece(name, *box, "w", *box, (2,))] for name in ("a", "b")})
+    blocks = {name: [(torch.zeros(2), (0,), (2,))] for name in ("a", "b")}
+    with pytest.raises(RelayoutError, match="'a' and 'b'.*checkpoint key 'w'"):
+        frames(tr, blocks, {"a": (torch.float32, False), "b": (torch.float32, False)})
+    shared = torch.zeros(2)  # tied: one block
+    got = frames(tr, {name: [(shared, (0,), (2,))] for name in ("a", "b")}, {"a": (torch.float32, False), "b": (torch.float32, False)})
+    assert len(got["w"].pieces) == 1
