@@ -3,8 +3,8 @@
 \b
     distckpt inspect PATH [--json]     keys, shapes, dtypes, chunks, files and sizes
     distckpt verify PATH [--quiet]     check every byte against its checksums
-    distckpt convert --to FORMAT SRC DST      distckpt -> dcp | safetensors | torch-save
-    distckpt convert --from FORMAT SRC DST    dcp | safetensors | torch-save -> distckpt
+    distckpt convert --to FORMAT SRC DST      distckpt -> dcp | safetensors | torch-save | hf
+    distckpt convert --from FORMAT SRC DST    dcp | safetensors | torch-save | hf -> distckpt
     distckpt steps ROOT [--json] [--clean]    a training run's committed steps; --clean removes crash leftovers
 
 Exit codes: 0 success; 1 the checkpoint is damaged; 2 usage errors; 3 no checkpoint there (a wrong
@@ -128,7 +128,7 @@ def verify_cmd(checkpoint: str, quiet: bool) -> None:
         click.echo(f"ok: {report.items} items in {report.files} file(s), {_human(report.bytes_checked)} checked")
 
 
-_FORMATS = ("dcp", "safetensors", "torch-save")
+_FORMATS = ("dcp", "safetensors", "torch-save", "hf")
 
 
 @main.command()
@@ -141,13 +141,19 @@ _FORMATS = ("dcp", "safetensors", "torch-save")
 @click.option("--trust-pickle", is_flag=True,
               help="with --from dcp: SRC is trusted; metadata distckpt's unpickler refuses (a newer DCP) is read by DCP's own")
 @click.option("--allow-pickle", is_flag=True, help="values that are not plain data may be stored / read pickled")
+@click.option("--max-shard-size", default="5GB", show_default=True, help="with --to hf: tensor bytes per shard ('500MB', '2GiB')")
+@click.option("--config", "config", default=None, help="with --to hf: a config.json (or a directory holding one) to copy in")
+@click.option("--prefix", default=None, help="with --to hf: publish only the keys under this prefix, without it ('model.')")
 def convert(src: str, dst: str, from_format: Optional[str], to_format: Optional[str], from_dcp: bool, to_dcp: bool,
-            trust_pickle: bool, allow_pickle: bool) -> None:
-    """Convert SRC into a new DST: distckpt <-> DCP directory, safetensors file, torch.save file.
+            trust_pickle: bool, allow_pickle: bool, max_shard_size: str, config: Optional[str], prefix: Optional[str]) -> None:
+    """Convert SRC into a new DST: distckpt <-> DCP directory, safetensors file, torch.save file, Hugging Face directory.
 
-    Tensors come out whole, whatever sharding they were saved with. Examples:
+    Tensors come out whole, whatever sharding they were saved with. Conversions from and to Hugging Face
+    directories read one tensor at a time (memory holds the tensors in flight, not the model). Examples:
 
     \b
+      distckpt convert --to hf CKPT OUT_DIR --max-shard-size 2GB --config config.json --prefix model.
+      distckpt convert --from hf HF_DIR CKPT
       distckpt convert --to safetensors CKPT model.safetensors
       distckpt convert --from torch-save model.pt CKPT
       distckpt convert --from dcp DCP_DIR CKPT
@@ -167,6 +173,10 @@ def convert(src: str, dst: str, from_format: Optional[str], to_format: Optional[
             n = conversion.to_dcp(src, dst, allow_pickle=allow_pickle, progress=say)
         elif (direction, fmt) == ("from", "safetensors"):
             n = conversion.from_safetensors(src, dst, allow_pickle=allow_pickle, progress=say)
+        elif (direction, fmt) == ("to", "hf"):
+            n = conversion.to_hf(src, dst, max_shard_size=max_shard_size, config=config, prefix=prefix, progress=say)
+        elif (direction, fmt) == ("from", "hf"):
+            n = conversion.from_hf(src, dst, progress=say)
         elif (direction, fmt) == ("to", "safetensors"):
             n = conversion.to_safetensors(src, dst, allow_pickle=allow_pickle, progress=say)
         elif direction == "from":

@@ -38,19 +38,21 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from . import backends
-from .backends import DCPReader
+from .backends import DCPReader, HuggingFaceWriter
 from .backends.fs_objects import create_exclusive, open_regular
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from .format.dtypes import itemsize
 from .format.json_text import parse_json
 from .format.values import from_data, to_data
+from .layouts.hf import is_hf_directory
 from .layouts.torch_save import load_torch_save
 from .loading import load, read_metadata
 from .metadata import TensorStorageMetadata
 from .planning import DefaultLoadPlanner, DefaultSavePlanner
 from .saving import save
+from .streaming import StreamingSavePlanner
 
-__all__ = ["from_dcp", "to_dcp", "from_safetensors", "to_safetensors", "from_torch_save", "to_torch_save",
+__all__ = ["from_dcp", "to_dcp", "from_safetensors", "to_safetensors", "from_torch_save", "to_torch_save", "to_hf", "from_hf",
            "dcp_to_torch_save", "torch_save_to_dcp", "read_whole"]
 
 VALUES_KEY = "distckpt.values"
@@ -275,6 +277,47 @@ def to_safetensors(src: PathLike, dst: PathLike, *, allow_pickle: bool = False,
     return len(state)
 
 
+def to_hf(src: PathLike, dst: PathLike, *, max_shard_size: Union[int, str] = "5GB", config: Any = None,
+          prefix: Optional[str] = None, progress: Optional[Callable[[str], None]] = None) -> int:
+    """Publish the tensors of checkpoint ``src`` as the new Hugging Face directory ``dst`` (shards of at most
+    ``max_shard_size``, their index, ``config.json`` from ``config``); return the count of tensors.
+
+    One tensor is read at a time, as the writer asks for it: memory holds the tensors in flight, not the model.
+    ``prefix`` picks the keys under it and drops it from their names (``"model."`` for a checkpoint of
+    ``{"model": model.state_dict(), "optim": ...}``); without it every key must be a tensor.
+    """
+    _new_destination(dst, "checkpoint")
+    sdm = read_metadata(src).state_dict_metadata
+    keys = {k[len(prefix):]: k for k in sdm if k.startswith(prefix)} if prefix else {k: k for k in sdm}
+    if not keys:
+        raise CheckpointError(f"checkpoint {os.fspath(src)!r} has no key starting with {prefix!r}; nothing to publish")
+    values = [k for k in keys.values() if not isinstance(sdm[k], TensorStorageMetadata)]
+    if values:
+        raise CheckpointError(
+            f"checkpoint {os.fspath(src)!r}: key(s) {values[:5]} are not tensors, and a Hugging Face checkpoint holds "
+            "tensors only; pick the model's keys with prefix= (the command line's --prefix), e.g. 'model.'")
+    if progress:
+        progress(f"publishing {len(keys)} tensors of {src} as Hugging Face checkpoint {dst}")
+    save({}, storage_writer=HuggingFaceWriter(dst, max_shard_size=max_shard_size, config=config),
+         planner=StreamingSavePlanner(src, keys), no_dist=True)
+    return len(keys)
+
+
+def from_hf(src: PathLike, dst: PathLike, *, progress: Optional[Callable[[str], None]] = None) -> int:
+    """Convert the Hugging Face directory ``src`` (``save_pretrained``'s shards and index, or one
+    ``model.safetensors``) into a new distckpt checkpoint ``dst``, one tensor at a time; return the count of keys."""
+    _new_destination(dst, "checkpoint")
+    source = os.fspath(src)
+    if not is_hf_directory(source):
+        raise CheckpointNotFoundError(f"{source}: not a Hugging Face checkpoint directory (no *.safetensors.index.json "
+                                      "and no model.safetensors)")
+    planner = StreamingSavePlanner(source if source.startswith("hf://") else f"hf://{source}")
+    if progress:
+        progress(f"converting {len(planner.keys)} tensors of Hugging Face checkpoint {src} into {dst}")
+    save({}, checkpoint_id=dst, planner=planner, no_dist=True)
+    return len(planner.keys)
+
+
 def _refuse_sharded_hf(src: PathLike) -> None:
     """A Hugging Face ``save_pretrained`` directory or its index is several files: say so, and what works."""
     path = os.fspath(src)
@@ -291,9 +334,8 @@ def _refuse_sharded_hf(src: PathLike) -> None:
     else:
         return
     raise CheckpointError(
-        f"{path} is {what}; distckpt converts one safetensors file at a time (a reader for sharded Hugging Face "
-        "checkpoints is planned). Convert a single-file model (model.safetensors) with `distckpt convert --from "
-        "safetensors FILE DST`, or load the model with transformers and save its state dict with distckpt.save.")
+        f"{path} is {what}, not one safetensors file; convert it with `distckpt convert --from hf DIR DST`, or load "
+        "it straight into a model with distckpt.load(state_dict, checkpoint_id=DIR).")
 
 
 def from_safetensors(src: PathLike, dst: PathLike, *, allow_pickle: bool = False,
