@@ -30,6 +30,7 @@ def test_dtensor_model_loads_an_unfused_checkpoint_and_saves_it_back(tmp_path, s
     # the keys the halves straddle were written by both ranks, each its part
     straddled = "model.layers.0.attn.k.weight" if shard_dim == 0 else "model.fc.b"
     assert len(md[straddled].chunks) == 2
+    assert len(md["model.emb"].chunks) == 1  # a replica, written once
     back = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in ckpt.items()}
     distckpt.load(back, checkpoint_id=str(tmp_path / "back"), no_dist=True)
     for k, v in ckpt.items():

@@ -366,3 +366,12 @@ def test_frames_refuse_two_blocks_of_one_region_in_different_memory():
     shared = torch.zeros(2)  # tied: one block
     got = frames(tr, {name: [(shared, (0,), (2,))] for name in ("a", "b")}, {"a": (torch.float32, False), "b": (torch.float32, False)})
     assert len(got["w"].pieces) == 1
+
+
+def test_a_value_and_a_tensor_on_one_checkpoint_key_are_refused(tmp_path):
+    save({"x": rand(2, seed=1)}, tmp_path)
+    model = {"x": torch.zeros(2), "y": 3}
+    with pytest.raises(RelayoutError, match="both map to checkpoint key 'x'"):
+        load(model, tmp_path, RelayoutLoadPlanner([Rename("x", "y")]))
+    with pytest.raises(RelayoutError, match="both map to checkpoint key 'x'"):
+        save(model, tmp_path / "b", RelayoutSavePlanner([Rename("x", "y")]))

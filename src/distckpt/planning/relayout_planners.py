@@ -111,13 +111,18 @@ class RelayoutLoadPlanner(DefaultLoadPlanner):
         cols = ReadColumns()
         self._value_keys = {}
         expected = tr.keys()
+        owners: dict[str, str] = {}
         for name, obj in self.state_dict.items():
             if isinstance(obj, torch.Tensor):
                 continue
             key = self.relayout.value_key(name)
             if key is None:
                 continue
+            if key in expected:
+                raise RelayoutError(f"model keys {owners.get(key, '(a tensor)')!r} and {name!r} both map to "
+                                    f"checkpoint key {key!r}")
             expected.add(key)
+            owners[key] = name
             md = sdm.get(key)
             if md is None:
                 missing[name] = [key]
@@ -125,9 +130,6 @@ class RelayoutLoadPlanner(DefaultLoadPlanner):
                 problems.append(ShapeMismatchError(
                     f"key {key!r} is a tensor in {self._checkpoint_name()}, but model key {name!r} holds a non-tensor "
                     "value; put a tensor of the saved shape there to load it"))
-            elif key in self._value_keys or key in tr.keys():
-                raise RelayoutError(f"model keys {self._value_keys.get(key, '(a tensor)')!r} and {name!r} both map to "
-                                    f"checkpoint key {key!r}")
             else:
                 self._value_keys[key] = name
                 cols.add_bytes(key)
@@ -219,13 +221,14 @@ class RelayoutSavePlanner(DefaultSavePlanner):
                                 volume(sizes) * width)
         self._encoded, self._values = {}, {}
         value_keys: dict[str, str] = {}
+        named = tr.keys()
         for name, obj in self.state_dict.items():
             if isinstance(obj, torch.Tensor):
                 continue
             key = self.relayout.value_key(name)
             if key is None:
                 continue
-            if key in value_keys or key in tr.keys():
+            if key in value_keys or key in named:
                 raise RelayoutError(f"model keys {value_keys.get(key, '(a tensor)')!r} and {name!r} both map to "
                                     f"checkpoint key {key!r}")
             value_keys[key] = name
