@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from .backends import DCPReader, FileSystemReader, FileSystemWriter, HuggingFaceReader
+from .backends import DCPReader, FileSystemReader, FileSystemWriter, HuggingFaceReader, HuggingFaceWriter
 from .layouts.dcp import is_dcp_directory
 from .planning import DefaultLoadPlanner, DefaultSavePlanner
 from .torch_save_reader import BroadcastingTorchSaveReader, DynamicMetaLoadPlanner
@@ -30,7 +30,7 @@ _REPLACEMENT = {
     "DefaultLoadPlanner": "distckpt.DefaultLoadPlanner",
     "FsspecWriter": "distckpt.FileSystemWriter, or checkpoint_id='s3://bucket/prefix'",
     "FsspecReader": "distckpt.FileSystemReader, or checkpoint_id='s3://bucket/prefix'",
-    "HuggingFaceStorageWriter": "distckpt.convert.to_safetensors after a save",
+    "HuggingFaceStorageWriter": "distckpt.HuggingFaceWriter",
     "HuggingFaceStorageReader": "distckpt.HuggingFaceReader",
 }
 
@@ -94,6 +94,11 @@ def _replace(obj: Any, name: str) -> Any:
         return cls(flatten_state_dict=getattr(obj, "flatten_state_dict", True),
                    flatten_sharded_tensors=getattr(obj, "flatten_sharded_tensors", True),
                    allow_partial_load=getattr(obj, "allow_partial_load", False))
+    if name == "HuggingFaceStorageWriter":
+        # every rank writes its rows into the final shards: DCP's save_distributed and consolidation in one step
+        final = getattr(obj, "consolidated_output_path", None) or obj.path
+        return HuggingFaceWriter(str(final), fqn_to_index_mapping=getattr(obj, "fqn_to_index_mapping", None),
+                                 thread_count=getattr(obj, "thread_count", None))
     if name == "HuggingFaceStorageReader":
         return HuggingFaceReader(str(obj.path), thread_count=getattr(obj, "thread_count", None))
     if name == "BroadcastingTorchSaveReader":

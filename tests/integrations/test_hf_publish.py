@@ -147,3 +147,22 @@ def test_a_publish_killed_anywhere_leaves_nothing_from_pretrained_takes_for_a_ch
     FsStore(str(tmp_path)).remove_incomplete_below()
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".distckpt-")]
     assert sorted(n for n in os.listdir(tmp_path) if not n.endswith(".log")) in (["full"], ["full", "killed-after"])
+
+
+def test_dcp_hugging_face_writer_passed_in_is_adopted_with_its_shard_mapping(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    model = w.build("llama", 0)
+    state = model.state_dict()
+    mapping = {k: 1 + i % 3 for i, k in enumerate(state)}
+    writer = dcp.HuggingFaceStorageWriter(str(tmp_path / "out"), fqn_to_index_mapping=mapping, save_distributed=True,
+                                          enable_consolidation=True)
+    distckpt.save(state, storage_writer=writer, no_dist=True)
+    index = json.load(open(tmp_path / "out" / "model.safetensors.index.json"))
+    assert index["weight_map"] == {k: f"model-{v:05d}-of-00003.safetensors" for k, v in mapping.items()}
+    assert not os.path.exists(tmp_path / "out" / "sharded")
+    stored = _tensors(str(tmp_path / "out"))
+    assert all(torch.equal(stored[k], v) for k, v in state.items())
+    with pytest.raises(distckpt.CheckpointError, match="no shard for key"):
+        distckpt.save(state, storage_writer=distckpt.HuggingFaceWriter(str(tmp_path / "b"), fqn_to_index_mapping={"x": 1}),
+                      no_dist=True)

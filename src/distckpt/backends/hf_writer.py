@@ -66,12 +66,15 @@ class HuggingFaceWriter(StorageWriter):
         metadata: extra string entries for every shard header's ``__metadata__`` (``format`` is always "pt").
         sync_files: fsync the shards and the directory before the commit (default: the DISTCKPT_FSYNC knob).
         thread_count: writer threads per rank (default: the DISTCKPT_IO_THREADS knob).
+        fqn_to_index_mapping: the shard (numbered from 1) of every tensor, instead of ``max_shard_size`` (DCP's
+            HuggingFaceStorageWriter's option).
     """
 
     def __init__(self, path: Union[str, os.PathLike, None] = None, *, max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD_SIZE,
                  config: Any = None, metadata: Optional[dict[str, str]] = None, sync_files: Optional[bool] = None,
-                 thread_count: Optional[int] = None):
+                 thread_count: Optional[int] = None, fqn_to_index_mapping: Optional[dict[str, int]] = None):
         self.path = _strip(path)
+        self.fqn_to_index_mapping = dict(fqn_to_index_mapping) if fqn_to_index_mapping is not None else None
         self.max_shard_size = parse_size(max_shard_size)
         self.config_text = _config_text(config)
         if metadata is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
@@ -121,7 +124,8 @@ class HuggingFaceWriter(StorageWriter):
                 if item.type == WriteItemType.BYTE_IO or td is None:
                     raise UnsupportedTensorError(f"key {item.index.fqn!r} is not a tensor; safetensors holds tensors only")
                 tensors.setdefault(item.index.fqn, (td.properties.dtype, tuple(td.size)))
-        layout = plan_shards([(k, d, s) for k, (d, s) in tensors.items()], self.max_shard_size, self.metadata)
+        layout = plan_shards([(k, d, s) for k, (d, s) in tensors.items()], self.max_shard_size, self.metadata,
+                             self.fqn_to_index_mapping)
         self.layout = layout
         self.save_id = uuid.uuid4().hex
         store = FsStore(self._final())

@@ -74,10 +74,14 @@ class ShardedLayout:
 
 
 def plan_shards(tensors: Sequence[tuple[str, torch.dtype, tuple[int, ...]]], max_shard_size: int,
-                metadata: Optional[dict[str, str]] = None) -> ShardedLayout:
+                metadata: Optional[dict[str, str]] = None, assignment: Optional[dict[str, int]] = None) -> ShardedLayout:
     """The layout of ``tensors`` (name, dtype, global shape; in the order a state dict lists them) in shards of at
-    most ``max_shard_size`` bytes of tensor data each (a larger tensor gets a shard of its own)."""
+    most ``max_shard_size`` bytes of tensor data each (a larger tensor gets a shard of its own), or in the shards
+    ``assignment`` gives (tensor name -> shard number from 1, DCP's ``fqn_to_index_mapping``; every shard named
+    ``model-0000i-of-0000N``, with an index)."""
     meta = {"format": "pt", **(metadata or {})}
+    if assignment is not None:
+        return _assigned(tensors, assignment, meta)
     groups: list[list[tuple[str, torch.dtype, tuple[int, ...], int]]] = [[]]
     used = 0
     seen: set = set()
@@ -97,6 +101,26 @@ def plan_shards(tensors: Sequence[tuple[str, torch.dtype, tuple[int, ...]]], max
         used += nbytes
     count = len(groups)
     names = [SINGLE_FILE] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+    return _layout(tensors, names, groups, meta, indexed=count > 1)
+
+
+def _assigned(tensors: Sequence[tuple[str, torch.dtype, tuple[int, ...]]], assignment: dict[str, int], meta: dict) -> ShardedLayout:
+    unplaced = [name for name, _, _ in tensors if name not in assignment]
+    if unplaced:
+        raise CheckpointError(f"fqn_to_index_mapping gives no shard for key(s) {unplaced[:5]}; map every tensor to a shard number")
+    numbers = sorted(set(assignment[name] for name, _, _ in tensors))
+    if any(type(n) is not int or n < 1 for n in numbers):
+        raise CheckpointError(f"fqn_to_index_mapping: shard numbers start at 1, got {numbers[:5]}")
+    count = max(numbers)
+    groups: list[list] = [[] for _ in range(count)]
+    for name, dtype, shape in tensors:
+        dtype_code(name, dtype)
+        groups[assignment[name] - 1].append((name, dtype, tuple(shape), math.prod(shape) * itemsize(dtype)))
+    names = [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+    return _layout(tensors, names, groups, meta, indexed=True)
+
+
+def _layout(tensors: Sequence, names: list[str], groups: list[list], meta: dict, indexed: bool) -> ShardedLayout:
     files, placement, weight_map = {}, {}, {}
     for file_name, group in zip(names, groups):
         header, data_start, offsets = _header(group, meta)
@@ -106,7 +130,7 @@ def plan_shards(tensors: Sequence[tuple[str, torch.dtype, tuple[int, ...]]], max
         files[file_name] = (header, data_start + sum(g[3] for g in group))
     total = sum(math.prod(s) * itemsize(d) for _, d, s in tensors)
     index = None
-    if count > 1:
+    if indexed:
         index = json.dumps({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))},
                            indent=2).encode() + b"\n"
     return ShardedLayout(files, placement, index, total)
