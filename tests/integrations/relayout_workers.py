@@ -9,6 +9,7 @@ import torch.nn.functional as F
 import distckpt
 from distckpt.planning.relayout import Fuse, Relayout, Rename, Stack
 from distckpt.planning.relayout_planners import RelayoutLoadPlanner, RelayoutSavePlanner
+from distckpt.testing.read_counts import FileReads
 
 from . import hf_workers
 
@@ -110,7 +111,7 @@ def llama_rules(config) -> Relayout:
 def fused_fsdp_load(rank: int, world_size: int, path: str, out: str, hf_out: str = ""):
     """A fused-qkv Llama under FSDP2 (each layer and the root), loaded from the Hugging Face directory ``path``;
     saved to the distckpt checkpoint ``out`` (and published to ``hf_out`` with HuggingFaceWriter, if given).
-    Returns its logits on hf_workers.BATCH."""
+    Returns its logits on hf_workers.BATCH, the bytes this rank read and the bytes of its shards."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -123,7 +124,9 @@ def fused_fsdp_load(rank: int, world_size: int, path: str, out: str, hf_out: str
     state = get_model_state_dict(model)
     assert not any(".q_proj." in k for k in state) and all(isinstance(v, torch.distributed.tensor.DTensor) for v in state.values())
     rules = llama_rules(model.config)
+    counter = FileReads()
     distckpt.load(state, checkpoint_id=path, planner=RelayoutLoadPlanner(rules))
+    read = counter.total
     with torch.no_grad():
         logits = model(hf_workers.BATCH).logits
     distckpt.save(state, checkpoint_id=out, planner=RelayoutSavePlanner(rules))
@@ -132,4 +135,4 @@ def fused_fsdp_load(rank: int, world_size: int, path: str, out: str, hf_out: str
 
         distckpt.save(state, storage_writer=HuggingFaceWriter(hf_out, max_shard_size="60KB", config=model.config),
                       planner=RelayoutSavePlanner(rules))
-    return logits
+    return logits, read, sum(v.to_local().nbytes for v in state.values())

@@ -55,8 +55,12 @@ def test_fused_qkv_llama_loads_a_hugging_face_directory_in_fsdp2_and_publishes_t
     assert len(set(index["weight_map"].values())) >= 3  # several shards
     assert any(".q_proj." in k for k in index["weight_map"])
     results = run_ranks(w.fused_fsdp_load, 2, path, str(tmp_path / "out"), timeout_s=300)
-    for logits in results:
+    stored = sum(os.path.getsize(os.path.join(path, f)) for f in set(index["weight_map"].values()))
+    for logits, read, local in results:
         torch.testing.assert_close(logits, expected, rtol=0, atol=0)
+        # each rank reads its rows of q, k and v (plus headers, and chunks it verifies whole), never the whole model
+        assert read < local + stored // 10, (read, local, stored)
+        assert read < 0.75 * stored
     _check_standard_layout(str(tmp_path / "out"), hf_workers.build("llama", 0))
 
 
