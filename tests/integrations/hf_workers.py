@@ -98,3 +98,35 @@ def dtensor_state() -> dict:
             "cube": torch.randn(3, 4, 7, generator=g).double(), "rep": torch.randn(9, generator=g),
             "half": torch.randn(5, 9, generator=g).bfloat16(), "mask": torch.rand(10, 3, generator=g) > 0.5,
             "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 3)}
+
+
+def publish_failing(rank: int, world_size: int, path: str, fault: str, mapping: bool):
+    """A 2-rank publish that fails (a fault, a target already used, a bad shard mapping): what each rank raised."""
+    import contextlib
+    import os
+    import time
+
+    from distckpt import faults
+
+    injected = contextlib.nullcontext()
+    if fault:
+        action, on = fault.split(":")
+        if int(on) == rank:  # every write of that rank fails: its first one, in whatever phase it comes
+            injected = faults.inject(faults.Fault(action, None, kinds=("write",)))
+    state = dtensor_state_sharded(world_size)
+    writer = distckpt.HuggingFaceWriter(path, max_shard_size="2KB", fqn_to_index_mapping={"rows": 1} if mapping else None)
+    start = time.monotonic()
+    try:
+        with injected:
+            distckpt.save(state, storage_writer=writer)
+    except distckpt.CheckpointError as exc:
+        return type(exc).__name__, str(exc), time.monotonic() - start, sorted(os.listdir(os.path.dirname(path)))
+    return None
+
+
+def dtensor_state_sharded(world_size: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    return {k: distribute_tensor(v, mesh, [Shard(0)]) if v.dim() else v for k, v in dtensor_state().items()}

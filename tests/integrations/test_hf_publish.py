@@ -166,3 +166,22 @@ def test_dcp_hugging_face_writer_passed_in_is_adopted_with_its_shard_mapping(tmp
     with pytest.raises(distckpt.CheckpointError, match="no shard for key"):
         distckpt.save(state, storage_writer=distckpt.HuggingFaceWriter(str(tmp_path / "b"), fqn_to_index_mapping={"x": 1}),
                       no_dist=True)
+
+
+@pytest.mark.parametrize("case", ["enospc on a rank's writes", "enospc creating the shards", "target not free", "bad mapping"])
+def test_a_publish_failing_on_one_rank_fails_on_every_rank_at_once_and_leaves_nothing(tmp_path, case):
+    path = str(tmp_path / "out")
+    if case == "target not free":
+        os.mkdir(path)
+        open(os.path.join(path, "weights.bin"), "w").close()
+    fault = {"enospc on a rank's writes": "enospc:1", "enospc creating the shards": "enospc:0"}.get(case, "")
+    results = run_ranks(w.publish_failing, 2, path, fault, case == "bad mapping", timeout_s=120)
+    for rank, result in enumerate(results):
+        assert result is not None, f"rank {rank} did not raise"
+        name, text, seconds, listing = result
+        assert seconds < 30, (rank, seconds)  # the failure reached every rank, not a timeout
+        expected = {"target not free": "weights.bin", "bad mapping": "no shard for key"}.get(case, "No space left")
+        assert expected in text, (rank, name, text)
+    leftovers = [n for n in os.listdir(tmp_path) if n != "out"]
+    assert leftovers == []  # no staging directory, no lease
+    assert os.listdir(path) == (["weights.bin"] if case == "target not free" else []) if os.path.exists(path) else True

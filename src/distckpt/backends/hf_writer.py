@@ -371,6 +371,7 @@ class _RankPublish:
         if not isinstance(tensor, torch.Tensor):
             raise CheckpointError(f"resolve_data for tensor item {fqn!r} returned {type(tensor).__name__}")
         dtype, global_shape = td.properties.dtype, tuple(td.size)
+        checked_chunk(td.chunk, td.size, f"key {fqn!r}")  # a chunk outside its tensor would write over another's bytes
         offsets, sizes = tuple(td.chunk.offsets), tuple(td.chunk.sizes)
         if tuple(tensor.shape) != sizes:
             raise CheckpointError(f"key {fqn!r}: resolve_data returned shape {tuple(tensor.shape)}, the plan expects {sizes}")

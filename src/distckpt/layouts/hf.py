@@ -87,8 +87,8 @@ def parse_index(raw: bytes, where: str) -> dict[str, str]:
             raise CorruptCheckpointError(
                 f"{where}: tensor {name!r:.200} is mapped to {shard!r:.200}, which is not the name of a .safetensors file "
                 "inside the checkpoint's directory; an index may not point elsewhere")
-        if not name or len(name) > _MAX_KEY:
-            raise CorruptCheckpointError(f"{where}: a tensor name of {len(name)} characters")
+        if not name or len(name) > _MAX_KEY or "\0" in name:
+            raise CorruptCheckpointError(f"{where}: a tensor name of {len(name)} characters, or holding NUL: {name[:100]!r}")
     return weight_map
 
 
@@ -116,8 +116,8 @@ def parse_shard_header(pread: Callable[[int, int], bytes], file_size: int, where
     spans = []
     for name, entry in doc.items():
         here = f"{where}, tensor {name!r:.200}"
-        if not name or len(name) > _MAX_KEY:
-            raise CorruptCheckpointError(f"{where}: a tensor name of {len(name)} characters")
+        if not name or len(name) > _MAX_KEY or "\0" in name:
+            raise CorruptCheckpointError(f"{where}: a tensor name of {len(name)} characters, or holding NUL: {name[:100]!r}")
         if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
             raise CorruptCheckpointError(f"{here}: an entry needs exactly \"dtype\", \"shape\" and \"data_offsets\"")
         code, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]

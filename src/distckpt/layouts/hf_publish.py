@@ -89,9 +89,9 @@ def plan_shards(tensors: Sequence[tuple[str, torch.dtype, tuple[int, ...]]], max
         if name in seen:
             raise CheckpointError(f"key {name!r} appears twice among the tensors to publish")
         seen.add(name)
-        if not name or len(name) > _MAX_KEY or name == "__metadata__":
+        if not name or len(name) > _MAX_KEY or name == "__metadata__" or "\0" in name:
             raise CheckpointError(f"key {name[:100]!r}: not a name a safetensors header can hold (empty, longer than "
-                                  f"{_MAX_KEY} characters, or \"__metadata__\"); rename it before publishing")
+                                  f"{_MAX_KEY} characters, holding NUL, or \"__metadata__\"); rename it before publishing")
         dtype_code(name, dtype)
         nbytes = math.prod(shape) * itemsize(dtype)
         if groups[-1] and used + nbytes > max_shard_size:
