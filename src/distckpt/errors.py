@@ -30,6 +30,7 @@ __all__ = [
     "NotRegularFileError",
     "StagingMemoryError",
     "UnsafeLocationError",
+    "RelayoutError",
 ]
 
 
@@ -77,6 +78,10 @@ class CorruptCheckpointError(CheckpointError, ValueError):
 
 class FormatVersionError(CheckpointError, ValueError):
     """The checkpoint was written in a format version this reader does not support."""
+
+
+class RelayoutError(CheckpointError, ValueError):
+    """A re-layout mapping is malformed, or does not fit the keys and shapes it is applied to."""
 
 
 class WrappedException(NamedTuple):

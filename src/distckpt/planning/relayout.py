@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from ..errors import CheckpointError, ShapeMismatchError
+from ..errors import CheckpointError, RelayoutError, ShapeMismatchError
 from .resharding import intersect, volume
 
 __all__ = ["RelayoutError", "Rename", "Fuse", "Split", "Stack", "Unstack", "Drop", "Relayout", "Piece", "Translation",
@@ -36,10 +36,6 @@ _LAYER = "i"  # the placeholder of Stack's and Unstack's per-layer keys: a decim
 Shape = tuple
 #: the size of a stored tensor (load), or None where the checkpoint has no tensor under that key (or on save)
 StoredSize = Callable[[str], Optional[Shape]]
-
-
-class RelayoutError(CheckpointError, ValueError):
-    """A re-layout mapping that is malformed, or that does not fit the state dict it is applied to."""
 
 
 class _Template:
