@@ -29,9 +29,10 @@ from ..engine.budget import ByteBudget
 from ..engine.tensor_bytes import flat_bytes, host_tensor
 from ..errors import CheckpointError, CorruptCheckpointError, UnsupportedTensorError
 from ..format.dtypes import itemsize
+from ..format.json_text import parse_json
 from ..format.locations import check_cover, checked_chunk
 from ..layouts.hf_publish import DEFAULT_MAX_SHARD_SIZE, INDEX_FILE, parse_size, plan_shards, runs
-from ..metadata import BytesStorageMetadata, Metadata, StorageMeta, TensorStorageMetadata
+from ..metadata import BytesStorageMetadata, ChunkStorageMetadata, Metadata, StorageMeta, TensorStorageMetadata
 from ..planner import SavePlan, SavePlanner, WriteItemType
 from ..progress import Progress
 from ..storage import StorageWriter, WriteResult
@@ -117,13 +118,7 @@ class HuggingFaceWriter(StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
-        for plan in plans:
-            for item in plan.items:
-                td = item.tensor_data
-                if item.type == WriteItemType.BYTE_IO or td is None:
-                    raise UnsupportedTensorError(f"key {item.index.fqn!r} is not a tensor; safetensors holds tensors only")
-                tensors.setdefault(item.index.fqn, (td.properties.dtype, tuple(td.size)))
+        tensors = _checked_chunks(plans, f"Hugging Face checkpoint {self._final()!r}")
         layout = plan_shards([(k, d, s) for k, (d, s) in tensors.items()], self.max_shard_size, self.metadata,
                              self.fqn_to_index_mapping)
         self.layout = layout
@@ -132,8 +127,9 @@ class HuggingFaceWriter(StorageWriter):
         self._lease = Lease(store, self.save_id)  # before a byte exists: a cleaner must see this publish is alive
         staging = store.staging(self.save_id)
         staging.prepare()
+        self._made = {"": _identity(os.lstat(staging.root))}  # what the commit renames, and every file in it
         for name, (header, size) in layout.files.items():
-            _create_shard(os.path.join(staging.root, name), header, size)
+            self._made[name] = _create_shard(os.path.join(staging.root, name), header, size)
         out = []
         for plan in plans:
             mine = {item.index.fqn for item in plan.items}
@@ -175,12 +171,14 @@ class HuggingFaceWriter(StorageWriter):
                     f"before the commit of {where}; something else removed or changed this publish's files. Nothing was "
                     "committed: publish again.")
         if self.layout.index is not None:
-            _write_new(os.path.join(staging.root, INDEX_FILE), self.layout.index, self._sync())
+            self._made[INDEX_FILE] = _write_new(os.path.join(staging.root, INDEX_FILE), self.layout.index, self._sync())
         if self.config_text is not None:
-            _write_new(os.path.join(staging.root, CONFIG_FILE), self.config_text.encode("utf-8"), self._sync())
+            self._made[CONFIG_FILE] = _write_new(os.path.join(staging.root, CONFIG_FILE), self.config_text.encode("utf-8"),
+                                                 self._sync())
         if self._sync():
             for name in self.layout.files:
                 _fsync_file(os.path.join(staging.root, name))
+        _check_made(staging.root, self._made, where)  # sizes say nothing of a file put in the place of one made here
         store.commit(staging, overwrite=False, sync=self._sync())
         self.committed_save_id = self.save_id
         self._release_lease()
@@ -227,8 +225,15 @@ def _config_text(config: Any) -> Optional[str]:
         return None
     if hasattr(config, "to_json_string"):  # a transformers PretrainedConfig, written as save_pretrained writes it
         text = config.to_json_string(use_diff=True)
+        if not isinstance(text, str):
+            raise CheckpointError(f"HuggingFaceWriter(config=...): {type(config).__name__}.to_json_string() gave a "
+                                  f"{type(text).__name__}, not the text of config.json")
     elif isinstance(config, dict):
-        text = json.dumps(config, indent=2, sort_keys=True) + "\n"
+        try:
+            text = json.dumps(config, indent=2, sort_keys=True) + "\n"
+        except (TypeError, ValueError, RecursionError) as exc:  # a dtype or tensor in it, keys of mixed types, a cycle
+            raise CheckpointError(f"HuggingFaceWriter(config=...): the dict cannot be written as config.json ({exc}); "
+                                  "give it plain JSON data (strings for dtypes), or a transformers config") from None
     elif isinstance(config, (str, os.PathLike)):
         path = os.fspath(config)
         if is_real_dir(path):
@@ -239,15 +244,19 @@ def _config_text(config: Any) -> Optional[str]:
             if size > knobs.max_metadata_bytes():
                 raise CheckpointError(f"{path}: {size} bytes, over the cap of {knobs.max_metadata_bytes()} for a config "
                                       "(DISTCKPT_MAX_METADATA_BYTES)")
-            text = os.pread(fd, size, 0).decode("utf-8", errors="strict")
+            raw = os.pread(fd, size, 0)
         finally:
             os.close(fd)
+        try:
+            text = raw.decode("utf-8", errors="strict")
+        except UnicodeDecodeError as exc:
+            raise CheckpointError(f"HuggingFaceWriter(config={path!r}): not UTF-8 text, as config.json must be ({exc})") from None
     else:
         raise CheckpointError(f"HuggingFaceWriter(config=...): a {type(config).__name__} is not a config; pass a transformers "
                               "config, a dict, or the path of a config.json")
     try:
-        doc = json.loads(text)
-    except ValueError as exc:
+        doc = parse_json(text, "HuggingFaceWriter(config=...)")  # bounded: nesting too deep is an error, not a crash
+    except CorruptCheckpointError as exc:
         raise CheckpointError(f"HuggingFaceWriter(config=...): not a JSON document ({exc})") from None
     if not isinstance(doc, dict):
         raise CheckpointError("HuggingFaceWriter(config=...): config.json must hold a JSON object")
@@ -269,21 +278,23 @@ def _check_free(final: str) -> None:
                               "new or empty directory.")
 
 
-def _create_shard(path: str, header: bytes, size: int) -> None:
-    """Create shard ``path`` at its final ``size`` with its header written: the ranks then write into it."""
+def _create_shard(path: str, header: bytes, size: int) -> tuple[int, int]:
+    """Create shard ``path`` at its final ``size`` with its header written (the ranks then write into it); its
+    identity (device, inode)."""
     try:
         fd = create_exclusive(path)
         try:
             faults.point("write", path)
             pwrite_all(fd, [memoryview(header)], 0)
             os.ftruncate(fd, size)
+            return _identity(os.fstat(fd))
         finally:
             os.close(fd)
     except OSError as exc:
         raise _io_error("creating", path, exc) from exc
 
 
-def _write_new(path: str, data: bytes, sync: bool) -> None:
+def _write_new(path: str, data: bytes, sync: bool) -> tuple[int, int]:
     try:
         fd = create_exclusive(path)
         try:
@@ -292,10 +303,73 @@ def _write_new(path: str, data: bytes, sync: bool) -> None:
             if sync:
                 faults.point("fsync", path)
                 os.fsync(fd)
+            return _identity(os.fstat(fd))
         finally:
             os.close(fd)
     except OSError as exc:
         raise _io_error("writing", path, exc) from exc
+
+
+def _identity(st: os.stat_result) -> tuple[int, int]:
+    return st.st_dev, st.st_ino
+
+
+def _check_made(root: str, made: dict[str, tuple[int, int]], where: str) -> None:
+    """Just before the commit: the staging directory and every file in it are the very ones this publish made
+    (``made``: name -> identity, "" for the directory), not a link or a file of the same size put in their place."""
+    for name, identity in made.items():
+        path = os.path.join(root, name) if name else root
+        try:
+            st = os.lstat(path)
+        except OSError:
+            st = None
+        kind = stat.S_ISDIR if not name else stat.S_ISREG
+        if st is None or not kind(st.st_mode) or _identity(st) != identity:
+            raise CorruptCheckpointError(
+                f"{path} is not the {'staging directory' if not name else 'file'} this publish made (something else "
+                f"replaced it) just before the commit of {where}. Nothing was committed: publish again.")
+
+
+def _checked_chunks(plans: list[SavePlan], where: str) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """Each tensor's (dtype, global shape) from the ranks' plans, once every rank's chunks of it are known to agree
+    on both, to lie inside it, and to cover it exactly once (replicas: one box held alike). The writer writes every
+    item it is given in place, so a chunk the metadata does not record (another rank's at the same offsets) would
+    still land over its neighbours' bytes: checked here, on the items themselves, before a byte is written."""
+    tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+    boxes: dict[str, dict[tuple, tuple]] = {}
+    for plan in plans:
+        for item in plan.items:
+            td = item.tensor_data
+            fqn = item.index.fqn
+            if item.type == WriteItemType.BYTE_IO or td is None:
+                raise UnsupportedTensorError(f"key {fqn!r} is not a tensor; safetensors holds tensors only")
+            here = (td.properties.dtype, tuple(td.size))
+            first = tensors.setdefault(fqn, here)
+            if first != here:
+                raise CheckpointError(f"cannot publish {where}: key {fqn!r} is a {first[0]} tensor of size {list(first[1])} "
+                                      f"on one rank and a {here[0]} tensor of size {list(here[1])} on another")
+            offsets, sizes = tuple(td.chunk.offsets), tuple(td.chunk.sizes)
+            if any(n < 0 for n in offsets + sizes):
+                raise CheckpointError(f"cannot publish {where}: key {fqn!r}: chunk {list(offsets)}+{list(sizes)} is negative")
+            try:
+                checked_chunk(td.chunk, td.size, f"key {fqn!r}")
+            except CorruptCheckpointError as exc:
+                raise CheckpointError(f"cannot publish {where}: {exc}") from None
+            held = boxes.setdefault(fqn, {})
+            other = held.setdefault(offsets, sizes)
+            if other != sizes:
+                raise CheckpointError(
+                    f"cannot publish {where}: key {fqn!r}: ranks write chunks {list(offsets)}+{list(other)} and "
+                    f"{list(offsets)}+{list(sizes)}, which overlap (do the ranks agree on the tensor's placement?); "
+                    "nothing was written")
+    for fqn, held in boxes.items():
+        chunks = [ChunkStorageMetadata(torch.Size(o), torch.Size(n)) for o, n in held.items()]
+        try:
+            check_cover(chunks, torch.Size(tensors[fqn][1]), f"key {fqn!r}")
+        except CorruptCheckpointError as exc:
+            raise CheckpointError(f"cannot publish {where}: the ranks' chunks of {str(exc).split(' It was')[0]} (do the "
+                                  "ranks agree on the tensor's placement?); nothing was written") from None
+    return tensors
 
 
 def _fsync_file(path: str) -> None:

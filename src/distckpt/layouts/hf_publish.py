@@ -46,7 +46,10 @@ def parse_size(size: Union[int, str]) -> int:
         if match is None or unit not in _UNITS:
             raise CheckpointError(f"max_shard_size {size!r}: not a size; give bytes as an int, or a string such as "
                                   "'5GB', '500MB' or '2GiB'")
-        value = int(float(match.group(1)) * _UNITS[unit])
+        number = float(match.group(1))
+        if not math.isfinite(number):  # a digit string too long for a float: "999...9GB"
+            raise CheckpointError(f"max_shard_size {str(size)[:40]!r}...: a number too large for a size")
+        value = int(number * _UNITS[unit])
     if value <= 0:
         raise CheckpointError(f"max_shard_size {size!r}: must be a positive number of bytes")
     return value
@@ -80,19 +83,12 @@ def plan_shards(tensors: Sequence[tuple[str, torch.dtype, tuple[int, ...]]], max
     ``assignment`` gives (tensor name -> shard number from 1, DCP's ``fqn_to_index_mapping``; every shard named
     ``model-0000i-of-0000N``, with an index)."""
     meta = {"format": "pt", **(metadata or {})}
+    _check_names(tensors)
     if assignment is not None:
         return _assigned(tensors, assignment, meta)
     groups: list[list[tuple[str, torch.dtype, tuple[int, ...], int]]] = [[]]
     used = 0
-    seen: set = set()
     for name, dtype, shape in tensors:
-        if name in seen:
-            raise CheckpointError(f"key {name!r} appears twice among the tensors to publish")
-        seen.add(name)
-        if not name or len(name) > _MAX_KEY or name == "__metadata__" or "\0" in name:
-            raise CheckpointError(f"key {name[:100]!r}: not a name a safetensors header can hold (empty, longer than "
-                                  f"{_MAX_KEY} characters, holding NUL, or \"__metadata__\"); rename it before publishing")
-        dtype_code(name, dtype)
         nbytes = math.prod(shape) * itemsize(dtype)
         if groups[-1] and used + nbytes > max_shard_size:
             groups.append([])
@@ -104,20 +100,35 @@ def plan_shards(tensors: Sequence[tuple[str, torch.dtype, tuple[int, ...]]], max
     return _layout(tensors, names, groups, meta, indexed=count > 1)
 
 
+def _check_names(tensors: Sequence[tuple[str, torch.dtype, tuple[int, ...]]]) -> None:
+    """Every name a safetensors header can hold, once, with a dtype it has a code for: whichever way the shards are
+    chosen (by size or by a mapping), a header never gets a key its readers refuse or that overwrites another."""
+    seen: set = set()
+    for name, dtype, _ in tensors:
+        if name in seen:
+            raise CheckpointError(f"key {name!r} appears twice among the tensors to publish")
+        seen.add(name)
+        if not isinstance(name, str) or not name or len(name) > _MAX_KEY or name == "__metadata__" or "\0" in name:
+            raise CheckpointError(f"key {str(name)[:100]!r}: not a name a safetensors header can hold (empty, longer than "
+                                  f"{_MAX_KEY} characters, holding NUL, or \"__metadata__\"); rename it before publishing")
+        dtype_code(name, dtype)
+
+
 def _assigned(tensors: Sequence[tuple[str, torch.dtype, tuple[int, ...]]], assignment: dict[str, int], meta: dict) -> ShardedLayout:
     unplaced = [name for name, _, _ in tensors if name not in assignment]
     if unplaced:
         raise CheckpointError(f"fqn_to_index_mapping gives no shard for key(s) {unplaced[:5]}; map every tensor to a shard number")
+    wrong = [assignment[name] for name, _, _ in tensors if type(assignment[name]) is not int or assignment[name] < 1]
+    if wrong:
+        raise CheckpointError(f"fqn_to_index_mapping: shard numbers are ints from 1, got {wrong[:5]}")
     numbers = sorted(set(assignment[name] for name, _, _ in tensors))
-    if any(type(n) is not int or n < 1 for n in numbers):
-        raise CheckpointError(f"fqn_to_index_mapping: shard numbers start at 1, got {numbers[:5]}")
     count = max(numbers)
-    groups: list[list] = [[] for _ in range(count)]
+    # only the shards that hold a tensor: a number is a file's name, not a count of files (DCP names them so too)
+    groups: dict[int, list] = {n: [] for n in numbers}
     for name, dtype, shape in tensors:
-        dtype_code(name, dtype)
-        groups[assignment[name] - 1].append((name, dtype, tuple(shape), math.prod(shape) * itemsize(dtype)))
-    names = [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
-    return _layout(tensors, names, groups, meta, indexed=True)
+        groups[assignment[name]].append((name, dtype, tuple(shape), math.prod(shape) * itemsize(dtype)))
+    names = [f"model-{n:05d}-of-{count:05d}.safetensors" for n in numbers]
+    return _layout(tensors, names, [groups[n] for n in numbers], meta, indexed=True)
 
 
 def _layout(tensors: Sequence, names: list[str], groups: list[list], meta: dict, indexed: bool) -> ShardedLayout:

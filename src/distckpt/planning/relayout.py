@@ -19,6 +19,7 @@ See docs/relayout.md.
 
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
@@ -32,6 +33,7 @@ __all__ = ["RelayoutError", "Rename", "Fuse", "Split", "Stack", "Unstack", "Drop
            "Frame", "place", "frames"]
 
 _PLACEHOLDER = re.compile(r"\{(\*?)([A-Za-z_][A-Za-z0-9_]*)\}")
+_MAX_SHOWN = 5  # keys an error lists at most
 _LAYER = "i"  # the placeholder of Stack's and Unstack's per-layer keys: a decimal integer
 Shape = tuple
 #: the size of a stored tensor (load), or None where the checkpoint has no tensor under that key (or on save)
@@ -39,9 +41,13 @@ StoredSize = Callable[[str], Optional[Shape]]
 
 
 class _Template:
-    """A key template compiled to an anchored regular expression with one named group per placeholder."""
+    """A key template: literal text and placeholders, matched whole against a key. A template of one placeholder runs
+    as an anchored regular expression; one of several, whose backtracking a long key would make polynomial in its
+    length (``{*a}.{*b}.{*c}.w`` against 3000 characters of ``a.a.a...``: minutes), by :meth:`_scan`, in time
+    linear in the key's length, capturing what the regular expression would (each placeholder, first to last, as long
+    as the rest still matches)."""
 
-    __slots__ = ("text", "names", "regex", "parts")
+    __slots__ = ("text", "names", "regex", "parts", "kinds", "literals")
 
     def __init__(self, text: str, layer: bool = False) -> None:
         if not isinstance(text, str) or not text:
@@ -50,6 +56,7 @@ class _Template:
         self.names: dict[str, bool] = {}  # placeholder -> whether it matches dots too ({*name})
         pattern: list[str] = []
         self.parts: list = []  # literal strings and (name,) placeholders, to fill
+        self.kinds: list = []  # per part: a literal string, or (name, kind) with kind "*" ({*name}), "." ({name}), "i" ({i})
         pos = 0
         for m in _PLACEHOLDER.finditer(text):
             self._literal(text[pos:m.start()], pattern)
@@ -60,14 +67,16 @@ class _Template:
             if layer and name == _LAYER:
                 if star:
                     raise RelayoutError(f"template {text!r}: the layer placeholder is {{i}}, not {{*i}}")
-                group = "0|[1-9][0-9]*"
+                group, kind = "0|[1-9][0-9]*", "i"
             else:
-                group = ".+" if star else "[^.]+"
+                group, kind = (".+", "*") if star else ("[^.]+", ".")
             pattern.append(f"(?P<{name}>{group})")
             self.parts.append((name,))
+            self.kinds.append((name, kind))
             pos = m.end()
         self._literal(text[pos:], pattern)
-        self.regex = re.compile("".join(pattern))
+        self.regex = re.compile("".join(pattern)) if len(self.names) < 2 else None
+        self.literals = [k for k in self.kinds if isinstance(k, str)]
 
     def _literal(self, chunk: str, pattern: list[str]) -> None:
         if "{" in chunk or "}" in chunk:
@@ -76,10 +85,68 @@ class _Template:
         if chunk:
             pattern.append(re.escape(chunk))
             self.parts.append(chunk)
+            self.kinds.append(chunk)
 
     def match(self, key: str) -> Optional[dict[str, str]]:
-        m = self.regex.fullmatch(key)
-        return None if m is None else m.groupdict()
+        if self.regex is not None:
+            m = self.regex.fullmatch(key)
+            return None if m is None else m.groupdict()
+        kinds = self.kinds
+        if isinstance(kinds[0], str) and not key.startswith(kinds[0]) or isinstance(kinds[-1], str) and not key.endswith(kinds[-1]):
+            return None
+        if any(lit not in key for lit in self.literals):
+            return None
+        return self._scan(key)
+
+    def _scan(self, key: str) -> Optional[dict[str, str]]:
+        """The match of ``key``, in time linear in its length (times the parts): which positions each part can
+        start from and still match to the end, computed from the last part back; then, from the first part on,
+        each placeholder the longest run from which the rest matches (the regular expression's greedy choice)."""
+        n, kinds = len(key), self.kinds
+        ok = [bytearray(n + 1) for _ in range(len(kinds) + 1)]  # ok[j][p]: parts j.. match key[p:] whole
+        ok[-1][n] = 1
+        for j in range(len(kinds) - 1, -1, -1):
+            part, after, here = kinds[j], ok[j + 1], ok[j]
+            if isinstance(part, str):
+                width = len(part)
+                for q in range(width, n + 1):
+                    if after[q] and key.startswith(part, q - width):
+                        here[q - width] = 1
+                continue
+            kind, reach = part[1], False  # reach: an end in the run from p + 1 on is allowed
+            for p in range(n - 1, -1, -1):
+                c = key[p]
+                if kind == "i":
+                    if "0" <= c <= "9":
+                        reach = reach or bool(after[p + 1])
+                        here[p] = after[p + 1] if c == "0" else reach
+                    else:
+                        reach = False
+                elif c == ("\n" if kind == "*" else "."):  # what ".+" and "[^.]+" stop at
+                    reach = False
+                else:
+                    reach = reach or bool(after[p + 1])
+                    here[p] = reach
+        if not ok[0][0]:
+            return None
+        captures, p = {}, 0
+        for j, part in enumerate(kinds):
+            if isinstance(part, str):
+                p += len(part)
+                continue
+            name, kind = part
+            if kind == "i":
+                end = p + 1
+                if key[p] != "0":
+                    while end < n and "0" <= key[end] <= "9":
+                        end += 1
+            else:
+                end = key.find("\n" if kind == "*" else ".", p)
+                end = n if end < 0 else end
+            while not ok[j + 1][end]:  # ok[j][p] holds: some end in (p, end] lets the rest match
+                end -= 1
+            captures[name], p = key[p:end], end
+        return captures
 
     def fill(self, captures: dict[str, Any]) -> str:
         return "".join(p if isinstance(p, str) else str(captures[p[0]]) for p in self.parts)
@@ -352,9 +419,12 @@ class Unstack:
                 raise ShapeMismatchError(f"{self!r}: checkpoint key {key!r} has shape {list(got)}, which does not stack "
                                          f"layers of shape {list(layer)} (model key {names[0]!r})")
             count = got[d]
-        if sorted(by_layer) != list(range(count)):
-            lacking = [self.per_layer.fill({**captures, _LAYER: i}) for i in range(count) if i not in by_layer]
-            extra = [by_layer[i] for i in sorted(by_layer) if i >= count]
+        layers = sorted(by_layer)
+        if len(layers) != count or (layers and layers[-1] != count - 1):  # distinct layers from 0: exactly 0 .. count-1
+            # the count is the checkpoint's claim: list what is lacking without counting up to it
+            lacking = list(itertools.islice((self.per_layer.fill({**captures, _LAYER: i}) for i in range(count)
+                                             if i not in by_layer), _MAX_SHOWN))
+            extra = [by_layer[i] for i in layers if i >= count][:_MAX_SHOWN]
             error = RelayoutError if stored is None else ShapeMismatchError
             raise error(f"{self!r}: checkpoint key {key!r} stacks {count} layers at dim {d}, so the model needs exactly "
                         f"layers 0 to {count - 1}" + (f"; the state dict lacks {lacking}" if lacking else "")
