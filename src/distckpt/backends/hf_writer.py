@@ -17,6 +17,7 @@ import os
 import stat
 import threading
 import uuid
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, Optional, Union
@@ -75,11 +76,18 @@ class HuggingFaceWriter(StorageWriter):
                  config: Any = None, metadata: Optional[dict[str, str]] = None, sync_files: Optional[bool] = None,
                  thread_count: Optional[int] = None, fqn_to_index_mapping: Optional[dict[str, int]] = None):
         self.path = _strip(path)
+        if fqn_to_index_mapping is not None and not isinstance(fqn_to_index_mapping, Mapping):
+            raise CheckpointError(f"HuggingFaceWriter(fqn_to_index_mapping=...): a {type(fqn_to_index_mapping).__name__} is "
+                                  "not a mapping of tensor names to shard numbers")
         self.fqn_to_index_mapping = dict(fqn_to_index_mapping) if fqn_to_index_mapping is not None else None
         self.max_shard_size = parse_size(max_shard_size)
         self.config_text = _config_text(config)
-        if metadata is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        if metadata is not None and not (isinstance(metadata, Mapping) and
+                                         all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
             raise CheckpointError("HuggingFaceWriter(metadata=...): a safetensors header's __metadata__ maps strings to strings")
+        if metadata is not None and metadata.get("format", "pt") != "pt":  # from_pretrained reads shards by it
+            raise CheckpointError(f"HuggingFaceWriter(metadata=...): format {metadata['format']!r}; a PyTorch checkpoint's "
+                                  "shards say format 'pt', and the writer writes it")
         self.metadata = dict(metadata or {})
         self.sync_files = sync_files
         self.thread_count = thread_count
@@ -196,7 +204,7 @@ class HuggingFaceWriter(StorageWriter):
     # ------------------------------------------------------------ helpers
 
     def _final(self) -> str:
-        if self.path is None:
+        if not self.path:  # "" (or "hf://") is no directory: abspath would make it the working directory, replaced
             raise CheckpointError("HuggingFaceWriter has no path: pass checkpoint_id=, or HuggingFaceWriter(path)")
         return os.path.abspath(self.path)
 

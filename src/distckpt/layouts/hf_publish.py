@@ -82,7 +82,7 @@ def plan_shards(tensors: Sequence[tuple[str, torch.dtype, tuple[int, ...]]], max
     most ``max_shard_size`` bytes of tensor data each (a larger tensor gets a shard of its own), or in the shards
     ``assignment`` gives (tensor name -> shard number from 1, DCP's ``fqn_to_index_mapping``; every shard named
     ``model-0000i-of-0000N``, with an index)."""
-    meta = {"format": "pt", **(metadata or {})}
+    meta = {**(metadata or {}), "format": "pt"}
     _check_names(tensors)
     if assignment is not None:
         return _assigned(tensors, assignment, meta)
