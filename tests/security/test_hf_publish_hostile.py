@@ -86,6 +86,16 @@ def test_an_empty_path_is_no_directory(tmp_path, monkeypatch):
     assert os.stat(cwd).st_ino == before and os.listdir(cwd) == [] and os.listdir(tmp_path) == ["cwd"]
 
 
+def test_an_object_store_url_is_refused_not_made_a_local_directory(tmp_path, monkeypatch):
+    """HuggingFaceWriter writes local (or mounted) directories: "s3://bucket/m" made local was ./s3:/bucket/m, and the
+    caller, who saves distckpt's own checkpoints to s3:// with the same spelling, believed the model uploaded."""
+    monkeypatch.chdir(tmp_path)
+    for url in ("s3://bucket/model", "hf://gs://bucket/model"):
+        with pytest.raises(distckpt.CheckpointError, match="local"):
+            _publish({"w": torch.ones(2)}, url)
+    assert os.listdir(tmp_path) == []
+
+
 # ---------------------------------------------------------------- input that lies: config
 
 
