@@ -62,6 +62,8 @@ def test_a_name_no_safetensors_header_holds_is_refused_with_a_shard_mapping_too(
 
 def test_writer_options_of_the_wrong_kind_are_typed_errors(tmp_path):
     target = str(tmp_path / "out")
+    with pytest.raises(distckpt.CheckpointError, match="a path is a str"):
+        W(target.encode())
     with pytest.raises(distckpt.CheckpointError, match="fqn_to_index_mapping"):
         W(target, fqn_to_index_mapping=["w"])
     with pytest.raises(distckpt.CheckpointError, match="shard numbers are ints"):

@@ -223,9 +223,9 @@ class HuggingFaceWriter(StorageWriter):
 def _strip(path: Union[str, os.PathLike, None]) -> Optional[str]:
     if path is None:
         return None
+    if not isinstance(path, (str, os.PathLike)) or not isinstance(os.fspath(path), str):
+        raise CheckpointError(f"HuggingFaceWriter: a path is a str (or an os.PathLike of one), not {type(path).__name__}")
     text = _strip_file_scheme(path)
-    if not isinstance(text, str):
-        raise CheckpointError(f"HuggingFaceWriter: a path is a str or os.PathLike of one, not {type(text).__name__}")
     text = text[len("hf://"):] if text.startswith("hf://") else text
     if "://" in text:  # s3://, gs://, hf://s3://...: made local, it would be a directory named "s3:" under the cwd
         raise CheckpointError(f"HuggingFaceWriter publishes to a local (or mounted) directory, not to {text!r}; publish to "
