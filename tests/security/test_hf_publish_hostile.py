@@ -162,6 +162,7 @@ def test_a_shard_replaced_in_the_staging_directory_is_not_committed(tmp_path):
         os.replace(forged, shard)
 
     _swap_at_config(tmp_path, swap)
+    assert os.listdir(tmp_path) == []  # the staging directory removed, the lease released
 
 
 def test_a_staging_directory_replaced_by_a_link_is_not_committed(tmp_path):
