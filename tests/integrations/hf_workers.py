@@ -130,3 +130,9 @@ def dtensor_state_sharded(world_size: int) -> dict:
 
     mesh = init_device_mesh("cpu", (world_size,))
     return {k: distribute_tensor(v, mesh, [Shard(0)]) if v.dim() else v for k, v in dtensor_state().items()}
+
+
+def replicated_publish(rank: int, world_size: int, path: str, max_shard_size: str):
+    """The same plain (replicated) model on every rank, published: each tensor is written once, by one rank."""
+    model = build("llama", 0)
+    distckpt.save(model.state_dict(), storage_writer=distckpt.HuggingFaceWriter(path, max_shard_size=max_shard_size))

@@ -185,3 +185,29 @@ def test_a_publish_failing_on_one_rank_fails_on_every_rank_at_once_and_leaves_no
     leftovers = [n for n in os.listdir(tmp_path) if n != "out"]
     assert leftovers == []  # no staging directory, no lease
     assert os.listdir(path) == (["weights.bin"] if case == "target not free" else []) if os.path.exists(path) else True
+
+
+def test_tensors_larger_than_a_shard_split_as_save_pretrained_splits_them(tmp_path):
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=2048, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=False))  # embeddings and lm_head of 512 KB: over the shard size
+    model.save_pretrained(str(tmp_path / "hf"), max_shard_size="200KB")
+    distckpt.save(model.state_dict(), storage_writer=distckpt.HuggingFaceWriter(str(tmp_path / "ours"), max_shard_size="200KB"),
+                  no_dist=True)
+    theirs = json.load(open(tmp_path / "hf" / "model.safetensors.index.json"))["weight_map"]
+    ours = json.load(open(tmp_path / "ours" / "model.safetensors.index.json"))["weight_map"]
+    assert ours == theirs and len(set(ours.values())) >= 3
+
+
+def test_a_replicated_state_balanced_across_ranks_keeps_the_state_dicts_shard_order(tmp_path):
+    model = w.build("llama", 0)
+    model.save_pretrained(str(tmp_path / "hf"), max_shard_size="60KB")
+    run_ranks(w.replicated_publish, 2, str(tmp_path / "ours"), "60KB", timeout_s=120)
+    theirs = json.load(open(tmp_path / "hf" / "model.safetensors.index.json"))["weight_map"]
+    ours = json.load(open(tmp_path / "ours" / "model.safetensors.index.json"))["weight_map"]
+    assert ours == theirs
+    stored = _tensors(str(tmp_path / "ours"))
+    assert all(torch.equal(stored[k], v) for k, v in model.state_dict().items())

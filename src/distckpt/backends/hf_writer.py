@@ -110,8 +110,9 @@ class HuggingFaceWriter(StorageWriter):
     def storage_meta(self) -> Optional[StorageMeta]:
         return StorageMeta(checkpoint_id=self._final())
 
-    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, rank: int = 0, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
+        self.rank = rank
         if is_coordinator:
             _check_free(self._final())
 
@@ -123,10 +124,13 @@ class HuggingFaceWriter(StorageWriter):
                 f"cannot publish {self._final()!r} as a Hugging Face checkpoint: key(s) {shown} are not tensors, and "
                 "safetensors holds tensors only. Publish the model's state dict (get_model_state_dict(model)), or "
                 "leave the other keys out.")
-        return plan
+        # the state dict's order, which decides the shards (as save_pretrained's): a dedup may move keys between ranks
+        return replace(plan, storage_data={"order": list(dict.fromkeys(item.index.fqn for item in plan.items))})
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         tensors = _checked_chunks(plans, f"Hugging Face checkpoint {self._final()!r}")
+        order = [fqn for plan in plans if isinstance(plan.storage_data, dict) for fqn in plan.storage_data.get("order", ())]
+        tensors = {fqn: tensors[fqn] for fqn in dict.fromkeys(order + list(tensors)) if fqn in tensors}
         layout = plan_shards([(k, d, s) for k, (d, s) in tensors.items()], self.max_shard_size, self.metadata,
                              self.fqn_to_index_mapping)
         self.layout = layout
@@ -154,7 +158,7 @@ class HuggingFaceWriter(StorageWriter):
         self.save_id = sd["save_id"]
         staging = FsStore(self._final()).staging(self.save_id).root
         results = _RankPublish(staging, sd["placement"], sd["sizes"], plan, planner, self._sync(),
-                               self.thread_count or knobs.io_threads(), self.is_coordinator).run()
+                               self.thread_count or knobs.io_threads(), self.is_coordinator, getattr(self, "rank", 0)).run()
         return done(results)
 
     # ------------------------------------------------------------ coordinator
@@ -413,8 +417,8 @@ class _RankPublish:
     """One rank's part of a publish: each item's bytes into its runs of its shard, from several threads."""
 
     def __init__(self, staging: str, placement: dict, sizes: dict, plan: SavePlan, planner: SavePlanner, sync: bool,
-                 threads: int, is_coordinator: bool):
-        self.staging, self.placement, self.sizes = staging, placement, sizes
+                 threads: int, is_coordinator: bool, rank: int = 0):
+        self.staging, self.placement, self.sizes, self.rank = staging, placement, sizes, rank
         self.plan, self.planner, self.sync, self.threads = plan, planner, sync, max(1, threads)
         self.items = list(plan.items)
         self.nbytes = [_item_bytes(item) for item in self.items]
@@ -428,8 +432,7 @@ class _RankPublish:
             for name in sorted({self.placement[item.index.fqn][0] for item in self.items}):
                 path = os.path.join(self.staging, name)
                 self.fds[name] = _open_shard(path, self.sizes[name])
-            # largest first: the threads finish together
-            order = sorted(range(len(self.items)), key=lambda i: -self.nbytes[i])
+            order = self.order()
             if self.threads == 1 or len(order) < 2:
                 for i in order:
                     self.write_item(i)
@@ -448,6 +451,24 @@ class _RankPublish:
                 os.close(fd)
             self.progress.close()
         return [WriteResult(item.index, n, self.placement[item.index.fqn]) for item, n in zip(self.items, self.nbytes)]
+
+    def order(self) -> list[int]:
+        """The items in the order this rank's threads take them: one shard after another, round robin, starting at
+        a shard of this rank's own, so that the threads of all ranks start in different files (a file takes one
+        writer at a time on many file systems); within a shard, largest first, so the threads finish together."""
+        by_file: dict[str, list[int]] = {}
+        for i in sorted(range(len(self.items)), key=lambda i: -self.nbytes[i]):
+            by_file.setdefault(self.placement[self.items[i].index.fqn][0], []).append(i)
+        files = sorted(by_file)
+        if not files:
+            return []
+        start = (self.rank * self.threads) % len(files)
+        queues = [by_file[f] for f in files[start:] + files[:start]]
+        out: list[int] = []
+        while queues:
+            out += [q.pop(0) for q in queues]
+            queues = [q for q in queues if q]
+        return out
 
     def write_item(self, i: int) -> None:
         item = self.items[i]

@@ -79,22 +79,32 @@ class ShardedLayout:
 def plan_shards(tensors: Sequence[tuple[str, torch.dtype, tuple[int, ...]]], max_shard_size: int,
                 metadata: Optional[dict[str, str]] = None, assignment: Optional[dict[str, int]] = None) -> ShardedLayout:
     """The layout of ``tensors`` (name, dtype, global shape; in the order a state dict lists them) in shards of at
-    most ``max_shard_size`` bytes of tensor data each (a larger tensor gets a shard of its own), or in the shards
+    most ``max_shard_size`` bytes of tensor data each (a larger tensor gets a shard of its own, as in
+    ``save_pretrained``), or in the shards
     ``assignment`` gives (tensor name -> shard number from 1, DCP's ``fqn_to_index_mapping``; every shard named
     ``model-0000i-of-0000N``, with an index)."""
     meta = {**(metadata or {}), "format": "pt"}
     _check_names(tensors)
     if assignment is not None:
         return _assigned(tensors, assignment, meta)
-    groups: list[list[tuple[str, torch.dtype, tuple[int, ...], int]]] = [[]]
+    # huggingface_hub's split, which save_pretrained uses: a tensor larger than a shard becomes a shard of its own
+    # at once, and the shard being filled goes on filling after it
+    groups: list[list[tuple[str, torch.dtype, tuple[int, ...], int]]] = []
+    current: list[tuple[str, torch.dtype, tuple[int, ...], int]] = []
     used = 0
     for name, dtype, shape in tensors:
         nbytes = math.prod(shape) * itemsize(dtype)
-        if groups[-1] and used + nbytes > max_shard_size:
-            groups.append([])
-            used = 0
-        groups[-1].append((name, dtype, tuple(shape), nbytes))
+        entry = (name, dtype, tuple(shape), nbytes)
+        if nbytes > max_shard_size:
+            groups.append([entry])
+            continue
+        if used + nbytes > max_shard_size:
+            groups.append(current)
+            current, used = [], 0
+        current.append(entry)
         used += nbytes
+    if current or not groups:
+        groups.append(current)
     count = len(groups)
     names = [SINGLE_FILE] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
     return _layout(tensors, names, groups, meta, indexed=count > 1)
