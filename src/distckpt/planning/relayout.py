@@ -20,152 +20,22 @@ See docs/relayout.md.
 from __future__ import annotations
 
 import itertools
-import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from ..errors import CheckpointError, RelayoutError, ShapeMismatchError
+from .key_templates import LAYER, KeyTemplate, same_placeholders
 from .resharding import intersect, volume
 
 __all__ = ["RelayoutError", "Rename", "Fuse", "Split", "Stack", "Unstack", "Drop", "Relayout", "Piece", "Translation",
            "Frame", "place", "frames"]
 
-_PLACEHOLDER = re.compile(r"\{(\*?)([A-Za-z_][A-Za-z0-9_]*)\}")
 _MAX_SHOWN = 5  # keys an error lists at most
-_LAYER = "i"  # the placeholder of Stack's and Unstack's per-layer keys: a decimal integer
 Shape = tuple
 #: the size of a stored tensor (load), or None where the checkpoint has no tensor under that key (or on save)
 StoredSize = Callable[[str], Optional[Shape]]
-
-
-class _Template:
-    """A key template: literal text and placeholders, matched whole against a key. A template of one placeholder runs
-    as an anchored regular expression; one of several, whose backtracking a long key would make polynomial in its
-    length (``{*a}.{*b}.{*c}.w`` against 3000 characters of ``a.a.a...``: minutes), by :meth:`_scan`, in time
-    linear in the key's length, capturing what the regular expression would (each placeholder, first to last, as long
-    as the rest still matches)."""
-
-    __slots__ = ("text", "names", "regex", "parts", "kinds", "literals")
-
-    def __init__(self, text: str, layer: bool = False) -> None:
-        if not isinstance(text, str) or not text:
-            raise RelayoutError(f"a key template must be a non-empty string, not {text!r}")
-        self.text = text
-        self.names: dict[str, bool] = {}  # placeholder -> whether it matches dots too ({*name})
-        pattern: list[str] = []
-        self.parts: list = []  # literal strings and (name,) placeholders, to fill
-        self.kinds: list = []  # per part: a literal string, or (name, kind) with kind "*" ({*name}), "." ({name}), "i" ({i})
-        pos = 0
-        for m in _PLACEHOLDER.finditer(text):
-            self._literal(text[pos:m.start()], pattern)
-            star, name = m.group(1) == "*", m.group(2)
-            if name in self.names:
-                raise RelayoutError(f"template {text!r} uses placeholder {{{name}}} twice; give each its own name")
-            self.names[name] = star
-            if layer and name == _LAYER:
-                if star:
-                    raise RelayoutError(f"template {text!r}: the layer placeholder is {{i}}, not {{*i}}")
-                group, kind = "0|[1-9][0-9]*", "i"
-            else:
-                group, kind = (".+", "*") if star else ("[^.]+", ".")
-            pattern.append(f"(?P<{name}>{group})")
-            self.parts.append((name,))
-            self.kinds.append((name, kind))
-            pos = m.end()
-        self._literal(text[pos:], pattern)
-        self.regex = re.compile("".join(pattern)) if len(self.names) < 2 else None
-        self.literals = [k for k in self.kinds if isinstance(k, str)]
-
-    def _literal(self, chunk: str, pattern: list[str]) -> None:
-        if "{" in chunk or "}" in chunk:
-            raise RelayoutError(f"template {self.text!r}: a brace outside a placeholder ({{name}} or {{*name}}, "
-                                "a name of letters, digits and underscores)")
-        if chunk:
-            pattern.append(re.escape(chunk))
-            self.parts.append(chunk)
-            self.kinds.append(chunk)
-
-    def match(self, key: str) -> Optional[dict[str, str]]:
-        if self.regex is not None:
-            m = self.regex.fullmatch(key)
-            return None if m is None else m.groupdict()
-        kinds = self.kinds
-        if isinstance(kinds[0], str) and not key.startswith(kinds[0]) or isinstance(kinds[-1], str) and not key.endswith(kinds[-1]):
-            return None
-        if any(lit not in key for lit in self.literals):
-            return None
-        return self._scan(key)
-
-    def _scan(self, key: str) -> Optional[dict[str, str]]:
-        """The match of ``key``, in time linear in its length (times the parts): which positions each part can
-        start from and still match to the end, computed from the last part back; then, from the first part on,
-        each placeholder the longest run from which the rest matches (the regular expression's greedy choice)."""
-        n, kinds = len(key), self.kinds
-        ok = [bytearray(n + 1) for _ in range(len(kinds) + 1)]  # ok[j][p]: parts j.. match key[p:] whole
-        ok[-1][n] = 1
-        for j in range(len(kinds) - 1, -1, -1):
-            part, after, here = kinds[j], ok[j + 1], ok[j]
-            if isinstance(part, str):
-                width = len(part)
-                for q in range(width, n + 1):
-                    if after[q] and key.startswith(part, q - width):
-                        here[q - width] = 1
-                continue
-            kind, reach = part[1], False  # reach: an end in the run from p + 1 on is allowed
-            for p in range(n - 1, -1, -1):
-                c = key[p]
-                if kind == "i":
-                    if "0" <= c <= "9":
-                        reach = reach or bool(after[p + 1])
-                        here[p] = after[p + 1] if c == "0" else reach
-                    else:
-                        reach = False
-                elif c == ("\n" if kind == "*" else "."):  # what ".+" and "[^.]+" stop at
-                    reach = False
-                else:
-                    reach = reach or bool(after[p + 1])
-                    here[p] = reach
-        if not ok[0][0]:
-            return None
-        captures, p = {}, 0
-        for j, part in enumerate(kinds):
-            if isinstance(part, str):
-                p += len(part)
-                continue
-            name, kind = part
-            if kind == "i":
-                end = p + 1
-                if key[p] != "0":
-                    while end < n and "0" <= key[end] <= "9":
-                        end += 1
-            else:
-                end = key.find("\n" if kind == "*" else ".", p)
-                end = n if end < 0 else end
-            while not ok[j + 1][end]:  # ok[j][p] holds: some end in (p, end] lets the rest match
-                end -= 1
-            captures[name], p = key[p:end], end
-        return captures
-
-    def fill(self, captures: dict[str, Any]) -> str:
-        return "".join(p if isinstance(p, str) else str(captures[p[0]]) for p in self.parts)
-
-    def __repr__(self) -> str:
-        return repr(self.text)
-
-
-def _same_placeholders(rule: str, a: _Template, b: _Template, layer: str = "") -> None:
-    """Both sides of a rule name the same placeholders, of the same kind (``layer``: one ``a`` has that ``b`` lacks)."""
-    want = {k: v for k, v in a.names.items() if k != layer}
-    if layer and layer not in a.names:
-        raise RelayoutError(f"{rule}: template {a.text!r} needs the layer placeholder {{{layer}}}")
-    if layer and layer in b.names:
-        raise RelayoutError(f"{rule}: template {b.text!r} may not use the layer placeholder {{{layer}}}")
-    if want != b.names:
-        show = lambda names: sorted(("*" if star else "") + n for n, star in names.items())  # noqa: E731
-        raise RelayoutError(f"{rule}: templates {a.text!r} and {b.text!r} must use the same placeholders "
-                            f"(one has {show(want)}, the other {show(b.names)})")
 
 
 def _dim(rule: Any, dim: int, ndim: int, key: str) -> int:
@@ -212,8 +82,8 @@ class Rename:
     """Checkpoint key ``checkpoint`` is model key ``model``: ``Rename("model.{*rest}", "{*rest}")``."""
 
     def __init__(self, checkpoint: str, model: str) -> None:
-        self.checkpoint, self.model = _Template(checkpoint), _Template(model)
-        _same_placeholders(repr(self), self.checkpoint, self.model)
+        self.checkpoint, self.model = KeyTemplate(checkpoint), KeyTemplate(model)
+        same_placeholders(repr(self), self.checkpoint, self.model)
         self.model_side = [self.model]
 
     def __repr__(self) -> str:
@@ -237,14 +107,14 @@ class Fuse:
     def __init__(self, parts: Sequence[str], into: str, dim: int = 0, sizes: Optional[Sequence[int]] = None) -> None:
         if isinstance(parts, str) or not parts:
             raise RelayoutError(f"Fuse: parts must be a non-empty list of key templates, not {parts!r}")
-        self.parts, self.into, self.dim = [_Template(p) for p in parts], _Template(into), int(dim)
+        self.parts, self.into, self.dim = [KeyTemplate(p) for p in parts], KeyTemplate(into), int(dim)
         if len({p.text for p in self.parts}) != len(self.parts):
             raise RelayoutError(f"{self!r}: a part is named twice")
         self.sizes = None if sizes is None else [int(n) for n in sizes]
         if self.sizes is not None and (len(self.sizes) != len(self.parts) or min(self.sizes) < 0):
             raise RelayoutError(f"{self!r}: sizes must give one non-negative size per part")
         for p in self.parts:
-            _same_placeholders(repr(self), p, self.into)
+            same_placeholders(repr(self), p, self.into)
         self.model_side = [self.into]
 
     def __repr__(self) -> str:
@@ -313,11 +183,11 @@ class Split:
     def __init__(self, part: str, into: Sequence[str], dim: int = 0) -> None:
         if isinstance(into, str) or not into:
             raise RelayoutError(f"Split: into must be a non-empty list of key templates, not {into!r}")
-        self.part, self.into, self.dim = _Template(part), [_Template(t) for t in into], int(dim)
+        self.part, self.into, self.dim = KeyTemplate(part), [KeyTemplate(t) for t in into], int(dim)
         if len({t.text for t in self.into}) != len(self.into):
             raise RelayoutError(f"{self!r}: a model key is named twice")
         for t in self.into:
-            _same_placeholders(repr(self), self.part, t)
+            same_placeholders(repr(self), self.part, t)
         self.model_side = self.into
 
     def __repr__(self) -> str:
@@ -358,8 +228,8 @@ class Stack:
     model key ``into``, whose size at ``dim`` is the number of layers."""
 
     def __init__(self, per_layer: str, into: str, dim: int = 0) -> None:
-        self.per_layer, self.into, self.dim = _Template(per_layer, layer=True), _Template(into), int(dim)
-        _same_placeholders(repr(self), self.per_layer, self.into, layer=_LAYER)
+        self.per_layer, self.into, self.dim = KeyTemplate(per_layer, layer=True), KeyTemplate(into), int(dim)
+        same_placeholders(repr(self), self.per_layer, self.into, layer=LAYER)
         self.model_side = [self.into]
 
     def __repr__(self) -> str:
@@ -373,7 +243,7 @@ class Stack:
         shape = shapes[model_key]
         d = _dim(self, self.dim, len(shape), model_key)
         layer = shape[:d] + shape[d + 1:]
-        keys = [self.per_layer.fill({**captures, _LAYER: i}) for i in range(shape[d])]
+        keys = [self.per_layer.fill({**captures, LAYER: i}) for i in range(shape[d])]
         if stored is not None:
             absent = [k for k in keys if stored(k) is None]
             if absent:
@@ -388,8 +258,8 @@ class Unstack:
     ``{i}``); the model's layers must be exactly 0 to L-1."""
 
     def __init__(self, stacked: str, per_layer: str, dim: int = 0) -> None:
-        self.stacked, self.per_layer, self.dim = _Template(stacked), _Template(per_layer, layer=True), int(dim)
-        _same_placeholders(repr(self), self.per_layer, self.stacked, layer=_LAYER)
+        self.stacked, self.per_layer, self.dim = KeyTemplate(stacked), KeyTemplate(per_layer, layer=True), int(dim)
+        same_placeholders(repr(self), self.per_layer, self.stacked, layer=LAYER)
         self.model_side = [self.per_layer]
 
     def __repr__(self) -> str:
@@ -401,7 +271,7 @@ class Unstack:
     def resolve(self, members: list, shapes: dict, stored: Optional[StoredSize]) -> tuple[dict, dict]:
         captures = members[0][2]
         key = self.stacked.fill(captures)
-        by_layer = {int(c[_LAYER]): name for name, _, c in members}
+        by_layer = {int(c[LAYER]): name for name, _, c in members}
         names = [by_layer[i] for i in sorted(by_layer)]
         layer = shapes[names[0]]
         for name in names[1:]:
@@ -422,7 +292,7 @@ class Unstack:
         layers = sorted(by_layer)
         if len(layers) != count or (layers and layers[-1] != count - 1):  # distinct layers from 0: exactly 0 .. count-1
             # the count is the checkpoint's claim: list what is lacking without counting up to it
-            lacking = list(itertools.islice((self.per_layer.fill({**captures, _LAYER: i}) for i in range(count)
+            lacking = list(itertools.islice((self.per_layer.fill({**captures, LAYER: i}) for i in range(count)
                                              if i not in by_layer), _MAX_SHOWN))
             extra = [by_layer[i] for i in layers if i >= count][:_MAX_SHOWN]
             error = RelayoutError if stored is None else ShapeMismatchError
@@ -439,7 +309,7 @@ class Drop:
     """Checkpoint keys matching ``template`` are neither loaded (nor "unexpected" in the checkpoint) nor saved."""
 
     def __init__(self, template: str) -> None:
-        self.template = _Template(template)
+        self.template = KeyTemplate(template)
 
     def __repr__(self) -> str:
         return f"Drop({self.template.text!r})"
