@@ -100,6 +100,8 @@ def test_what_a_hugging_face_checkpoint_cannot_hold_is_refused_before_a_byte_is_
         distckpt.save({"w": torch.ones(2)}, storage_writer=distckpt.HuggingFaceWriter(target), no_dist=True)
     with pytest.raises(distckpt.CheckpointError, match="max_shard_size"):
         distckpt.HuggingFaceWriter(target, max_shard_size="5 parsecs")
+    with pytest.raises(distckpt.CheckpointNotFoundError, match="nothing.json does not exist; pass the path of a config.json"):
+        distckpt.HuggingFaceWriter(target, config=str(tmp_path / "nothing.json"))
     with pytest.raises(distckpt.CheckpointError, match="not a JSON document"):
         distckpt.HuggingFaceWriter(target, config=str(tmp_path / "out" / "README.md"))
 

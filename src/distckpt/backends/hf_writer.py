@@ -28,7 +28,7 @@ from torch.futures import Future
 from .. import faults, knobs
 from ..engine.budget import ByteBudget
 from ..engine.tensor_bytes import flat_bytes, host_tensor
-from ..errors import CheckpointError, CorruptCheckpointError, UnsupportedTensorError
+from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, UnsupportedTensorError
 from ..format.dtypes import itemsize
 from ..format.json_text import parse_json
 from ..format.locations import check_cover, checked_chunk
@@ -256,7 +256,11 @@ def _config_text(config: Any) -> Optional[str]:
         path = os.fspath(config)
         if is_real_dir(path):
             path = os.path.join(path, CONFIG_FILE)
-        fd = open_regular(path)
+        try:
+            fd = open_regular(path)
+        except CheckpointNotFoundError:
+            raise CheckpointNotFoundError(f"HuggingFaceWriter(config={os.fspath(config)!r}): {path} does not exist; pass "
+                                          "the path of a config.json, or of the directory holding it") from None
         try:
             size = os.fstat(fd).st_size
             if size > knobs.max_metadata_bytes():
