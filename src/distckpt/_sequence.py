@@ -19,9 +19,14 @@ from .torch_classes import adopt
 
 
 def split_stateful(state_dict: dict) -> tuple[dict, dict[str, Any]]:
-    """Replace top-level Stateful values by their state dicts; return the new dict and the objects."""
-    objects = {k: v for k, v in state_dict.items() if not isinstance(v, torch.Tensor) and isinstance(v, Stateful)}
-    plain = {k: (v.state_dict() if k in objects else v) for k, v in state_dict.items()}
+    """Replace top-level Stateful values by their state dicts; return the new dict and the objects.
+
+    The objects are asked in sorted key order, the same on every rank whatever order each rank's dict has: a
+    ``state_dict()`` may run collectives (an optimizer's ``get_state_dict``), which must meet in one order."""
+    objects = {k: state_dict[k] for k in sorted(state_dict, key=str)
+               if not isinstance(state_dict[k], torch.Tensor) and isinstance(state_dict[k], Stateful)}
+    states = {k: v.state_dict() for k, v in objects.items()}
+    plain = {k: (states[k] if k in objects else v) for k, v in state_dict.items()}
     return plain, objects
 
 

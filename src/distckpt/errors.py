@@ -31,6 +31,7 @@ __all__ = [
     "StagingMemoryError",
     "UnsafeLocationError",
     "RelayoutError",
+    "StateDictLookupError",
 ]
 
 
@@ -78,6 +79,10 @@ class CorruptCheckpointError(CheckpointError, ValueError):
 
 class FormatVersionError(CheckpointError, ValueError):
     """The checkpoint was written in a format version this reader does not support."""
+
+
+class StateDictLookupError(CheckpointError, ValueError):
+    """A MetadataIndex names nothing in the state dict: no such key, or no local shard at its offsets."""
 
 
 class RelayoutError(CheckpointError, ValueError):

@@ -63,11 +63,11 @@ def load(
     plain, objects = ready.plain, ready.objects
     with gc_paused():
         run_load(plain, ready.storage, ready.planner, coord, failure=ready.failure)
-    for key, value in plain.items():
+    for key in sorted(plain, key=str):  # one order on every rank: a load_state_dict may run collectives
         if key in objects:
-            objects[key].load_state_dict(value)
+            objects[key].load_state_dict(plain[key])
         else:  # top-level non-tensor values were replaced in the copy
-            state_dict[key] = value
+            state_dict[key] = plain[key]
 
 
 def run_load(state_dict: STATE_DICT_TYPE, reader: Optional[StorageReader], planner: Optional[LoadPlanner],

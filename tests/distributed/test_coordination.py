@@ -109,3 +109,12 @@ def test_default_load_planning_moves_no_plan_bytes(tmp_path):
     for moved in run_ranks(workers.load_with_and_without_plan_transport, 3, path):
         partly_read, rest = divmod(moved["default"] - 10, 25)  # a status byte each way
         assert rest == 0 and partly_read >= 1 and moved["object"] > 4 * moved["default"], moved
+
+
+def test_stateful_objects_are_asked_in_one_order_on_every_rank(tmp_path):
+    # their state_dict / load_state_dict may run collectives (an optimizer's get_state_dict): asked in each rank's own
+    # key order, rank 0's "model" would meet rank 1's "sched" (DCP's test_different_ordered_state_dict_keys hangs)
+    results = run_ranks(workers.stateful_in_rank_order, 2, str(tmp_path / "ck"), timeout_s=60)
+    for met in results:
+        for name, meetings in met.items():
+            assert len(meetings) == 3 and all(m == [name, name] for m in meetings), (name, meetings)  # save; load: template, load

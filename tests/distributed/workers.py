@@ -305,3 +305,32 @@ def forged_rank_local_name(rank, world_size, path):
     except distckpt.CheckpointError as exc:
         return type(exc).__name__, str(exc)
     return None
+
+
+class _Collective:
+    """A Stateful whose state_dict and load_state_dict run a collective naming it: ranks that ask the objects in
+    different orders meet different names (or wait on each other)."""
+
+    def __init__(self, name: str):
+        self.name, self.met = name, []
+
+    def _meet(self):
+        names = [None] * dist.get_world_size()
+        dist.all_gather_object(names, self.name)
+        self.met.append(names)
+
+    def state_dict(self):
+        self._meet()
+        return {"v": torch.tensor([len(self.name)])}
+
+    def load_state_dict(self, state):
+        self._meet()
+
+
+def stateful_in_rank_order(rank: int, world_size: int, path: str):
+    """Each rank builds its state dict in another key order; every collective the objects run must meet its twin."""
+    objs = {k: _Collective(k) for k in ("model", "optim", "sched")}
+    order = list(objs) if rank == 0 else list(reversed(objs))
+    distckpt.save({k: objs[k] for k in order}, checkpoint_id=path)
+    distckpt.load({k: objs[k] for k in order}, checkpoint_id=path)
+    return {k: o.met for k, o in objs.items()}

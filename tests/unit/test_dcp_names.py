@@ -82,7 +82,7 @@ def test_errors_carry_dcps_phrases(tmp_path):
 def test_a_second_save_to_one_path_replaces_it_only_when_switched_on(tmp_path, monkeypatch):
     path = tmp_path / "ck"
     distckpt.save({"w": torch.ones(3)}, checkpoint_id=path)
-    with pytest.raises(distckpt.CheckpointError, match="DISTCKPT_OVERWRITE=1"):
+    with pytest.raises(distckpt.CheckpointError, match="Checkpoint already exists.*DISTCKPT_OVERWRITE=1"):  # DCP's phrase
         distckpt.save({"w": torch.full((3,), 2.0)}, checkpoint_id=path)
     monkeypatch.setenv("DISTCKPT_OVERWRITE", "1")
     distckpt.save({"w": torch.full((3,), 2.0)}, checkpoint_id=path)
@@ -164,3 +164,32 @@ def test_dcps_plan_helpers():
     assert _compare_save_plans(plans[0], plans[0]) and not _compare_save_plans(plans[0], deduped[1])
     merged = _merge_delta_local_plans(plans[:2], [SavePlan([], usable=False), deduped[1]])
     assert merged[0] is plans[0] and merged[1] is deduped[1]
+
+
+def test_dcp_utils_find_the_object_an_index_names():
+    from distckpt.errors import StateDictLookupError
+    from distckpt.utils import find_state_dict_object
+
+    state = {"a": torch.arange(4.0), "b": 3}
+    assert find_state_dict_object(state, MetadataIndex("a")) is state["a"]
+    assert find_state_dict_object(state, MetadataIndex("a", [0])) is state["a"]
+    assert find_state_dict_object(state, MetadataIndex("a", index=99)) is state["a"]
+    assert find_state_dict_object(state, MetadataIndex("b", index=1)) == 3
+    with pytest.raises(ValueError, match="FQN: 'c'"):  # DCP's type and phrase, and ours
+        find_state_dict_object(state, MetadataIndex("c"))
+    with pytest.raises(StateDictLookupError, match="not a ShardedTensor"):
+        find_state_dict_object(state, MetadataIndex("b", [1]))
+    with pytest.raises(StateDictLookupError, match="not a ShardedTensor"):
+        find_state_dict_object(state, MetadataIndex("a", [2]))
+
+
+def test_a_bytesio_value_saves_as_its_bytes_and_loads_as_a_bytesio(tmp_path):
+    import io
+
+    buf = io.BytesIO()
+    torch.save([0.5, 0.25], buf)  # what DCP's own tests keep in a train state: opaque bytes, no pickle needed by us
+    distckpt.save({"losses": buf, "w": torch.ones(2)}, checkpoint_id=tmp_path / "ck")
+    out = {"losses": io.BytesIO(), "w": torch.zeros(2)}
+    distckpt.load(out, checkpoint_id=tmp_path / "ck")
+    assert isinstance(out["losses"], io.BytesIO) and out["losses"].tell() == 0
+    assert out["losses"].getvalue() == buf.getvalue()

@@ -89,7 +89,8 @@ class BlobStorageWriter(StorageWriter):
         self.store = self._store()
         if not self._replaces() and self.store.is_committed():
             raise CheckpointError(
-                f"checkpoint {self._checkpoint_id()!r} already exists and is committed; distckpt does not replace it "
+                f"Checkpoint already exists and is committed at {self._checkpoint_id()!r} (DCP's words, which code "
+                "written for it matches); distckpt does not replace it "
                 "unless asked. Save to a new checkpoint_id, or pass overwrite=True to the storage writer, or set "
                 "DISTCKPT_OVERWRITE=1 for DCP's behaviour "
                 "(the old checkpoint stays intact until the new one commits).")

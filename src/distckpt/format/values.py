@@ -8,6 +8,7 @@ Values become JSON with a small set of tags for what JSON lacks::
     non-finite float                    -> {"$t": "float", "v": "nan" | "inf" | "-inf"}
     tuple                               -> {"$t": "tuple", "v": [...]}
     bytes / bytearray                   -> {"$t": "bytes", "v": "<base64>"}
+    io.BytesIO                          -> {"$t": "bytesio", "v": "<base64 of its buffer>"} (loads at position 0)
     other dict                          -> {"$t": "dict", "v": [[key, value], ...]}
     torch.dtype                         -> {"$t": "dtype", "v": "float32"}
     torch.Size                          -> {"$t": "size", "v": [...]}
@@ -28,6 +29,7 @@ the caller opted in; a pickled value met without opt-in raises
 from __future__ import annotations
 
 import base64
+import io
 import json
 import math
 from typing import Any
@@ -72,6 +74,8 @@ def to_data(value: Any, *, allow_pickle: bool = False, where: str = "value", _de
                                      for i, v in enumerate(value)]}
     if kind is bytes or kind is bytearray:
         return {"$t": "bytes", "v": base64.b64encode(bytes(value)).decode("ascii")}
+    if kind is io.BytesIO:  # DCP's way to save opaque bytes (a torch.save of a list, say): kept as the bytes they are
+        return {"$t": "bytesio", "v": base64.b64encode(value.getbuffer()).decode("ascii")}
     if kind is torch.dtype:
         return {"$t": "dtype", "v": dtype_name(value)}
     if type(value) is dict:
@@ -137,6 +141,9 @@ def _from(data: Any, allow_pickle: bool, where: str, depth: int, budget: list[in
         if tag == "bytes":
             _need(isinstance(v, str))
             return base64.b64decode(v.encode("ascii"), validate=True)
+        if tag == "bytesio":
+            _need(isinstance(v, str))
+            return io.BytesIO(base64.b64decode(v.encode("ascii"), validate=True))
         if tag == "dtype":
             return dtype_from_name(v, where)
         if tag == "size":  # at most 64-bit, as torch holds them: a larger one would build, then fail to print or use
