@@ -64,6 +64,22 @@ def _listed(names: list[str]) -> str:
     return ", ".join(names[:_MAX_LISTED]) + more
 
 
+def _value_keys(relayout: Relayout, state_dict: dict, taken: set) -> dict[str, str]:
+    """Checkpoint key -> model key of every non-tensor value the relayout keeps (Drop leaves some out). Two values
+    on one checkpoint key, or a value on a tensor's key (``taken``), raise RelayoutError naming both."""
+    out: dict[str, str] = {}
+    for name, obj in state_dict.items():
+        if isinstance(obj, torch.Tensor):
+            continue
+        key = relayout.value_key(name)
+        if key is None:
+            continue
+        if key in out or key in taken:
+            raise RelayoutError(f"model keys {out.get(key, '(a tensor)')!r} and {name!r} both map to checkpoint key {key!r}")
+        out[key] = name
+    return out
+
+
 class RelayoutLoadPlanner(DefaultLoadPlanner):
     """Loads a checkpoint laid out as ``relayout`` says into the caller's state dict (in place, any sharding).
 
@@ -111,18 +127,9 @@ class RelayoutLoadPlanner(DefaultLoadPlanner):
         cols = ReadColumns()
         self._value_keys = {}
         expected = tr.keys()
-        owners: dict[str, str] = {}
-        for name, obj in self.state_dict.items():
-            if isinstance(obj, torch.Tensor):
-                continue
-            key = self.relayout.value_key(name)
-            if key is None:
-                continue
-            if key in expected:
-                raise RelayoutError(f"model keys {owners.get(key, '(a tensor)')!r} and {name!r} both map to "
-                                    f"checkpoint key {key!r}")
-            expected.add(key)
-            owners[key] = name
+        values = _value_keys(self.relayout, self.state_dict, expected)
+        expected.update(values)
+        for key, name in values.items():
             md = sdm.get(key)
             if md is None:
                 missing[name] = [key]
@@ -220,18 +227,9 @@ class RelayoutSavePlanner(DefaultSavePlanner):
                 cols.add_tensor(key, SHARD, view, frame.dtype, frame.requires_grad, frame.size, offsets, sizes,
                                 volume(sizes) * width)
         self._encoded, self._values = {}, {}
-        value_keys: dict[str, str] = {}
-        named = tr.keys()
-        for name, obj in self.state_dict.items():
-            if isinstance(obj, torch.Tensor):
-                continue
-            key = self.relayout.value_key(name)
-            if key is None:
-                continue
-            if key in value_keys or key in named:
-                raise RelayoutError(f"model keys {value_keys.get(key, '(a tensor)')!r} and {name!r} both map to "
-                                    f"checkpoint key {key!r}")
-            value_keys[key] = name
+        value_keys = _value_keys(self.relayout, self.state_dict, tr.keys())
+        for key, name in value_keys.items():
+            obj = self.state_dict[name]
             raw = encode_value(obj, allow_pickle=self.allow_pickle, where=f"state dict key {name!r}")
             self._encoded[key], self._values[key] = raw, obj
             cols.add_bytes(key, raw)
