@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import stat
-import threading
 import uuid
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -429,7 +428,6 @@ class _RankPublish:
         self.budget = ByteBudget(knobs.memory_budget_bytes())
         self.progress = Progress("publish", sum(self.nbytes), is_coordinator)
         self.fds: dict[str, int] = {}
-        self.lock = threading.Lock()
 
     def run(self) -> list[WriteResult]:
         try:
