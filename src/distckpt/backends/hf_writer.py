@@ -34,6 +34,7 @@ from ..format.locations import check_cover, checked_chunk
 from ..layouts.hf_publish import DEFAULT_MAX_SHARD_SIZE, INDEX_FILE, parse_size, plan_shards, runs
 from ..metadata import BytesStorageMetadata, ChunkStorageMetadata, Metadata, StorageMeta, TensorStorageMetadata
 from ..planner import SavePlan, SavePlanner, WriteItemType
+from ..planning.resharding import volume
 from ..progress import Progress
 from ..storage import StorageWriter, WriteResult
 from .blob_storage import done
@@ -526,7 +527,4 @@ class _RankPublish:
 
 def _item_bytes(item: Any) -> int:
     td = item.tensor_data
-    n = 1
-    for s in td.chunk.sizes:
-        n *= s
-    return n * itemsize(td.properties.dtype)
+    return volume(td.chunk.sizes) * itemsize(td.properties.dtype)
