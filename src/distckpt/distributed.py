@@ -251,8 +251,16 @@ class Coordinator:
         raise CheckpointError(f"checkpoint {phase}: the ranks disagree, but the exchange naming why found nothing")
 
     def all_gather(self, phase: str, local_fn: Callable[[], None]) -> None:
-        """local_fn on every rank; raise on every rank if any failed."""
-        self.all_reduce(phase, local_fn, lambda _: None, NOTHING, NOTHING)
+        """local_fn on every rank; raise on every rank if any failed.
+
+        Where every rank succeeded, that takes one fixed-size exchange (:meth:`vote`); only a failure costs the
+        exchange that names it."""
+        failure: Optional[BaseException] = None
+        try:
+            local_fn()
+        except Exception as exc:  # noqa: BLE001 - reported to every rank by the vote
+            failure = exc
+        self.vote(phase, failure, False)
 
     # ------------------------------------------------------------ helpers
 

@@ -107,19 +107,25 @@ def _plans_stay(planner: LoadPlanner, reader: StorageReader) -> bool:
 
 
 def _plan_with_shared_verification(local_step, reader: StorageReader, coord: Coordinator) -> LoadPlan:
-    mine: dict = {}
-
-    def local() -> bytes:
-        plan = mine["plan"] = local_step()
-        chunks = mine["chunks"] = sv.partial_chunks(reader.metadata, plan) if reader.verify_checksums else []
-        return sv.encode_chunks(reader.metadata, chunks)
+    """This rank's plan, once every rank has planned. One fixed-size vote tells whether any rank failed and
+    whether any reads a chunk partly; only then do the ranks exchange their lists of such chunks."""
+    failure: Optional[BaseException] = None
+    plan, chunks, table = None, [], b""
+    try:
+        plan = local_step()
+        chunks = sv.partial_chunks(reader.metadata, plan) if reader.verify_checksums else []
+        table = sv.encode_chunks(reader.metadata, chunks)
+    except Exception as exc:  # noqa: BLE001 - reported to every rank by the vote
+        failure = exc
+    if not coord.vote("load planning", failure, bool(chunks)):
+        return plan
 
     def assign(tables: list[bytes]) -> list[bytes]:
         return sv.assign_verifiers([sv.decode_chunks(t) for t in tables])
 
-    mask = coord.reduce_scatter("load planning", local, assign, RAW, RAW)
-    reader.skip_verification(sv.verified_elsewhere(mine["chunks"], mask))
-    return mine["plan"]
+    mask = coord.reduce_scatter("load planning", lambda: table, assign, RAW, RAW)
+    reader.skip_verification(sv.verified_elsewhere(chunks, mask))
+    return plan
 
 
 def read_metadata(checkpoint_id: Union[str, os.PathLike], storage_reader: Optional[StorageReader] = None) -> Metadata:

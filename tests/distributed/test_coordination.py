@@ -118,3 +118,12 @@ def test_stateful_objects_are_asked_in_one_order_on_every_rank(tmp_path):
     for met in results:
         for name, meetings in met.items():
             assert len(meetings) == 3 and all(m == [name, name] for m in meetings), (name, meetings)  # save; load: template, load
+
+
+def test_a_load_where_every_rank_reads_whole_chunks_takes_three_fixed_size_exchanges(tmp_path):
+    """Arrival, one vote after planning, one after reading: where no rank reads a chunk partly, no list of
+    chunks travels and no variable-size message is framed. A resharded load still exchanges its lists."""
+    results = run_ranks(workers.collectives_of_a_load, 2, str(tmp_path / "ck"))
+    for r in results:
+        assert r["same"] == {"collectives": 3, "moved": 0, "general": 0}, r  # its shard is one column item
+        assert r["reshard"]["moved"] > 0 and r["reshard"]["collectives"] > 3 and r["reshard"]["general"] > 0, r

@@ -334,3 +334,42 @@ def stateful_in_rank_order(rank: int, world_size: int, path: str):
     distckpt.save({k: objs[k] for k in order}, checkpoint_id=path)
     distckpt.load({k: objs[k] for k in order}, checkpoint_id=path)
     return {k: o.met for k, o in objs.items()}
+
+
+def collectives_of_a_load(rank, world_size, path):
+    """Save DTensor row shards, then load them at the same sharding and resharded; count the process group's
+    collectives each load makes, and the plan bytes it moves."""
+    from distckpt import distributed as dd
+
+    counted = {"n": 0}
+    names = ("all_gather", "gather", "scatter", "broadcast", "all_reduce", "all_gather_into_tensor")
+    originals = {name: getattr(dist, name) for name in names}
+
+    def counting(fn):
+        def call(*args, **kwargs):
+            counted["n"] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    distckpt.save(_rows_dtensor(world_size, True), checkpoint_id=path)
+    out = {}
+    for name in names:
+        setattr(dist, name, counting(originals[name]))
+    try:
+        for label, dim in (("same", 0), ("reshard", 1)):
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.tensor import Shard, distribute_tensor
+
+            sd = {"w": distribute_tensor(torch.zeros(12, 1024), init_device_mesh("cpu", (world_size,)), [Shard(dim)])}
+            dd.phase_bytes.clear()
+            counted["n"] = 0
+            distckpt.load(sd, checkpoint_id=path)
+            assert torch.equal(sd["w"].full_tensor(), _rows_dtensor(world_size, True)["w"].full_tensor()), label
+            planner = distckpt.DefaultLoadPlanner()
+            planner.set_up_planner(sd, distckpt.read_metadata(path))
+            general = len(planner.create_local_plan().items.general)  # reads that are not a whole chunk into a whole shard
+            out[label] = {"collectives": counted["n"], "moved": dd.phase_bytes.get("load planning", 0), "general": general}
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+    return out

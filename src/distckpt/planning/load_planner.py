@@ -216,8 +216,13 @@ class DefaultLoadPlanner(LoadPlanner):
                 cols.add_whole(fqn, local, tuple(offsets), tuple(chunk.offsets), 0, size)
                 return
         chunks = ChunkIndex(md.chunks)
-        for _, offsets, sizes in pieces:
-            for ov in chunks.overlaps(offsets, sizes):
+        for local, offsets, sizes in pieces:
+            found = chunks.overlaps(offsets, sizes)
+            if len(found) == 1 and _whole(found[0], md.chunks[found[0].chunk_index].sizes, sizes):
+                # a shard loaded as it was saved (the same sharding): a column item, as a whole tensor is
+                cols.add_whole(fqn, local, tuple(offsets), tuple(offsets), found[0].chunk_index, tuple(sizes))
+                continue
+            for ov in found:
                 chunk = md.chunks[ov.chunk_index]
                 cols.general.append(ReadItem(
                     LoadItemType.TENSOR,
@@ -268,6 +273,12 @@ class DefaultLoadPlanner(LoadPlanner):
     @resolves_columns
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
         """Nothing to do: ``resolve_tensor`` returned a view of the destination."""
+
+
+def _whole(overlap, chunk_sizes, sizes) -> bool:
+    """Whether ``overlap`` is all of a stored chunk into all of a destination piece."""
+    return (not any(overlap.dest_offsets) and not any(overlap.storage_offsets)
+            and tuple(overlap.lengths) == tuple(chunk_sizes) == tuple(sizes))
 
 
 def _identities(tensor: torch.Tensor) -> list:
