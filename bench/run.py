@@ -26,7 +26,7 @@ import torch
 
 from distckpt.testing import run_ranks
 
-from . import planning_scale, targets, workers
+from . import planning_scale, targets, throttle, workers
 from .measure import drop_cache, warm_memory
 
 
@@ -95,6 +95,8 @@ def main(argv=None) -> dict:
     p.add_argument("--repeat", type=int, default=3, help="runs of each measurement; the fastest is reported "
                    "(single runs here vary 2-3x with page-cache and host memory state; see bench/measure.py best())")
     p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument("--throttle-mbps", type=float, nargs="+", default=[],
+                   help="also run the disk tables with writes limited to each of these MB/s (bench/throttle.py; needs root)")
     p.add_argument("--warm-gib", type=float, default=None, help="memory to touch first (default: 4x the state, at most 60%% of RAM)")
     a = p.parse_args(argv)
     total = int(a.gib * (1 << 30))
@@ -122,6 +124,14 @@ def main(argv=None) -> dict:
                 block = table(f"{loc_name}, {n} rank(s){', cold-cache loads' if cold else ', warm loads'}", rows)
                 print("\n".join(block), flush=True)
                 lines += block
+        for mbps in a.throttle_mbps:
+            with throttle.throttled_writes(mbps, disk, total) as slow:
+                for n in a.ranks:
+                    rows = _merge(run_ranks(workers.peers_round, n, total, slow, True, a.repeat, env=env, timeout_s=3600))
+                    results[f"disk@{mbps:g}MBps/{n}"] = rows
+                    block = table(f"disk throttled to {mbps:g} MB/s, {n} rank(s), cold-cache loads", rows)
+                    print("\n".join(block), flush=True)
+                    lines += block
         for key, count, tiny, what in (("small", a.small, False, "small tensors (1-64 KiB)"),
                                        ("tiny", a.tiny, True, "tiny tensors (64 B-4 KiB)")):
             if not count:

@@ -22,6 +22,7 @@ __all__ = [
     "overwrite_committed",
     "direct_io_mode",
     "direct_io_buffer_bytes",
+    "direct_io_queue_depth",
     "memory_budget_bytes",
     "max_metadata_bytes",
     "max_header_bytes",
@@ -176,6 +177,12 @@ def direct_io_buffer_bytes() -> int:
     if value % PAGE_BYTES:
         raise CheckpointError(f"DISTCKPT_DIRECT_IO_BUFFER_BYTES={value} must be a multiple of {PAGE_BYTES}")
     return value
+
+
+def direct_io_queue_depth() -> int:
+    """Direct writes of one file in flight at once (DISTCKPT_DIRECT_IO_QUEUE_DEPTH, default 1):
+    each holds a bounce buffer, and one more fills meanwhile."""
+    return _int("DISTCKPT_DIRECT_IO_QUEUE_DEPTH", 1, minimum=1)
 
 
 def max_metadata_bytes() -> int:

@@ -30,7 +30,8 @@ import errno
 import mmap
 import os
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
 import numpy as np
@@ -86,20 +87,26 @@ def direct_io_wanted(directory: str) -> bool:
     return _file_system_type(directory) in LOCAL_BLOCK_FILE_SYSTEMS
 
 
+def bounce_buffer_count() -> int:
+    """How many bounce buffers a direct writer has: one filling, the rest being written
+    (``DISTCKPT_DIRECT_IO_QUEUE_DEPTH`` + 1)."""
+    return knobs.direct_io_queue_depth() + 1
+
+
 def bounce_buffer_bytes(budget: Optional[int] = None) -> int:
-    """The size of each of a direct writer's two bounce buffers: ``DISTCKPT_DIRECT_IO_BUFFER_BYTES``, or less so
-    that both fit in ``budget`` bytes (whole blocks, at least one each)."""
+    """The size of each of a direct writer's bounce buffers: ``DISTCKPT_DIRECT_IO_BUFFER_BYTES``, or less so
+    that all of them fit in ``budget`` bytes (whole blocks, at least one each)."""
     size = knobs.direct_io_buffer_bytes()
     if budget is not None:
-        size = min(size, max(ALIGN, budget // 2 // ALIGN * ALIGN))
+        size = min(size, max(ALIGN, budget // bounce_buffer_count() // ALIGN * ALIGN))
     return size
 
 
 class _BouncePool:
     """Page-aligned buffers reused across writers and saves (touching fresh memory costs more than the copy)."""
 
-    def __init__(self, keep: int = 8):
-        self.keep = keep
+    def __init__(self, keep: Optional[int] = None):
+        self.keep = keep  # None: the buffers of four files (io_threads' most), so a save reuses all of them
         self.free: list[mmap.mmap] = []
         self.lock = threading.Lock()
 
@@ -116,7 +123,8 @@ class _BouncePool:
 
     def give(self, buf: mmap.mmap) -> None:
         with self.lock:
-            if len(self.free) < self.keep:
+            keep = self.keep if self.keep is not None else 4 * bounce_buffer_count()
+            if len(self.free) < keep:
                 self.free.append(buf)
                 return
         _close(buf)
@@ -170,24 +178,29 @@ def _flushers() -> ThreadPoolExecutor:
 class DirectWriter(BlobWriter):
     """A file written with ``O_DIRECT``, for writes that arrive in file order.
 
-    Bytes are copied into one of two page-aligned buffers of ``buffer_bytes``
-    each (default: :func:`bounce_buffer_bytes`); a full buffer is
-    written by a flusher thread while the other fills, so the device always
-    has work. Aligned source memory of whole blocks is written in place.
-    A write at any other offset ends direct I/O for the file, after what the
-    buffer holds is written. If the kernel refuses a direct write (a file
-    system without direct I/O, a device with larger blocks, a short write
-    that leaves the rest misaligned), the file goes on with buffered writes.
-    The bytes in the file are the same either way.
+    Bytes are copied into page-aligned buffers of ``buffer_bytes`` each
+    (default: :func:`bounce_buffer_bytes`), ``buffers`` of them (default:
+    :func:`bounce_buffer_count`); each full buffer goes to a flusher thread,
+    which writes it at its own aligned offset while the next fills, so up to
+    ``buffers - 1`` writes are in flight at once. Aligned source memory of
+    whole blocks is written in place, in buffer-sized pieces in flight
+    together, before the call returns. A write at any other offset ends
+    direct I/O for the file, after what the buffers hold is written. If the
+    kernel refuses a direct write (a file system without direct I/O, a device
+    with larger blocks, a short write that leaves the rest misaligned), the
+    file goes on with buffered writes. The bytes in the file are the same
+    either way. The first failed write fails the file: it is raised by the
+    next call that waits for it, at the latest :meth:`close`.
     """
 
-    def __init__(self, path: str, io_error, buffer_bytes: Optional[int] = None):
+    def __init__(self, path: str, io_error, buffer_bytes: Optional[int] = None, buffers: Optional[int] = None):
         self.path = path
         self._io_error = io_error  # (action, path, OSError) -> StorageIOError
         self.lock = threading.Lock()  # held by the writing thread
         self.flag_lock = threading.Lock()  # taken by whichever thread drops O_DIRECT
         self.buffers: list[mmap.mmap] = []
-        self.pending: Optional[Future] = None  # the flusher's write of the other buffer
+        self.free: list[int] = []  # buffers neither filling nor being written
+        self.in_flight: deque = deque()  # (flusher's Future, its buffer's index or None), oldest first
         self.base = 0  # file offset of the current buffer's first byte
         self.fill = 0  # bytes of the current buffer holding data
         try:
@@ -205,7 +218,9 @@ class DirectWriter(BlobWriter):
             raise io_error("creating", path, exc) from exc
         if self.direct:
             size = buffer_bytes if buffer_bytes is not None else bounce_buffer_bytes()
-            self.buffers = [_POOL.take(size), _POOL.take(size)]
+            count = max(2, buffers if buffers is not None else bounce_buffer_count())
+            self.buffers = [_POOL.take(size) for _ in range(count)]
+            self.free = list(range(count - 1, 0, -1))
             self._use(0)
 
     def _use(self, i: int) -> None:
@@ -256,56 +271,81 @@ class DirectWriter(BlobWriter):
                 self._hand_over()
 
     def _hand_over(self) -> None:
-        """Give the current buffer's bytes (whole blocks) to a flusher and go on in the other buffer."""
-        self._wait()  # the other buffer is free once its write is done
-        view, offset = self.view[:self.fill], self.base
-        self.pending = _flushers().submit(self._write_direct, view, offset)
+        """Give the current buffer's bytes (whole blocks) to a flusher and go on in a free buffer."""
+        self._submit(self.view[:self.fill], self.base, self.current)
         self.base += self.fill
         self.fill = 0
-        self._use(1 - self.current)
+        while not self.free:  # every other buffer is being written: the oldest is free first
+            self._wait_oldest()
+        self._use(self.free.pop())
 
-    def _wait(self) -> None:
-        if self.pending is not None:
-            pending, self.pending = self.pending, None
-            pending.result()
+    def _submit(self, view: memoryview, offset: int, buffer: Optional[int]) -> None:
+        """Start writing ``view`` at ``offset`` in a flusher, once fewer than ``len(self.buffers) - 1`` writes are in
+        flight (the device gains nothing from more, and in-place pieces hold no buffer to bound them)."""
+        while len(self.in_flight) >= len(self.buffers) - 1:
+            self._wait_oldest()
+        self.in_flight.append((_flushers().submit(self._write_direct, view, offset), buffer))
+
+    def _wait_oldest(self) -> None:
+        future, buffer = self.in_flight.popleft()
+        try:
+            future.result()
+        finally:
+            if buffer is not None:
+                self.free.append(buffer)
+
+    def _wait_all(self) -> None:
+        """Wait for every write in flight; the first failure is raised once none is left running."""
+        first: Optional[BaseException] = None
+        while self.in_flight:
+            try:
+                self._wait_oldest()
+            except BaseException as exc:  # noqa: BLE001 - raised below, after the rest are done with their memory
+                first = first or exc
+        if first is not None:
+            raise first
 
     def _write_in_place(self, view: memoryview) -> int:
         """Write the longest whole-block prefix of aligned ``view`` from its own memory (as that of
-        async_save's staging buffers is); the bytes written."""
+        async_save's staging buffers is), in buffer-sized pieces in flight together; the bytes written.
+        Returns once they are all written: the memory is the caller's again after the call."""
         length = len(view) - len(view) % ALIGN
-        self._write_direct(view[:length], self.base)
+        piece = len(self.view)
+        for start in range(0, length, piece):
+            self._submit(view[start:min(start + piece, length)], self.base + start, None)
+        self._wait_all()
         self.base += length
         return length
 
     def _write_direct(self, view: memoryview, offset: int) -> None:
         """pwrite all of ``view`` at ``offset``; where the kernel refuses direct I/O, the file leaves it."""
         while len(view):
+            direct = self.direct  # read first: another flusher may drop the flag while this write runs
             try:
                 n = os.pwrite(self.fd, view, offset)
             except OSError as exc:
-                if exc.errno != errno.EINVAL or not self._drop_direct_flag():
+                if exc.errno != errno.EINVAL or not direct:
                     raise
+                self._drop_direct_flag()
                 continue  # again, through the page cache
             if n <= 0:
                 raise OSError(errno.EIO, "the write made no progress")
             view = view[n:]
             offset += n
 
-    def _drop_direct_flag(self) -> bool:
-        """Clear O_DIRECT on the file; False if it was clear already."""
+    def _drop_direct_flag(self) -> None:
+        """Clear O_DIRECT on the file (once, whichever flusher gets there first)."""
         import fcntl  # POSIX only, as O_DIRECT is
 
         with self.flag_lock:
             flags = fcntl.fcntl(self.fd, fcntl.F_GETFL)
-            if not flags & _O_DIRECT:
-                return False
-            fcntl.fcntl(self.fd, fcntl.F_SETFL, flags & ~_O_DIRECT)
+            if flags & _O_DIRECT:
+                fcntl.fcntl(self.fd, fcntl.F_SETFL, flags & ~_O_DIRECT)
             self.direct = False
-            return True
 
     def _go_buffered(self) -> None:
-        """Leave direct I/O: write out what the buffer holds, then write through the page cache."""
-        self._wait()
+        """Leave direct I/O: write out what the buffers hold, then write through the page cache."""
+        self._wait_all()
         self._drop_direct_flag()
         pwrite_all(self.fd, [self.view[:self.fill]], self.base)
         self.base += self.fill
@@ -319,6 +359,7 @@ class DirectWriter(BlobWriter):
             for buf in self.buffers:
                 _POOL.give(buf)
             self.buffers = []
+            self.free = []
 
     # the end
 
@@ -326,7 +367,7 @@ class DirectWriter(BlobWriter):
         try:
             try:
                 if self.buffers:
-                    self._wait()
+                    self._wait_all()
                     if self.fill:  # the last block, padded; then the file cut to its length
                         size = self.base + self.fill
                         padded = -(-self.fill // ALIGN) * ALIGN
@@ -351,10 +392,10 @@ class DirectWriter(BlobWriter):
         if self.fd < 0:
             return
         try:
-            if self.pending is not None:
-                self.pending.exception()  # the buffer is busy until its write ends
+            for future, _ in self.in_flight:
+                future.exception()  # its memory is busy until its write ends
         finally:
-            self.pending = None
+            self.in_flight.clear()
             self._release()
             fd, self.fd = self.fd, -1
             os.close(fd)
