@@ -170,9 +170,11 @@ def direct_io_mode() -> str:
 
 def direct_io_buffer_bytes() -> int:
     """Size of each page-aligned bounce buffer of a direct write (DISTCKPT_DIRECT_IO_BUFFER_BYTES,
-    default 16 MiB, a multiple of 4 KiB). Each file being written has two, one filling while the
-    other is written, smaller where they would not fit in the file's share of the memory budget;
-    up to eight stay allocated for the next save (touching fresh memory costs more than the copy)."""
+    default 16 MiB, a multiple of 4 KiB). Each file being written has DISTCKPT_DIRECT_IO_QUEUE_DEPTH + 1
+    (two by default), one filling while the others are written, smaller where they would not fit in
+    the file's share of the memory budget; four files' worth stay allocated for the next save
+    (touching fresh memory costs more than the copy). Writes of 8 MiB ran slower than 16 MiB ones on
+    the development VM's disk (docs/performance.md)."""
     value = _int("DISTCKPT_DIRECT_IO_BUFFER_BYTES", 16 << 20, minimum=PAGE_BYTES)
     if value % PAGE_BYTES:
         raise CheckpointError(f"DISTCKPT_DIRECT_IO_BUFFER_BYTES={value} must be a multiple of {PAGE_BYTES}")
@@ -181,7 +183,9 @@ def direct_io_buffer_bytes() -> int:
 
 def direct_io_queue_depth() -> int:
     """Direct writes of one file in flight at once (DISTCKPT_DIRECT_IO_QUEUE_DEPTH, default 1):
-    each holds a bounce buffer, and one more fills meanwhile."""
+    each holds a bounce buffer, and one more fills meanwhile. More keeps a device that needs a deep
+    queue busy; on the development VM's disk, throttled or not, 2-8 gained nothing over 1
+    (docs/performance.md, issue 45), so the default keeps a file's memory at two buffers."""
     return _int("DISTCKPT_DIRECT_IO_QUEUE_DEPTH", 1, minimum=1)
 
 

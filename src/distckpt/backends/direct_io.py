@@ -10,12 +10,15 @@ offset and the length aligned to the device's logical block size.
 
 Tensor memory is not aligned that way (torch aligns CPU allocations to 64
 bytes), so :class:`DirectWriter` copies the file's bytes, which arrive in order,
-into page-aligned bounce buffers, two per file: a flusher thread writes one at
-its aligned offset while the other fills. The last, partial block is written
-padded and the file truncated to its length. The copy replaces the kernel's
-copy into the page cache and leaves the source bytes in the CPU cache, where
-the writer's caller checksums them. Memory that is aligned already, as
-async_save's staging buffers are, is written in place, without the copy.
+into page-aligned bounce buffers, ``DISTCKPT_DIRECT_IO_QUEUE_DEPTH`` + 1 per
+file (two by default): flusher threads write the full ones, each at its own
+aligned offset with ``pwrite``, up to the queue depth at once, while the next
+fills, so the device does not wait for the copy. The last, partial block is
+written padded and the file truncated to its length. The copy replaces the
+kernel's copy into the page cache and leaves the source bytes in the CPU cache,
+where the writer's caller checksums them. Memory that is aligned already, as
+async_save's staging buffers are, is written in place, without the copy, in
+buffer-sized pieces in flight together. The first failed write fails the file.
 
 Direct I/O is used on Linux on local disk file systems (``DISTCKPT_DIRECT_IO``,
 see :func:`distckpt.knobs.direct_io_mode`); tmpfs is memory already. Wherever
