@@ -27,6 +27,9 @@ import torch
 from distckpt.testing import run_ranks
 
 from . import planning_scale, targets, throttle, workers
+from .before import Revision
+
+TABLES = ("disk", "tmpfs", "small", "tiny", "reshard", "async", "planning")
 from .measure import drop_cache, warm_memory
 
 
@@ -60,12 +63,13 @@ def disk_baselines(location: str, nbytes: int) -> dict:
 
 
 def table(title: str, rows: dict, base_peer: str = "distckpt") -> list[str]:
-    out = [f"\n{title}", f"{'peer':<12}{'op':<10}{'time s':>9}{'GB/s':>8}{'CPU s/GB':>10}{'peak RSS MB':>13}{'time vs distckpt':>18}"]
+    width = max([12] + [len(key.split("|")[0]) + 2 for key in rows])
+    out = [f"\n{title}", f"{'peer':<{width}}{'op':<10}{'time s':>9}{'GB/s':>8}{'CPU s/GB':>10}{'peak RSS MB':>13}{'time vs distckpt':>18}"]
     for key, s in rows.items():
         peer, op = key.split("|")
         base = rows.get(f"{base_peer}|{op}")
         ratio = f"{s['wall_s'] / base['wall_s']:.2f}x" if base and peer != base_peer else ""
-        out.append(f"{peer:<12}{op:<10}{s['wall_s']:9.3f}{s['gbps']:8.2f}{s['cpu_s_per_gb']:10.2f}{s['peak_rss_delta_mb']:13.0f}{ratio:>18}")
+        out.append(f"{peer:<{width}}{op:<10}{s['wall_s']:9.3f}{s['gbps']:8.2f}{s['cpu_s_per_gb']:10.2f}{s['peak_rss_delta_mb']:13.0f}{ratio:>18}")
     return out
 
 
@@ -80,6 +84,32 @@ def _merge(per_rank: list[dict]) -> dict:
         out[key] = worst | {"cpu_s": cpu, "nbytes": nbytes, "gbps": nbytes / worst["wall_s"] / 1e9,
                             "cpu_s_per_gb": cpu / (nbytes / 1e9), "peak_rss_delta_mb": max(s["peak_rss_delta_mb"] for s in samples)}
     return out
+
+
+def _fastest(rounds: list[dict]) -> dict:
+    """Each row's fastest run over ``rounds`` (dicts of merged rows), in first-seen order."""
+    out: dict = {}
+    for rows in rounds:
+        for key, sample in rows.items():
+            if key not in out or sample["wall_s"] < out[key]["wall_s"]:
+                out[key] = sample
+    return out
+
+
+def async_table(results: dict, lines: list, total: int, disk: str, repeat: int, env: dict) -> None:
+    rows = run_ranks(workers.async_round, 1, total, disk, repeat, env=env, timeout_s=3600)[0]
+    train = rows.pop("train")
+    results["async"] = rows | {"train": train}
+    block = table("async_save on disk, 1 rank (blocking vs one in-memory copy; total vs sync save)", rows, base_peer="distckpt")
+    print("\n".join(block), flush=True)
+    lines += block
+    print(f"  blocking / memcpy: {rows['async|blocking']['wall_s'] / rows['memcpy|copy']['wall_s']:.2f}x;"
+          f" total / sync save: {rows['async|total']['wall_s'] / rows['distckpt|save']['wall_s']:.2f}x"
+          # staging copies every byte once before the write starts, so with no overlap the total is at least copy + save
+          f" (copy + save: {1 + rows['memcpy|copy']['wall_s'] / rows['distckpt|save']['wall_s']:.2f}x)", flush=True)
+    print(f"  training on every core while the write runs: {train['during_steps_per_s'] / train['alone_steps_per_s']:.0%}"
+          f" of its speed alone; the save took {train['write_s']:.2f} s "
+          f"(DISTCKPT_ASYNC_NICE={os.environ.get('DISTCKPT_ASYNC_NICE', 10)})", flush=True)
 
 
 def main(argv=None) -> dict:
@@ -97,6 +127,10 @@ def main(argv=None) -> dict:
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--throttle-mbps", type=float, nargs="+", default=[],
                    help="also run the disk tables with writes limited to each of these MB/s (bench/throttle.py; needs root)")
+    p.add_argument("--only", nargs="+", choices=TABLES, default=None, metavar="TABLE",
+                   help=f"run only these tables ({', '.join(TABLES)}; default: all)")
+    p.add_argument("--before", default=None, metavar="REV",
+                   help="also run the reshard tables on git revision REV, round by round with this one (bench/before.py)")
     p.add_argument("--warm-gib", type=float, default=None, help="memory to touch first (default: 4x the state, at most 60%% of RAM)")
     a = p.parse_args(argv)
     total = int(a.gib * (1 << 30))
@@ -109,16 +143,18 @@ def main(argv=None) -> dict:
     results: dict = {"config": vars(a)}
     lines = [f"distckpt benchmark: {total / 2**30:.2f} GiB GPT-like state, {a.small} small tensors, torch {torch.__version__}, "
              f"{os.cpu_count()} CPUs"]
+    before = Revision(a.before) if a.before else None
     try:
         warm_memory(a.warm_gib)
-        runs = [disk_baselines(disk, total) for _ in range(a.repeat)]
+        want = set(a.only or TABLES)
+        runs = [disk_baselines(disk, total) for _ in range(a.repeat)] if "disk" in want else [disk_baselines(disk, 1 << 26)]
         base = {k: max(r[k] for r in runs) for k in runs[0]}
         results["baselines"] = base
         lines.append(f"raw disk: write+fsync {base['write_fsync_gbps']:.2f} GB/s, cold read {base['read_cold_gbps']:.2f} GB/s; "
                      f"memcpy {base['memcpy_gbps']:.2f} GB/s")
         print(lines[-1], flush=True)
         for loc_name, loc, cold in (("disk", disk, True), ("tmpfs", tmpfs, False)):
-            for n in a.ranks:
+            for n in a.ranks if loc_name in want else ():
                 rows = _merge(run_ranks(workers.peers_round, n, total, loc, cold, a.repeat, env=env, timeout_s=3600))
                 results[f"{loc_name}/{n}"] = rows
                 block = table(f"{loc_name}, {n} rank(s){', cold-cache loads' if cold else ', warm loads'}", rows)
@@ -134,39 +170,41 @@ def main(argv=None) -> dict:
                     lines += block
         for key, count, tiny, what in (("small", a.small, False, "small tensors (1-64 KiB)"),
                                        ("tiny", a.tiny, True, "tiny tensors (64 B-4 KiB)")):
-            if not count:
+            if not count or key not in want:
                 continue
             rows = run_ranks(workers.small_round, 1, count, tmpfs, a.repeat, tiny, env=env, timeout_s=3600)[0]
             results[key] = rows
             block = table(f"{count} {what}, tmpfs, 1 rank", rows)
             print("\n".join(block), flush=True)
             lines += block
-        run_ranks(workers.reshard_save, 2, total, tmpfs, env=env, timeout_s=3600)
-        for n in (1, 2):
-            rows = _merge(run_ranks(workers.reshard_load, n, total, tmpfs, 2, a.repeat, env=env, timeout_s=3600))
+        if "reshard" in want:
+            run_ranks(workers.reshard_save, 2, total, tmpfs, env=env, timeout_s=3600)
+        for n in (1, 2) if "reshard" in want else ():
+            if before is None:
+                rows = _merge(run_ranks(workers.reshard_load, n, total, tmpfs, 2, a.repeat, env=env, timeout_s=3600))
+            else:  # this revision and the other in turn, twice; the first load of a process pays for warming it
+                where = os.path.join(tmpfs, "before")
+                rounds = []
+                for _ in range(2):
+                    rounds.append(_merge(run_ranks(workers.reshard_load, n, total, tmpfs, 2, a.repeat, env=env, timeout_s=3600)))
+                    old = _merge(before.reshard_rows(total, where, n, a.repeat, env))
+                    rounds.append({f"distckpt@{before.short}|load": old["distckpt|load"]})
+                rows = _fastest(rounds)
             results[f"reshard/{n}"] = rows
             block = table(f"reshard: saved at 2 ranks (Shard(0)), loaded at {n} rank(s){' as Shard(1)' if n > 1 else ''}, tmpfs", rows)
             print("\n".join(block), flush=True)
             lines += block
-        rows = run_ranks(workers.async_round, 1, total, disk, a.repeat, env=env, timeout_s=3600)[0]
-        train = rows.pop("train")
-        results["async"] = rows | {"train": train}
-        block = table("async_save on disk, 1 rank (blocking vs one in-memory copy; total vs sync save)", rows, base_peer="distckpt")
-        print("\n".join(block), flush=True)
-        lines += block
-        print(f"  blocking / memcpy: {rows['async|blocking']['wall_s'] / rows['memcpy|copy']['wall_s']:.2f}x;"
-              f" total / sync save: {rows['async|total']['wall_s'] / rows['distckpt|save']['wall_s']:.2f}x"
-              # staging copies every byte once before the write starts, so with no overlap the total is at least copy + save
-              f" (copy + save: {1 + rows['memcpy|copy']['wall_s'] / rows['distckpt|save']['wall_s']:.2f}x)", flush=True)
-        print(f"  training on every core while the write runs: {train['during_steps_per_s'] / train['alone_steps_per_s']:.0%}"
-              f" of its speed alone; the save took {train['write_s']:.2f} s "
-              f"(DISTCKPT_ASYNC_NICE={os.environ.get('DISTCKPT_ASYNC_NICE', 10)})", flush=True)
-        print("\nplanning at scale (coordinator path, simulated):", flush=True)
-        results["planning"] = planning_scale.main(["--ranks", *map(str, a.planning_ranks), "--repeat", str(a.repeat)])
+        if "async" in want:
+            async_table(results, lines, total, disk, a.repeat, env)
+        if "planning" in want:
+            print("\nplanning at scale (coordinator path, simulated):", flush=True)
+            results["planning"] = planning_scale.main(["--ranks", *map(str, a.planning_ranks), "--repeat", str(a.repeat)])
         checked = targets.evaluate(results)
         results["targets"] = [dataclasses.asdict(t) | {"met": t.met} for t in checked]
         print("\n".join(targets.report(checked)), flush=True)
     finally:
+        if before is not None:
+            before.close()
         shutil.rmtree(disk, ignore_errors=True)
         shutil.rmtree(tmpfs, ignore_errors=True)
     if a.json:

@@ -16,13 +16,14 @@ def test_bench_suite_runs_every_peer_at_a_tiny_size(tmp_path, capsys):
     assert "time vs distckpt" in out and "blocking / memcpy" in out and "(copy + save: " in out
     assert "training on every core while the write runs" in out
     # the reshard tables have their floor too (the loads check what they resharded)
-    assert set(results["reshard/1"]) == set(results["reshard/2"]) == {"distckpt|load", "dcp|load", "raw|load"}
+    # and the floor of a reader that never maps a file (raw-read: distckpt's own files through preadv)
+    assert set(results["reshard/1"]) == set(results["reshard/2"]) == {"distckpt|load", "dcp|load", "raw|load", "raw-read|load"}
     assert {r["peer"] for r in results["planning"]} == {"distckpt", "dcp"}
     assert all(r["load_plan_s"] is not None and r["load_plan_s"] > 0 for r in results["planning"])  # DTensors on a simulated world
     assert results["baselines"]["write_fsync_gbps"] > 0
     # many small and tiny tensors, beside DCP and the raw floor of the same bytes
     assert set(results["small"]) == set(results["tiny"]) == {f"{p}|{op}" for p in ("distckpt", "dcp", "raw") for op in ("save", "load")}
-    assert "targets (issue 5), this run:" in out and len([t for t in results["targets"] if not t["reference"]]) == 26
+    assert "targets (issues 5, 22, 45), this run:" in out and len([t for t in results["targets"] if not t["reference"]]) == 32
     assert [t["name"].strip() for t in results["targets"] if t["reference"]] == [
         "same vs O_DIRECT sequential save", "same vs O_DIRECT sequential load",
         "tmpfs 1 rank(s) warm load: raw+crc / distckpt", "tmpfs 1 rank(s) warm load: raw / unverified",
@@ -35,6 +36,16 @@ def test_bench_suite_runs_every_peer_at_a_tiny_size(tmp_path, capsys):
     warm = next(t for t in results["targets"] if t["name"] == "tmpfs 2 rank(s) warm load: raw time / distckpt")
     assert warm["floor_label"] == "verified floor" and 0 < warm["floor"]
     assert (tmp_path / "r.json").exists()
+
+
+def test_bench_runs_chosen_tables_and_another_revision_beside_this_one(tmp_path, capsys):
+    """--only picks tables; --before REV runs the reshard tables of REV (a git worktree) round by round with these."""
+    results = run.main(["--gib", "0.004", "--repeat", "1", "--only", "reshard", "--before", "HEAD", "--disk-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "reshard/2" in results and "tmpfs/1" not in results and "async" not in results and "small" not in results
+    (before,) = [k for k in results["reshard/2"] if k.startswith("distckpt@")]
+    assert results["reshard/2"][before]["wall_s"] > 0 and f"{before.split('|')[0]}  load" in out
+    assert "distckpt-before-" not in str(list(tmp_path.iterdir()))  # the worktree is gone
 
 
 def test_gpu_bench_reports_recorded_results_and_refuses_without_a_gpu(capsys):

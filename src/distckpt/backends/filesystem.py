@@ -16,7 +16,7 @@ from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpoint
 from ..format.stream_transforms import StreamTransforms
 from ..layouts.dcp import is_dcp_directory
 from .blob_storage import BlobStorageReader, BlobStorageWriter
-from .direct_io import DirectWriter, bounce_buffer_bytes, direct_io_wanted, pwrite_all
+from .direct_io import DirectWriter, bounce_buffer_bytes, bounce_buffer_count, direct_io_wanted, pwrite_all
 from .fs_objects import create_exclusive, is_real_dir, open_dir, open_regular, remove_tree
 from .leases import save_is_dead
 from .rename import exchange, rename_noreplace
@@ -201,7 +201,7 @@ class FsStore(BlobStore):
         return _FdWriter(self._p(name))
 
     def write_buffer_bytes(self, buffer_bytes: Optional[int] = None) -> int:
-        return 2 * bounce_buffer_bytes(buffer_bytes) if self._writes_directly() else 0
+        return bounce_buffer_count() * bounce_buffer_bytes(buffer_bytes) if self._writes_directly() else 0
 
     def open(self, name: str) -> BlobReader:
         path = self._p(name)

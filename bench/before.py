@@ -1,0 +1,64 @@
+"""The same benchmark rows measured on another revision of distckpt, in the same run: before and after.
+
+``bench.run --before REV`` checks REV out into a temporary git worktree and runs the bench code of that
+revision in child processes whose imports resolve there (``PYTHONPATH`` and the working directory), in
+turn with this revision's rounds, so that both see the same machine state. It is for a change whose
+effect is smaller than the drift between two runs of the bench (docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+# run inside the worktree: its bench and its distckpt
+_RESHARD = """
+import json, os, sys
+import distckpt
+from distckpt.testing import run_ranks
+from bench import workers
+root, location = sys.argv[1], sys.argv[3]
+total, ranks, repeat, save = int(sys.argv[2]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6] == "1"
+assert os.path.realpath(distckpt.__file__).startswith(os.path.realpath(root)), distckpt.__file__
+env = {k: v for k, v in os.environ.items() if k.startswith("DISTCKPT_") or k == "OMP_NUM_THREADS"}
+if __name__ == "__main__":
+    if save:
+        run_ranks(workers.reshard_save, 2, total, location, env=env, timeout_s=3600)
+    rows = run_ranks(workers.reshard_load, ranks, total, location, 2, repeat, env=env, timeout_s=3600)
+    print("ROWS " + json.dumps(rows))
+"""
+
+
+class Revision:
+    """A git worktree of ``rev`` of the repository holding this file, removed on :meth:`close`."""
+
+    def __init__(self, rev: str) -> None:
+        self.repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        self.rev = rev
+        self.root = tempfile.mkdtemp(prefix="distckpt-before-")
+        os.rmdir(self.root)
+        subprocess.run(["git", "-C", self.repo, "worktree", "add", "--detach", self.root, rev], check=True,
+                       capture_output=True)
+        self.short = subprocess.run(["git", "-C", self.root, "rev-parse", "--short", "HEAD"], check=True,
+                                    capture_output=True, text=True).stdout.strip()
+        self.saved: set = set()
+
+    def reshard_rows(self, total: int, location: str, ranks: int, repeat: int, env: dict) -> list[dict]:
+        """Each rank's reshard rows (``workers.reshard_load``) at this revision, for a checkpoint it saved itself
+        under ``location`` (once)."""
+        save = location not in self.saved
+        child_env = dict(os.environ) | env | {"PYTHONPATH": os.path.join(self.root, "src") + os.pathsep + self.root}
+        out = subprocess.run([sys.executable, "-c", _RESHARD, self.root, str(total), location, str(ranks), str(repeat),
+                              "1" if save else "0"], cwd=self.root, env=child_env, capture_output=True, text=True,
+                             timeout=3600)
+        lines = [line for line in out.stdout.splitlines() if line.startswith("ROWS ")]
+        if out.returncode or not lines:
+            raise RuntimeError(f"the bench at {self.rev} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
+        self.saved.add(location)
+        return json.loads(lines[-1][5:])
+
+    def close(self) -> None:
+        subprocess.run(["git", "-C", self.repo, "worktree", "remove", "--force", self.root], capture_output=True)
