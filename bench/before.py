@@ -2,8 +2,9 @@
 
 ``bench.run --before REV`` checks REV out into a temporary git worktree and runs the bench code of that
 revision in child processes whose imports resolve there (``PYTHONPATH`` and the working directory), in
-turn with this revision's rounds, so that both see the same machine state. It is for a change whose
-effect is smaller than the drift between two runs of the bench (docs/performance.md).
+turn with this revision's rounds, so that both see the same machine state: the reshard tables and the
+tmpfs tables (distckpt's rows of REV beside this revision's). It is for a change whose effect is smaller
+than the drift between two runs of the bench (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -14,20 +15,18 @@ import subprocess
 import sys
 import tempfile
 
-# run inside the worktree: its bench and its distckpt
-_RESHARD = """
+# run inside the worktree: its bench and its distckpt. argv: the worktree, then a JSON list of calls, each
+# [worker function name, ranks, arguments]; prints the last call's per-rank results
+_DRIVER = """
 import json, os, sys
 import distckpt
 from distckpt.testing import run_ranks
 from bench import workers
-root, location = sys.argv[1], sys.argv[3]
-total, ranks, repeat, save = int(sys.argv[2]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6] == "1"
-assert os.path.realpath(distckpt.__file__).startswith(os.path.realpath(root)), distckpt.__file__
+assert os.path.realpath(distckpt.__file__).startswith(os.path.realpath(sys.argv[1])), distckpt.__file__
 env = {k: v for k, v in os.environ.items() if k.startswith("DISTCKPT_") or k == "OMP_NUM_THREADS"}
 if __name__ == "__main__":
-    if save:
-        run_ranks(workers.reshard_save, 2, total, location, env=env, timeout_s=3600)
-    rows = run_ranks(workers.reshard_load, ranks, total, location, 2, repeat, env=env, timeout_s=3600)
+    for name, ranks, args in json.loads(sys.argv[2]):
+        rows = run_ranks(getattr(workers, name), ranks, *args, env=env, timeout_s=3600)
     print("ROWS " + json.dumps(rows))
 """
 
@@ -46,19 +45,27 @@ class Revision:
                                     capture_output=True, text=True).stdout.strip()
         self.saved: set = set()
 
-    def reshard_rows(self, total: int, location: str, ranks: int, repeat: int, env: dict) -> list[dict]:
-        """Each rank's reshard rows (``workers.reshard_load``) at this revision, for a checkpoint it saved itself
-        under ``location`` (once)."""
-        save = location not in self.saved
+    def run(self, calls: list, env: dict) -> list:
+        """Each rank's result of the last of ``calls`` ([worker name, ranks, arguments]) at this revision."""
         child_env = dict(os.environ) | env | {"PYTHONPATH": os.path.join(self.root, "src") + os.pathsep + self.root}
-        out = subprocess.run([sys.executable, "-c", _RESHARD, self.root, str(total), location, str(ranks), str(repeat),
-                              "1" if save else "0"], cwd=self.root, env=child_env, capture_output=True, text=True,
-                             timeout=3600)
+        out = subprocess.run([sys.executable, "-c", _DRIVER, self.root, json.dumps(calls)], cwd=self.root, env=child_env,
+                             capture_output=True, text=True, timeout=3 * 3600)
         lines = [line for line in out.stdout.splitlines() if line.startswith("ROWS ")]
         if out.returncode or not lines:
             raise RuntimeError(f"the bench at {self.rev} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
-        self.saved.add(location)
         return json.loads(lines[-1][5:])
+
+    def reshard_rows(self, total: int, location: str, ranks: int, repeat: int, env: dict) -> list[dict]:
+        """Each rank's reshard rows (``workers.reshard_load``) at this revision, for a checkpoint it saved itself
+        under ``location`` (once)."""
+        calls = [] if location in self.saved else [["reshard_save", 2, [total, location]]]
+        rows = self.run(calls + [["reshard_load", ranks, [total, location, 2, repeat]]], env)
+        self.saved.add(location)
+        return rows
+
+    def peers_rows(self, ranks: int, total: int, location: str, cold: bool, repeat: int, env: dict) -> list[dict]:
+        """Each rank's rows of ``workers.peers_round`` at this revision."""
+        return self.run([["peers_round", ranks, [total, location, cold, repeat]]], env)
 
     def close(self) -> None:
         subprocess.run(["git", "-C", self.repo, "worktree", "remove", "--force", self.root], capture_output=True)

@@ -130,7 +130,7 @@ def main(argv=None) -> dict:
     p.add_argument("--only", nargs="+", choices=TABLES, default=None, metavar="TABLE",
                    help=f"run only these tables ({', '.join(TABLES)}; default: all)")
     p.add_argument("--before", default=None, metavar="REV",
-                   help="also run the reshard tables on git revision REV, round by round with this one (bench/before.py)")
+                   help="also run the tmpfs and reshard tables on git revision REV, in turn with this one (bench/before.py)")
     p.add_argument("--warm-gib", type=float, default=None, help="memory to touch first (default: 4x the state, at most 60%% of RAM)")
     a = p.parse_args(argv)
     total = int(a.gib * (1 << 30))
@@ -155,7 +155,15 @@ def main(argv=None) -> dict:
         print(lines[-1], flush=True)
         for loc_name, loc, cold in (("disk", disk, True), ("tmpfs", tmpfs, False)):
             for n in a.ranks if loc_name in want else ():
-                rows = _merge(run_ranks(workers.peers_round, n, total, loc, cold, a.repeat, env=env, timeout_s=3600))
+                if before is None or cold:
+                    rows = _merge(run_ranks(workers.peers_round, n, total, loc, cold, a.repeat, env=env, timeout_s=3600))
+                else:  # this revision and the other in turn, twice
+                    rounds = []
+                    for _ in range(2):
+                        rounds.append(_merge(run_ranks(workers.peers_round, n, total, loc, cold, a.repeat, env=env, timeout_s=3600)))
+                        old = _merge(before.peers_rows(n, total, loc, cold, a.repeat, env))
+                        rounds.append({f"distckpt@{before.short}|{op}": old[f"distckpt|{op}"] for op in ("save", "load")})
+                    rows = _fastest(rounds)
                 results[f"{loc_name}/{n}"] = rows
                 block = table(f"{loc_name}, {n} rank(s){', cold-cache loads' if cold else ', warm loads'}", rows)
                 print("\n".join(block), flush=True)

@@ -16,7 +16,7 @@ from ..metadata import STATE_DICT_TYPE, BytesStorageMetadata, Metadata, Metadata
 from ..planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from .flatten import expand_to_match, flatten_state_dict, set_element
 from .resharding import ChunkIndex
-from .tensors import check_no_aliasing, dtype_of, is_dtensor, local_pieces, piece_at
+from .tensors import check_no_aliasing, dtype_of, is_dtensor, local_boxes, local_pieces, piece_at
 
 __all__ = ["DefaultLoadPlanner"]
 
@@ -92,7 +92,8 @@ class DefaultLoadPlanner(LoadPlanner):
         cols = ReadColumns()
         missing: list[str] = []
         problems: list[CheckpointError] = []
-        pieces = {fqn: local_pieces(fqn, obj) for fqn, obj in self.state_dict.items()
+        boxes = local_boxes()
+        pieces = {fqn: local_pieces(fqn, obj, boxes) for fqn, obj in self.state_dict.items()
                   if isinstance(obj, torch.Tensor) and type(obj) not in _PLAIN and fqn in sdm}
         # destinations checked for shared memory below: measured here where the loop has them at hand, else later
         spans: list = []

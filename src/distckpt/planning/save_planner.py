@@ -28,7 +28,7 @@ from .dedup import dedup_and_balance
 from .flatten import flatten_state_dict, stored_paths
 from .plan_cache import PlanCache
 from .resharding import volume
-from .tensors import dtype_of, is_dtensor, is_sharded_tensor, local_pieces, piece_at
+from .tensors import dtype_of, is_dtensor, is_sharded_tensor, local_boxes, local_pieces, piece_at
 
 __all__ = ["DefaultSavePlanner"]
 
@@ -142,6 +142,7 @@ class DefaultSavePlanner(SavePlanner):
         as objects only when something reads them (a subclass, a custom storage writer)."""
         cols = WriteColumns()
         self._encoded = {}
+        boxes = local_boxes()
         for fqn, obj in self.state_dict.items():
             if type(obj) in _PLAIN:  # most keys: the checks of _check_storable that a plain tensor needs, in one test
                 if not (obj.dtype in STORABLE_DTYPES and obj.layout is _STRIDED and not obj.is_nested and not obj.is_meta):
@@ -151,7 +152,7 @@ class DefaultSavePlanner(SavePlanner):
             elif isinstance(obj, torch.Tensor):
                 _check_storable(fqn, obj)
                 if is_dtensor(obj) or is_sharded_tensor(obj):
-                    global_size, pieces = local_pieces(fqn, obj)
+                    global_size, pieces = local_pieces(fqn, obj, boxes)
                     dtype, requires_grad = dtype_of(obj)
                     size, width = tuple(global_size), itemsize(dtype)
                     for local, offsets, sizes in pieces:

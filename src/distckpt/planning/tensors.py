@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -20,7 +20,7 @@ try:
 except ImportError:  # pragma: no cover
     ShardedTensor = None  # type: ignore[assignment,misc]
 
-__all__ = ["is_dtensor", "is_sharded_tensor", "local_tensor", "local_view", "local_pieces", "piece_at", "dtype_of",
+__all__ = ["is_dtensor", "is_sharded_tensor", "local_tensor", "local_view", "local_boxes", "local_pieces", "piece_at", "dtype_of",
            "with_local_shards",
            "check_no_aliasing"]
 
@@ -50,9 +50,16 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to_local()
 
 
-def local_pieces(fqn: str, tensor: torch.Tensor) -> tuple[torch.Size, list[Piece]]:
+def local_boxes() -> dict:
+    """A memo for :func:`local_pieces` over one state dict: DTensors of one mesh, placements and shape (a
+    model's layers) hold the same box, worked out once."""
+    return {}
+
+
+def local_pieces(fqn: str, tensor: torch.Tensor, boxes: Optional[dict] = None) -> tuple[torch.Size, list[Piece]]:
     """``(global_size, pieces)``: every block of ``tensor`` this rank holds. A plain tensor is one piece; a
-    DTensor one, or none on a rank outside its mesh; a ShardedTensor one per local shard."""
+    DTensor one, or none on a rank outside its mesh; a ShardedTensor one per local shard. ``boxes``: a memo
+    from :func:`local_boxes`, for the tensors of one state dict."""
     if is_sharded_tensor(tensor):
         pieces = []
         for shard in tensor.local_shards():
@@ -64,7 +71,7 @@ def local_pieces(fqn: str, tensor: torch.Tensor) -> tuple[torch.Size, list[Piece
         return torch.Size(tensor.metadata().size), pieces
     if is_dtensor(tensor) and tensor.device_mesh.get_coordinate() is None:
         return tensor.shape, []  # a sub-mesh DTensor on a rank outside its mesh holds no shard
-    local, global_size, offsets, sizes = local_view(fqn, tensor)
+    local, global_size, offsets, sizes = local_view(fqn, tensor, boxes)
     return torch.Size(global_size), [(local, offsets, sizes)]
 
 
@@ -94,11 +101,32 @@ def piece_at(fqn: str, tensor: torch.Tensor, offsets: Any) -> torch.Tensor:
     raise CheckpointError(f"{fqn}: this rank holds no shard of the ShardedTensor at offsets {list(want)}")
 
 
-def local_view(fqn: str, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Size, tuple[int, ...], tuple[int, ...]]:
-    """``(local_tensor, global_size, offsets, sizes)`` of the data this rank holds."""
+def local_view(fqn: str, tensor: torch.Tensor, boxes: Optional[dict] = None
+               ) -> tuple[torch.Tensor, torch.Size, tuple[int, ...], tuple[int, ...]]:
+    """``(local_tensor, global_size, offsets, sizes)`` of the data this rank holds (``boxes``: as for
+    :func:`local_pieces`)."""
     if not is_dtensor(tensor):
         return tensor, tensor.shape, (0,) * tensor.dim(), tuple(tensor.shape)
     mesh = tensor.device_mesh
+    box = key = None
+    if boxes is not None:  # the mesh is alive while the memo is: its id names it
+        try:
+            key = (id(mesh), tensor.placements, tensor.shape)
+            box = boxes.get(key)
+        except TypeError:  # a placement that cannot be hashed: no memo
+            key = None
+    if box is None:
+        box = _local_box(fqn, tensor, mesh)
+        if key is not None:
+            boxes[key] = box
+    local = local_tensor(tensor)
+    if tuple(local.shape) != box[1]:
+        raise CheckpointError(f"{fqn}: DTensor local shard has shape {tuple(local.shape)}, expected {box[1]} from its placements")
+    return local, tensor.shape, box[0], box[1]
+
+
+def _local_box(fqn: str, tensor: torch.Tensor, mesh: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The offsets and sizes of the block of a DTensor this rank holds, from its placements."""
     coord = mesh.get_coordinate()
     if coord is None:
         raise CheckpointError(f"{fqn}: this rank is not part of the DTensor's device mesh")
@@ -113,17 +141,13 @@ def local_view(fqn: str, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Size
             placements.append(("replicate",))
         else:
             simple = False
-    local = local_tensor(tensor)
     if simple:
-        offsets, sizes = local_box(tuple(tensor.shape), tuple(mesh.shape), tuple(coord), placements)
-    else:  # strided and other composite shardings: torch's own arithmetic
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+        return local_box(tuple(tensor.shape), tuple(mesh.shape), tuple(coord), placements)
+    # strided and other composite shardings: torch's own arithmetic
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-        shape, offs = compute_local_shape_and_global_offset(tensor.shape, mesh, tensor.placements)
-        offsets, sizes = tuple(offs), tuple(shape)
-    if tuple(local.shape) != sizes:
-        raise CheckpointError(f"{fqn}: DTensor local shard has shape {tuple(local.shape)}, expected {sizes} from its placements")
-    return local, tensor.shape, offsets, sizes
+    shape, offs = compute_local_shape_and_global_offset(tensor.shape, mesh, tensor.placements)
+    return tuple(offs), tuple(shape)
 
 
 def check_no_aliasing(named: list[tuple[str, torch.Tensor]], spans: list = ()) -> None:
