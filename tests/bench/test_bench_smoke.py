@@ -86,7 +86,7 @@ def test_targets_are_ratios_within_one_run_with_the_raw_floor_beside_them():
                      {"ranks": 8, "peer": "dcp", "total_s": 9.0, "gathered_bytes": 100, "metadata_bytes": 100}],
     }
     got = {t.name: t for t in targets.evaluate(results)}
-    assert len(got) == 14
+    assert len(got) == 17
     warm = got["tmpfs 1 rank(s) warm load: raw time / distckpt"]  # issue 22: 0.5 s of raw against 1.0 s
     assert not warm.met and warm.measured == 0.5 and warm.floor == 1.0
     save, load = got["disk 1 rank save vs raw write+fsync bandwidth"], got["disk 1 rank load vs raw cold read bandwidth"]
@@ -105,7 +105,17 @@ def test_targets_are_ratios_within_one_run_with_the_raw_floor_beside_them():
     lines = targets.report(list(got.values()))
     reshard = got["reshard 2 -> 2 load: DCP time / distckpt"]
     assert not reshard.met and abs(reshard.measured - 1.6) < 1e-9 and abs(reshard.floor - 0.64 / 0.3) < 1e-9
-    assert lines[0].endswith("5 of 14 met")
+    assert lines[0].endswith("5 of 17 met")
+    # issue 45: the reshard against its floor (raw-read: a reader that never maps files, when the run has it) and
+    # 2x DCP; a disk save against raw write+fsync
+    floor, twice = got["reshard 2 -> 2: raw time / distckpt"], got["reshard 2 -> 2: DCP time / distckpt (45)"]
+    assert not floor.met and abs(floor.measured - 0.75) < 1e-9 and floor.floor is None and not twice.met
+    disk = got["disk 1 rank(s) save: raw write+fsync / distckpt"]
+    assert not disk.met and abs(disk.measured - 0.9) < 1e-9
+    results["reshard/2"]["raw-read|load"] = _row(0.35)
+    floor = {t.name: t for t in targets.evaluate(results)}["reshard 2 -> 2: raw time / distckpt"]
+    assert abs(floor.floor - 0.3 / 0.35) < 1e-9 and floor.floor_label == "raw-read reaches"
+    del results["reshard/2"]["raw-read|load"]
     # a sequential row taken between the rounds is the bandwidth the disk targets are read against
     results["disk/1"] |= {"seq|save": _row(0.8), "seq|load": _row(0.96)}
     got = {t.name: t for t in targets.evaluate(results)}
@@ -131,7 +141,7 @@ def test_targets_are_ratios_within_one_run_with_the_raw_floor_beside_them():
     got = targets.evaluate(results)
     ref = [t for t in got if t.reference]
     assert [round(t.measured, 9) for t in ref] == [0.5, 1.0] and all(t.line().lstrip().startswith("ref") for t in ref)
-    assert targets.report(got)[0].endswith("of 14 met")
+    assert targets.report(got)[0].endswith("of 17 met")
     results["small"] = {"distckpt|save": _row(0.5), "dcp|save": _row(6.0), "raw|save": _row(0.3),
                         "distckpt|load": _row(1.0), "dcp|load": _row(6.0), "raw|load": _row(0.25)}
     got = {t.name: t for t in targets.evaluate(results)}
