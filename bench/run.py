@@ -190,12 +190,12 @@ def main(argv=None) -> dict:
         for n in (1, 2) if "reshard" in want else ():
             if before is None:
                 rows = _merge(run_ranks(workers.reshard_load, n, total, tmpfs, 2, a.repeat, env=env, timeout_s=3600))
-            else:  # this revision and the other in turn, twice; the first load of a process pays for warming it
-                where = os.path.join(tmpfs, "before")
+            else:  # this revision and the other in turn, twice, on the same files; the first load of a process pays
+                # for warming it
                 rounds = []
                 for _ in range(2):
                     rounds.append(_merge(run_ranks(workers.reshard_load, n, total, tmpfs, 2, a.repeat, env=env, timeout_s=3600)))
-                    old = _merge(before.reshard_rows(total, where, n, a.repeat, env))
+                    old = _merge(before.reshard_rows(total, tmpfs, n, a.repeat, env))
                     rounds.append({f"distckpt@{before.short}|load": old["distckpt|load"]})
                 rows = _fastest(rounds)
             results[f"reshard/{n}"] = rows
