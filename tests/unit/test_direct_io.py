@@ -375,3 +375,52 @@ def test_a_forked_child_starts_with_an_empty_bounce_pool():
     buf = direct_io._POOL.take(direct_io.ALIGN)
     direct_io._POOL.give(buf)  # the parent keeps one
     assert run_in_fork(_pool_is_fresh, id(direct_io._POOL)) is True
+
+
+def test_the_way_to_write_is_learned_per_device():
+    """Direct first, then buffered, then whichever moved files faster, with the other taken again every so often."""
+    from distckpt.backends.write_paths import LOOK_AGAIN_EVERY, WritePaths
+
+    paths, mib = WritePaths(), 1 << 20
+    assert paths.choose(7) is True
+    paths.record(7, True, 64 * mib, 0.10)  # 671 MB/s
+    assert paths.choose(7) is False
+    paths.record(7, False, 64 * mib, 0.05)  # twice as fast
+    paths.record(7, False, mib, 1.0)  # too small to say anything about the device: ignored
+    picks = [paths.choose(7) for _ in range(2 * LOOK_AGAIN_EVERY)]
+    assert picks.count(True) == 2 and picks.count(False) == 2 * LOOK_AGAIN_EVERY - 2
+    assert paths.choose(8) is True  # another device learns on its own
+    paths.record(7, True, 64 * mib, 0.01)  # the device drifted: direct is now far faster on average
+    picks = [paths.choose(7) for _ in range(LOOK_AGAIN_EVERY)]
+    assert picks.count(True) == LOOK_AGAIN_EVERY - 1
+
+
+def test_auto_saves_on_a_local_disk_try_both_ways_and_keep_the_faster(tmp_path, monkeypatch):
+    """Through the public API: with DISTCKPT_DIRECT_IO=auto on a local disk file system, the first save writes
+    directly and the second through the page cache; each file's time to durable is recorded; then the faster
+    way is kept. The bytes are the same either way."""
+    from distckpt.backends import filesystem, write_paths
+    from distckpt.backends.filesystem import _FdWriter
+
+    _writer(str(tmp_path / "probe")).abort()  # skips where the file system refuses O_DIRECT
+    monkeypatch.setenv("DISTCKPT_DIRECT_IO", "auto")
+    monkeypatch.setenv("DISTCKPT_FSYNC", "1")
+    monkeypatch.setattr(direct_io, "_file_system_type", lambda path: 0xEF53)  # as ext4
+    paths = write_paths.WritePaths()
+    monkeypatch.setattr(filesystem, "PATHS", paths)
+    writers = _record(monkeypatch, FsStore, "create")
+    state = {"w": torch.randn(5 << 20, generator=torch.Generator().manual_seed(1))}  # 20 MiB: one file, recorded
+    for i in range(3):
+        distckpt.save(state, checkpoint_id=str(tmp_path / f"ck{i}"))
+        dest = {"w": torch.zeros(5 << 20)}
+        distckpt.load(dest, checkpoint_id=str(tmp_path / f"ck{i}"))
+        assert torch.equal(dest["w"], state["w"])
+    inner = [w.inner for w in writers]
+    assert isinstance(inner[0], DirectWriter) and isinstance(inner[1], _FdWriter) and not isinstance(inner[1], DirectWriter)
+    device = os.stat(tmp_path).st_dev
+    assert set(paths.rate) == {(device, True), (device, False)}
+    faster = paths.rate[(device, True)] >= paths.rate[(device, False)]
+    assert isinstance(inner[2], DirectWriter) == faster
+    monkeypatch.setenv("DISTCKPT_DIRECT_IO", "on")  # a setting of on or off is never second-guessed
+    distckpt.save(state, checkpoint_id=str(tmp_path / "ck-on"))
+    assert isinstance(writers[-1], DirectWriter)

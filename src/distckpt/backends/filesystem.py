@@ -10,7 +10,7 @@ import time
 import uuid
 from typing import Any, Iterable, Optional, Union
 
-from .. import faults
+from .. import faults, knobs
 from ..engine.blobs import LEASES, MAPS, RUNS, BlobReader, BlobStore, BlobWriter
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StorageIOError
 from ..format.stream_transforms import StreamTransforms
@@ -21,6 +21,7 @@ from .fs_objects import create_exclusive, is_real_dir, open_dir, open_regular, r
 from .leases import save_is_dead
 from .rename import exchange, rename_noreplace
 from .replaced import carry_foreign, check_target, dcp_checkpoint_files, holds_committed_metadata
+from .write_paths import PATHS, TimedWriter, device_of
 
 log = logging.getLogger("distckpt")
 
@@ -177,6 +178,7 @@ class FsStore(BlobStore):
     def __init__(self, root: Union[str, os.PathLike]):
         self.root = os.fspath(root)
         self._direct: Optional[bool] = None  # data files written with O_DIRECT: asked once, on the first file
+        self._device: Optional[int] = None  # where the way to write is learned (write_paths.py)
 
     def _p(self, name: str) -> str:
         return os.path.join(self.root, name)
@@ -191,14 +193,24 @@ class FsStore(BlobStore):
                                   "distckpt writes only into directories it can see are real. Use another path.")
 
     def _writes_directly(self) -> bool:
+        """Whether this store's data files go around the page cache: asked once, on the first file. Where
+        ``DISTCKPT_DIRECT_IO=auto`` finds a local disk, whichever way has moved files faster to that device
+        (write_paths.py)."""
         if self._direct is None:
             self._direct = direct_io_wanted(self.root)
+            learning = self._direct and knobs.direct_io_mode() == "auto"
+            self._device = device_of(self.root) if learning else None
+            if self._device is not None:
+                self._direct = PATHS.choose(self._device)
         return self._direct
 
     def create(self, name: str, buffer_bytes: Optional[int] = None) -> BlobWriter:
-        if self._writes_directly():
-            return DirectWriter(self._p(name), _io_error, bounce_buffer_bytes(buffer_bytes))
-        return _FdWriter(self._p(name))
+        direct = self._writes_directly()
+        writer: BlobWriter = (DirectWriter(self._p(name), _io_error, bounce_buffer_bytes(buffer_bytes)) if direct
+                              else _FdWriter(self._p(name)))
+        if self._device is not None:
+            return TimedWriter(writer, PATHS, self._device, direct)
+        return writer
 
     def write_buffer_bytes(self, buffer_bytes: Optional[int] = None) -> int:
         return bounce_buffer_count() * bounce_buffer_bytes(buffer_bytes) if self._writes_directly() else 0
