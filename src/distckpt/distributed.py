@@ -53,6 +53,7 @@ _OK, _ERR, _ABORT = 0, 1, 2
 # bytes this rank sent and received in each phase of its latest save or load, for observability
 # (status byte and body; the operation's identity, a constant per message, is not counted)
 phase_bytes: dict[str, int] = {}
+_IDENTITY_BYTES = 256  # of an operation's identity, in the exchange that names the operations of ranks out of step
 
 # the number of the latest save or load on each process group (weakly keyed: a destroyed group's count goes with it)
 _op_numbers: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
@@ -127,17 +128,21 @@ class Coordinator:
         from datetime import timedelta
 
         limit = min(knobs.arrival_timeout_s(), self.timeout_s)
-        mine = torch.tensor([self.number], dtype=torch.int64, device=self.device)
+        mine = self._row(0, 0)
         out = [torch.zeros_like(mine) for _ in range(self.world_size)]
+        table = None
         try:
             if dist.all_gather(out, mine, group=self.group, async_op=True).wait(timeout=timedelta(seconds=limit)):
-                return
+                table = [r.cpu().tolist() for r in out]
             reason: object = "timed out"
         except CheckpointError:
             self.transport_failed = True
             raise
         except Exception as exc:  # gloo raises on its timeout; a dead peer raises too
             reason = exc
+        if table is not None:
+            self._in_step(operation, table)  # ranks in other operations: raised alike on every rank, still in step
+            return
         self.transport_failed = True
         raise CheckpointError(
             f"{self.identity}: rank {self.rank} waited {limit:.0f}s for the other ranks of the group to call {operation} "
@@ -187,7 +192,7 @@ class Coordinator:
         if not self.use_dist:
             return self._single(phase, lambda: global_fn([local_fn()])[0])
         local, local_exc = self._run(local_fn, enc_local)
-        gathered = self._gather(local)
+        gathered = self._gather(phase, local)
         outs: Optional[list[bytes]] = None
         framing = 2 + len(self.identity.encode())
         phase_bytes[phase] = len(local) - framing
@@ -214,7 +219,7 @@ class Coordinator:
         if not self.use_dist:
             return self._single(phase, lambda: global_fn([local_fn()]))
         local, local_exc = self._run(local_fn, enc_local)
-        gathered = self._gather(local)
+        gathered = self._gather(phase, local)
         out: Optional[bytes] = None
         if self.is_coordinator:
             values, failure = self._decode_all(gathered, dec_local)
@@ -234,12 +239,8 @@ class Coordinator:
             if failure is not None:
                 self._single(phase, lambda: _raise(failure))
             return flag
-        tag = int.from_bytes(hashlib.blake2b(self.identity.encode(), digest_size=7).digest(), "big")
-        mine = torch.tensor([int(failure is not None), int(flag), self.number, tag], dtype=torch.int64, device=self.device)
-        rows = [torch.zeros_like(mine) for _ in range(self.world_size)]
-        self._collective(lambda: self._wait(dist.all_gather(rows, mine, group=self.group, async_op=True)))
-        table = [r.cpu().tolist() for r in rows]
-        if not any(r[0] for r in table) and len({r[3] for r in table}) == 1:
+        table = self._rows(phase, int(failure is not None), int(flag))
+        if not any(r[0] for r in table):
             return any(r[1] for r in table)
 
         def local() -> bytes:
@@ -387,15 +388,56 @@ class Coordinator:
             t[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         return t.to(self.device)
 
-    def _sizes(self, n: int) -> list[int]:
-        mine = torch.tensor([n], dtype=torch.int64, device=self.device)
-        out = [torch.zeros_like(mine) for _ in range(self.world_size)]
-        self._wait(dist.all_gather(out, mine, group=self.group, async_op=True))
-        return [int(t.item()) for t in out]
+    def _row(self, a: int, b: int) -> torch.Tensor:
+        """This rank's row of a phase's first exchange: two numbers of the phase's own, then the operation's
+        number and a hash of its identity."""
+        tag = int.from_bytes(hashlib.blake2b(self.identity.encode(), digest_size=7).digest(), "big")
+        return torch.tensor([a, b, self.number, tag], dtype=torch.int64, device=self.device)
 
-    def _gather(self, payload: bytes) -> Optional[list[bytes]]:
+    def _rows(self, phase: str, a: int, b: int) -> list[list[int]]:
+        """Every rank's row (:meth:`_row`), once the ranks are known to be in one operation.
+
+        Every phase of every operation begins with this exchange, of one shape: ranks whose calls are out of
+        step (one loads while another saves) meet in a collective of one size, and find out together. Where
+        the sizes differed, gloo would end the process instead of raising."""
+        mine = self._row(a, b)
+        rows = [torch.zeros_like(mine) for _ in range(self.world_size)]
+        self._collective(lambda: self._wait(dist.all_gather(rows, mine, group=self.group, async_op=True)))
+        table = [r.cpu().tolist() for r in rows]
+        self._in_step(phase, table)
+        return table
+
+    def _in_step(self, phase: str, table: list[list[int]]) -> None:
+        """Raise on every rank alike where the rows of one exchange come from different operations, naming each
+        rank's; every rank then numbers its next operation alike (the highest number any rank reached)."""
+        ref = table[self.coordinator_rank][3]
+        if all(r[3] == ref for r in table):
+            return
+        names = self._identities()
+        failures = {rank: CheckpointError(
+            f"rank {rank} is in {names[rank] or 'no distckpt operation'} while the coordinator (rank "
+            f"{self.coordinator_rank}) is in {names[self.coordinator_rank]}: the ranks' save/load calls are out of "
+            "step (a rank skipped or repeated a call, or passed another checkpoint_id); nothing was written by this "
+            "call, and the next call on every rank is numbered alike again")
+            for rank, row in enumerate(table) if row[3] != ref}
+        self._resume_at(max(row[2] for row in table))
+        raise RankFailuresError.of(phase, failures)
+
+    def _identities(self) -> list[str]:
+        """Every rank's operation identity, in one fixed-size exchange (the first 256 bytes of each)."""
+        mine = torch.zeros(_IDENTITY_BYTES, dtype=torch.uint8)
+        raw = self.identity.encode()[:_IDENTITY_BYTES]
+        if raw:
+            mine[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        mine = mine.to(self.device)
+        out = [torch.zeros_like(mine) for _ in range(self.world_size)]
+        self._collective(lambda: self._wait(dist.all_gather(out, mine, group=self.group, async_op=True)))
+        return [bytes(t.cpu().tolist()).rstrip(b"\0").decode(errors="replace") for t in out]
+
+    def _gather(self, phase: str, payload: bytes) -> Optional[list[bytes]]:
+        sizes = [row[1] for row in self._rows(phase, 0, len(payload))]
+
         def run():
-            sizes = self._sizes(len(payload))
             m = max(sizes)
             t = self._to_tensor(payload, m)
             bufs = [torch.empty(m, dtype=torch.uint8, device=self.device) for _ in range(self.world_size)] if self.is_coordinator else None
