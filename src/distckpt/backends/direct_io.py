@@ -314,9 +314,11 @@ class DirectWriter(BlobWriter):
         Returns once they are all written: the memory is the caller's again after the call."""
         length = len(view) - len(view) % ALIGN
         piece = len(self.view)
-        for start in range(0, length, piece):
-            self._submit(view[start:min(start + piece, length)], self.base + start, None)
-        self._wait_all()
+        try:
+            for start in range(0, length, piece):
+                self._submit(view[start:min(start + piece, length)], self.base + start, None)
+        finally:  # on a failure too: no write from the caller's memory outlives the call
+            self._wait_all()
         self.base += length
         return length
 
