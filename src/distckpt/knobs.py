@@ -157,9 +157,11 @@ def overwrite_committed() -> bool:
 def direct_io_mode() -> str:
     """Whether data files are written around the page cache with O_DIRECT (DISTCKPT_DIRECT_IO):
     ``auto`` (default) on Linux local disk file systems (ext4, xfs, btrfs, f2fs; not tmpfs, network
-    or FUSE file systems), ``on`` wherever the kernel takes it, ``off`` never. A file system that refuses it gets buffered
-    writes. Direct writes skip the copy into the page cache and the writeback of dirty pages that a
-    checkpoint, written once and fsynced, gains nothing from (docs/performance.md has the figures)."""
+    or FUSE file systems), where each process learns per device whether direct or buffered writes move
+    its files faster (backends/write_paths.py); ``on`` wherever the kernel takes it, ``off`` never. A
+    file system that refuses it gets buffered writes. Direct writes skip the copy into the page cache and
+    the writeback of dirty pages that a checkpoint, written once and fsynced, gains nothing from, and
+    leave the page cache to the training job's own files (docs/performance.md has the figures)."""
     mode = os.environ.get("DISTCKPT_DIRECT_IO", "auto").strip().lower() or "auto"
     aliases = {"1": "on", "true": "on", "yes": "on", "0": "off", "false": "off", "no": "off"}
     mode = aliases.get(mode, mode)
