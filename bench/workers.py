@@ -379,12 +379,7 @@ def _raw_reshard_load(dest: dict, path: str, rank: int, world_size: int, saved_w
     def run(job):
         kind, a, b, at = job
         if kind == "read":
-            done = 0
-            while done < len(b):
-                got = os.preadv(a, [b[done:]], at + done)
-                if got <= 0:
-                    raise OSError(f"short read in {path}")
-                done += got
+            _pread_all(a, b, at, path)
         else:
             a.copy_(b)
 
