@@ -46,7 +46,6 @@ class Wire(NamedTuple):
 
 
 RAW = Wire(lambda b: b, lambda b: b)  # values that are bytes already
-NOTHING = Wire(lambda _: b"", lambda _: None)  # phases whose values carry no data
 
 _OK, _ERR, _ABORT = 0, 1, 2
 
@@ -330,11 +329,7 @@ class Coordinator:
         for rank, ident in strangers.items():
             own = failures.get(rank)
             failures[rank] = describe(CheckpointError(
-                ("" if own is None else f"{own['type']}: {own['msg']}; and ")
-                + f"rank {rank} is in {ident or 'no distckpt operation'} while the coordinator (rank "
-                              f"{self.rank}) is in {self.identity}: the ranks' save/load calls are out of step (a rank "
-                              "skipped or repeated a call, or passed another checkpoint_id); nothing was written by "
-                              "this call, and the next call on every rank is numbered alike again"))
+                ("" if own is None else f"{own['type']}: {own['msg']}; and ") + self._out_of_step_message(rank, ident)))
             number = ident.partition("#")[2].split(" ", 1)[0]
             if number.isdigit():
                 numbers.append(int(number))
@@ -414,14 +409,18 @@ class Coordinator:
         if all(r[3] == ref for r in table):
             return
         names = self._identities()
-        failures = {rank: CheckpointError(
-            f"rank {rank} is in {names[rank] or 'no distckpt operation'} while the coordinator (rank "
-            f"{self.coordinator_rank}) is in {names[self.coordinator_rank]}: the ranks' save/load calls are out of "
-            "step (a rank skipped or repeated a call, or passed another checkpoint_id); nothing was written by this "
-            "call, and the next call on every rank is numbered alike again")
-            for rank, row in enumerate(table) if row[3] != ref}
+        failures = {rank: CheckpointError(self._out_of_step_message(rank, names[rank], names[self.coordinator_rank]))
+                    for rank, row in enumerate(table) if row[3] != ref}
         self._resume_at(max(row[2] for row in table))
         raise RankFailuresError.of(phase, failures)
+
+    def _out_of_step_message(self, rank: int, theirs: str, coordinators: Optional[str] = None) -> str:
+        """Why rank ``rank``, in operation ``theirs``, failed this phase: the coordinator is in another."""
+        return (f"rank {rank} is in {theirs or 'no distckpt operation'} while the coordinator (rank "
+                f"{self.coordinator_rank}) is in {coordinators if coordinators is not None else self.identity}: the "
+                "ranks' save/load calls are out of step (a rank skipped or repeated a call, or passed another "
+                "checkpoint_id); nothing was written by this call, and the next call on every rank is numbered "
+                "alike again")
 
     def _identities(self) -> list[str]:
         """Every rank's operation identity, in one fixed-size exchange (the first 256 bytes of each)."""
