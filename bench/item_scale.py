@@ -36,9 +36,11 @@ def _timed(fn):
 
 def distckpt_steps(sd: dict) -> dict:
     from distckpt import DefaultLoadPlanner, DefaultSavePlanner
+    from distckpt.engine.commit import columns_document
     from distckpt.format.codec import parse_metadata
-    from distckpt.planning.columnar import metadata_document, plan_columns
-    from distckpt.wire.columns import ResultColumns, local_plan_columns
+    from distckpt.item_columns import ResultColumns
+    from distckpt.planning.columnar import plan_columns
+    from distckpt.wire.columns import local_plan_columns
 
     planner = DefaultSavePlanner()
     gc.disable()
@@ -52,7 +54,7 @@ def distckpt_steps(sd: dict) -> dict:
         offset = np.cumsum(length) - length + 4096
         results = ResultColumns([["data-00000.safetensors", int(offset[-1] + length[-1]), 0, 0]], np.zeros(n, np.int64), offset,
                                 length, np.zeros(n, np.int64))
-        doc, document_s = _timed(lambda: metadata_document(cplan, [results], "0" * 32, "/bench"))
+        doc, document_s = _timed(lambda: columns_document(cplan, [results], "0" * 32, "/bench"))
         md, parse_s = _timed(lambda: parse_metadata(doc, "bench"))
         loader = DefaultLoadPlanner()
         _, load_setup_s = _timed(lambda: loader.set_up_planner(sd, md, True))

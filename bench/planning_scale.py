@@ -47,12 +47,20 @@ LAST_DOCUMENTS: dict[str, bytes] = {}  # the metadata each path built last (for 
 def distckpt_path(world: int, items: int) -> dict:
     """What distckpt.save's coordinator does with the default planner and its own writer: column plans."""
     import distckpt
+    from distckpt.engine.commit import columns_document
     from distckpt.format.records import FileInfo, FileResult, StorageInfo
     from distckpt.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
     from distckpt.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
-    from distckpt.planning.columnar import metadata_document, plan_columns
+    from distckpt.planning.columnar import plan_columns
     from distckpt.storage import WriteResult
-    from distckpt.wire.columns import PlanColumns, ResultColumns, decode_keep, encode_keep, encode_plan_columns, encode_result_columns
+    from distckpt.wire.columns import (
+        decode_keep,
+        decode_plan_columns,
+        decode_result_columns,
+        encode_keep,
+        encode_plan_columns,
+        encode_result_columns,
+    )
 
     props = TensorProperties(torch.float32)
     local_plans, local_bytes = [], []
@@ -71,7 +79,7 @@ def distckpt_path(world: int, items: int) -> dict:
     writer.set_up_storage_writer(True)
     gc.disable()
     t0 = time.perf_counter()
-    cols = [PlanColumns.decode(b) for b in local_bytes]
+    cols = [decode_plan_columns(b) for b in local_bytes]
     plan = plan_columns(cols)
     storage = writer.prepare_global_plan([SavePlan([]) for _ in cols])
     replies = [encode_keep(k, s.storage_data) for k, s in zip(plan.keep, storage)]
@@ -91,8 +99,8 @@ def distckpt_path(world: int, items: int) -> dict:
         results_bytes.append(encode_result_columns(res, central))
     gc.disable()
     t1 = time.perf_counter()
-    results = [ResultColumns.decode(b) for b in results_bytes]
-    doc = metadata_document(plan, results, writer.save_id, "/nonexistent/bench")
+    results = [decode_result_columns(b) for b in results_bytes]
+    doc = columns_document(plan, results, writer.save_id, "/nonexistent/bench")
     t_md = time.perf_counter() - t1
     gc.enable()
     writer.discard_incomplete()  # gives back the save's lease; nothing was written

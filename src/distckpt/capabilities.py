@@ -35,9 +35,9 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 COLUMNAR_COMMIT = "columnar-commit"
 """A StorageWriter whose ``prepare_global_plan`` gives each rank its storage data without reading the plans'
-items (it may be called with empty plans), which has a ``columnar_document(plan, results)`` that builds the
-metadata document from a columnar plan and the ranks' column results, and whose ``finish`` commits a metadata
-whose ``document`` attribute holds the encoded document, exactly as given (:class:`format.codec.EncodedMetadata`)."""
+items (it may be called with empty plans), and whose ``finish`` takes a save planned on columns: the
+:class:`~distckpt.planning.columnar.PlannedMetadata` of the plan with each rank's
+:class:`~distckpt.item_columns.ResultColumns`; it commits and returns the committed Metadata."""
 
 SHARED_VERIFICATION = "shared-verification"
 """A StorageReader with ``verify_checksums`` and ``skip_verification(chunks)``: chunks another rank of the same

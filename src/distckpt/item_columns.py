@@ -1,36 +1,67 @@
-"""Plans' items as columns: the protocol's WriteItems and ReadItems, built only when someone asks for one.
+"""The one schema of plan items as columns, from the planner's local plan to the committed document.
 
 A state dict of tens of thousands of small tensors spends its save time per
 item, and most of it building objects (a WriteItem, its index, its chunk, its
 properties, three sizes) that the default planner, the coordinator and the
-storage writer only read field by field. :class:`WriteColumns` keeps those
-fields in lists, one entry per item, next to the data each item writes, and
-stands in for ``SavePlan.items``: it is a sequence of WriteItems to anyone who
-reads it as one.
+storage writer only read field by field. The columns keep those fields in
+lists or arrays, one entry per item:
 
-Reading one item (indexing, iterating) builds the WriteItems once and from
-then on they are the plan: a planner may change them in place, as the
-protocol allows (an fp16 planner rewrites ``properties.dtype``), so the
-columns are no longer trusted (``intact`` turns false) and every later step
-takes the protocol's object path. Code that knows the columns asks
-``intact`` first and reads the lists.
+- :class:`WriteColumns`: a rank's local save plan, next to the data each item
+  writes; it stands in for ``SavePlan.items``;
+- :class:`PlanColumns`: the same plan as the coordinator receives it (per key
+  once, per item only the key number and the chunk), in numpy arrays;
+- :class:`ResultColumns`: where a rank's written items landed, with the codec
+  each was stored through as a column, and :class:`ColumnResults` standing in
+  for the list of WriteResults ``write_data`` returns;
+- :class:`ReadColumns`: a load plan's whole-chunk items.
+
+The item types have one code each (:data:`TENSOR`, :data:`SHARD`, :data:`BYTES`)
+here and nowhere else. ``wire/`` only encodes these classes; ``planning/``
+plans on them; the object path is fed from them (``to_plan``, ``build``).
+
+Reading one item of :class:`WriteColumns` or :class:`ReadColumns` (indexing,
+iterating) builds the item objects once, and from then on they are the plan:
+a planner may change them in place, as the protocol allows (an fp16 planner
+rewrites ``properties.dtype``), so the columns are no longer trusted
+(``intact`` turns false) and every later step takes the protocol's object
+path. Code that knows the columns asks ``intact`` first and reads the lists.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import MutableSequence
-from typing import Any, Iterable, Iterator, Optional
+from collections.abc import MutableSequence, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator, Optional
 
+import numpy as np
 import torch
 
+from .format.chunk_codec import IDENTITY
+from .format.codec import opaque_from
+from .format.properties import dec_props
+from .format.records import FileInfo, FileResult, StorageInfo
 from .metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-from .planner import BytesIOWriteData, LoadItemType, ReadItem, TensorWriteData, WriteItem, WriteItemType
+from .planner import BytesIOWriteData, LoadItemType, ReadItem, SavePlan, TensorWriteData, WriteItem, WriteItemType
+from .storage import WriteResult
 
-__all__ = ["WriteColumns", "ReadColumns", "TENSOR", "SHARD", "BYTES"]
+__all__ = ["WriteColumns", "ReadColumns", "PlanColumns", "ResultColumns", "ColumnResults", "TENSOR", "SHARD", "BYTES",
+           "item_type", "type_code"]
 
-TENSOR, SHARD, BYTES = 0, 1, 2  # the item's WriteItemType, as stored in ``code``
+TENSOR, SHARD, BYTES = 0, 1, 2  # an item's WriteItemType, as every column schema stores it
 _TYPES = (WriteItemType.TENSOR, WriteItemType.SHARD, WriteItemType.BYTE_IO)
+_CODES = {t: code for code, t in enumerate(_TYPES)}
+_UNSET = object()
+
+
+def item_type(code: int) -> WriteItemType:
+    """The WriteItemType of a type code."""
+    return _TYPES[code]
+
+
+def type_code(kind: WriteItemType) -> Optional[int]:
+    """The type code of a WriteItemType (None for a type the columns do not hold)."""
+    return _CODES.get(kind)
 
 
 class _ColumnItems(MutableSequence):
@@ -249,3 +280,128 @@ class ReadColumns(_ColumnItems):
 
     def build(self) -> list[ReadItem]:
         return [self.column_item(i) for i in range(len(self.fqn))] + self.general
+
+
+class PlanColumns:
+    """One rank's save plan as the coordinator plans on it.
+
+    ``keys`` is the rank's key table, one row per distinct key in order of
+    first use: ``[fqn, type code, encoded properties or None, global size or
+    None, value bytes or None]``. ``key_blob`` is its encoded form (equal
+    blobs mean equal tables, so the coordinator reads a table that many ranks
+    share once; ``keys`` and ``planner_json`` are decoded on first use, by
+    ``unpack``, the decoder of the encoding they came in). Per item:
+    ``item_key`` (row in ``keys``), ``offsets`` and ``sizes`` (n x D,
+    zero-padded past the key's ndim).
+    """
+
+    def __init__(self, key_blob: bytes, item_key: np.ndarray, offsets: np.ndarray, sizes: np.ndarray,
+                 planner_blob: bytes, storage_data: Any, usable: bool, where: str = "save plan",
+                 unpack: Optional[Callable[[bytes, str], Any]] = None, keys: Optional[list] = None, planner_json: Any = _UNSET):
+        self.key_blob, self.item_key, self.offsets, self.sizes = key_blob, item_key, offsets, sizes
+        self.planner_blob, self.storage_data, self.usable, self.where = planner_blob, storage_data, usable, where
+        self._unpack = unpack
+        self._keys = keys
+        self._planner = planner_json
+
+    @property
+    def keys(self) -> list:
+        if self._keys is None:
+            keys = self._unpack(self.key_blob, self.where)
+            if not isinstance(keys, list) or (self.item_key.size and int(self.item_key.max()) >= len(keys)):
+                raise ValueError(f"{self.where}: malformed column plan")
+            self._keys = keys
+        return self._keys
+
+    @property
+    def planner_json(self) -> Any:
+        if self._planner is _UNSET:
+            self._planner = self._unpack(self.planner_blob, self.where)
+        return self._planner
+
+    def __len__(self) -> int:
+        return len(self.item_key)
+
+    def to_plan(self) -> SavePlan:
+        """The SavePlan these columns stand for, item for item (the object path's input)."""
+        items = []
+        props_cache: dict = {}
+        for k, offs, sizes in zip(self.item_key.tolist(), self.offsets.tolist(), self.sizes.tolist()):
+            fqn, code, props, gsize, nbytes = self.keys[k]
+            if code == BYTES:
+                items.append(WriteItem(MetadataIndex(fqn), WriteItemType.BYTE_IO, BytesIOWriteData(nbytes)))
+                continue
+            p = props_cache.get(k)
+            if p is None:
+                p = props_cache[k] = dec_props(props, "save plan")
+            nd = len(gsize)
+            off = torch.Size(offs[:nd])
+            items.append(WriteItem(MetadataIndex(fqn, off), item_type(code), tensor_data=TensorWriteData(
+                ChunkStorageMetadata(off, torch.Size(sizes[:nd])), p, torch.Size(gsize))))
+        planner_data = None if self.planner_json is None else opaque_from(self.planner_json, "save plan", True)
+        return SavePlan(items, self.storage_data, planner_data, self.usable)
+
+
+@dataclass
+class ResultColumns:
+    """One rank's write results relative to its central plan: item i of the plan is ``length[i]`` stored
+    bytes at ``offset[i]`` of ``files[file_no[i]]`` with checksum ``crc[i]``, stored through the codec
+    ``codecs[codec[i]]`` (a codec name, :mod:`distckpt.format.chunk_codec`); ``files`` holds [name, size,
+    rank, header crc] of each file the rank wrote."""
+
+    files: list
+    file_no: np.ndarray
+    offset: np.ndarray
+    length: np.ndarray
+    crc: np.ndarray
+    codecs: list = field(default_factory=lambda: [IDENTITY.name])
+    codec: Optional[np.ndarray] = None  # None: every item is stored as it is
+
+    def codec_column(self) -> np.ndarray:
+        """``codec``, with the all-identity default spelled out."""
+        return np.zeros(len(self.file_no), dtype=np.int64) if self.codec is None else self.codec
+
+    def to_results(self, plan_items: list) -> list[WriteResult]:
+        codec_names = [self.codecs[c] for c in self.codec_column().tolist()]
+        out = [WriteResult(it.index, ln, StorageInfo(self.files[f][0], off, ln, c, name))
+               for it, f, off, ln, c, name in zip(plan_items, self.file_no.tolist(), self.offset.tolist(), self.length.tolist(),
+                                                  self.crc.tolist(), codec_names)]
+        out += [FileResult.of(name, FileInfo(size, rank, hcrc)) for name, size, rank, hcrc in self.files]
+        return out
+
+
+class ColumnResults(Sequence):
+    """A rank's write results as :class:`ResultColumns`, standing in for the list of WriteResults
+    ``write_data`` returns: the objects are built (once) when someone reads them."""
+
+    def __init__(self, columns: ResultColumns, items: WriteColumns) -> None:
+        self.columns, self._plan_items = columns, items
+        self._results: Optional[list[WriteResult]] = None
+
+    def results(self) -> list[WriteResult]:
+        if self._results is None:
+            self._results = self.columns.to_results(list(self._plan_items))
+        return self._results
+
+    def __len__(self) -> int:
+        return len(self.columns.file_no) + len(self.columns.files)
+
+    def __getitem__(self, i):
+        return self.results()[i]
+
+    def __iter__(self):
+        return iter(self.results())
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, (list, ColumnResults)) and self.results() == list(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __add__(self, other) -> list:
+        return self.results() + list(other)
+
+    def __radd__(self, other) -> list:
+        return list(other) + self.results()
+
+    def __repr__(self) -> str:
+        return f"ColumnResults({len(self.columns.file_no)} items, {len(self.columns.files)} files)"

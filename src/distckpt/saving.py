@@ -11,29 +11,17 @@ from ._sequence import call_set_up, prepare, storage_by_position
 from .capabilities import COLUMNAR_COMMIT, declares, plans_on_columns, supports
 from .distributed import Coordinator, Wire
 from .errors import CheckpointError
-from .format.codec import EncodedMetadata, dumps, encode_metadata, lazy_metadata, loads
+from .format.codec import EncodedMetadata, encode_metadata, lazy_metadata
 from .gc_pause import gc_paused
+from .item_columns import PlanColumns, ResultColumns
 from .metadata import STATE_DICT_TYPE, Metadata
 from .planner import SavePlan, SavePlanner
 from .planning import DefaultSavePlanner
-from .planning.columnar import ColumnarPlan, Declined
+from .planning.columnar import ColumnarPlan, Declined, PlannedMetadata
 from .planning.plan_cache import NO_CACHE_MESSAGE, PlanCache
 from .storage import StorageWriter
-from .wire.columns import (
-    KEEP_MAGIC,
-    PLAN_MAGIC,
-    RESULTS_MAGIC,
-    ColumnResults,
-    PlanColumns,
-    ResultColumns,
-    decode_keep,
-    encode_keep,
-    encode_plan_columns,
-    encode_result_columns,
-    local_plan_columns,
-)
-from .wire.frames import frame_kind
-from .wire.plans import decode_save_plan, decode_write_results, encode_save_plan, encode_write_results
+from .wire.columns import encode_keep, local_plan_columns
+from .wire.save_messages import decode_plan, decode_reply, decode_results, encode_plan, encode_reply, encode_results, result_columns
 
 __all__ = ["save", "save_state_dict"]
 
@@ -134,7 +122,7 @@ class _Save:
     def run(self) -> Metadata:
         try:
             central_plan = self.coord.reduce_scatter("save planning", self.local_step, self.global_step,
-                                                     Wire(self.enc_plan, self.dec_plan), Wire(self.enc_reply, self.dec_reply))
+                                                     Wire(self.enc_plan, decode_plan), Wire(encode_reply, self.dec_reply))
         except CheckpointError:
             self.discard()  # the coordinator may have taken the save's lease already
             raise
@@ -143,7 +131,8 @@ class _Save:
         central_plan = self.cached_central(central_plan)
         try:
             return self.coord.all_reduce("save write", lambda: self.write_step(central_plan), self.finish_step,
-                                         Wire(lambda r: self.enc_results(r, central_plan), _dec_results),
+                                         Wire(lambda r: encode_results(r, central_plan, self.via_keep and self.written is central_plan),
+                                              decode_results),
                                          Wire(_enc_metadata, lambda b: lazy_metadata(b, "metadata from the coordinator")))
         except CheckpointError:
             # every rank has left write_data by now: the coordinator removes the uncommitted files
@@ -231,27 +220,14 @@ class _Save:
     def in_columns(self, p: SavePlan):
         """A plan of this process as the coordinator would receive it from a rank."""
         local = local_plan_columns(p)
-        return local if local is not None else self.dec_plan(self.enc_plan(p))
+        return local if local is not None else decode_plan(self.enc_plan(p))
 
     def enc_plan(self, p: SavePlan) -> bytes:
-        raw = encode_plan_columns(p) if self.columnar and p.usable else None
-        return raw if raw is not None else dumps(encode_save_plan(p))
-
-    @staticmethod
-    def dec_plan(b: bytes):
-        if frame_kind(b) == PLAN_MAGIC:
-            return PlanColumns.decode(b)
-        return decode_save_plan(loads(b, "save plan"))
-
-    @staticmethod
-    def enc_reply(p) -> bytes:
-        return p if isinstance(p, bytes) else dumps(encode_save_plan(p))
+        return encode_plan(p, self.columnar)
 
     def dec_reply(self, b: bytes) -> SavePlan:
-        if frame_kind(b) == KEEP_MAGIC:
-            self.via_keep = True
-            return decode_keep(b, self.local_plan)
-        return decode_save_plan(loads(b, "save plan"))
+        plan, self.via_keep = decode_reply(b, self.local_plan)
+        return plan
 
     # ------------------------------------------------------------ writing and commit
 
@@ -261,24 +237,18 @@ class _Save:
         self.written = final_plan
         return results
 
-    def enc_results(self, results, central_plan: SavePlan) -> bytes:
-        if self.via_keep and self.written is central_plan:
-            raw = encode_result_columns(results, central_plan)
-            if raw is not None:
-                return raw
-        return dumps(encode_write_results(results))
-
     def finish_step(self, all_results: list) -> Metadata:
+        """Commit: the writer returns the committed metadata (one written for the protocol returns None)."""
+        metadata = self.object_metadata
         if self.fast is not None:
-            all_results = [r.columns if isinstance(r, ColumnResults) else r for r in all_results]
+            all_results = [result_columns(r) for r in all_results]
             if all(isinstance(r, ResultColumns) for r in all_results):
-                metadata = lazy_metadata(self.writer.columnar_document(self.fast, all_results), "the save's metadata")
-                self.writer.finish(metadata=metadata, results=all_results)
-                return metadata
-            all_results = [_as_results(self.fast, rank, r) for rank, r in enumerate(all_results)]
-            self.object_metadata = self.planner.metadata
-        self.writer.finish(metadata=self.object_metadata, results=all_results)
-        return self.object_metadata
+                metadata = PlannedMetadata(self.fast)
+            else:
+                all_results = [_as_results(self.fast, rank, r) for rank, r in enumerate(all_results)]
+                metadata = self.planner.metadata
+        committed = self.writer.finish(metadata=metadata, results=all_results)
+        return metadata if committed is None else committed
 
     def discard(self) -> None:
         discard = getattr(self.writer, "discard_incomplete", None) if self.writer is not None else None
@@ -288,12 +258,6 @@ class _Save:
 
 def _unchanged(plans: list) -> list[bool]:
     return [isinstance(p, SavePlan) and not p.usable for p in plans]
-
-
-def _dec_results(b: bytes):
-    if frame_kind(b) == RESULTS_MAGIC:
-        return ResultColumns.decode(b)
-    return decode_write_results(loads(b, "write results"))
 
 
 def _enc_metadata(m: Metadata) -> bytes:

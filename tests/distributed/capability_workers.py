@@ -105,3 +105,32 @@ def load_through_wrappers(rank, world_size, path):
         out[name] = {"ok": not states.check(sd), "moved": dd.phase_bytes.get("load planning", 0),
                      "reads": getattr(reader, "reads", None), "whole": sum(whole)}
     return out
+
+
+def save_through_zstd_on_columns(rank, world_size, root):
+    """Save sharded and replicated state through DCP's zstd extension, failing if any step leaves the columns;
+    then load it back. Returns how many column plans the coordinator made and what did not load."""
+    from distckpt.engine import commit
+    from distckpt.item_columns import PlanColumns, ResultColumns, WriteColumns
+    from distckpt.planning import save_planner
+
+    def fell_back(*args, **kwargs):
+        raise AssertionError("the zstd save left the columnar path")
+
+    sd = states.build(world_size, states.SAVE, fill=True)
+    sd["step"] = 5
+    patched = [(WriteColumns, "build"), (PlanColumns, "to_plan"), (ResultColumns, "to_results"),
+               (save_planner, "build_metadata"), (commit, "encode_metadata")]
+    real = [getattr(owner, name) for owner, name in patched]
+    for owner, name in patched:
+        setattr(owner, name, fell_back)
+    try:
+        with counting_column_plans() as calls:
+            distckpt.save(sd, storage_writer=distckpt.FileSystemWriter(root, _extensions=[distckpt.ZStandard()]))
+    finally:
+        for (owner, name), fn in zip(patched, real):
+            setattr(owner, name, fn)
+    back = states.build(world_size, states.SAVE, fill=False)
+    back["step"] = 0
+    distckpt.load(back, checkpoint_id=root)
+    return {"columns": len(calls), "wrong": states.check(back), "step": back["step"]}

@@ -53,3 +53,13 @@ def test_wrapping_readers_keep_plans_local_and_an_undeclared_global_step_moves_t
         assert r["default"]["whole"] > 0, r  # whole chunks went straight from the planner's columns, with shared verification on
         assert r["logging"]["moved"] == r["default"]["moved"] == r["declared"]["moved"], r
         assert r["changing"]["moved"] > 4 * r["default"]["moved"], r
+
+
+def test_a_save_through_zstd_plans_travels_and_commits_on_columns_at_three_ranks(tmp_path):
+    path = str(tmp_path / "ck")
+    res = run_ranks(cw.save_through_zstd_on_columns, 3, path)
+    assert res[0]["columns"] == 1
+    assert all(r["wrong"] == [] and r["step"] == 5 for r in res), res
+    md = distckpt.read_metadata(path)
+    assert md.version == "2.1" and {si.codec for si in md.storage_data.items.values()} == {"stream.zstd/1"}
+    distckpt.verify(path)

@@ -42,7 +42,7 @@ def _save(tmp_path, sd, encoded=("w", "b16")):
     planner = DefaultSavePlanner()
     planner.set_up_planner(sd, StorageMeta(), True)
     (plan,), md = planner.create_global_plan([planner.create_local_plan()])
-    codec_of = lambda item: Reversed() if item.index.fqn in encoded else IDENTITY  # noqa: E731
+    codec_of = lambda fqn: Reversed() if fqn in encoded else IDENTITY  # noqa: E731
     results = write_file(store, "data-00000.safetensors", "s" * 32, 0, plan, planner, threads=2, sync=False,
                          codec_of=codec_of)
     fsd = FileStorageData("s" * 32)

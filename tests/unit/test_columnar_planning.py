@@ -9,13 +9,21 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import distckpt
+from distckpt.engine.commit import columns_document
 from distckpt.format.codec import encode_metadata, parse_metadata
 from distckpt.format.records import FileInfo, FileResult, FileStorageData, StorageInfo
 from distckpt.metadata import ChunkStorageMetadata, MetadataIndex, StorageMeta, TensorProperties
 from distckpt.planner import BytesIOWriteData, SavePlan, TensorWriteData, WriteItem, WriteItemType
-from distckpt.planning.columnar import Declined, metadata_document, plan_columns, to_metadata
+from distckpt.planning.columnar import Declined, plan_columns, to_metadata
 from distckpt.storage import WriteResult
-from distckpt.wire.columns import PlanColumns, ResultColumns, decode_keep, encode_keep, encode_plan_columns, encode_result_columns
+from distckpt.wire.columns import (
+    decode_keep,
+    decode_plan_columns,
+    decode_result_columns,
+    encode_keep,
+    encode_plan_columns,
+    encode_result_columns,
+)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.complex64]
 
@@ -69,7 +77,9 @@ def random_plans(seed: int, world: int) -> list[SavePlan]:
     return plans
 
 
-def _results(plans: list[SavePlan], save_id: str) -> list[list[WriteResult]]:
+def _results(plans: list[SavePlan], save_id: str, coded: bool = False) -> list[list[WriteResult]]:
+    """Results as a writer would report them; with ``coded``, every third item stored through a codec (in
+    fewer bytes than planned, as a compressing codec stores them)."""
     out = []
     for r, plan in enumerate(plans):
         files = [f"data-{r:05d}.safetensors", f"data-{r:05d}-1.safetensors"]
@@ -78,18 +88,20 @@ def _results(plans: list[SavePlan], save_id: str) -> list[list[WriteResult]]:
             n = it.bytes_io_data.nbytes if it.bytes_io_data else (
                 torch.Size(it.tensor_data.chunk.sizes).numel() * it.tensor_data.properties.dtype.itemsize)
             f = i % 2
-            res.append(WriteResult(it.index, n, StorageInfo(files[f], pos[f], n, (r * 7919 + i * 104729) & 0xFFFFFFFF)))
+            codec = "zstd" if coded and i % 3 == 0 else "identity"
+            n = n // 2 + 1 if codec != "identity" else n
+            res.append(WriteResult(it.index, n, StorageInfo(files[f], pos[f], n, (r * 7919 + i * 104729) & 0xFFFFFFFF, codec)))
             pos[f] += n
         res += [FileResult.of(name, FileInfo(size, r, 1234 + r)) for name, size in zip(files, pos)]
         out.append(res)
     return out
 
 
-def _object_document(plans, save_id):
+def _object_document(plans, save_id, coded=False):
     planner = distckpt.DefaultSavePlanner()
     final, md = planner.create_global_plan(copy.deepcopy(plans))
     fsd = FileStorageData(save_id)
-    for rank_results in _results(final, save_id):
+    for rank_results in _results(final, save_id, coded):
         for res in rank_results:
             if isinstance(res, FileResult):
                 fsd.files[res.file] = res.storage_data
@@ -100,23 +112,23 @@ def _object_document(plans, save_id):
     return final, md, encode_metadata(md)
 
 
-def _columnar(plans, save_id):
-    cols = [PlanColumns.decode(encode_plan_columns(p)) for p in plans]
+def _columnar(plans, save_id, coded=False):
+    cols = [decode_plan_columns(encode_plan_columns(p)) for p in plans]
     cp = plan_columns(cols)
     central = [decode_keep(encode_keep(keep, {"file": r}), p) for r, (keep, p) in enumerate(zip(cp.keep, plans))]
-    results = [ResultColumns.decode(encode_result_columns(res, plan))
-               for res, plan in zip(_results(central, save_id), central)]
-    return cp, central, metadata_document(cp, results, save_id, "/ck")
+    results = [decode_result_columns(encode_result_columns(res, plan))
+               for res, plan in zip(_results(central, save_id, coded), central)]
+    return cp, central, columns_document(cp, results, save_id, "/ck")
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 10**6), world=st.integers(1, 6))
-def test_column_planning_equals_object_planning(seed, world):
+@given(seed=st.integers(0, 10**6), world=st.integers(1, 6), coded=st.booleans())
+def test_column_planning_equals_object_planning(seed, world, coded):
     plans = random_plans(seed, world)
     for p in plans:
-        assert PlanColumns.decode(encode_plan_columns(p)).to_plan() == p
-    final, md, doc = _object_document(plans, "s" * 32)
-    cp, central, fast_doc = _columnar(plans, "s" * 32)
+        assert decode_plan_columns(encode_plan_columns(p)).to_plan() == p
+    final, md, doc = _object_document(plans, "s" * 32, coded)
+    cp, central, fast_doc = _columnar(plans, "s" * 32, coded)
     assert [c.items for c in central] == [f.items for f in final]
     assert fast_doc == doc
     want = to_metadata(cp)
@@ -126,7 +138,7 @@ def test_column_planning_equals_object_planning(seed, world):
 
 def _declines(plans):
     with pytest.raises(Declined):
-        plan_columns([PlanColumns.decode(encode_plan_columns(p)) for p in plans])
+        plan_columns([decode_plan_columns(encode_plan_columns(p)) for p in plans])
     with pytest.raises(distckpt.CheckpointError):
         distckpt.DefaultSavePlanner().create_global_plan(plans)
 

@@ -240,3 +240,36 @@ def test_rows_and_headers_written_as_text_are_what_json_dumps_gives():
     assert build_header(entries, "s", 3) == _lead(header_json(entries, meta), entries)
     clash = entries + [Entry("__metadata__", "U8", (4,), 4)]  # an item named like the file's metadata replaces it
     assert build_header(clash, "s", 3) == _lead(header_json(clash, meta), clash)
+
+
+def test_a_save_through_zstd_stays_on_columns_from_plan_to_commit(tmp_path, monkeypatch):
+    from distckpt.engine import commit
+    from distckpt.item_columns import PlanColumns, ResultColumns
+    from distckpt.planning import save_planner
+
+    def fell_back(*args, **kwargs):
+        raise AssertionError("the zstd save left the columnar path")
+
+    for owner, name in ((WriteColumns, "build"), (PlanColumns, "to_plan"), (ResultColumns, "to_results"),
+                        (save_planner, "build_metadata"), (commit, "encode_metadata")):
+        monkeypatch.setattr(owner, name, fell_back)
+    sd = _state()
+    writer = distckpt.FileSystemWriter(tmp_path / "ck", _extensions=[distckpt.ZStandard()])
+    distckpt.save(sd, storage_writer=writer)
+    monkeypatch.undo()
+    md = distckpt.read_metadata(tmp_path / "ck")
+    assert md.version == "2.1"
+    assert {si.codec for si in md.storage_data.items.values()} == {"stream.zstd/1"}
+    dest = _blank(sd)
+    distckpt.load(dest, checkpoint_id=tmp_path / "ck")
+    for k, v in sd.items():
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(dest[k].reshape(-1).view(torch.uint8), v.detach().reshape(-1).view(torch.uint8)), k
+    assert dest["nested"] == {"lr": 0.1, "name": "adam"} and dest["step"] == 17
+    # the same checkpoint as the object path writes, chunk for chunk
+    distckpt.save(sd, storage_writer=distckpt.FileSystemWriter(tmp_path / "objects", _extensions=[distckpt.ZStandard()]),
+                  planner=_ObjectPath())
+    want = distckpt.read_metadata(tmp_path / "objects")
+    assert md.state_dict_metadata == want.state_dict_metadata
+    assert {k: (v.length, v.crc32c, v.codec) for k, v in md.storage_data.items.items()} == \
+        {k: (v.length, v.crc32c, v.codec) for k, v in want.storage_data.items.items()}

@@ -18,19 +18,19 @@ from torch.futures import Future
 from .. import knobs
 from ..capabilities import COLUMNAR_COMMIT, SHARED_VERIFICATION, keeps_plans
 from ..engine.blobs import BlobStore
+from ..engine.commit import columns_document, objects_document, publish
 from ..engine.read import read_items
 from ..engine.write import identity_codec, write_file
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ..format import METADATA_FILE
 from ..format.chunk_codec import ChunkCodec
-from ..format.codec import EncodedMetadata, encode_metadata, parse_metadata, stored_file_sizes, written_version
-from ..format.locations import check_cover, checked_chunk
-from ..format.records import FileResult, FileStorageData, StorageInfo
-from ..metadata import Metadata, StorageMeta, TensorStorageMetadata
+from ..format.codec import EncodedMetadata, lazy_metadata, parse_metadata
+from ..format.records import FileStorageData
+from ..item_columns import ResultColumns
+from ..metadata import Metadata, StorageMeta
 from ..planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
-from ..planning.columnar import ColumnarPlan, metadata_document
-from ..storage import StorageReader, StorageWriter, WriteResult
-from ..wire.columns import ResultColumns
+from ..planning.columnar import PlannedMetadata
+from ..storage import StorageReader, StorageWriter
 from .leases import Lease
 
 
@@ -126,51 +126,25 @@ class BlobStorageWriter(StorageWriter):
         codec = self.chunk_codec
         return identity_codec if codec is None or codec.identity else (lambda item: codec)
 
-    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        if isinstance(metadata, EncodedMetadata) and metadata.document is not None:
-            self._commit_document(metadata.document)  # built by columnar_document, checked there
-            return
-        fsd = FileStorageData(save_id=self.save_id)
-        for rank_results in results:
-            for r in rank_results:
-                if isinstance(r, FileResult):
-                    fsd.files[r.file] = r.storage_data
-                elif isinstance(r.storage_data, StorageInfo):
-                    fsd.items[r.index] = r.storage_data
-        for fqn, entry in metadata.state_dict_metadata.items():  # whatever planner made it: never commit a gap
-            if isinstance(entry, TensorStorageMetadata):
-                for c in entry.chunks:
-                    checked_chunk(c, entry.size, f"checkpoint {self._checkpoint_id()!r}: key {fqn!r}")
-                check_cover(entry.chunks, entry.size, f"checkpoint {self._checkpoint_id()!r}: key {fqn!r}")
-        metadata.storage_data = fsd
-        if metadata.storage_meta is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.checkpoint_id = self._checkpoint_id()
-        metadata.storage_meta.save_id = fsd.save_id
-        document = encode_metadata(metadata)
-        metadata.version = written_version(document)
-        self._commit_document(document)
+    def finish(self, metadata: Metadata, results: list) -> Metadata:
+        """Commit the save (coordinator) and return its metadata as committed.
 
-    def columnar_document(self, plan: ColumnarPlan, results: list[ResultColumns]) -> bytes:
-        """The metadata document of this save from a columnar plan and the ranks' column results (coordinator)."""
-        return metadata_document(plan, results, self.save_id, self._checkpoint_id())
-
-    def _commit_document(self, document: bytes) -> None:
-        """Write the metadata document of this save and commit the checkpoint (coordinator).
-
-        The data files the document lists are checked first, by name and size: a commit never
-        publishes metadata whose files are missing, whatever else ran on the storage meanwhile.
+        A save planned on columns comes as :class:`PlannedMetadata` with each rank's :class:`ResultColumns`
+        (``COLUMNAR_COMMIT``); anything else as the protocol's Metadata and WriteResults. ``engine/commit.py``
+        builds the document of either.
         """
-        staging = self.store.staging(self.save_id)
-        found = staging.sizes()
-        for name, size in stored_file_sizes(document).items():
-            if found.get(name) != size:
-                raise CorruptCheckpointError(
-                    f"{staging.describe(name)} is {'missing' if name not in found else f'{found[name]} bytes, not {size}'} "
-                    f"just before commit of checkpoint {self._checkpoint_id()!r}; something else removed or changed this "
-                    "save's files. Nothing was committed: save again.")
-        staging.put_atomic(METADATA_FILE, document, self._sync())
-        self.store.commit(staging, self._replaces(), self._sync())
+        if isinstance(metadata, PlannedMetadata) and all(isinstance(r, ResultColumns) for r in results):
+            document = columns_document(metadata.plan, results, self.save_id, self._checkpoint_id())
+            self._publish(document)
+            return lazy_metadata(document, "the save's metadata")
+        if isinstance(metadata, EncodedMetadata) and metadata.document is not None:
+            self._publish(metadata.document)  # a committed document, given again as it is
+            return metadata
+        self._publish(objects_document(metadata, results, self.save_id, self._checkpoint_id()))
+        return metadata
+
+    def _publish(self, document: bytes) -> None:
+        publish(self.store, self.save_id, document, self._replaces(), self._sync(), self._checkpoint_id())
         self.committed_save_id = self.save_id
         self._release_lease()
 

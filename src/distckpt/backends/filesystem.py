@@ -546,8 +546,6 @@ class FileSystemWriter(_AtPath, BlobStorageWriter):
                     "(it needs transform_to, transform_from and get_descriptor, as distckpt.StreamTransformExtension)")
         if extensions:
             self.chunk_codec = StreamTransforms(extensions)
-            # the columnar commit writes format 2.0 rows only: items stored through a codec take the object path
-            self.capabilities = frozenset()
 
     def _store(self) -> BlobStore:
         return FsStore(self._require_path())

@@ -16,12 +16,11 @@ from ..format.chunk_codec import IDENTITY, ChunkCodec
 from ..format.datafile import VALUE_FORM, Entry, build_header, entry_name, stored_form
 from ..format.dtypes import itemsize
 from ..format.records import FileInfo, FileResult, StorageInfo
-from ..item_columns import BYTES, WriteColumns
-from ..planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from ..item_columns import BYTES, ColumnResults, ResultColumns, WriteColumns
+from ..planner import SavePlan, SavePlanner, WriteItemType
 from ..planning.resharding import volume
 from ..progress import Progress
 from ..storage import WriteResult
-from ..wire.columns import ColumnResults, ResultColumns
 from .blobs import BlobStore, BlobWriter
 from .budget import ByteBudget
 from .device_copy import PendingCopies, caller_streams, to_host
@@ -34,14 +33,14 @@ __all__ = ["write_file", "split_runs"]
 _LINE = 64  # bytes: a cache line, and the alignment of torch's CPU allocations
 
 
-def identity_codec(item: WriteItem) -> ChunkCodec:
+def identity_codec(fqn: str) -> ChunkCodec:
     """Every item stored as it is (format 2.0)."""
     return IDENTITY
 
 
 def write_file(store: BlobStore, name: str, save_id: str, rank: int, plan: SavePlan, planner: SavePlanner,
                *, threads: int, sync: bool, is_coordinator: bool = True,
-               codec_of: Callable[[WriteItem], ChunkCodec] = identity_codec) -> list[WriteResult]:
+               codec_of: Callable[[str], ChunkCodec] = identity_codec) -> list[WriteResult]:
     """Write one rank's items into data files; return a WriteResult per item, plus a FileResult per file.
 
     Items keep plan order and are split into up to ``threads`` contiguous runs
@@ -49,11 +48,12 @@ def write_file(store: BlobStore, name: str, save_id: str, rank: int, plan: SaveP
     written by its own thread: threads sharing one file contend on it in the
     kernel. Within a file, adjacent items go out in batches of about
     ``io_batch_bytes`` with one vectored write each, straight from tensor memory.
-    An item whose ``codec_of`` is not the identity is encoded whole first, and stored as a byte entry.
+    An item whose key's ``codec_of`` is not the identity is encoded whole first, and stored as a byte entry.
 
-    A plan whose items are intact :class:`WriteColumns`, from a planner that declares
-    :func:`~distckpt.capabilities.resolves_columns`, is written from the columns: no item object is built,
-    and the results come as :class:`ColumnResults` (the same WriteResults, built when read).
+    This is the engine's entry, where the save forks: a plan whose items are intact :class:`WriteColumns`,
+    from a planner that declares :func:`~distckpt.capabilities.resolves_columns`, is written from the
+    columns, through any codec: no item object is built, and the results come as :class:`ColumnResults`
+    (the same WriteResults, built when read). Any other plan is written item by item.
     """
     return _RankWrite(store, save_id, rank, plan, planner, threads, sync, is_coordinator, codec_of).run(name)
 
@@ -63,44 +63,48 @@ def _entries(plan: SavePlan, planner: SavePlanner, codecs: list[ChunkCodec]) -> 
     written from their memory)."""
     entries, payloads = [], []
     for item, codec in zip(plan.items, codecs):
-        if item.type == WriteItemType.BYTE_IO or not codec.identity:
-            if item.type == WriteItemType.BYTE_IO:
-                raw = planner.resolve_data(item).getvalue()
-                raw = raw if codec.identity else codec.encode(memoryview(raw))
-            else:
-                raw = _encoded(item, planner, codec)
-            entries.append(Entry(entry_name(item.index.fqn, tuple(item.index.offset or ())) if item.tensor_data else item.index.fqn,
-                                 VALUE_FORM, (len(raw),), len(raw)))
-            payloads.append(raw)
+        fqn, offsets = item.index.fqn, tuple(item.index.offset or ())
+        if item.type == WriteItemType.BYTE_IO:
+            entries.append(_value_entry(fqn, planner.resolve_data(item).getvalue(), codec, payloads))
+        elif not codec.identity:
+            tensor = planner.resolve_data(item)
+            if not isinstance(tensor, torch.Tensor):
+                raise CheckpointError(f"resolve_data for tensor item {fqn!r} returned {type(tensor).__name__}")
+            entries.append(_value_entry(entry_name(fqn, offsets), _encoded(tensor, item.tensor_data.properties.dtype, codec),
+                                        IDENTITY, payloads))
         else:
             td = item.tensor_data
             nbytes = volume(td.chunk.sizes) * itemsize(td.properties.dtype)
-            code, shape = stored_form(td.properties.dtype, tuple(td.chunk.sizes), nbytes)
-            entries.append(Entry(entry_name(item.index.fqn, tuple(item.index.offset or ())), code, shape, nbytes))
+            entries.append(Entry(entry_name(fqn, offsets), *stored_form(td.properties.dtype, tuple(td.chunk.sizes), nbytes), nbytes))
             payloads.append(None)
     return entries, payloads
 
 
-def _column_entries(cols: WriteColumns) -> tuple[list[Entry], list[Optional[bytes]]]:
+def _column_entries(cols: WriteColumns, codecs: list[ChunkCodec]) -> tuple[list[Entry], list[Optional[bytes]]]:
     """:func:`_entries` of a plan's columns."""
     entries, payloads = [], []
-    for fqn, code, dtype, offsets, sizes, nbytes, data in zip(cols.fqn, cols.code, cols.dtype, cols.offsets, cols.sizes,
-                                                              cols.nbytes, cols.data):
+    for fqn, code, dtype, offsets, sizes, nbytes, data, codec in zip(cols.fqn, cols.code, cols.dtype, cols.offsets, cols.sizes,
+                                                                     cols.nbytes, cols.data, codecs):
         if code == BYTES:
-            entries.append(Entry(fqn, VALUE_FORM, (nbytes,), nbytes))
-            payloads.append(data)
+            entries.append(_value_entry(fqn, data, codec, payloads))
+        elif not codec.identity:
+            entries.append(_value_entry(entry_name(fqn, offsets), _encoded(data, dtype, codec), IDENTITY, payloads))
         else:
             entries.append(Entry(entry_name(fqn, offsets), *stored_form(dtype, sizes, nbytes), nbytes))
             payloads.append(None)
     return entries, payloads
 
 
-def _encoded(item: WriteItem, planner: SavePlanner, codec: ChunkCodec) -> bytes:
-    """A tensor item's bytes through ``codec``."""
-    tensor = planner.resolve_data(item)
-    if not isinstance(tensor, torch.Tensor):
-        raise CheckpointError(f"resolve_data for tensor item {item.index.fqn!r} returned {type(tensor).__name__}")
-    data, _owner = host_bytes(tensor.detach().to("cpu", item.tensor_data.properties.dtype).contiguous())
+def _value_entry(name: str, raw: bytes, codec: ChunkCodec, payloads: list) -> Entry:
+    """A byte entry holding ``raw`` through ``codec``; its bytes go to ``payloads``."""
+    raw = raw if codec.identity else codec.encode(memoryview(raw))
+    payloads.append(raw)
+    return Entry(name, VALUE_FORM, (len(raw),), len(raw))
+
+
+def _encoded(tensor: torch.Tensor, dtype: torch.dtype, codec: ChunkCodec) -> bytes:
+    """A tensor chunk's bytes, in its stored dtype, through ``codec``."""
+    data, _owner = host_bytes(tensor.detach().to("cpu", dtype).contiguous())
     return codec.encode(data)
 
 
@@ -120,16 +124,15 @@ class _RankWrite:
     """One rank's write: its entries, how they split into files, and where each item landed."""
 
     def __init__(self, store: BlobStore, save_id: str, rank: int, plan: SavePlan, planner: SavePlanner,
-                 threads: int, sync: bool, is_coordinator: bool, codec_of: Callable[[WriteItem], ChunkCodec]) -> None:
+                 threads: int, sync: bool, is_coordinator: bool, codec_of: Callable[[str], ChunkCodec]) -> None:
         self.store, self.save_id, self.rank, self.plan, self.planner, self.sync = store, save_id, rank, plan, planner, sync
         items = plan.items
-        self.columns = items if (isinstance(items, WriteColumns) and items.intact and codec_of is identity_codec
-                                 and resolves_in_bulk(planner)) else None
+        self.columns = items if isinstance(items, WriteColumns) and items.intact and resolves_in_bulk(planner) else None
         if self.columns is not None:
-            self.codecs = [IDENTITY] * len(items)
-            self.entries, self.payloads = _column_entries(self.columns)
+            self.codecs = [codec_of(fqn) for fqn in self.columns.fqn]
+            self.entries, self.payloads = _column_entries(self.columns, self.codecs)
         else:
-            self.codecs = [codec_of(item) for item in items]
+            self.codecs = [codec_of(item.index.fqn) for item in items]
             self.entries, self.payloads = _entries(plan, planner, self.codecs)
         n = len(self.entries)
         self.crcs, self.offsets, self.item_file = [0] * n, [0] * n, [""] * n
@@ -155,10 +158,13 @@ class _RankWrite:
         self.progress.close()
         if self.columns is not None:
             number = {file_name: i for i, (file_name, _, _) in enumerate(files)}
+            codec_no: dict[str, int] = {}
+            codec = np.array([codec_no.setdefault(c.name, len(codec_no)) for c in self.codecs], dtype=np.int64)
             return ColumnResults(ResultColumns(
                 [[file_name, size, self.rank, lead_crc] for file_name, size, lead_crc in files],
                 np.array([number[f] for f in self.item_file], dtype=np.int64), np.array(self.offsets, dtype=np.int64),
-                np.array([e.nbytes for e in self.entries], dtype=np.int64), np.array(self.crcs, dtype=np.int64)), self.columns)
+                np.array([e.nbytes for e in self.entries], dtype=np.int64), np.array(self.crcs, dtype=np.int64),
+                list(codec_no) or [IDENTITY.name], codec), self.columns)
         results: list[WriteResult] = [
             WriteResult(item.index, e.nbytes, StorageInfo(f, off, e.nbytes, c, codec.name))
             for item, e, off, c, f, codec in zip(self.plan.items, self.entries, self.offsets, self.crcs, self.item_file, self.codecs)]

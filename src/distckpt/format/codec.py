@@ -248,6 +248,12 @@ def bytes_row(at: Optional[tuple]) -> str:
     return f'{{"type":"bytes","at":[{_join(at)}]}}'
 
 
+def codec_record(codec: str, length: int, tensor: bool) -> dict:
+    """The record a chunk or value stored through ``codec`` carries (format 2.1): the codec's parts, and for a
+    tensor chunk the stored length (a value's is its location's)."""
+    return {"codec": codec.split(CODEC_SEPARATOR), "length": length} if tensor else {"codec": codec.split(CODEC_SEPARATOR)}
+
+
 def file_table(save_id: str, files: list) -> dict:
     """``storage_data`` of a document with inline locations: the save id and [name, size, rank, header crc] per file."""
     return {"$files": {"save_id": save_id, "files": files}}
@@ -273,11 +279,7 @@ def encode_metadata(md: Metadata) -> bytes:
         return si
 
     def record(si: StorageInfo, tensor: bool) -> list:
-        """The codec record an item stored through a codec carries (format 2.1), or nothing."""
-        if si.codec == IDENTITY.name:
-            return []
-        return [{"codec": si.codec.split(CODEC_SEPARATOR), "length": si.length} if tensor
-                else {"codec": si.codec.split(CODEC_SEPARATOR)}]
+        return [] if si.codec == IDENTITY.name else [codec_record(si.codec, si.length, tensor)]
 
     coded: list = []
 

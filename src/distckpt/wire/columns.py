@@ -1,12 +1,11 @@
-"""Save plans and write results as columns: the compact form ranks send the coordinator.
+"""The column schema (:mod:`distckpt.item_columns`) as frames: the compact form ranks send the coordinator.
 
 A rank's local plan from the default planner is a list of WriteItems whose
 structure repeats: every item of a key shares its type, dtype and global
-shape. :class:`PlanColumns` stores that per key once and per item only the
-key number and the chunk's offsets and sizes, in numpy arrays. The
-coordinator plans on the arrays (see ``columnar.py``) without building one
-Python object per item; :meth:`PlanColumns.to_plan` gives back the exact
-SavePlan when a path needs objects.
+shape. A plan frame stores that per key once and per item only the key
+number and the chunk's offsets and sizes; the coordinator plans on the
+decoded :class:`PlanColumns` (``planning/columnar.py``) without building one
+Python object per item.
 
 Encoders return None for anything the columns cannot hold exactly; the
 caller then sends the plan in the general JSON form.
@@ -14,34 +13,24 @@ caller then sends the plan in the general JSON form.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import numpy as np
-import torch
 
-from ..format.chunk_codec import IDENTITY
-from ..format.codec import dec_props, enc_props, opaque_from, opaque_to
+from ..format.codec import enc_props, opaque_from, opaque_to
 from ..format.records import FileInfo, FileResult, StorageInfo
-from ..item_columns import WriteColumns
-from ..metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-from ..planner import BytesIOWriteData, SavePlan, TensorWriteData, WriteItem, WriteItemType
+from ..item_columns import BYTES, ColumnResults, PlanColumns, ResultColumns, WriteColumns, type_code
+from ..metadata import TensorProperties
+from ..planner import SavePlan
 from ..storage import WriteResult
 from .frames import decode_frame, encode_frame, pack_json, smallest_uint, unpack_json
 
-__all__ = ["PLAN_MAGIC", "KEEP_MAGIC", "RESULTS_MAGIC", "PlanColumns", "ResultColumns", "encode_plan_columns",
-           "encode_keep", "decode_keep", "encode_result_columns", "plain_dict", "ColumnResults",
-           "local_plan_columns"]
+__all__ = ["PLAN_MAGIC", "KEEP_MAGIC", "RESULTS_MAGIC", "encode_plan_columns", "decode_plan_columns", "encode_keep", "decode_keep",
+           "encode_result_columns", "decode_result_columns", "plain_dict", "local_plan_columns"]
 
 PLAN_MAGIC = b"\x00DPL"
 KEEP_MAGIC = b"\x00DKP"
 RESULTS_MAGIC = b"\x00DWR"
-
-_TYPE_CODE = {WriteItemType.TENSOR: 0, WriteItemType.SHARD: 1, WriteItemType.BYTE_IO: 2}
-_CODE_TYPE = {v: k for k, v in _TYPE_CODE.items()}
-BYTES_CODE = 2
-_UNSET = object()
 
 
 def plain_dict(value: Any) -> bool:
@@ -49,71 +38,16 @@ def plain_dict(value: Any) -> bool:
     return type(value) is dict and all(type(k) is str for k in value) and "$t" not in value
 
 
-class PlanColumns:
-    """One rank's save plan, column-wise.
-
-    ``keys`` is the rank's key table, one row per distinct key in order of
-    first use: ``[fqn, type code, encoded properties or None, global size or
-    None, value bytes or None]``. ``key_blob`` is its compressed form (equal
-    blobs mean equal tables, so the coordinator reads a table that many ranks
-    share once; ``keys`` and ``planner_json`` are decoded on first use). Per
-    item: ``item_key`` (row in ``keys``), ``offsets`` and ``sizes`` (n x D,
-    zero-padded past the key's ndim).
-    """
-
-    def __init__(self, key_blob: bytes, item_key: np.ndarray, offsets: np.ndarray, sizes: np.ndarray,
-                 planner_blob: bytes, storage_data: Any, usable: bool, where: str = "save plan"):
-        self.key_blob, self.item_key, self.offsets, self.sizes = key_blob, item_key, offsets, sizes
-        self.planner_blob, self.storage_data, self.usable, self.where = planner_blob, storage_data, usable, where
-        self._keys: Optional[list] = None
-        self._planner: Any = _UNSET
-
-    @property
-    def keys(self) -> list:
-        if self._keys is None:
-            keys = unpack_json(self.key_blob, self.where)
-            if not isinstance(keys, list) or (self.item_key.size and int(self.item_key.max()) >= len(keys)):
-                raise ValueError(f"{self.where}: malformed column plan")
-            self._keys = keys
-        return self._keys
-
-    @property
-    def planner_json(self) -> Any:
-        if self._planner is _UNSET:
-            self._planner = unpack_json(self.planner_blob, self.where)
-        return self._planner
-
-    def __len__(self) -> int:
-        return len(self.item_key)
-
-    def to_plan(self) -> SavePlan:
-        """The SavePlan these columns encode, item for item."""
-        items = []
-        props_cache: dict = {}
-        for k, offs, sizes in zip(self.item_key.tolist(), self.offsets.tolist(), self.sizes.tolist()):
-            fqn, code, props, gsize, nbytes = self.keys[k]
-            if code == BYTES_CODE:
-                items.append(WriteItem(MetadataIndex(fqn), WriteItemType.BYTE_IO, BytesIOWriteData(nbytes)))
-                continue
-            p = props_cache.get(k)
-            if p is None:
-                p = props_cache[k] = dec_props(props, "save plan")
-            nd = len(gsize)
-            off = torch.Size(offs[:nd])
-            items.append(WriteItem(MetadataIndex(fqn, off), _CODE_TYPE[code], tensor_data=TensorWriteData(
-                ChunkStorageMetadata(off, torch.Size(sizes[:nd])), p, torch.Size(gsize))))
-        planner_data = None if self.planner_json is None else opaque_from(self.planner_json, "save plan", True)
-        return SavePlan(items, self.storage_data, planner_data, self.usable)
-
-    @staticmethod
-    def decode(raw: bytes, where: str = "save plan") -> "PlanColumns":
-        key_blob, meta_blob, planner_blob, item_key, offsets, sizes = decode_frame(raw, PLAN_MAGIC, where)
-        meta = unpack_json(meta_blob, where)
-        if not isinstance(meta, dict) or item_key.ndim != 1 or offsets.shape != sizes.shape \
-                or offsets.ndim != 2 or offsets.shape[0] != item_key.shape[0]:
-            raise ValueError(f"{where}: malformed column plan")
-        return PlanColumns(bytes(key_blob), item_key.astype(np.int64), offsets.astype(np.int64), sizes.astype(np.int64),
-                           bytes(planner_blob), opaque_from(meta["storage_data"], where, True), bool(meta["usable"]), where)
+def decode_plan_columns(raw: bytes, where: str = "save plan") -> PlanColumns:
+    """The PlanColumns of a plan frame (keys and planner data decoded on first use)."""
+    key_blob, meta_blob, planner_blob, item_key, offsets, sizes = decode_frame(raw, PLAN_MAGIC, where)
+    meta = unpack_json(meta_blob, where)
+    if not isinstance(meta, dict) or item_key.ndim != 1 or offsets.shape != sizes.shape \
+            or offsets.ndim != 2 or offsets.shape[0] != item_key.shape[0]:
+        raise ValueError(f"{where}: malformed column plan")
+    return PlanColumns(bytes(key_blob), item_key.astype(np.int64), offsets.astype(np.int64), sizes.astype(np.int64),
+                       bytes(planner_blob), opaque_from(meta["storage_data"], where, True), bool(meta["usable"]), where,
+                       unpack=unpack_json)
 
 
 def encode_plan_columns(plan: SavePlan) -> Optional[bytes]:
@@ -132,10 +66,10 @@ def encode_plan_columns(plan: SavePlan) -> Optional[bytes]:
         index, td = it.index, it.tensor_data
         if index.index is not None:
             return None
-        code = _TYPE_CODE.get(it.type)
+        code = type_code(it.type)
         if code is None:
             return None
-        if code == BYTES_CODE:
+        if code == BYTES:
             if td is not None or it.bytes_io_data is None or index.offset is not None:
                 return None
             row = [index.fqn, code, None, None, int(it.bytes_io_data.nbytes)]
@@ -189,9 +123,8 @@ def local_plan_columns(plan: SavePlan) -> Optional[PlanColumns]:
     if parts is None:
         return None
     keys, _, planner_json, item_key, off_arr, size_arr = parts
-    out = PlanColumns(b"this process", item_key, off_arr, size_arr, b"", plan.storage_data, plan.usable)
-    out._keys, out._planner = keys, planner_json
-    return out
+    return PlanColumns(b"this process", item_key, off_arr, size_arr, b"", plan.storage_data, plan.usable, keys=keys,
+                       planner_json=planner_json)
 
 
 def _write_column_parts(plan: SavePlan, cols: WriteColumns) -> Optional[tuple]:
@@ -200,7 +133,7 @@ def _write_column_parts(plan: SavePlan, cols: WriteColumns) -> Optional[tuple]:
     item_key: list[int] = []
     props: dict = {}
     for fqn, code, dtype, rg, size, nbytes in zip(cols.fqn, cols.code, cols.dtype, cols.requires_grad, cols.size, cols.nbytes):
-        if code == BYTES_CODE:
+        if code == BYTES:
             row = [fqn, code, None, None, nbytes]
         else:
             p = props.get((dtype, rg))
@@ -249,70 +182,21 @@ def decode_keep(raw: bytes, local: SavePlan) -> SavePlan:
     return SavePlan(items, opaque_from(meta["storage_data"], "save plan", True), local.planner_data, True)
 
 
-@dataclass
-class ResultColumns:
-    """One rank's write results relative to its central plan: item i of the plan is
-    at ``offset[i]`` of ``files[file_no[i]]`` with checksum ``crc[i]``; ``files``
-    holds [name, size, rank, header crc] of each file the rank wrote."""
-
-    files: list
-    file_no: np.ndarray
-    offset: np.ndarray
-    length: np.ndarray
-    crc: np.ndarray
-
-    @staticmethod
-    def decode(raw: bytes, where: str = "write results") -> "ResultColumns":
-        files_blob, file_no, offset, length, crc = decode_frame(raw, RESULTS_MAGIC, where)
-        files = unpack_json(files_blob, where)
-        n = len(file_no)
-        if not isinstance(files, list) or not (len(offset) == len(length) == len(crc) == n) or (n and int(file_no.max()) >= len(files)):
-            raise ValueError(f"{where}: malformed column results")
-        return ResultColumns(files, file_no.astype(np.int64), offset.astype(np.int64), length.astype(np.int64), crc.astype(np.int64))
-
-    def to_results(self, plan_items: list) -> list[WriteResult]:
-        out = [WriteResult(it.index, ln, StorageInfo(self.files[f][0], off, ln, c))
-               for it, f, off, ln, c in zip(plan_items, self.file_no.tolist(), self.offset.tolist(), self.length.tolist(),
-                                            self.crc.tolist())]
-        out += [FileResult.of(name, FileInfo(size, rank, hcrc)) for name, size, rank, hcrc in self.files]
-        return out
+def decode_result_columns(raw: bytes, where: str = "write results") -> ResultColumns:
+    files_blob, file_no, offset, length, crc, codecs_blob, codec = decode_frame(raw, RESULTS_MAGIC, where)
+    files, codecs = unpack_json(files_blob, where), unpack_json(codecs_blob, where)
+    n = len(file_no)
+    if (not isinstance(files, list) or not isinstance(codecs, list) or not all(isinstance(c, str) for c in codecs)
+            or not (len(offset) == len(length) == len(crc) == len(codec) == n) or (n and int(file_no.max()) >= len(files))
+            or (n and int(codec.max()) >= len(codecs))):
+        raise ValueError(f"{where}: malformed column results")
+    return ResultColumns(files, file_no.astype(np.int64), offset.astype(np.int64), length.astype(np.int64), crc.astype(np.int64),
+                         codecs, codec.astype(np.int64))
 
 
-class ColumnResults(Sequence):
-    """A rank's write results as :class:`ResultColumns`, standing in for the list of WriteResults
-    ``write_data`` returns: the objects are built (once) when someone reads them."""
-
-    def __init__(self, columns: ResultColumns, items: WriteColumns) -> None:
-        self.columns, self._plan_items = columns, items
-        self._results: Optional[list[WriteResult]] = None
-
-    def results(self) -> list[WriteResult]:
-        if self._results is None:
-            self._results = self.columns.to_results(list(self._plan_items))
-        return self._results
-
-    def __len__(self) -> int:
-        return len(self.columns.file_no) + len(self.columns.files)
-
-    def __getitem__(self, i):
-        return self.results()[i]
-
-    def __iter__(self):
-        return iter(self.results())
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, (list, ColumnResults)) and self.results() == list(other)
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def __add__(self, other) -> list:
-        return self.results() + list(other)
-
-    def __radd__(self, other) -> list:
-        return list(other) + self.results()
-
-    def __repr__(self) -> str:
-        return f"ColumnResults({len(self.columns.file_no)} items, {len(self.columns.files)} files)"
+def _results_frame(files: list, columns: list[np.ndarray], codecs: list[str]) -> bytes:
+    return encode_frame(RESULTS_MAGIC, [pack_json(files)] + [smallest_uint(c) for c in columns[:4]]
+                        + [pack_json(codecs), smallest_uint(columns[4])])
 
 
 def encode_result_columns(results: list[WriteResult], plan: SavePlan) -> Optional[bytes]:
@@ -320,7 +204,7 @@ def encode_result_columns(results: list[WriteResult], plan: SavePlan) -> Optiona
     plan item, in plan order, followed by one FileResult per data file."""
     if isinstance(results, ColumnResults) and results.columns.file_no.shape[0] == len(plan.items):
         c = results.columns
-        return encode_frame(RESULTS_MAGIC, [pack_json(c.files)] + [smallest_uint(a) for a in (c.file_no, c.offset, c.length, c.crc)])
+        return _results_frame(c.files, [c.file_no, c.offset, c.length, c.crc, c.codec_column()], c.codecs)
     n = len(plan.items)
     if len(results) < n:
         return None
@@ -333,11 +217,11 @@ def encode_result_columns(results: list[WriteResult], plan: SavePlan) -> Optiona
         name = r.file
         names[name] = len(files)
         files.append([name, sd.size, sd.rank, sd.header_crc32c])
-    cols = np.zeros((4, n), dtype=np.int64)
+    codecs: dict[str, int] = {}
+    cols = np.zeros((5, n), dtype=np.int64)
     for i, (r, it) in enumerate(zip(results, plan.items)):
         sd = r.storage_data
-        if (not isinstance(sd, StorageInfo) or r.index != it.index or sd.length != r.size_in_bytes or sd.file not in names
-                or sd.codec != IDENTITY.name):
+        if not isinstance(sd, StorageInfo) or r.index != it.index or sd.length != r.size_in_bytes or sd.file not in names:
             return None
-        cols[0, i], cols[1, i], cols[2, i], cols[3, i] = names[sd.file], sd.offset, sd.length, sd.crc32c
-    return encode_frame(RESULTS_MAGIC, [pack_json(files)] + [smallest_uint(c) for c in cols])
+        cols[:, i] = names[sd.file], sd.offset, sd.length, sd.crc32c, codecs.setdefault(sd.codec, len(codecs))
+    return _results_frame(files, list(cols), list(codecs) or ["identity"])
