@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import functools
 import inspect
 import warnings
@@ -11,8 +10,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from . import backends
-from .errors import CheckpointError
+from .backends.registry import pick_storage
 from .planning import DefaultLoadPlanner, DefaultSavePlanner
 from .stateful import Stateful
 from .torch_classes import adopt
@@ -46,28 +44,6 @@ def tell_rank(planner: Any, rank: int) -> None:
     """Let distckpt's planners (and their subclasses) know this rank, for RankLocal keys."""
     if isinstance(planner, (DefaultSavePlanner, DefaultLoadPlanner)):
         planner.rank = rank
-
-
-def pick_storage(kind: str, checkpoint_id: Any, given: Any, overwrite: Optional[bool] = None) -> Any:
-    """The storage writer or reader to use: ``given``, or the backend that accepts ``checkpoint_id``;
-    reset to ``checkpoint_id`` when there is one. ``overwrite`` (writers), when given, is this call's
-    choice over the writer's own: a copy of a given writer carries it."""
-    storage = given
-    if storage is None:
-        if checkpoint_id is None:
-            arg = "storage_writer" if kind == "writer" else "storage_reader"
-            raise CheckpointError(f"needs checkpoint_id= (a directory path, s3://bucket/prefix or memory://name) or {arg}=")
-        storage = backends.writer_for(checkpoint_id) if kind == "writer" else backends.reader_for(checkpoint_id)
-    if overwrite is not None:
-        if not hasattr(storage, "overwrite"):
-            raise CheckpointError(f"overwrite={overwrite}: the storage writer {type(storage).__name__} has no overwrite "
-                                  "option; leave overwrite= out and use the writer's own")
-        if storage is given:
-            storage = copy.copy(given)
-        storage.overwrite = bool(overwrite)
-    if checkpoint_id is not None:
-        storage.reset(checkpoint_id)
-    return storage
 
 
 @dataclass

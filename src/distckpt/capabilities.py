@@ -23,6 +23,7 @@ from typing import Any, Callable, TypeVar
 __all__ = [
     "COLUMNAR_COMMIT",
     "SHARED_VERIFICATION",
+    "OVERWRITE",
     "supports",
     "plans_on_columns",
     "keeps_plans",
@@ -40,8 +41,15 @@ items (it may be called with empty plans), and whose ``finish`` takes a save pla
 :class:`~distckpt.item_columns.ResultColumns`; it commits and returns the committed Metadata."""
 
 SHARED_VERIFICATION = "shared-verification"
-"""A StorageReader with ``verify_checksums`` and ``skip_verification(chunks)``: chunks another rank of the same
-load verifies whole, which this rank then reads only in part without checking their checksums."""
+"""A StorageReader that shares checksum work between the ranks of a load: chunks another rank of the same load
+verifies whole, this rank reads only in part without checking their checksums. The load sequence calls its
+``partly_read_chunks(plan)`` (every rank), ``assign_verifiers(tables)`` (the coordinator) and
+``accept_verifiers(chunks, mask)`` (every rank), the steps of
+:class:`distckpt.engine.shared_verification.SharedVerification`, which such a reader inherits."""
+
+OVERWRITE = "overwrite"
+"""A StorageWriter with an ``overwrite`` attribute (None: the DISTCKPT_OVERWRITE setting; or a bool) that a
+save's ``overwrite=`` argument sets, on a copy of a writer the caller gave."""
 
 _COLUMNAR = "_distckpt_plans_on_columns"
 _KEEPS = "_distckpt_keeps_plans"

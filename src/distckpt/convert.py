@@ -38,7 +38,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from . import backends
-from .backends import DCPReader, HuggingFaceWriter
+from .backends import BlobStorageReader, DCPReader, HuggingFaceWriter
 from .backends.fs_objects import create_exclusive, open_regular
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from .format.dtypes import itemsize
@@ -197,8 +197,7 @@ def _read_whole(src: PathLike, allow_pickle: bool, progress: Optional[Callable[[
     md = read_metadata(src)
     reader = backends.reader_for(src)
     reader.reset(src)
-    sizes = getattr(reader, "data_file_sizes", None)
-    stored = sum(sizes(md).values()) if sizes is not None else math.inf
+    stored = sum(reader.data_file_sizes(md).values()) if isinstance(reader, BlobStorageReader) else math.inf
     state = _placeholders(md.state_dict_metadata, TensorStorageMetadata, f"checkpoint {os.fspath(src)}", stored)
     if progress:
         progress(f"reading {len(state)} keys from distckpt checkpoint {src}")

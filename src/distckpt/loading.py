@@ -6,10 +6,10 @@ import os
 import warnings
 from typing import Any, Optional, Union
 
-from ._sequence import pick_storage, prepare, storage_by_position
+from ._sequence import prepare, storage_by_position
+from .backends.registry import pick_storage
 from .capabilities import SHARED_VERIFICATION, declares, keeps_plans, supports
 from .distributed import RAW, Coordinator, Wire
-from .engine import shared_verification as sv
 from .format.codec import dumps, loads
 from .gc_pause import gc_paused
 from .metadata import STATE_DICT_TYPE, Metadata
@@ -113,18 +113,14 @@ def _plan_with_shared_verification(local_step, reader: StorageReader, coord: Coo
     plan, chunks, table = None, [], b""
     try:
         plan = local_step()
-        chunks = sv.partial_chunks(reader.metadata, plan) if reader.verify_checksums else []
-        table = sv.encode_chunks(reader.metadata, chunks)
+        chunks, table = reader.partly_read_chunks(plan)
     except Exception as exc:  # noqa: BLE001 - reported to every rank by the vote
         failure = exc
     if not coord.vote("load planning", failure, bool(chunks)):
         return plan
 
-    def assign(tables: list[bytes]) -> list[bytes]:
-        return sv.assign_verifiers([sv.decode_chunks(t) for t in tables])
-
-    mask = coord.reduce_scatter("load planning", lambda: table, assign, RAW, RAW)
-    reader.skip_verification(sv.verified_elsewhere(chunks, mask))
+    mask = coord.reduce_scatter("load planning", lambda: table, reader.assign_verifiers, RAW, RAW)
+    reader.accept_verifiers(chunks, mask)
     return plan
 
 

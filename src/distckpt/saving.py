@@ -111,7 +111,7 @@ class _Save:
     def __init__(self, state_dict: STATE_DICT_TYPE, writer: Optional[StorageWriter], planner: Optional[SavePlanner],
                  coord: Coordinator, failure: Optional[BaseException]) -> None:
         self.state_dict, self.writer, self.planner, self.coord, self.failure = state_dict, writer, planner, coord, failure
-        self.cache: Optional[PlanCache] = getattr(planner, "plan_cache", None)
+        self.cache: Optional[PlanCache] = planner.plan_cache if isinstance(planner, SavePlanner) else None
         self.columnar = declares(planner, "create_global_plan", plans_on_columns) and supports(writer, COLUMNAR_COMMIT)
         self.local_plan: Optional[SavePlan] = None
         self.fast: Optional[ColumnarPlan] = None  # coordinator: set when global planning ran on columns
@@ -251,7 +251,7 @@ class _Save:
         return metadata if committed is None else committed
 
     def discard(self) -> None:
-        discard = getattr(self.writer, "discard_incomplete", None) if self.writer is not None else None
+        discard = self.writer.discard_incomplete if isinstance(self.writer, StorageWriter) else None
         if self.coord.is_coordinator and discard is not None:
             discard()
 

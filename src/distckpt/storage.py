@@ -44,6 +44,8 @@ class StorageWriter(abc.ABC):
     4. ``write_data(plan, planner)`` on every rank, returning a Future of WriteResults;
     5. ``finish(metadata, results)`` on the coordinator: commit the checkpoint.
 
+    If the save fails on any rank, the coordinator calls ``discard_incomplete()``.
+
     A minimal in-memory writer is a few dozen lines; see
     :mod:`distckpt.backends.memory`.
     """
@@ -80,6 +82,10 @@ class StorageWriter(abc.ABC):
     def storage_meta(self) -> Optional[StorageMeta]:
         """Storage-level facts passed to the save planner. None by default."""
         return None
+
+    def discard_incomplete(self) -> None:
+        """After a failed save, remove what this save wrote and never committed (coordinator, best effort).
+        Nothing by default."""
 
 
 class StorageReader(abc.ABC):

@@ -50,7 +50,7 @@ def verify(checkpoint_id: Union[str, os.PathLike], storage_reader: Optional[Blob
         raise CorruptCheckpointError(f"{where}: metadata has no data-file table")
     bar = Progress("verify", sum(si.length for si in fsd.items.values()), mode="bar") if progress else None
     checked = check_stored(reader.data_store(md), md, where, threads=reader.thread_count or knobs.io_threads(), progress=bar,
-                           extension_registry=getattr(reader, "extension_registry", None))
+                           extension_registry=reader.extension_registry)
     report = VerifyReport(str(checkpoint_id), checked.files, checked.items, checked.bytes_checked, checked.problems)
     if report.problems and raise_on_error:
         shown = "\n  ".join(report.problems[:20])

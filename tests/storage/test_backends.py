@@ -23,49 +23,35 @@ class TestMemory(StorageSuite):
         return f"memory://{uuid.uuid4().hex}-{name}"
 
 
-def test_a_registered_backend_is_picked_by_its_checkpoint_ids():
-    """register_backend: save and load choose the pair whose validate_checkpoint_id accepts the id."""
+def test_a_registered_store_is_picked_by_its_checkpoint_ids():
+    """register_store: save and load resolve ids of the scheme through its factory, and reset re-targets."""
     import torch
 
     import distckpt
     from distckpt import backends
-    from distckpt.backends import MemoryReader, MemoryWriter
 
     used = []
 
-    def team_name(checkpoint_id):
-        return "team-" + str(checkpoint_id)[len("team://"):]
+    def team_store(checkpoint_id):
+        used.append(checkpoint_id)
+        return MemoryStore("team-" + checkpoint_id[len("team://"):])
 
-    class TeamWriter(MemoryWriter):
-        def reset(self, checkpoint_id=None):
-            used.append("writer")
-            super().reset(None if checkpoint_id is None else team_name(checkpoint_id))
-
-        @classmethod
-        def validate_checkpoint_id(cls, checkpoint_id):
-            return str(checkpoint_id).startswith("team://")
-
-    class TeamReader(MemoryReader):
-        def reset(self, checkpoint_id=None):
-            used.append("reader")
-            super().reset(None if checkpoint_id is None else team_name(checkpoint_id))
-
-        @classmethod
-        def validate_checkpoint_id(cls, checkpoint_id):
-            return str(checkpoint_id).startswith("team://")
-
-    backends.register_backend(TeamWriter, TeamReader)
+    backends.register_store("team", team_store)
     try:
         distckpt.save({"w": torch.arange(3.0)}, checkpoint_id="team://run")
         out = {"w": torch.zeros(3)}
         distckpt.load(out, checkpoint_id="team://run")
         assert out["w"].tolist() == [0.0, 1.0, 2.0]
-        assert "writer" in used and "reader" in used
+        assert used and set(used) == {"team://run"}
         plain = {"w": torch.zeros(3)}
-        distckpt.load(plain, checkpoint_id="memory://team-run")  # the pair stored it where its reset said
+        distckpt.load(plain, checkpoint_id="memory://team-run")  # the factory stored it where it said
         assert plain["w"].tolist() == [0.0, 1.0, 2.0]
+        writer = backends.writer_for("team://run")
+        assert type(writer) is backends.BlobStorageWriter
+        writer.reset("team://other")
+        assert writer.blob_store().name == "team-other"
     finally:
-        backends._BACKENDS.remove((TeamWriter, TeamReader))
+        backends.unregister_store("team")
         backends.clear_memory_store()
 
 

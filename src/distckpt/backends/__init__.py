@@ -1,86 +1,42 @@
-"""Storage backends, chosen by the scheme of a checkpoint_id.
+"""Storage backends: blob stores registered by the scheme of a checkpoint id, and the storage layer over any of them.
 
-``memory://name`` selects the in-memory backend, ``s3://bucket/prefix`` an
-S3-compatible object store; a plain path (or
-``file://``) the filesystem. More backends register with
-:func:`register_backend`.
+``memory://name`` selects the in-memory store, ``s3://bucket/prefix`` an S3-compatible object store, a plain
+path (or ``file://``) the filesystem. A new store is one :class:`BlobStore` class and one registration::
+
+    register_store("gs", lambda checkpoint_id: GcsStore(checkpoint_id))
+    distckpt.save(state_dict, checkpoint_id="gs://bucket/run/step-100")
+
+:class:`BlobStorageWriter` and :class:`BlobStorageReader` write and read any store, given whole or by
+checkpoint id; ``FileSystemWriter``, ``S3Writer``, ``MemoryWriter`` and their readers are the same with
+their stores' options. A store passes the contract suite ``distckpt.testing.blob_store_suite.BlobStoreSuite``
+(subclass it with ``make_store``; what the store does not declare in ``capabilities`` is skipped: :data:`RUNS`,
+:data:`LEASES`, :data:`MAPS`), and the storage suite ``distckpt.testing.storage_suite.StorageSuite`` through
+save and load.
 """
 
 from __future__ import annotations
 
-import inspect
-import os
-from typing import Any, Union
-
-from ..errors import CheckpointError
-from ..storage import StorageReader, StorageWriter
+from ..capabilities import COLUMNAR_COMMIT, OVERWRITE, SHARED_VERIFICATION
+from ..engine.blobs import LEASES, MAPS, RUNS, BlobReader, BlobStore, BlobWriter, BufferedWriter, BytesReader
+from .blob_storage import BlobStorageReader, BlobStorageWriter
 from .dcp_reader import DCPReader
 from .filesystem import FileSystemReader, FileSystemWriter
 from .hf_reader import HuggingFaceReader
 from .hf_writer import HuggingFaceWriter
 from .memory import MemoryReader, MemoryWriter, clear_memory_store
+from .registry import check_options, pick_storage, reader_for, writer_for
 from .s3 import S3Reader, S3Writer
+from .schemes import StoreFactory, register_store, scheme_of, store_for, unregister_store
 from .torch_save_file import TorchSaveReader
 
 __all__ = [
+    "BlobStore", "BlobWriter", "BlobReader", "BufferedWriter", "BytesReader", "RUNS", "LEASES", "MAPS",
+    "COLUMNAR_COMMIT", "SHARED_VERIFICATION", "OVERWRITE",
+    "register_store", "unregister_store", "store_for", "scheme_of", "StoreFactory",
+    "BlobStorageWriter", "BlobStorageReader",
     "FileSystemWriter", "FileSystemReader", "DCPReader", "HuggingFaceReader", "HuggingFaceWriter", "TorchSaveReader",
     "MemoryWriter", "MemoryReader",
     "S3Writer", "S3Reader",
     "clear_memory_store",
-    "register_backend", "writer_for", "reader_for",
+    "writer_for", "reader_for", "check_options", "pick_storage",
 ]
-
-# most specific first; the filesystem accepts any plain path, so it comes last
-_BACKENDS: list[tuple[type[StorageWriter], type[StorageReader]]] = [
-    (MemoryWriter, MemoryReader),
-    (S3Writer, S3Reader),
-    (FileSystemWriter, FileSystemReader),
-]
-
-
-def register_backend(writer: type[StorageWriter], reader: type[StorageReader]) -> None:
-    """Make ``save``/``load`` pick this pair for checkpoint ids its ``validate_checkpoint_id`` accepts."""
-    _BACKENDS.insert(0, (writer, reader))
-
-
-def writer_for(checkpoint_id: Union[str, os.PathLike], **options: Any) -> StorageWriter:
-    """A new writer of the backend that accepts ``checkpoint_id``, given the ``options`` its constructor takes
-    (``hf://path`` publishes a Hugging Face checkpoint directory)."""
-    if HuggingFaceWriter.validate_checkpoint_id(checkpoint_id):
-        return HuggingFaceWriter(**_accepted(HuggingFaceWriter, options))
-    for writer, _ in _BACKENDS:
-        if writer.validate_checkpoint_id(checkpoint_id):
-            return writer(**_accepted(writer, options))
-    raise CheckpointError(f"no storage backend accepts checkpoint_id {str(checkpoint_id)!r}; pass storage_writer= explicitly")
-
-
-def reader_for(checkpoint_id: Union[str, os.PathLike], **options: Any) -> StorageReader:
-    """A new reader of the backend that accepts ``checkpoint_id``, given the ``options`` its constructor takes
-    (a directory that torch.distributed.checkpoint wrote gets the DCP reader, a Hugging Face directory the
-    Hugging Face reader, a torch.save file the torch.save reader)."""
-    for foreign in (DCPReader, HuggingFaceReader, TorchSaveReader):
-        if foreign.validate_checkpoint_id(checkpoint_id):
-            return foreign(**_accepted(foreign, options))
-    for _, reader in _BACKENDS:
-        if reader.validate_checkpoint_id(checkpoint_id):
-            return reader(**_accepted(reader, options))
-    raise CheckpointError(f"no storage backend accepts checkpoint_id {str(checkpoint_id)!r}; pass storage_reader= explicitly")
-
-
-def check_options(checkpoint_id: Union[str, os.PathLike], options: dict[str, Any]) -> None:
-    """Refuse options that neither the writer nor the reader of ``checkpoint_id``'s backend takes."""
-    for writer, reader in _BACKENDS:
-        if writer.validate_checkpoint_id(checkpoint_id):
-            unknown = set(options) - set(_accepted(writer, options)) - set(_accepted(reader, options))
-            if unknown:
-                raise CheckpointError(
-                    f"storage options {sorted(unknown)} are not taken by {writer.__name__} or {reader.__name__} "
-                    f"(the backend of {str(checkpoint_id)!r}); see their arguments")
-            return
-
-
-def _accepted(cls: type, options: dict[str, Any]) -> dict[str, Any]:
-    params = inspect.signature(cls.__init__).parameters
-    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
-        return dict(options)
-    return {k: v for k, v in options.items() if k in params}

@@ -1,5 +1,8 @@
 """StorageWriter and StorageReader over any :class:`BlobStore`.
 
+Both take their store whole, or a checkpoint id whose scheme names a registered store
+(:mod:`.schemes`), resolved again whenever ``reset`` names a new checkpoint id.
+
 Each rank writes one data file (a safetensors file) holding all of its items,
 in parallel from several threads; the coordinator commits by writing the
 metadata document last. Reads validate every file they touch before any
@@ -9,17 +12,19 @@ destination where its memory is contiguous.
 
 from __future__ import annotations
 
+import os
 import uuid
 from dataclasses import replace
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from torch.futures import Future
 
 from .. import knobs
-from ..capabilities import COLUMNAR_COMMIT, SHARED_VERIFICATION, keeps_plans
+from ..capabilities import COLUMNAR_COMMIT, OVERWRITE, SHARED_VERIFICATION, keeps_plans
 from ..engine.blobs import BlobStore
 from ..engine.commit import columns_document, objects_document, publish
 from ..engine.read import read_items
+from ..engine.shared_verification import SharedVerification
 from ..engine.write import identity_codec, write_file
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ..format import METADATA_FILE
@@ -32,6 +37,7 @@ from ..planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
 from ..planning.columnar import PlannedMetadata
 from ..storage import StorageReader, StorageWriter
 from .leases import Lease
+from .schemes import scheme_entry, store_for
 
 
 def done(value: Any) -> Future:
@@ -41,34 +47,86 @@ def done(value: Any) -> Future:
     return fut
 
 
-class BlobStorageWriter(StorageWriter):
-    """The protocol's StorageWriter over a blob store; subclasses provide ``_store()``.
+Location = Union[BlobStore, str, os.PathLike, None]
 
-    It declares ``COLUMNAR_COMMIT`` (:mod:`distckpt.capabilities`): subclasses that wrap its methods keep
-    the columnar save path, as long as ``prepare_global_plan`` and ``finish`` still end in these.
+
+class _Located:
+    """Where a storage layer points: a store given whole, or a checkpoint id opened as a store on use.
+
+    ``reset(checkpoint_id)`` re-targets it (DCP's semantics). Thin subclasses with store options of their own
+    override ``open_store``; ones that spell checkpoint ids their own way override ``canonical``.
     """
 
-    capabilities = frozenset({COLUMNAR_COMMIT})
+    checkpoint_id: Optional[str] = None
+    given_store: Optional[BlobStore] = None
 
-    def __init__(self, sync_files: Optional[bool] = None, thread_count: Optional[int] = None,
+    def _locate(self, where: Location) -> None:
+        if isinstance(where, BlobStore):
+            self.given_store, self.checkpoint_id = where, None
+        elif where is not None:
+            self.given_store, self.checkpoint_id = None, self.canonical(where)
+
+    def canonical(self, checkpoint_id: Union[str, os.PathLike]) -> str:
+        """``checkpoint_id`` as this layer names it (in errors and in the metadata's ``storage_meta``)."""
+        return os.fspath(checkpoint_id)
+
+    def open_store(self, checkpoint_id: str) -> BlobStore:
+        """The store at ``checkpoint_id``: by default, from the factory registered for its scheme."""
+        return store_for(checkpoint_id)
+
+    def blob_store(self) -> BlobStore:
+        """The blob store at this layer's checkpoint."""
+        if self.given_store is not None:
+            return self.given_store
+        if self.checkpoint_id is None:
+            raise CheckpointNotFoundError(f"{type(self).__name__} has no checkpoint: pass checkpoint_id=, or a store or "
+                                          f"checkpoint id to {type(self).__name__}(...)")
+        return self.open_store(self.checkpoint_id)
+
+    def _store(self) -> BlobStore:
+        return self.blob_store()
+
+    def _checkpoint_id(self) -> str:
+        if self.checkpoint_id is None and self.given_store is not None:
+            return self.given_store.describe()
+        return str(self.checkpoint_id)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Union[str, os.PathLike]) -> bool:
+        """Whether a store is registered for the scheme of ``checkpoint_id``."""
+        return scheme_entry(checkpoint_id) is not None
+
+
+class BlobStorageWriter(_Located, StorageWriter):
+    """The protocol's StorageWriter over any blob store.
+
+    Args:
+        store: a :class:`BlobStore`, or the checkpoint id of one (its scheme registered with
+            :func:`~distckpt.backends.register_store`); may also be given later as ``checkpoint_id``.
+        sync_files: make data and metadata durable before the commit (default: the DISTCKPT_FSYNC knob).
+        thread_count: writer threads per rank (default: the DISTCKPT_IO_THREADS knob).
+        overwrite: replace a committed checkpoint; the old one stays intact until the new one commits.
+
+    It declares ``COLUMNAR_COMMIT`` (:mod:`distckpt.capabilities`): subclasses that wrap its methods keep
+    the columnar save path, as long as ``prepare_global_plan`` and ``finish`` still end in these; and
+    ``OVERWRITE``: a save's ``overwrite=`` sets its ``overwrite``.
+    """
+
+    capabilities = frozenset({COLUMNAR_COMMIT, OVERWRITE})
+
+    def __init__(self, store: Location = None, *, sync_files: Optional[bool] = None, thread_count: Optional[int] = None,
                  overwrite: Optional[bool] = None):
+        self._locate(store)
         self.sync_files = sync_files
         self.thread_count = thread_count
         self.overwrite = overwrite
         self.rank = 0
         self.is_coordinator = True
         self.chunk_codec: Optional[ChunkCodec] = None  # how every item is stored, if not as it is (format/chunk_codec.py)
-
-    # subclasses
-    def _store(self) -> BlobStore:
-        raise NotImplementedError
-
-    def _checkpoint_id(self) -> str:
-        raise NotImplementedError
-
-    def blob_store(self) -> BlobStore:
-        """The blob store at this writer's checkpoint id."""
-        return self._store()
+        self.store: Optional[BlobStore] = None  # this save's store, from set_up_storage_writer
+        self.save_id: Optional[str] = None
+        self.committed_save_id: Optional[str] = None
+        self._lease: Optional[Lease] = None
 
     def _replaces(self) -> bool:
         """Whether this save may replace a committed checkpoint: ``overwrite``, else the DISTCKPT_OVERWRITE setting."""
@@ -79,6 +137,9 @@ class BlobStorageWriter(StorageWriter):
 
     def reset(self, checkpoint_id=None) -> None:
         self.save_id = None
+        if checkpoint_id is not None:
+            self._locate(checkpoint_id)
+            self.store = None
 
     def storage_meta(self) -> Optional[StorageMeta]:
         return StorageMeta(checkpoint_id=self._checkpoint_id())
@@ -104,7 +165,7 @@ class BlobStorageWriter(StorageWriter):
         save_id = self.save_id = uuid.uuid4().hex
         # before any rank can write a byte of this save: a cleaner must see it is alive (see leases.py)
         self._release_lease()
-        if getattr(self, "store", None) is None:  # prepare_global_plan called without set_up_storage_writer
+        if self.store is None:  # prepare_global_plan called without set_up_storage_writer
             self.store = self._store()
         self._lease = Lease(self.store, save_id)
         return [replace(p, storage_data={"file": f"data-{i:05d}.safetensors", "save_id": save_id, "rank": i})
@@ -149,7 +210,7 @@ class BlobStorageWriter(StorageWriter):
         self._release_lease()
 
     def _release_lease(self) -> None:
-        lease = getattr(self, "_lease", None)
+        lease = self._lease
         if lease is not None:
             self._lease = None
             try:
@@ -163,7 +224,7 @@ class BlobStorageWriter(StorageWriter):
         A save that failed after its commit (a rank lost in the last collective) keeps its data:
         on stores without rename, the committed checkpoint's data is where the save wrote it.
         """
-        if getattr(self, "save_id", None) and getattr(self, "committed_save_id", None) != self.save_id:
+        if self.save_id and self.committed_save_id != self.save_id and self.store is not None:
             try:
                 self.store.discard(self.store.staging(self.save_id))
             except (OSError, CheckpointError):
@@ -171,29 +232,38 @@ class BlobStorageWriter(StorageWriter):
         self._release_lease()
 
 
-class BlobStorageReader(StorageReader):
-    """The protocol's StorageReader over a blob store; subclasses provide ``_store()``.
+class BlobStorageReader(_Located, SharedVerification, StorageReader):
+    """The protocol's StorageReader over any blob store.
 
-    It declares ``SHARED_VERIFICATION`` (:mod:`distckpt.capabilities`), and that its
+    Args:
+        store: a :class:`BlobStore`, or the checkpoint id of one (its scheme registered with
+            :func:`~distckpt.backends.register_store`); may also be given later as ``checkpoint_id``.
+        verify_checksums: check the CRC-32C of every item read (default True).
+        thread_count: reader threads per rank (default: the DISTCKPT_IO_THREADS knob).
+
+    It declares ``SHARED_VERIFICATION`` (:mod:`distckpt.capabilities`; the steps are
+    :class:`~distckpt.engine.shared_verification.SharedVerification`'s), and that its
     ``prepare_global_plan`` keeps plans as they are.
     """
 
     capabilities = frozenset({SHARED_VERIFICATION})
 
-    def __init__(self, verify_checksums: bool = True, thread_count: Optional[int] = None):
+    def __init__(self, store: Location = None, *, verify_checksums: bool = True, thread_count: Optional[int] = None):
+        self._locate(store)
         self.verify_checksums = verify_checksums
         self.thread_count = thread_count
         self.load_id = uuid.uuid4().hex  # names this load to planners (StorageMeta.load_id); new at each reset
-
-    def _store(self) -> BlobStore:
-        raise NotImplementedError
-
-    def _checkpoint_id(self) -> str:
-        raise NotImplementedError
+        self.metadata: Optional[Metadata] = None
+        self.is_coordinator = True
+        self.store: Optional[BlobStore] = None  # the store of the data files, from set_up_storage_reader
+        self.verified_elsewhere: set = set()
+        self.extension_registry: Any = None  # rebuilds the stream transforms items were written through (None: the default)
 
     def reset(self, checkpoint_id=None) -> None:
         self.metadata = None
         self.load_id = uuid.uuid4().hex
+        if checkpoint_id is not None:
+            self._locate(checkpoint_id)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         store = self._store()
@@ -238,11 +308,7 @@ class BlobStorageReader(StorageReader):
         self.metadata = metadata
         self.is_coordinator = is_coordinator
         self.store = self._store().data_store(metadata.storage_data.save_id)
-        self.verified_elsewhere: set = set()
-
-    def skip_verification(self, chunks: set) -> None:
-        """Chunks this rank reads only partly and another rank of the load verifies whole (from the load sequence)."""
-        self.verified_elsewhere = set(chunks)
+        self.verified_elsewhere = set()
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -254,6 +320,6 @@ class BlobStorageReader(StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
         read_items(self.store, self.metadata, plan, planner, self._checkpoint_id(),
                    verify=self.verify_checksums, threads=self.thread_count or knobs.io_threads(),
-                   verified_elsewhere=getattr(self, "verified_elsewhere", set()), is_coordinator=self.is_coordinator,
-                   extension_registry=getattr(self, "extension_registry", None))
+                   verified_elsewhere=self.verified_elsewhere, is_coordinator=self.is_coordinator,
+                   extension_registry=self.extension_registry)
         return done(None)

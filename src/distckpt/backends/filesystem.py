@@ -21,6 +21,7 @@ from .fs_objects import create_exclusive, is_real_dir, open_dir, open_regular, r
 from .leases import save_is_dead
 from .rename import exchange, rename_noreplace
 from .replaced import carry_foreign, check_target, dcp_checkpoint_files, holds_committed_metadata
+from .schemes import register_store
 from .write_paths import PATHS, TimedWriter, device_of
 
 log = logging.getLogger("distckpt")
@@ -481,23 +482,25 @@ def _strip_file_scheme(checkpoint_id: Union[str, os.PathLike, None]):
     return text[len("file://"):] if text.startswith("file://") else text
 
 
+def fs_store(checkpoint_id: str) -> FsStore:
+    """The store of a plain path or a ``file://`` URL (the factory of scheme ``file``)."""
+    return FsStore(_strip_file_scheme(checkpoint_id))
+
+
 class _AtPath:
-    """Where a filesystem writer or reader points: its constructor path, or the latest checkpoint_id."""
+    """A filesystem writer or reader names its checkpoint by its path (``file://`` stripped), as ``path``."""
 
-    path: Union[str, None]
+    @property
+    def path(self) -> Optional[str]:
+        return self.checkpoint_id  # type: ignore[attr-defined]
 
-    def reset(self, checkpoint_id=None) -> None:
-        super().reset(checkpoint_id)  # type: ignore[misc]
-        if checkpoint_id is not None:
-            self.path = _strip_file_scheme(checkpoint_id)
+    def canonical(self, checkpoint_id: Union[str, os.PathLike]) -> str:
+        return _strip_file_scheme(checkpoint_id)
 
     def _require_path(self) -> str:
         if self.path is None:
             raise CheckpointNotFoundError(f"{type(self).__name__} has no path: pass checkpoint_id=, or {type(self).__name__}(path)")
         return self.path
-
-    def _checkpoint_id(self) -> str:
-        return str(self.path)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id) -> bool:
@@ -536,8 +539,7 @@ class FileSystemWriter(_AtPath, BlobStorageWriter):
                  single_file_per_rank: bool = True, per_thread_copy_ahead: int = 0,
                  cache_staged_state_dict: bool = False, serialization_format: Any = None,
                  _extensions: Optional[Iterable[Any]] = None):
-        super().__init__(sync_files=sync_files, thread_count=thread_count, overwrite=overwrite)
-        self.path = _strip_file_scheme(path)
+        super().__init__(path, sync_files=sync_files, thread_count=thread_count, overwrite=overwrite)
         extensions = list(_extensions or ())
         for ext in extensions:
             if not all(callable(getattr(ext, m, None)) for m in ("transform_to", "transform_from", "get_descriptor")):
@@ -547,8 +549,8 @@ class FileSystemWriter(_AtPath, BlobStorageWriter):
         if extensions:
             self.chunk_codec = StreamTransforms(extensions)
 
-    def _store(self) -> BlobStore:
-        return FsStore(self._require_path())
+    def open_store(self, checkpoint_id: str) -> BlobStore:
+        return fs_store(checkpoint_id)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         super().set_up_storage_writer(is_coordinator, *args, **kwargs)
@@ -571,21 +573,23 @@ class FileSystemReader(_AtPath, BlobStorageReader):
 
     def __init__(self, path: Union[str, os.PathLike, None] = None, verify_checksums: bool = True, thread_count: int | None = None,
                  *, _extension_registry: Any = None):
-        super().__init__(verify_checksums=verify_checksums, thread_count=thread_count)
+        super().__init__(path, verify_checksums=verify_checksums, thread_count=thread_count)
         self.extension_registry = _extension_registry
-        self.path = _strip_file_scheme(path)
 
-    def _store(self) -> BlobStore:
-        store = FsStore(self._require_path())
-        if is_dcp_directory(self.path):
+    def open_store(self, checkpoint_id: str) -> BlobStore:
+        store = fs_store(checkpoint_id)
+        if is_dcp_directory(checkpoint_id):
             raise CheckpointError(
-                f"checkpoint {str(self.path)!r} was written by torch.distributed.checkpoint; load it with "
+                f"checkpoint {checkpoint_id!r} was written by torch.distributed.checkpoint; load it with "
                 "checkpoint_id=path (no storage_reader), or storage_reader=distckpt.DCPReader(path)")
-        if not os.path.isdir(self.path):
+        if not os.path.isdir(checkpoint_id):
             pending = store.incomplete_saves()
             if pending:
                 raise CheckpointNotFoundError(
-                    f"checkpoint {str(self.path)!r} is incomplete: its save never committed (uncommitted data in "
+                    f"checkpoint {checkpoint_id!r} is incomplete: its save never committed (uncommitted data in "
                     f"{pending[0]!r}). Load an earlier checkpoint.")
-            raise CheckpointNotFoundError(f"checkpoint {str(self.path)!r} does not exist (no such directory); check the path")
+            raise CheckpointNotFoundError(f"checkpoint {checkpoint_id!r} does not exist (no such directory); check the path")
         return store
+
+
+register_store("file", fs_store, writer=FileSystemWriter, reader=FileSystemReader)

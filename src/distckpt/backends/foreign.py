@@ -17,6 +17,7 @@ from .. import knobs
 from ..capabilities import SHARED_VERIFICATION, keeps_plans
 from ..engine.blobs import BlobStore
 from ..engine.read import read_items
+from ..engine.shared_verification import SharedVerification
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, MissingKeyError, ShapeMismatchError
 from ..format.records import ForeignStorageData
 from ..metadata import Metadata
@@ -29,7 +30,7 @@ from .s3 import S3Reader
 __all__ = ["LayoutReader"]
 
 
-class LayoutReader(StorageReader):
+class LayoutReader(SharedVerification, StorageReader):
     """Reads another program's checkpoint through a layout (see the module docstring).
 
     Args:
@@ -50,6 +51,8 @@ class LayoutReader(StorageReader):
         self.s3_options = s3_options
         self.load_id = uuid.uuid4().hex
         self.metadata: Optional[Metadata] = None
+        self.is_coordinator = True
+        self.store: Optional[BlobStore] = None  # from set_up_storage_reader
 
     def reset(self, checkpoint_id: Union[str, os.PathLike, None] = None) -> None:
         if checkpoint_id is not None:
@@ -64,7 +67,7 @@ class LayoutReader(StorageReader):
         if self.path is None:
             raise CheckpointError(f"{type(self).__name__} needs the checkpoint: {type(self).__name__}(path) or checkpoint_id=")
         if self.path.startswith("s3://"):
-            return S3Reader(self.path, **self.s3_options)._store()
+            return S3Reader(self.path, **self.s3_options).blob_store()
         path = self.path[len("file://"):] if self.path.startswith("file://") else self.path
         if not os.path.isdir(path):
             raise CheckpointNotFoundError(f"{self.where()} does not exist (no such directory); check the path")
@@ -128,7 +131,7 @@ class LayoutReader(StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
         self._check_planned(planner)
         read_items(self.store, self.metadata, plan, planner, str(self.path), verify=False,
-                   threads=self.thread_count or knobs.io_threads(), is_coordinator=getattr(self, "is_coordinator", True))
+                   threads=self.thread_count or knobs.io_threads(), is_coordinator=self.is_coordinator)
         return done(None)
 
     def _check_planned(self, planner: LoadPlanner) -> None:

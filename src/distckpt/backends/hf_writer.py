@@ -92,7 +92,9 @@ class HuggingFaceWriter(StorageWriter):
         self.sync_files = sync_files
         self.thread_count = thread_count
         self.is_coordinator = True
+        self.rank = 0
         self.save_id: Optional[str] = None
+        self.committed_save_id: Optional[str] = None
         self._lease: Optional[Lease] = None
 
     # ------------------------------------------------------------ every rank
@@ -158,7 +160,7 @@ class HuggingFaceWriter(StorageWriter):
         self.save_id = sd["save_id"]
         staging = FsStore(self._final()).staging(self.save_id).root
         results = _RankPublish(staging, sd["placement"], sd["sizes"], plan, planner, self._sync(),
-                               self.thread_count or knobs.io_threads(), self.is_coordinator, getattr(self, "rank", 0)).run()
+                               self.thread_count or knobs.io_threads(), self.is_coordinator, self.rank).run()
         return done(results)
 
     # ------------------------------------------------------------ coordinator
@@ -197,7 +199,7 @@ class HuggingFaceWriter(StorageWriter):
 
     def discard_incomplete(self) -> None:
         """Remove this publish's staging directory after a failed save (coordinator, best effort)."""
-        if self.save_id and getattr(self, "committed_save_id", None) != self.save_id:
+        if self.save_id and self.committed_save_id != self.save_id:
             try:
                 store = FsStore(self._final())
                 store.discard(store.staging(self.save_id))

@@ -15,6 +15,7 @@ from ..errors import CheckpointError, CheckpointNotFoundError
 from ..format import METADATA_FILE
 from .blob_storage import BlobStorageReader, BlobStorageWriter
 from .leases import save_is_dead
+from .schemes import register_store
 
 __all__ = ["MemoryWriter", "MemoryReader", "MemoryStore", "clear_memory_store"]
 
@@ -175,54 +176,48 @@ def _name(checkpoint_id: Union[str, None]) -> Union[str, None]:
     return text[len(SCHEME):] if text.startswith(SCHEME) else text
 
 
-class MemoryWriter(BlobStorageWriter):
+def memory_store(checkpoint_id: str) -> MemoryStore:
+    """The store of ``memory://name`` (the factory of scheme ``memory``)."""
+    return MemoryStore(_name(checkpoint_id))
+
+
+class _Named:
+    """An in-memory writer or reader names its checkpoint ``memory://<name>``; ``name`` is the part after the scheme."""
+
+    @property
+    def name(self) -> Union[str, None]:
+        return _name(self.checkpoint_id)  # type: ignore[attr-defined]
+
+    def canonical(self, checkpoint_id) -> str:
+        return SCHEME + _name(checkpoint_id)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+        return str(checkpoint_id).startswith(SCHEME)
+
+
+class MemoryWriter(_Named, BlobStorageWriter):
     """Writes a checkpoint into this process's memory under ``memory://<name>``."""
 
     def __init__(self, name: Union[str, None] = None, thread_count: int | None = None, overwrite: Optional[bool] = None):
-        super().__init__(sync_files=False, thread_count=thread_count, overwrite=overwrite)
-        self.name = _name(name)
+        super().__init__(name, sync_files=False, thread_count=thread_count, overwrite=overwrite)
 
-    def reset(self, checkpoint_id=None) -> None:
-        super().reset(checkpoint_id)
-        if checkpoint_id is not None:
-            self.name = _name(checkpoint_id)
-
-    def _store(self) -> BlobStore:
-        if self.name is None:
-            raise CheckpointNotFoundError("MemoryWriter has no name: pass checkpoint_id='memory://NAME'")
-        return MemoryStore(self.name)
-
-    def _checkpoint_id(self) -> str:
-        return f"{SCHEME}{self.name}"
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
-        return str(checkpoint_id).startswith(SCHEME)
+    def open_store(self, checkpoint_id: str) -> BlobStore:
+        return memory_store(checkpoint_id)
 
 
-class MemoryReader(BlobStorageReader):
+class MemoryReader(_Named, BlobStorageReader):
     """Reads a checkpoint written by :class:`MemoryWriter`."""
 
     def __init__(self, name: Union[str, None] = None, verify_checksums: bool = True, thread_count: int | None = None):
-        super().__init__(verify_checksums=verify_checksums, thread_count=thread_count)
-        self.name = _name(name)
+        super().__init__(name, verify_checksums=verify_checksums, thread_count=thread_count)
 
-    def reset(self, checkpoint_id=None) -> None:
-        super().reset(checkpoint_id)
-        if checkpoint_id is not None:
-            self.name = _name(checkpoint_id)
+    def open_store(self, checkpoint_id: str) -> BlobStore:
+        name = _name(checkpoint_id)
+        if name not in _CHECKPOINTS:
+            hint = " (a save of it never committed)" if MemoryStore(name).incomplete_saves() else ""
+            raise CheckpointNotFoundError(f"checkpoint '{SCHEME}{name}' does not exist in this process{hint}")
+        return MemoryStore(name)
 
-    def _store(self) -> BlobStore:
-        if self.name is None:
-            raise CheckpointNotFoundError("MemoryReader has no name: pass checkpoint_id='memory://NAME'")
-        if self.name not in _CHECKPOINTS:
-            hint = " (a save of it never committed)" if MemoryStore(self.name).incomplete_saves() else ""
-            raise CheckpointNotFoundError(f"checkpoint '{SCHEME}{self.name}' does not exist in this process{hint}")
-        return MemoryStore(self.name)
 
-    def _checkpoint_id(self) -> str:
-        return f"{SCHEME}{self.name}"
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
-        return str(checkpoint_id).startswith(SCHEME)
+register_store("memory", memory_store, writer=MemoryWriter, reader=MemoryReader)

@@ -51,6 +51,7 @@ from .s3_objects import (
     s3_error,
     s3_failures,
 )
+from .schemes import register_store
 
 __all__ = ["S3Writer", "S3Reader", "S3Store"]
 
@@ -91,6 +92,8 @@ class S3Store(BlobStore):
         self.upload_concurrency = upload_concurrency
         self._given_client = client
         self.session = session
+        self._checkpoint: Optional[S3Store] = None  # for a save's data store: the checkpoint, to explain objects
+        self._save_id: Optional[str] = None  # that vanish during a load (see data_store)
 
     @property
     def client(self):
@@ -193,7 +196,7 @@ class S3Store(BlobStore):
         If the checkpoint's metadata now names another save (or none), the
         checkpoint was overwritten or removed after this load read its metadata.
         """
-        checkpoint = getattr(self, "_checkpoint", None)
+        checkpoint = self._checkpoint
         if checkpoint is not None:
             now = checkpoint._committed_save_id()
             if now is None:
@@ -433,37 +436,36 @@ def _checked_save_id(save_id: str, where: str) -> str:
     return save_id
 
 
+def s3_store(checkpoint_id: str) -> S3Store:
+    """The store of ``s3://bucket/prefix``, configured from the environment (the factory of scheme ``s3``)."""
+    bucket, prefix = parse_s3_url(checkpoint_id)
+    return S3Store(bucket, prefix)
+
+
 class _AtUrl:
-    """Where an S3 writer or reader points: its constructor URL, or the latest checkpoint_id."""
+    """An S3 writer or reader names its checkpoint by its URL, as ``url``, and opens it with its options."""
 
-    url: Optional[str]
-
-    def _init_s3(self, url, endpoint_url, region_name, client, part_size=None, upload_concurrency=None) -> None:
-        self.url = None if url is None else os.fspath(url)
-        if self.url is not None:
-            parse_s3_url(self.url)
+    def _init_s3(self, endpoint_url, region_name, client, part_size=None, upload_concurrency=None) -> None:
         self.endpoint_url = endpoint_url
         self.region_name = region_name
         self.client = client
         self.part_size = part_size
         self.upload_concurrency = upload_concurrency
+        self._session: Optional[S3Session] = None  # the deadline of the save or load in progress
 
-    def reset(self, checkpoint_id=None) -> None:
-        super().reset(checkpoint_id)  # type: ignore[misc]
-        if checkpoint_id is not None:
-            parse_s3_url(checkpoint_id)
-            self.url = os.fspath(checkpoint_id)
+    @property
+    def url(self) -> Optional[str]:
+        return self.checkpoint_id  # type: ignore[attr-defined]
 
-    def _store(self) -> S3Store:
-        if self.url is None:
-            raise CheckpointNotFoundError(f"{type(self).__name__} has no location: pass checkpoint_id='s3://bucket/prefix'")
-        bucket, prefix = parse_s3_url(self.url)
+    def canonical(self, checkpoint_id) -> str:
+        parse_s3_url(checkpoint_id)
+        return os.fspath(checkpoint_id)
+
+    def open_store(self, checkpoint_id: str) -> S3Store:
+        bucket, prefix = parse_s3_url(checkpoint_id)
         return S3Store(bucket, prefix, endpoint_url=self.endpoint_url, region_name=self.region_name,
                        part_size=self.part_size, upload_concurrency=self.upload_concurrency, client=self.client,
-                       session=getattr(self, "_session", None))
-
-    def _checkpoint_id(self) -> str:
-        return str(self.url)
+                       session=self._session)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id) -> bool:
@@ -494,8 +496,8 @@ class S3Writer(_AtUrl, BlobStorageWriter):
                  region_name: Optional[str] = None, client: Any = None, thread_count: Optional[int] = None,
                  part_size: Optional[int] = None, upload_concurrency: Optional[int] = None,
                  overwrite: Optional[bool] = None):
-        super().__init__(sync_files=True, thread_count=thread_count, overwrite=overwrite)
-        self._init_s3(url, endpoint_url, region_name, client, part_size, upload_concurrency)
+        super().__init__(url, sync_files=True, thread_count=thread_count, overwrite=overwrite)
+        self._init_s3(endpoint_url, region_name, client, part_size, upload_concurrency)
 
     def set_up_storage_writer(self, *args: Any, **kwargs: Any) -> None:
         self._session = S3Session()  # the save's deadline starts here (DISTCKPT_S3_DEADLINE_S)
@@ -508,8 +510,8 @@ class S3Reader(_AtUrl, BlobStorageReader):
     def __init__(self, url: Union[str, os.PathLike, None] = None, *, endpoint_url: Optional[str] = None,
                  region_name: Optional[str] = None, client: Any = None, verify_checksums: bool = True,
                  thread_count: Optional[int] = None):
-        super().__init__(verify_checksums=verify_checksums, thread_count=thread_count)
-        self._init_s3(url, endpoint_url, region_name, client)
+        super().__init__(url, verify_checksums=verify_checksums, thread_count=thread_count)
+        self._init_s3(endpoint_url, region_name, client)
 
     def read_metadata(self, *args: Any, **kwargs: Any):
         self._session = S3Session()  # the load's deadline starts here (DISTCKPT_S3_DEADLINE_S)
@@ -521,3 +523,6 @@ class S3Reader(_AtUrl, BlobStorageReader):
                     f"checkpoint {self.url!r} is incomplete: its save never committed (uncommitted data under "
                     f"{pending[0]!r}). Load an earlier checkpoint.")
         return super().read_metadata(*args, **kwargs)
+
+
+register_store("s3", s3_store, writer=S3Writer, reader=S3Reader)

@@ -8,8 +8,10 @@ says how to create, read, commit and list blobs.
 from __future__ import annotations
 
 import abc
-from typing import Iterable, Optional
+import threading
+from typing import Callable, Iterable, Optional
 
+from .. import faults
 from ..errors import CheckpointError
 from ..format import METADATA_FILE
 
@@ -81,6 +83,53 @@ class BlobReader(abc.ABC):
         pass
 
 
+class BufferedWriter(BlobWriter):
+    """A blob written into memory and handed over whole when closed: ``publish(data, sync)`` makes it visible.
+
+    The writer for a store that keeps small blobs whole (a dict, a key-value service): it holds the
+    blob's bytes until ``close``, so it suits tests and small checkpoints, not ones larger than memory.
+    """
+
+    def __init__(self, publish: Callable[[bytes, bool], None], name: str = ""):
+        self._publish = publish
+        self._name = name  # for fault injection (distckpt.faults), as every store's writes mark
+        self._buf = bytearray()
+        self._lock = threading.Lock()
+
+    def pwrite(self, data: memoryview, offset: int) -> None:
+        faults.point("write", self._name)
+        data = memoryview(data).cast("B")
+        with self._lock:
+            end = offset + len(data)
+            if len(self._buf) < end:
+                self._buf.extend(bytes(end - len(self._buf)))
+            self._buf[offset:end] = data
+
+    def close(self, sync: bool) -> None:
+        if sync:
+            faults.point("fsync", self._name)
+        self._publish(bytes(self._buf), sync)
+
+    def abort(self) -> None:
+        self._buf = bytearray()  # never published
+
+
+class BytesReader(BlobReader):
+    """A blob read from bytes in memory (what a store that keeps blobs whole returns from ``open``)."""
+
+    small_reads_are_cheap = True
+
+    def __init__(self, data: bytes):
+        self._data = data
+        self.size = len(data)
+
+    def readinto(self, buf: memoryview, offset: int) -> int:
+        view = memoryview(buf).cast("B")
+        part = self._data[offset: offset + len(view)]
+        view[: len(part)] = part
+        return len(part)
+
+
 RUNS = "runs"
 """A store that can be the parent of a run of checkpoints: ``child``, ``children``, ``remove``,
 ``remove_incomplete_below`` (what CheckpointManager needs)."""
@@ -96,6 +145,14 @@ reader that would copy each byte into fresh memory can view the blob's own pages
 class BlobStore(abc.ABC):
     """One checkpoint's directory (or prefix) of blobs.
 
+    A store must implement seven methods: ``create`` and ``open`` (a blob written and read; a store that
+    keeps blobs whole returns :class:`BufferedWriter` and :class:`BytesReader`), ``list``, and the commit
+    protocol: ``staging``, ``commit``, ``discard`` and ``incomplete_saves``. Everything else has a default
+    built on those: ``prepare`` does nothing, ``exists`` looks in ``list``, ``put_atomic`` writes through
+    ``create`` (whose blob is visible only once closed), ``describe`` names the blob by the store's class.
+    A store registers its factory by scheme (:func:`distckpt.backends.register_store`); save and load then
+    reach it by ``checkpoint_id="scheme://..."``.
+
     ``capabilities`` declares which optional parts of the interface the store
     implements (:data:`RUNS`, :data:`LEASES`, :data:`MAPS`); the shipped contract suite
     (:mod:`distckpt.testing.blob_store_suite`) tests those and skips the rest.
@@ -103,7 +160,6 @@ class BlobStore(abc.ABC):
 
     capabilities: frozenset = frozenset()
 
-    @abc.abstractmethod
     def prepare(self) -> None:
         """Create the checkpoint's location if needed (called on every rank)."""
 
@@ -124,19 +180,25 @@ class BlobStore(abc.ABC):
     def open(self, name: str) -> BlobReader:
         """Open a blob for reading; raise CheckpointNotFoundError if it does not exist."""
 
-    @abc.abstractmethod
     def put_atomic(self, name: str, data: bytes, sync: bool) -> None:
         """Write a small blob so that readers see either nothing or all of it."""
+        writer = self.create(name)
+        try:
+            writer.pwrite(memoryview(data), 0)
+        except BaseException:
+            writer.abort()
+            raise
+        writer.close(sync)
 
-    @abc.abstractmethod
-    def exists(self, name: str) -> bool: ...
+    def exists(self, name: str) -> bool:
+        return name in set(self.list())
 
     @abc.abstractmethod
     def list(self) -> Iterable[str]: ...
 
-    @abc.abstractmethod
     def describe(self, name: str = "") -> str:
         """A human-readable location, for error messages."""
+        return f"{type(self).__name__} blob {name!r}" if name else type(self).__name__
 
     # ---- commit protocol: a save writes into a staging store, then commits it
 

@@ -10,12 +10,16 @@ every rank, because read failures are shared before load() returns.
 
 Chunks travel as ``(file number, byte offset, length)``: the file number is
 the file's position in the metadata's file table, the same on every rank.
+
+A reader that declares ``SHARED_VERIFICATION`` (:mod:`distckpt.capabilities`) gives the load sequence
+these steps as its own methods; :class:`SharedVerification` is them, for a reader to inherit.
 """
 
 from __future__ import annotations
 
 import heapq
 import struct
+from typing import Optional
 
 import numpy as np
 
@@ -26,7 +30,7 @@ from ..metadata import Metadata, MetadataIndex
 from ..planner import LoadItemType, LoadPlan
 from .chunk_reads import ChunkShapes
 
-__all__ = ["partial_chunks", "encode_chunks", "decode_chunks", "assign_verifiers", "verified_elsewhere"]
+__all__ = ["SharedVerification", "partial_chunks", "encode_chunks", "decode_chunks", "assign_verifiers", "verified_elsewhere"]
 
 _HEAD = struct.Struct("<Q")
 
@@ -100,3 +104,31 @@ def verified_elsewhere(chunks: list[MetadataIndex], mask: bytes) -> set[Metadata
     if len(mask) != len(chunks):
         raise CorruptCheckpointError("verifier assignment does not match this rank's chunk list")
     return {index for index, mine in zip(chunks, mask) if not mine}
+
+
+class SharedVerification:
+    """The load sequence's steps of shared verification, as a reader's methods (for readers declaring
+    ``SHARED_VERIFICATION``). The reader sets ``metadata`` (``set_up_storage_reader``) and ``verify_checksums``,
+    and reads the chunks in ``verified_elsewhere`` in part without checking them."""
+
+    metadata: Optional[Metadata] = None
+    verify_checksums: bool = True
+    verified_elsewhere: frozenset = frozenset()  # set per load by skip_verification
+
+    def partly_read_chunks(self, plan: LoadPlan) -> tuple[list[MetadataIndex], bytes]:
+        """The chunks ``plan`` reads only in part (none where nothing is verified), and their table for the
+        coordinator. Every rank, after its local plan."""
+        chunks = partial_chunks(self.metadata, plan) if self.verify_checksums else []
+        return chunks, encode_chunks(self.metadata, chunks)
+
+    def assign_verifiers(self, tables: list[bytes]) -> list[bytes]:
+        """Every rank's table of chunks -> one mask per rank: which of its chunks it verifies. Coordinator."""
+        return assign_verifiers([decode_chunks(t) for t in tables])
+
+    def accept_verifiers(self, chunks: list[MetadataIndex], mask: bytes) -> None:
+        """Skip the verification of ``chunks`` that another rank verifies (``mask`` byte 0). Every rank."""
+        self.skip_verification(verified_elsewhere(chunks, mask))
+
+    def skip_verification(self, chunks: set) -> None:
+        """Chunks this rank reads only partly and another rank of the load verifies whole."""
+        self.verified_elsewhere = set(chunks)

@@ -1,0 +1,108 @@
+"""The storage layer for a checkpoint id: the writer or reader of the store registered for its scheme
+(:mod:`.schemes`), or of another program's checkpoint found there; and ``pick_storage``, the choice that
+``save``, ``load`` and ``async_save`` make.
+
+``hf://path`` publishes a Hugging Face checkpoint directory (:class:`HuggingFaceWriter`). A directory that
+torch.distributed.checkpoint wrote is read by :class:`DCPReader`, a Hugging Face directory by
+:class:`HuggingFaceReader`, a torch.save file by :class:`TorchSaveReader`.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import os
+from typing import Any, Optional, Union
+
+from ..capabilities import OVERWRITE, supports
+from ..errors import CheckpointError
+from ..storage import StorageReader, StorageWriter
+from .blob_storage import BlobStorageReader, BlobStorageWriter
+from .dcp_reader import DCPReader
+from .hf_reader import HuggingFaceReader
+from .hf_writer import HuggingFaceWriter
+from .schemes import scheme_entry
+from .torch_save_file import TorchSaveReader
+
+__all__ = ["writer_for", "reader_for", "check_options", "pick_storage"]
+
+_FOREIGN_READERS = (DCPReader, HuggingFaceReader, TorchSaveReader)
+
+
+def _classes(checkpoint_id: Union[str, os.PathLike]) -> Optional[tuple[type, type]]:
+    """The writer and reader classes of the store registered for ``checkpoint_id``'s scheme, or None."""
+    entry = scheme_entry(checkpoint_id)
+    if entry is None:
+        return None
+    return entry.writer or BlobStorageWriter, entry.reader or BlobStorageReader
+
+
+def _unknown(checkpoint_id: Union[str, os.PathLike], arg: str) -> CheckpointError:
+    return CheckpointError(f"no storage backend accepts checkpoint_id {str(checkpoint_id)!r}; pass {arg}= explicitly, or "
+                           "register a store for its scheme with distckpt.backends.register_store")
+
+
+def writer_for(checkpoint_id: Union[str, os.PathLike], **options: Any) -> StorageWriter:
+    """A new writer for ``checkpoint_id``'s scheme, given the ``options`` its constructor takes
+    (``hf://path`` publishes a Hugging Face checkpoint directory)."""
+    if HuggingFaceWriter.validate_checkpoint_id(checkpoint_id):
+        return HuggingFaceWriter(**_accepted(HuggingFaceWriter, options))
+    classes = _classes(checkpoint_id)
+    if classes is None:
+        raise _unknown(checkpoint_id, "storage_writer")
+    return classes[0](**_accepted(classes[0], options))
+
+
+def reader_for(checkpoint_id: Union[str, os.PathLike], **options: Any) -> StorageReader:
+    """A new reader for ``checkpoint_id``, given the ``options`` its constructor takes (a directory that
+    torch.distributed.checkpoint wrote gets the DCP reader, a Hugging Face directory the Hugging Face
+    reader, a torch.save file the torch.save reader; anything else the reader of its scheme's store)."""
+    for foreign in _FOREIGN_READERS:
+        if foreign.validate_checkpoint_id(checkpoint_id):
+            return foreign(**_accepted(foreign, options))
+    classes = _classes(checkpoint_id)
+    if classes is None:
+        raise _unknown(checkpoint_id, "storage_reader")
+    return classes[1](**_accepted(classes[1], options))
+
+
+def check_options(checkpoint_id: Union[str, os.PathLike], options: dict[str, Any]) -> None:
+    """Refuse options that neither the writer nor the reader of ``checkpoint_id``'s scheme takes."""
+    classes = _classes(checkpoint_id)
+    if classes is None:
+        return
+    writer, reader = classes
+    unknown = set(options) - set(_accepted(writer, options)) - set(_accepted(reader, options))
+    if unknown:
+        raise CheckpointError(
+            f"storage options {sorted(unknown)} are not taken by {writer.__name__} or {reader.__name__} "
+            f"(the backend of {str(checkpoint_id)!r}); see their arguments")
+
+
+def _accepted(cls: type, options: dict[str, Any]) -> dict[str, Any]:
+    params = inspect.signature(cls.__init__).parameters
+    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        return dict(options)
+    return {k: v for k, v in options.items() if k in params}
+
+
+def pick_storage(kind: str, checkpoint_id: Any, given: Any, overwrite: Optional[bool] = None) -> Any:
+    """The storage writer or reader to use: ``given``, or the one for ``checkpoint_id``'s scheme;
+    reset to ``checkpoint_id`` when there is one. ``overwrite`` (writers), when given, is this call's
+    choice over the writer's own, for writers that declare ``OVERWRITE``: a copy of a given writer carries it."""
+    storage = given
+    if storage is None:
+        if checkpoint_id is None:
+            arg = "storage_writer" if kind == "writer" else "storage_reader"
+            raise CheckpointError(f"needs checkpoint_id= (a directory path, s3://bucket/prefix or memory://name) or {arg}=")
+        storage = writer_for(checkpoint_id) if kind == "writer" else reader_for(checkpoint_id)
+    if overwrite is not None:
+        if not supports(storage, OVERWRITE):
+            raise CheckpointError(f"overwrite={overwrite}: the storage writer {type(storage).__name__} has no overwrite "
+                                  "option; leave overwrite= out and use the writer's own")
+        if storage is given:
+            storage = copy.copy(given)
+        storage.overwrite = bool(overwrite)
+    if checkpoint_id is not None:
+        storage.reset(checkpoint_id)
+    return storage
