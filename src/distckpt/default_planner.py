@@ -1,24 +1,17 @@
 """DCP's module of the default planners and of the plan-building functions they are made of.
 
-The functions build plans with :class:`DefaultSavePlanner` and
-:class:`DefaultLoadPlanner` on an unflattened state dict, so a custom planner
-written against DCP's helpers gets the plans distckpt's planners make.
+The bodies live in :mod:`distckpt.planning` (``dcp_helpers.py``); this module keeps DCP's names.
 """
 
-from __future__ import annotations
-
-from dataclasses import replace
-from typing import Any
-
-import torch
-
-from .errors import CheckpointError
-from .format.locations import check_cover, checked_chunk
-from .metadata import STATE_DICT_TYPE, ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties, TensorStorageMetadata
-from .planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from .planning import DefaultLoadPlanner, DefaultSavePlanner
-from .planning.save_planner import build_metadata
-from .planning.tensors import dtype_of, is_sharded_tensor
+from .planning.dcp_helpers import (
+    create_default_global_load_plan,
+    create_default_global_save_plan,
+    create_default_local_load_plan,
+    create_default_local_save_plan,
+)
+from .planning.dcp_helpers import create_default_local_metadata as _create_default_local_metadata  # noqa: F401 - DCP's private name
+from .planning.dcp_helpers import validate_global_plan as _validate_global_plan  # noqa: F401 - DCP's private name
 
 __all__ = [
     "DefaultSavePlanner",
@@ -28,74 +21,3 @@ __all__ = [
     "create_default_local_load_plan",
     "create_default_global_load_plan",
 ]
-
-
-def create_default_local_save_plan(state_dict: dict[str, Any], is_coordinator: bool) -> SavePlan:
-    """One write item per tensor (per local shard) and per value of ``state_dict`` (keys used as they are)."""
-    planner = DefaultSavePlanner(flatten_state_dict=False)
-    planner.set_up_planner(state_dict, is_coordinator=is_coordinator)
-    return planner.create_local_plan()
-
-
-def create_default_global_save_plan(all_plans: list[SavePlan], rewrite_index_hints: bool = True) -> tuple[list[SavePlan], Metadata]:
-    """The metadata of ``all_plans`` (no deduplication); with ``rewrite_index_hints`` each tensor item's index
-    hint is set to its chunk's position in the metadata."""
-    metadata = build_metadata(all_plans)
-    if not rewrite_index_hints:
-        return all_plans, metadata
-    out = []
-    for plan in all_plans:
-        items = []
-        for item in plan.items:
-            md = metadata.state_dict_metadata.get(item.index.fqn)
-            if isinstance(md, TensorStorageMetadata) and item.index.offset is not None:
-                hint = next(i for i, c in enumerate(md.chunks) if tuple(c.offsets) == tuple(item.index.offset))
-                item = replace(item, index=MetadataIndex(item.index.fqn, item.index.offset, hint))
-            items.append(item)
-        out.append(replace(plan, items=items))
-    return out, metadata
-
-
-def create_default_local_load_plan(state_dict: dict[str, Any], metadata: Metadata, strict: bool = True) -> LoadPlan:
-    """The reads that fill ``state_dict`` (keys used as they are) from a checkpoint described by ``metadata``;
-    with ``strict=False`` keys the checkpoint lacks are skipped."""
-    planner = DefaultLoadPlanner(flatten_state_dict=False, allow_partial_load=not strict)
-    planner.set_up_planner(state_dict, metadata, is_coordinator=False)
-    return planner.create_local_plan()
-
-
-def create_default_global_load_plan(all_plans: list[LoadPlan]) -> list[LoadPlan]:
-    """Loads need no global coordination: the plans as they are."""
-    return all_plans
-
-
-def _validate_global_plan(global_plan: list[SavePlan], metadata: Metadata) -> bool:
-    """Whether every tensor of ``metadata`` is covered exactly once by chunks inside its bounds (DCP's check;
-    distckpt's writers run the same check, raising, before any commit)."""
-    for fqn, entry in metadata.state_dict_metadata.items():
-        if not isinstance(entry, TensorStorageMetadata):
-            continue
-        try:
-            for chunk in entry.chunks:
-                checked_chunk(chunk, entry.size, f"key {fqn!r}")
-            check_cover(entry.chunks, entry.size, f"key {fqn!r}")
-        except CheckpointError:
-            return False
-    return True
-
-
-def _create_default_local_metadata(state_dict: STATE_DICT_TYPE) -> Metadata:
-    """The metadata of a checkpoint of ``state_dict`` saved with the default planner, as far as this rank can
-    tell: a ShardedTensor's every shard (its metadata lists them all), other tensors' local blocks."""
-    plan = create_default_local_save_plan(state_dict, True)
-    items = [i for i in plan.items if not is_sharded_tensor(state_dict.get(i.index.fqn))]
-    for fqn, obj in state_dict.items():
-        if is_sharded_tensor(obj):
-            dtype, requires_grad = dtype_of(obj)
-            props = TensorProperties(dtype=dtype, requires_grad=requires_grad)
-            for shard in obj.metadata().shards_metadata:
-                chunk = ChunkStorageMetadata(torch.Size(shard.shard_offsets), torch.Size(shard.shard_sizes))
-                items.append(WriteItem(MetadataIndex(fqn, shard.shard_offsets), WriteItemType.SHARD,
-                                       tensor_data=TensorWriteData(chunk, props, torch.Size(obj.metadata().size))))
-    _, metadata = create_default_global_save_plan([replace(plan, items=items)])
-    return metadata

@@ -18,7 +18,6 @@ from __future__ import annotations
 import builtins
 import hashlib
 import json
-import os
 import threading
 import traceback
 import weakref
@@ -26,7 +25,7 @@ from typing import Any, Callable, NamedTuple, Optional, TypeVar
 
 import torch
 
-from . import errors, faults, knobs
+from . import errors, faults, knobs, process_state
 from .errors import CheckpointError, RankFailuresError, RemoteRankError, WrappedException, describe_type
 
 try:
@@ -65,8 +64,7 @@ def _fresh_lock_in_child() -> None:
     _op_lock = threading.Lock()  # a parent's thread may have held it at the fork
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_fresh_lock_in_child)
+process_state.on_fork_child(_fresh_lock_in_child)
 
 
 class Coordinator:

@@ -23,6 +23,7 @@ __all__ = [
     "direct_io_mode",
     "direct_io_buffer_bytes",
     "direct_io_queue_depth",
+    "direct_io_flush_threads",
     "memory_budget_bytes",
     "max_metadata_bytes",
     "max_header_bytes",
@@ -31,6 +32,7 @@ __all__ = [
     "allow_pickle_transport",
     "async_write_nice",
     "progress_mode",
+    "progress_log_every_s",
     "lease_stale_s",
     "lease_renew_s",
     "s3_part_bytes",
@@ -38,6 +40,8 @@ __all__ = [
     "s3_read_piece_bytes",
     "tier_dir",
     "tier_chunk_bytes",
+    "tier_transfer_depth",
+    "hf_copy_block_bytes",
     "node_id",
 ]
 
@@ -56,6 +60,19 @@ def _int(name: str, default: int, minimum: int = 0) -> int:
     except ValueError:
         raise CheckpointError(f"environment variable {name}={raw!r} is not an integer; unset it or give a number") from None
     if value < minimum:
+        raise CheckpointError(f"environment variable {name}={value} must be at least {minimum}")
+    return value
+
+
+def _float(name: str, default: float, minimum: float = 0.0) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise CheckpointError(f"environment variable {name}={raw!r} is not a number; unset it or give a number") from None
+    if not value >= minimum:  # NaN too
         raise CheckpointError(f"environment variable {name}={value} must be at least {minimum}")
     return value
 
@@ -191,6 +208,13 @@ def direct_io_queue_depth() -> int:
     return _int("DISTCKPT_DIRECT_IO_QUEUE_DEPTH", 1, minimum=1)
 
 
+def direct_io_flush_threads() -> int:
+    """Threads, shared by every direct write of a process, that write full bounce buffers while their
+    writers fill the next (DISTCKPT_DIRECT_IO_FLUSH_THREADS, default 16). They only wait on the device;
+    at most DISTCKPT_DIRECT_IO_QUEUE_DEPTH per file are busy at once. Read when the threads start."""
+    return _int("DISTCKPT_DIRECT_IO_FLUSH_THREADS", 16, minimum=1)
+
+
 def max_metadata_bytes() -> int:
     """Largest metadata document a reader accepts (DISTCKPT_MAX_METADATA_BYTES, default 1 GiB)."""
     return _int("DISTCKPT_MAX_METADATA_BYTES", 1 << 30, minimum=1024)
@@ -244,6 +268,12 @@ def progress_mode() -> str:
         raise CheckpointError(f"DISTCKPT_PROGRESS={mode!r} is not one of off, log, bar")
     return mode
 
+
+
+def progress_log_every_s() -> float:
+    """Seconds between two progress lines of a rank with ``DISTCKPT_PROGRESS=log``
+    (DISTCKPT_PROGRESS_EVERY_S, default 5); the last line comes at the end whatever the interval."""
+    return _float("DISTCKPT_PROGRESS_EVERY_S", 5.0, minimum=0.0)
 
 
 def lease_stale_s() -> float:
@@ -315,3 +345,15 @@ def tier_chunk_bytes() -> int:
     large enough that a message's overhead is lost in its bytes, small enough that three in flight per stream
     keep reading, sending and writing overlapped."""
     return _int("DISTCKPT_TIER_CHUNK_BYTES", 64 << 20, minimum=4096)
+
+
+def tier_transfer_depth() -> int:
+    """Messages in flight per stream of the memory tier's copying transfers (DISTCKPT_TIER_DEPTH, default 3): one
+    being read, one sent, one written, each in a buffer of DISTCKPT_TIER_CHUNK_BYTES kept for the next transfer."""
+    return _int("DISTCKPT_TIER_DEPTH", 3, minimum=1)
+
+
+def hf_copy_block_bytes() -> int:
+    """Bytes of host memory a Hugging Face publish copies a device or non-contiguous chunk through at a time
+    (DISTCKPT_HF_COPY_BLOCK_BYTES, default 64 MiB); a row larger than this is copied whole."""
+    return _int("DISTCKPT_HF_COPY_BLOCK_BYTES", 64 << 20, minimum=1)

@@ -11,6 +11,7 @@ import secrets
 from typing import Any, Optional, Union
 
 from . import backends
+from .async_saving import async_save
 from .backends.blob_storage import BlobStorageWriter
 from .distributed import Coordinator
 from .engine.blobs import RUNS, BlobStore
@@ -19,7 +20,6 @@ from .format.json_text import parse_json
 from .loading import load
 from .metadata import STATE_DICT_TYPE, Metadata
 from .saving import save
-from .staging import async_save
 
 __all__ = ["CheckpointManager"]
 

@@ -16,7 +16,6 @@ from . import knobs
 __all__ = ["Progress"]
 
 logger = logging.getLogger("distckpt")
-_LOG_EVERY_S = 5.0
 
 
 def _global_rank() -> int:
@@ -42,6 +41,7 @@ class Progress:
         self.mode = mode if (mode != "bar" or is_coordinator) else "off"
         self.lock = threading.Lock()
         self.start = self.last_log = time.monotonic()
+        self.log_every_s = knobs.progress_log_every_s() if self.mode == "log" else 0.0
         self.bar = None
         if self.mode == "bar":
             from tqdm import tqdm
@@ -55,7 +55,7 @@ class Progress:
             self.done += n
             if self.bar is not None:
                 self.bar.update(n)
-            elif time.monotonic() - self.last_log >= _LOG_EVERY_S:
+            elif time.monotonic() - self.last_log >= self.log_every_s:
                 self.last_log = time.monotonic()
                 self._log("so far")
 

@@ -1,83 +1,30 @@
-"""async_save(): copy the state out of device memory, then write it in the background.
+"""Host buffers for async_save: a copy of the state in host memory, reused across saves.
 
-Training is blocked only while tensors are copied into host buffers. The
-buffers come from a pool reused across saves (one page-locked arena on CUDA,
-filled with non-blocking copies and one stream synchronisation), so
-steady-state saves allocate nothing. The background save runs the ordinary
-save sequence over its own gloo process group, so its collectives never
-interleave with the training's.
-
-Saves stay in step across ranks by construction:
-
-- Before returning, every rank's call takes part in one agreement over a
-  second gloo group, used only from the calling thread: each rank reports
-  whether taking and staging its state succeeded, so a failure on one rank
-  raises the same error on every rank, for the same save, and no rank's
-  next save can pair with another rank's current one.
-- Background saves run one at a time, in call order, on one thread: with
-  ``max_in_flight > 1`` the caller stages ahead while earlier saves write,
-  and their collectives never overlap on the group.
-- A background save whose collectives timed out or broke leaves its group
-  out of step. The agreement of the next call tells every rank, and all of
-  them replace the group before that save runs.
+The buffers come from pools reused across saves, so that steady-state saves
+allocate nothing. A pool allocates the buffers a state lacks together, in one
+arena: one page-locked allocation when the state comes from a GPU, filled with
+non-blocking copies and one stream synchronisation. :func:`stage` copies a
+state into a pool's buffers; :func:`take_pool` and :func:`return_pool` lend
+pools out to the saves that write from them (:mod:`distckpt.async_saving`).
 """
 
 from __future__ import annotations
 
 import copy
-import os
-import sys
 import threading
 import warnings
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Iterator, Optional, Union
+from typing import Any, Iterator, Optional
 
 import torch
 
-from . import faults, knobs
-from ._sequence import pick_storage, split_stateful, storage_by_position, tell_rank
-from .backends.direct_io import release_bounce_buffers
-from .distributed import Coordinator, dist, new_gloo_group
+from . import faults, knobs, process_state
 from .engine.device_copy import pin_in_place, unpin_in_place
-from .errors import CheckpointError, RankFailuresError, StagingMemoryError
-from .metadata import STATE_DICT_TYPE, Metadata
-from .planner import SavePlanner
-from .planning import DefaultSavePlanner, RankLocal
+from .errors import CheckpointError, StagingMemoryError
+from .planning import RankLocal
 from .planning.flatten import leaves
 from .planning.tensors import is_dtensor, is_sharded_tensor, local_tensor, with_local_shards
-from .saving import run_save
-from .storage import StorageWriter
-from .torch_classes import adopt
 
-__all__ = ["async_save", "AsyncSaveHandle", "release_buffers"]
-
-
-class AsyncSaveHandle(Future):
-    """The progress of one :func:`async_save`: a ``concurrent.futures.Future`` of the commit.
-
-    It resolves to the checkpoint's Metadata once it is committed, or raises the save's error
-    (``result``, ``exception``, ``add_done_callback`` as for any Future, which is what DCP's async_save
-    returns). ``staged`` resolves once the state has been copied: the caller may modify its tensors from
-    then on (async_save returns only after that). ``staging_completion`` and ``upload_completion`` are
-    DCP's names (``AsyncSaveResponse``) for ``staged`` and the handle itself; ``committed`` is the handle.
-    """
-
-    def __init__(self, checkpoint_id: Any):
-        super().__init__()
-        self.checkpoint_id = checkpoint_id
-        self.staged: Future = Future()
-
-    @property
-    def committed(self) -> "AsyncSaveHandle":
-        return self
-
-    @property
-    def staging_completion(self) -> Future:
-        return self.staged
-
-    @property
-    def upload_completion(self) -> "AsyncSaveHandle":
-        return self
+__all__ = ["BufferPool", "stage", "take_pool", "return_pool", "take_free_pools"]
 
 
 _ALIGN = 64  # bytes: every buffer in an arena starts at a multiple, enough for any dtype
@@ -122,7 +69,7 @@ class _Arena:
         self.base = None
 
 
-class _BufferPool:
+class BufferPool:
     """Host buffers for staging, keyed by (key path, shape, dtype) and reused across saves.
 
     The buffers a staging lacks are allocated together in one arena. Buffers
@@ -178,106 +125,38 @@ class _BufferPool:
         return sum(arena.nbytes for arena in arenas.values())
 
 
-class _Channel:
-    """The two gloo groups of async saves over one process group.
-
-    ``background`` carries the background saves' collectives; ``control``
-    the per-call agreement, only ever from the calling thread. ``broken``
-    says why the background group fell out of step (a collective that
-    timed out or failed), for the next agreement to replace it.
-    """
-
-    def __init__(self, ranks: Optional[list[int]]):
-        self.ranks = ranks
-        self.background = new_gloo_group(ranks)
-        self.control = new_gloo_group(ranks)
-        self.broken: Optional[str] = None
-        self.control_lost: Optional[str] = None
-
-
-class _AsyncState:
+class _Pools:
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.in_flight: list[AsyncSaveHandle] = []
-        self.free_pools: list[_BufferPool] = []
-        self.executor: Optional[ThreadPoolExecutor] = None
-        self.channels: dict[Any, _Channel] = {}
+        self.free_pools: list[BufferPool] = []
 
 
-_STATE = _AsyncState()
+_STATE = _Pools()
 
 
-def _fresh_state_in_child() -> None:
+@process_state.on_fork_child
+def _fresh_pools_in_child() -> None:
     global _STATE
-    _STATE = _AsyncState()  # a forked child has none of the parent's threads, and none of its saves are its own
+    _STATE = _Pools()  # a forked child holds none of the parent's locks, and its saves are not the parent's
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_fresh_state_in_child)
-
-
-def _channel(process_group: Any) -> Optional[_Channel]:
-    """The async-save groups with the same ranks as ``process_group`` (None without torch.distributed)."""
-    if not (dist is not None and dist.is_available() and dist.is_initialized()):
-        return None
-    if dist.get_world_size(process_group) == 1:
-        return None
-    key = id(process_group) if process_group is not None else None
-    channel = _STATE.channels.get(key)
-    if channel is None:
-        ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
-        channel = _STATE.channels[key] = _Channel(ranks)  # collective: every rank calls async_save
-    return channel
-
-
-def _agree(channel: Optional[_Channel], checkpoint_id: Any, coordinator_rank: int, failure: Optional[BaseException],
-           current: Any = None) -> int:
-    """Every rank's report of its staging, exchanged before async_save returns; the save's number.
-
-    Raises on every rank if any rank failed. When any rank's background
-    group fell out of step, every rank replaces it here, together.
-    """
-    if channel is None:
-        if failure is not None:
-            raise failure if isinstance(failure, CheckpointError) else _as_checkpoint_error(failure)
-        return 0
-    if channel.control_lost is not None:
-        raise CheckpointError(channel.control_lost)
-    ctrl = Coordinator(channel.control, coordinator_rank)
-    ctrl.timeout_s = 3 * ctrl.timeout_s  # a rank may first wait out its previous save (itself bounded by the timeout)
-    ctrl.begin("async_save", checkpoint_id)
-
-    try:
-        replace_group = ctrl.vote("async_save staging", failure, channel.broken is not None)
-    except RankFailuresError:
-        raise
-    except CheckpointError as exc:
-        if ctrl.transport_failed:
-            channel.control_lost = (
-                f"async_save can no longer keep this rank's saves in step with the other ranks: their agreement "
-                f"before a save failed ({exc}). A rank did not call async_save, or died. Restart the job, or save "
-                "with distckpt.save.")
-        raise
-    if replace_group:
-        _replace_background_group(channel, current)
-    return ctrl.number
-
-
-def _replace_background_group(channel: _Channel, current: Any) -> None:
-    """Swap in a fresh background group, on every rank at the same call. The old group is left alone, not
-    destroyed: a collective of it that timed out may still be ending inside gloo."""
+def take_pool() -> BufferPool:
+    """A pool for one save: the one returned last, or a new, empty one."""
     with _STATE.lock:
-        earlier = [h for h in _STATE.in_flight if h is not current]
-    for handle in earlier:
-        _wait_for(handle)  # they ran on the old group
-    channel.background = new_gloo_group(channel.ranks)
-    channel.broken = None
+        return _STATE.free_pools.pop() if _STATE.free_pools else BufferPool()
 
 
-def _as_checkpoint_error(exc: BaseException) -> CheckpointError:
-    error = CheckpointError(f"async_save failed before writing: {type(exc).__name__}: {exc}")
-    error.__cause__ = exc
-    return error
+def return_pool(pool: BufferPool) -> None:
+    """``pool`` is free again, for the next save (or for :func:`take_free_pools`)."""
+    with _STATE.lock:
+        _STATE.free_pools.append(pool)
+
+
+def take_free_pools() -> list[BufferPool]:
+    """Every free pool, which no later :func:`take_pool` returns (the caller clears them)."""
+    with _STATE.lock:
+        pools, _STATE.free_pools = _STATE.free_pools, []
+    return pools
 
 
 def _tensor_leaves(obj: Any) -> list[tuple[tuple, torch.Tensor]]:
@@ -315,7 +194,7 @@ def _rebuild(obj: Any, buffers: Iterator[torch.Tensor]) -> Any:
     return copy.deepcopy(obj)
 
 
-def _stage(obj: Any, pool: _BufferPool) -> Any:
+def stage(obj: Any, pool: BufferPool) -> Any:
     """A copy of ``obj`` whose tensors live in pool buffers on the host.
 
     Copies from CUDA are queued without blocking on each device's current
@@ -344,192 +223,3 @@ def _stage(obj: Any, pool: _BufferPool) -> Any:
     for stream in streams.values():
         stream.synchronize()
     return _rebuild(obj, iter(buffers))
-
-
-def _wait_for(handle: AsyncSaveHandle) -> None:
-    """Wait until ``handle``'s save ends; its error stays on the handle."""
-    try:
-        handle.committed.exception()
-    except BaseException:  # noqa: BLE001 - cancelled futures
-        pass
-
-
-def release_buffers() -> int:
-    """Free the host memory distckpt keeps for the next save; return how many bytes that was.
-
-    async_save keeps its staging buffers (a copy of the state, page-locked
-    when it came from a GPU) and direct writes to local disk keep a few
-    bounce buffers, so that steady-state saves allocate nothing. Call this
-    when no save is coming soon, for example after training and before an
-    evaluation that needs the memory. It first waits for the async saves in
-    flight; the next save allocates its buffers again. Buffers still
-    referenced elsewhere (a planner reused with plan caching keeps the last
-    staged state) are freed only once that reference goes. Pinned copies
-    made by sync saves and loads of GPU tensors live in torch's caching host
-    allocator instead: ``torch.accelerator.empty_host_cache()`` frees those.
-    """
-    while True:
-        with _STATE.lock:
-            pending = [h for h in _STATE.in_flight if not h.done()]
-            if not pending:
-                pools, _STATE.free_pools = _STATE.free_pools, []
-                break
-        for handle in pending:
-            _wait_for(handle)
-    return sum(pool.clear() for pool in pools) + release_bounce_buffers()
-
-
-_NICED = threading.local()
-
-
-def _lower_priority() -> None:
-    """Lower this background thread's CPU priority, once; the write threads it starts inherit it (Linux,
-    where nice is per thread). Elsewhere nothing changes: there the id could name another process."""
-    step = knobs.async_write_nice()
-    if not step or getattr(_NICED, "done", False) or not sys.platform.startswith("linux"):
-        return
-    _NICED.done = True
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + step))
-    except (AttributeError, OSError):
-        pass
-
-
-@storage_by_position("storage_writer")
-def async_save(
-    state_dict: STATE_DICT_TYPE,
-    *,
-    checkpoint_id: Union[str, os.PathLike, None] = None,
-    storage_writer: Optional[StorageWriter] = None,
-    planner: Optional[SavePlanner] = None,
-    process_group: Any = None,
-    coordinator_rank: int = 0,
-    max_in_flight: int = 1,
-    wait_for_previous: bool = True,
-    on_commit: Optional[Callable[[Metadata], None]] = None,
-    no_dist: bool = False,
-    async_checkpointer_type: Any = None,
-    async_stager: Any = None,
-    use_collectives: bool = True,
-    overwrite: Optional[bool] = None,
-) -> AsyncSaveHandle:
-    """Save like :func:`distckpt.save`, blocking only while the state is copied to host memory.
-
-    Every rank calls it. It returns once the state is staged; the write and
-    commit continue in a background thread, and the returned handle reports
-    them. At most ``max_in_flight`` saves are staged and not yet committed:
-    a further call waits for the oldest (``wait_for_previous=True``) or
-    raises CheckpointError. Background saves write and commit one at a time,
-    in call order. The bytes on disk are the state as it was when this call
-    returned. ``on_commit(metadata)`` runs in the background after the commit.
-
-    A failure on any rank before this call returns (taking the state,
-    allocating the staging copy, an earlier save still in flight) raises on
-    every rank, for this save; a failure after it is on every rank's handle.
-    Either way nothing is committed and the next call starts in step.
-
-    The background write runs at a lower CPU priority than the caller
-    (``DISTCKPT_ASYNC_NICE``, default 10): when training keeps every core busy
-    it goes on at nearly full speed while the write takes the CPU left over
-    (docs/performance.md has the figures).
-
-    DCP's ``async_checkpointer_type`` (THREAD or PROCESS) and ``async_stager`` (its DefaultStager or
-    BlockingAsyncStager) are accepted: distckpt always stages into its own reused host buffers and writes
-    on its background thread, which serves what both ask for. A stager of another class, or
-    ``use_collectives=False``, raises CheckpointError.
-    """
-    _check_dcp_async_options(async_checkpointer_type, async_stager, use_collectives)
-    if max_in_flight < 1:
-        raise CheckpointError("max_in_flight must be at least 1")
-    storage_writer, planner = adopt(storage_writer, "storage_writer"), adopt(planner, "planner")
-    failure = _wait_for_room(max_in_flight, wait_for_previous)
-    channel = None if no_dist else _channel(process_group)
-    handle = AsyncSaveHandle(checkpoint_id)
-    with _STATE.lock:
-        pool = _STATE.free_pools.pop() if _STATE.free_pools else _BufferPool()
-        if _STATE.executor is None:  # one thread: saves run one at a time, in the order every rank called
-            _STATE.executor = ThreadPoolExecutor(1, thread_name_prefix="distckpt-async")
-        if failure is None:
-            _STATE.in_flight.append(handle)
-        executor = _STATE.executor
-    staged: Any = None
-    try:
-        if failure is not None:
-            raise failure
-        storage_writer = pick_storage("writer", checkpoint_id, storage_writer, overwrite)
-        planner = planner if planner is not None else DefaultSavePlanner()
-        plain, _ = split_stateful(state_dict)
-        staged = _stage(plain, pool)
-    except Exception as exc:  # noqa: BLE001 - reported to every rank by the agreement below
-        failure = exc
-    try:
-        number = _agree(channel, checkpoint_id, coordinator_rank, failure, handle)
-        coord = Coordinator(channel.background if channel is not None else None, coordinator_rank, no_dist=no_dist)
-        coord.begin("async save", checkpoint_id, number=number)
-        tell_rank(planner, coord.rank)
-    except BaseException as exc:
-        with _STATE.lock:
-            _STATE.free_pools.append(pool)
-        handle.staged.set_exception(exc)
-        handle.committed.set_exception(exc)
-        raise
-    handle.staged.set_result(None)
-    executor.submit(_background, handle, staged, storage_writer, planner, coord, channel, number, pool, on_commit)
-    return handle
-
-
-def _check_dcp_async_options(checkpointer_type: Any, stager: Any, use_collectives: bool) -> None:
-    """Refuse DCP async options distckpt cannot honour, naming why (the rest map onto its own staging)."""
-    kind = getattr(checkpointer_type, "value", checkpointer_type)
-    if kind is not None and str(kind).lower() not in ("thread", "process"):
-        raise CheckpointError(f"async_checkpointer_type={checkpointer_type!r} is not one DCP defines (THREAD or PROCESS)")
-    if stager is not None and not (type(stager).__module__.startswith("torch.distributed.checkpoint")
-                                   and type(stager).__name__ in ("DefaultStager", "BlockingAsyncStager")):
-        raise CheckpointError(
-            f"async_stager={type(stager).__name__}: distckpt stages into its own reused host buffers and would not "
-            "call it; drop async_stager= (DCP's DefaultStager and BlockingAsyncStager are accepted and mapped)")
-    if not use_collectives:
-        raise CheckpointError("use_collectives=False (every rank writing without a global plan) is not supported: "
-                              "distckpt commits a checkpoint only once every rank's data is written; to save from one "
-                              "process, pass no_dist=True")
-
-
-def _wait_for_room(max_in_flight: int, wait_for_previous: bool) -> Optional[BaseException]:
-    """Wait until fewer than ``max_in_flight`` saves are in flight; or, without ``wait_for_previous``, the error
-    this call fails with (raised on every rank by the agreement: other ranks may have room)."""
-    while True:
-        with _STATE.lock:
-            _STATE.in_flight = [h for h in _STATE.in_flight if not h.done()]
-            if len(_STATE.in_flight) < max_in_flight:
-                return None
-            oldest = _STATE.in_flight[0]
-        if not wait_for_previous:
-            return CheckpointError(
-                f"an async save of {str(oldest.checkpoint_id)!r} is still in flight; wait for handle.result() "
-                "or pass wait_for_previous=True or a larger max_in_flight")
-        _wait_for(oldest)
-
-
-def _background(handle: AsyncSaveHandle, staged: Any, storage_writer: StorageWriter, planner: SavePlanner,
-                coord: Coordinator, channel: Any, number: int, pool: "_BufferPool",
-                on_commit: Optional[Callable[[Metadata], None]]) -> None:
-    """The write and commit of a staged save, in the background thread; the outcome goes on ``handle``."""
-    md: Optional[Metadata] = None
-    error: Optional[BaseException] = None
-    try:
-        _lower_priority()
-        md = run_save(staged, storage_writer, planner, coord)
-        if on_commit is not None:
-            on_commit(md)
-    except BaseException as exc:  # noqa: BLE001 - delivered on the handle
-        error = exc
-    finally:
-        if coord.transport_failed and channel is not None:
-            channel.broken = f"async save #{number} of {str(handle.checkpoint_id)!r}: {error}"
-        with _STATE.lock:  # back before the handle resolves: the next save, or release_buffers, finds it
-            _STATE.free_pools.append(pool)
-    if error is not None:
-        handle.committed.set_exception(error)
-    else:
-        handle.committed.set_result(md)

@@ -1,6 +1,6 @@
 """DCP's module name for the save calls."""
 
+from .async_saving import AsyncSaveHandle, async_save
 from .saving import save, save_state_dict
-from .staging import AsyncSaveHandle, async_save
 
 __all__ = ["save", "save_state_dict", "async_save", "AsyncSaveHandle"]

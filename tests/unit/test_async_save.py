@@ -79,24 +79,24 @@ def test_manager_async_save_applies_retention_after_commit(tmp_path):
 
 
 def test_staging_pool_allocates_together_reuses_two_layouts_and_drops_older_ones():
-    from distckpt.staging import _BufferPool, _stage
+    from distckpt.staging import BufferPool, stage
 
-    pool = _BufferPool()
+    pool = BufferPool()
     a = {"w": torch.arange(10.0), "opt": [torch.ones(3, 5, dtype=torch.bfloat16), torch.tensor(True)], "step": 4}
     b = {"other": torch.arange(6, dtype=torch.int64).reshape(2, 3)}
-    staged = _stage(a, pool)
+    staged = stage(a, pool)
     assert torch.equal(staged["w"], a["w"]) and torch.equal(staged["opt"][0], a["opt"][0]) and staged["opt"][1].item()
     assert staged["step"] == 4 and staged["w"].data_ptr() != a["w"].data_ptr()
     assert len({id(arena) for _, arena, _ in pool.buffers.values()}) == 1  # one allocation for the whole state
     first = {k: buf.data_ptr() for k, (buf, _, _) in pool.buffers.items()}
-    _stage(b, pool)
-    again = _stage(a, pool)  # alternating between two layouts: no new allocation
+    stage(b, pool)
+    again = stage(a, pool)  # alternating between two layouts: no new allocation
     assert {k: buf.data_ptr() for k, (buf, _, _) in pool.buffers.items() if k in first} == first
     assert again["w"].data_ptr() == staged["w"].data_ptr()
     c = {"w": torch.arange(12.0)}  # a changed shape is a new buffer; keys unused twice in a row go
-    _stage(c, pool)
-    _stage(c, pool)
-    assert [k[0] for k in pool.buffers] == [("w",)] and torch.equal(_stage(c, pool)["w"], torch.arange(12.0))
+    stage(c, pool)
+    stage(c, pool)
+    assert [k[0] for k in pool.buffers] == [("w",)] and torch.equal(stage(c, pool)["w"], torch.arange(12.0))
 
 
 def test_staging_stays_pageable_with_a_warning_when_pinning_is_refused(monkeypatch):
@@ -128,14 +128,14 @@ _DTYPES = [torch.float32, torch.bfloat16, torch.bool, torch.int64, torch.uint8]
                                 st.tuples(st.sampled_from(_SHAPES), st.sampled_from(_DTYPES)), min_size=1),
                 min_size=1, max_size=8))
 def test_staging_pool_stages_exact_copies_in_disjoint_buffers_and_keeps_two_layouts(layouts):
-    from distckpt.staging import _BufferPool, _stage
+    from distckpt.staging import BufferPool, stage
 
-    pool = _BufferPool()
+    pool = BufferPool()
     seen: list[set] = []
     for n, layout in enumerate(layouts):
         state = {k: (torch.arange(torch.Size(shape).numel()) % 7 + n).to(dtype).reshape(shape)
                  for k, (shape, dtype) in layout.items()}
-        staged = _stage(state, pool)
+        staged = stage(state, pool)
         spans = []
         for k, t in state.items():
             s = staged[k]
@@ -201,17 +201,17 @@ def test_release_buffers_gives_the_memory_back_and_saves_go_on(tmp_path):
 
 
 def test_release_buffers_waits_for_the_save_in_flight(tmp_path, monkeypatch):
-    from distckpt import staging
+    from distckpt import async_saving
 
     started, go = threading.Event(), threading.Event()
-    real = staging.run_save
+    real = async_saving.run_save
 
     def held_back(*args, **kwargs):
         started.set()
         go.wait(60)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(staging, "run_save", held_back)
+    monkeypatch.setattr(async_saving, "run_save", held_back)
     handle = distckpt.async_save({"w": torch.ones(1 << 20)}, checkpoint_id=tmp_path / "a")
     assert started.wait(60) and not handle.done()
     threading.Timer(0.2, go.set).start()

@@ -280,11 +280,11 @@ def test_in_place_writes_refused_go_on_buffered(tmp_path, monkeypatch):
 
 
 def test_async_save_stages_large_tensors_on_pages(tmp_path):
-    from distckpt.staging import _BufferPool
+    from distckpt.staging import BufferPool
 
     leaves = [(("a",), torch.zeros(3)), (("b",), torch.zeros(70000)), (("c",), torch.zeros(5, dtype=torch.int8)),
               (("d",), torch.zeros(16384 + 1))]
-    bufs = _BufferPool().buffers_for(leaves)
+    bufs = BufferPool().buffers_for(leaves)
     assert [b.data_ptr() % 4096 == 0 for b in bufs][1::2] == [True, True]
     assert all(b.data_ptr() % 64 == 0 for b in bufs)
     ends = sorted((b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()) for b in bufs)

@@ -39,7 +39,7 @@ from typing import Optional
 
 import numpy as np
 
-from .. import faults, knobs
+from .. import faults, knobs, process_state
 from ..engine.blobs import BlobWriter
 from .fs_objects import create_exclusive
 
@@ -165,8 +165,7 @@ def _fresh_state_in_child() -> None:
     _POOL = _BouncePool()  # nor its locks, held or not, nor its buffers
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_fresh_state_in_child)
+process_state.on_fork_child(_fresh_state_in_child)
 
 
 def _flushers() -> ThreadPoolExecutor:
@@ -174,7 +173,7 @@ def _flushers() -> ThreadPoolExecutor:
     global _FLUSHERS
     with _FLUSHERS_LOCK:
         if _FLUSHERS is None:
-            _FLUSHERS = ThreadPoolExecutor(16, thread_name_prefix="distckpt-direct")
+            _FLUSHERS = ThreadPoolExecutor(knobs.direct_io_flush_threads(), thread_name_prefix="distckpt-direct")
         return _FLUSHERS
 
 

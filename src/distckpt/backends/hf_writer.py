@@ -48,7 +48,6 @@ __all__ = ["HuggingFaceWriter"]
 CONFIG_FILE = "config.json"
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-_BLOCK_BYTES = 64 << 20  # host copies of a device or non-contiguous chunk are made this many bytes at a time
 
 
 class HuggingFaceWriter(StorageWriter):
@@ -493,7 +492,7 @@ class _RankPublish:
         if not sizes or tensor.numel() == 0:
             self.write_block(fd, path, base, global_shape, offsets, sizes, width, tensor, dtype)
             return
-        rows_per_block = max(1, _BLOCK_BYTES // max(1, tensor[0].numel() * width))
+        rows_per_block = max(1, knobs.hf_copy_block_bytes() // max(1, tensor[0].numel() * width))
         direct = tensor.dtype == dtype and tensor.is_cpu and tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg()
         if direct:
             rows_per_block = sizes[0]

@@ -30,7 +30,7 @@ import threading
 import time
 from typing import Any, Optional
 
-from .. import knobs
+from .. import knobs, process_state
 from ..engine.blobs import BlobStore
 from ..format.json_text import parse_json
 
@@ -188,5 +188,7 @@ def simulate_process_death() -> None:
     _renewer.after_fork()
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=lambda: (_new_incarnation(), _renewer.after_fork()))
+@process_state.on_fork_child
+def _fresh_leases_in_child() -> None:
+    _new_incarnation()  # a forked child is a process of its own, holding none of its parent's leases
+    _renewer.after_fork()

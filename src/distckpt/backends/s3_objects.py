@@ -13,7 +13,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, Iterable, Optional
 
-from .. import faults, knobs
+from .. import faults, knobs, process_state
 from ..engine.blobs import BlobReader, BlobWriter
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StorageIOError
 
@@ -40,8 +40,7 @@ def _fresh_lock_in_child() -> None:
     _CLIENTS_LOCK = threading.Lock()  # a parent's thread may have held it at the fork; the child has no such thread
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_fresh_lock_in_child)
+process_state.on_fork_child(_fresh_lock_in_child)
 
 
 def client_settings() -> dict[str, Any]:

@@ -17,6 +17,7 @@ import threading
 import time
 from typing import Optional
 
+from .. import process_state
 from ..engine.blobs import BlobWriter
 
 __all__ = ["WritePaths", "TimedWriter", "PATHS"]
@@ -61,8 +62,7 @@ class WritePaths:
 
 PATHS = WritePaths()
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=PATHS.reset)
+process_state.on_fork_child(PATHS.reset)
 
 
 class TimedWriter(BlobWriter):

@@ -1,8 +1,13 @@
-"""JSON codecs of plans, write results and metadata.
+"""The metadata document: its text, its parser, and the JSON parts the wire's codecs share.
 
-Plans travel between ranks as compact JSON (never pickle); metadata is stored
-as a JSON document with a trailing CRC-32C (see docs/format.md). Decoders
-validate every field and raise CorruptCheckpointError on anything malformed.
+A checkpoint's metadata is one JSON document ending in the CRC-32C of what
+precedes it (docs/format.md). Here are the rows it is written from (one
+writer for both planning paths), the encoder of a whole Metadata, and the
+parser, which checks the checksum and validates every field, location and
+cover before it builds a Metadata (or, lazily, when one is first used),
+raising CorruptCheckpointError or FormatVersionError on anything malformed.
+The item indexes, chunks, properties and opaque values encoded here are also
+what ``wire/`` sends between ranks (compact JSON, never pickle).
 """
 
 from __future__ import annotations
@@ -481,6 +486,31 @@ def _storage_meta(data: Any, where: str) -> Optional[StorageMeta]:
 
 
 def _parse_metadata(raw: bytes, where: str) -> Metadata:
+    """The steps of :func:`parse_metadata`: the document's frame, its file table, its entries, the Metadata."""
+    body, version, major = _document_body(raw, where)
+    sdm_raw = body["state_dict_metadata"]
+    storage_raw = body.get("storage_data")
+    inline = major >= 2 and isinstance(storage_raw, dict) and set(storage_raw) == {"$files"}
+    fsd = decode_file_table(storage_raw["$files"], where) if inline else None
+    locations = fsd.items if fsd is not None else None
+    table = _tensor_table(body, major, fsd, len(sdm_raw), where)
+    sdm: dict = {}
+    total_chunks = len(table) if table is not None else 0
+    for fqn, entry in sdm_raw.items():
+        if fsd is not None:  # the common entry, one chunk as large as the tensor, checked and built in one go
+            tensor = _whole_tensor(entry, fqn, locations)
+            if tensor is not None:
+                sdm[fqn] = tensor
+                total_chunks += 1
+                continue
+        sdm[fqn], total_chunks = _entry(fqn, entry, locations, total_chunks, where)
+    if table is not None:  # entries of the table's keys are built when asked for
+        sdm = TableEntries(table, sdm)
+    return _assemble(body, version, sdm, fsd, storage_raw, where)
+
+
+def _document_body(raw: bytes, where: str) -> tuple[dict, str, int]:
+    """The checked document's top-level object, its format version and that version's major number."""
     check_document(raw, where)
     body = loads(raw[:-1], where)
     if not isinstance(body, dict) or body.get("format") != FORMAT_NAME:
@@ -500,60 +530,59 @@ def _parse_metadata(raw: bytes, where: str) -> Metadata:
         raise CorruptCheckpointError(f"{where}: state_dict_metadata is missing or not an object")
     if len(sdm_raw) > MAX_KEYS:
         raise CorruptCheckpointError(f"{where}: more than {MAX_KEYS} keys")
-    storage_raw = body.get("storage_data")
-    inline = major >= 2 and isinstance(storage_raw, dict) and set(storage_raw) == {"$files"}
-    fsd = decode_file_table(storage_raw["$files"], where) if inline else None
-    locations = fsd.items if fsd is not None else None
-    sdm: dict = {}
-    total_chunks = 0
-    table = None
-    if major >= 3 and "tensors" in body:
-        if fsd is None:
-            raise CorruptCheckpointError(f"{where}: a tensors table needs distckpt's data-file table as storage_data")
-        table = decode_table(body["tensors"], where, locations)
-        if len(table) + len(sdm_raw) > MAX_KEYS:
-            raise CorruptCheckpointError(f"{where}: more than {MAX_KEYS} keys")
-        total_chunks = len(table)
-    for fqn, entry in sdm_raw.items():
-        if fsd is not None:  # the common entry, one chunk as large as the tensor, checked and built in one go
-            tensor = _whole_tensor(entry, fqn, locations)
-            if tensor is not None:
-                sdm[fqn] = tensor
-                total_chunks += 1
-                continue
-        here = f"{where}: key {fqn!r}"
-        if not isinstance(entry, dict) or entry.get("type") not in ("tensor", "bytes"):
-            raise CorruptCheckpointError(f"{here}: malformed entry")
-        if entry["type"] == "bytes":
-            sdm[fqn] = BytesStorageMetadata()
-            if fsd is not None:
-                at = entry.get("at")
-                if not isinstance(at, list) or len(at) not in (4, 5):
-                    raise CorruptCheckpointError(f"{here}: value has no valid location")
-                codec = stored_codec(at[4], False, here)[0] if len(at) == 5 else None
-                add_item(locations, fqn, None, at[0], at[1], at[2], at[3], here, codec)
-            continue
-        size = _ints(entry.get("size"), here)
-        props = dec_props(entry.get("properties"), here)
-        chunks_raw = entry.get("chunks")
-        if not isinstance(chunks_raw, list):
-            raise CorruptCheckpointError(f"{here}: chunks must be a list")
-        total_chunks += len(chunks_raw)
-        if total_chunks > MAX_CHUNKS:
-            raise CorruptCheckpointError(f"{where}: more than {MAX_CHUNKS} chunks")
-        width = itemsize(props.dtype)
-        if fsd is None:
-            chunks = [checked_chunk(dec_chunk(c, here), size, here) for c in chunks_raw]
-            check_cover(chunks, size, here)
-        else:
-            chunks = inline_chunks(chunks_raw, fqn, size, width, locations, here)  # checks the cover too
-        sdm[fqn] = TensorStorageMetadata(props, size, chunks)
-    if table is not None:  # entries of the table's keys are built when asked for
-        sdm = TableEntries(table, sdm)
+    return body, version, major
+
+
+def _tensor_table(body: dict, major: int, fsd: Optional[FileStorageData], entries: int, where: str) -> Any:
+    """The table of whole tensors of a format-3 document (None where it has none), its locations added to ``fsd``'s."""
+    if not (major >= 3 and "tensors" in body):
+        return None
+    if fsd is None:
+        raise CorruptCheckpointError(f"{where}: a tensors table needs distckpt's data-file table as storage_data")
+    table = decode_table(body["tensors"], where, fsd.items)
+    if len(table) + entries > MAX_KEYS:
+        raise CorruptCheckpointError(f"{where}: more than {MAX_KEYS} keys")
+    return table
+
+
+def _entry(fqn: str, entry: Any, locations: Any, total_chunks: int, where: str) -> tuple[Any, int]:
+    """One entry of ``state_dict_metadata`` by the general path, its locations added to ``locations`` (None where the
+    document keeps them apart, format 1.x); and the count of chunks so far, this entry's included."""
+    here = f"{where}: key {fqn!r}"
+    if not isinstance(entry, dict) or entry.get("type") not in ("tensor", "bytes"):
+        raise CorruptCheckpointError(f"{here}: malformed entry")
+    if entry["type"] == "bytes":
+        if locations is not None:
+            at = entry.get("at")
+            if not isinstance(at, list) or len(at) not in (4, 5):
+                raise CorruptCheckpointError(f"{here}: value has no valid location")
+            codec = stored_codec(at[4], False, here)[0] if len(at) == 5 else None
+            add_item(locations, fqn, None, at[0], at[1], at[2], at[3], here, codec)
+        return BytesStorageMetadata(), total_chunks
+    size = _ints(entry.get("size"), here)
+    props = dec_props(entry.get("properties"), here)
+    chunks_raw = entry.get("chunks")
+    if not isinstance(chunks_raw, list):
+        raise CorruptCheckpointError(f"{here}: chunks must be a list")
+    total_chunks += len(chunks_raw)
+    if total_chunks > MAX_CHUNKS:
+        raise CorruptCheckpointError(f"{where}: more than {MAX_CHUNKS} chunks")
+    width = itemsize(props.dtype)
+    if locations is None:
+        chunks = [checked_chunk(dec_chunk(c, here), size, here) for c in chunks_raw]
+        check_cover(chunks, size, here)
+    else:
+        chunks = inline_chunks(chunks_raw, fqn, size, width, locations, here)  # checks the cover too
+    return TensorStorageMetadata(props, size, chunks), total_chunks
+
+
+def _assemble(body: dict, version: str, sdm: Any, fsd: Optional[FileStorageData], storage_raw: Any, where: str) -> Metadata:
+    """The Metadata of the decoded entries, with the document's storage, planner data and storage_meta; locations
+    checked for overlaps (inline, 2.x) or against the entries one to one (1.x)."""
     sm = _storage_meta(body.get("storage_meta"), where)
     if fsd is not None:
         storage_data: Any = fsd
-        locations.check_no_overlap(where)
+        fsd.items.check_no_overlap(where)
     else:
         storage_data = opaque_from(storage_raw, f"{where}: storage_data", False)
     md = Metadata(
@@ -568,5 +597,3 @@ def _parse_metadata(raw: bytes, where: str) -> Metadata:
         # In 2.x each location sits in its chunk, with the length the chunk implies.
         cross_check(md, md.storage_data, where)
     return md
-
-

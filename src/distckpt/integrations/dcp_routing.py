@@ -43,9 +43,9 @@ import torch.distributed.checkpoint as _dcp
 import torch.distributed.checkpoint.state_dict_loader as _dcp_loader
 import torch.distributed.checkpoint.state_dict_saver as _dcp_saver
 
+from ..async_saving import async_save
 from ..loading import load, load_state_dict
 from ..saving import save, save_state_dict
-from ..staging import async_save
 
 __all__ = ["route_dcp_calls", "routed_calls"]
 

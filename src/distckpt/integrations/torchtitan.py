@@ -27,11 +27,11 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse  # t
 from torchtitan.components.checkpoint import MODEL, AsyncMode
 from torchtitan.components.checkpoint import CheckpointManager as _TitanCheckpointManager
 
+from ..async_saving import async_save
 from ..backends.filesystem import FsStore
 from ..layouts.dcp import is_dcp_directory
 from ..loading import load
 from ..saving import save
-from ..staging import async_save
 
 __all__ = ["CheckpointManager"]
 

@@ -127,86 +127,99 @@ class FaultProxy:
 
 
 def _handler(proxy: FaultProxy) -> type:
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
+    """A request handler class bound to ``proxy`` (the server makes one handler per request)."""
+    return type("Handler", (_Handler,), {"proxy": proxy})
 
-        def log_message(self, *args) -> None:  # quiet
+
+class _Handler(BaseHTTPRequestHandler):
+    """Reads a request, asks the proxy for its fault, and answers, forwarding to the upstream unless the fault
+    answers in its place."""
+
+    proxy: FaultProxy
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args) -> None:  # quiet
+        pass
+
+    def _body(self) -> bytes:
+        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+            out = bytearray()
+            while True:
+                size = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)
+                if size == 0:
+                    while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+                        pass
+                    return bytes(out)
+                out += self.rfile.read(size)
+                self.rfile.readline()
+        length = int(self.headers.get("Content-Length") or 0)
+        return self.rfile.read(length) if length else b""
+
+    def _handle(self) -> None:
+        body = self._body()
+        path, _, query = self.path.partition("?")
+        rule = self.proxy._pick(self.command, path, query, self.headers)
+        fault = rule.fault if rule else None
+        if fault == "hang":
+            self.proxy.stopping.wait(self.proxy.timeout_s)
+            self.close_connection = True
+            return
+        if fault == "status":
+            self._answer_status(rule.status)
+            return
+        if fault == "delay":
+            self.proxy.stopping.wait(rule.delay_s)
+        status, reason, headers, payload = self._forward(body)
+        if fault == "drop_response":
+            self._cut()
+            return
+        self._relay(status, reason, headers, payload, cut_body=fault == "reset_body")
+
+    def _answer_status(self, status: int) -> None:
+        """Answer ``status`` in the upstream's place, with an S3-style error body."""
+        payload = b"<Error><Code>SlowDown</Code><Message>injected</Message></Error>"
+        self.send_response(status)
+        self.send_header("Content-Type", "application/xml")
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def _relay(self, status: int, reason: str, headers: list, payload: bytes, cut_body: bool) -> None:
+        """Send the upstream's answer on; with ``cut_body``, its headers and half its body, then close."""
+        self.send_response_only(status, reason)
+        head = self.command == "HEAD"  # its Content-Length is the object's, with no body
+        for name, value in headers:
+            if name.lower() not in ("transfer-encoding", "connection") and (head or name.lower() != "content-length"):
+                self.send_header(name, value)
+        if not head:
+            self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        if cut_body and len(payload) > 1:
+            self.wfile.write(payload[: len(payload) // 2])
+            self.wfile.flush()
+            self._cut()
+            return
+        if not head:
+            self.wfile.write(payload)
+
+    def _forward(self, body: bytes):
+        conn = http.client.HTTPConnection(self.proxy.upstream_host, self.proxy.upstream_port, timeout=self.proxy.timeout_s)
+        try:
+            headers = {k: v for k, v in self.headers.items() if k.lower() not in ("transfer-encoding", "connection")}
+            if body or self.command in ("PUT", "POST"):
+                headers["Content-Length"] = str(len(body))
+            conn.request(self.command, self.path, body=body, headers=headers)
+            resp = conn.getresponse()
+            payload = resp.read()
+            return resp.status, resp.reason, resp.getheaders(), payload
+        finally:
+            conn.close()
+
+    def _cut(self) -> None:
+        self.close_connection = True
+        try:
+            self.connection.shutdown(socket.SHUT_RDWR)
+        except OSError:
             pass
 
-        def _body(self) -> bytes:
-            if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
-                out = bytearray()
-                while True:
-                    size = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)
-                    if size == 0:
-                        while self.rfile.readline() not in (b"\r\n", b"\n", b""):
-                            pass
-                        return bytes(out)
-                    out += self.rfile.read(size)
-                    self.rfile.readline()
-            length = int(self.headers.get("Content-Length") or 0)
-            return self.rfile.read(length) if length else b""
-
-        def _handle(self) -> None:
-            body = self._body()
-            path, _, query = self.path.partition("?")
-            rule = proxy._pick(self.command, path, query, self.headers)
-            fault = rule.fault if rule else None
-            if fault == "hang":
-                proxy.stopping.wait(proxy.timeout_s)
-                self.close_connection = True
-                return
-            if fault == "status":
-                payload = b"<Error><Code>SlowDown</Code><Message>injected</Message></Error>"
-                self.send_response(rule.status)
-                self.send_header("Content-Type", "application/xml")
-                self.send_header("Content-Length", str(len(payload)))
-                self.end_headers()
-                self.wfile.write(payload)
-                return
-            if fault == "delay":
-                proxy.stopping.wait(rule.delay_s)
-            status, reason, headers, payload = self._forward(body)
-            if fault == "drop_response":
-                self._cut()
-                return
-            self.send_response_only(status, reason)
-            head = self.command == "HEAD"  # its Content-Length is the object's, with no body
-            for name, value in headers:
-                if name.lower() not in ("transfer-encoding", "connection") and (head or name.lower() != "content-length"):
-                    self.send_header(name, value)
-            if not head:
-                self.send_header("Content-Length", str(len(payload)))
-            self.end_headers()
-            if fault == "reset_body" and len(payload) > 1:
-                self.wfile.write(payload[: len(payload) // 2])
-                self.wfile.flush()
-                self._cut()
-                return
-            if self.command != "HEAD":
-                self.wfile.write(payload)
-
-        def _forward(self, body: bytes):
-            conn = http.client.HTTPConnection(proxy.upstream_host, proxy.upstream_port, timeout=proxy.timeout_s)
-            try:
-                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("transfer-encoding", "connection")}
-                if body or self.command in ("PUT", "POST"):
-                    headers["Content-Length"] = str(len(body))
-                conn.request(self.command, self.path, body=body, headers=headers)
-                resp = conn.getresponse()
-                payload = resp.read()
-                return resp.status, resp.reason, resp.getheaders(), payload
-            finally:
-                conn.close()
-
-        def _cut(self) -> None:
-            self.close_connection = True
-            try:
-                self.connection.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-
-        do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _handle
-
-    return Handler
-
+    do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _handle

@@ -24,8 +24,6 @@ from ..errors import CheckpointError, CorruptCheckpointError
 
 __all__ = ["dir_manifest", "transfer", "Buffers", "reuse_spare", "dir_bytes", "huge_pages", "map_file"]
 
-_DEPTH = 3
-
 
 def dir_manifest(path: str) -> list[list[Any]]:
     """``[[name, size], ...]`` of the regular files directly in ``path`` (sorted); anything else is refused."""
@@ -50,9 +48,9 @@ class Buffers:
     transfers so that steady-state replication allocates nothing (fresh pages cost several times warm ones to
     touch); a buffer is no larger than the largest file its stream has carried."""
 
-    def __init__(self, chunk_bytes: Optional[int] = None, depth: int = _DEPTH, mapped: Optional[bool] = None) -> None:
+    def __init__(self, chunk_bytes: Optional[int] = None, depth: Optional[int] = None, mapped: Optional[bool] = None) -> None:
         self.chunk_bytes = knobs.tier_chunk_bytes() if chunk_bytes is None else chunk_bytes
-        self.depth, self.mapped = depth, mapped
+        self.depth, self.mapped = knobs.tier_transfer_depth() if depth is None else depth, mapped
         self._rings: list[list[torch.Tensor]] = []
 
     def maps(self, folder: Optional[str]) -> bool:

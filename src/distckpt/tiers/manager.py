@@ -553,48 +553,21 @@ class TieredCheckpointManager:
             return self._restore(state)
 
     def _restore(self, state: dict[str, Any]) -> RestoreReport:
+        """Rounds of one agreement on the step and each rank's source, then the load from them, until one succeeds;
+        a source that fails is struck for the next round."""
         self.wait()
         view = LocalView(state, self.rank, self.world_size)
         layouts = self._agree("restore: layouts", lambda: view.fingerprint)
         bound: dict[str, Optional[str]] = {}
         struck: set = set()
-        seconds = {"agree": 0.0, "fetch": 0.0, "verify": 0.0, "load": 0.0}
-        clock = time.perf_counter()
-
-        def lap(what: str) -> None:
-            nonlocal clock
-            now = time.perf_counter()
-            seconds[what] += now - clock
-            clock = now
-
-        def listing() -> dict[str, Any]:
-            own = [[s, save] for s in self.own_steps() if (save := self._bound_to(self._own(s), view.fingerprint, bound))]
-            replicas = {str(o): [[s, save] for s in ss if (save := self._bound_to(self._replica(o, s), layouts[o], bound))]
-                        for o, ss in self.replica_steps().items() if o < self.world_size}
-            out: dict[str, Any] = {"own": own, "replicas": replicas}
-            if self.rank == 0:
-                try:
-                    out["durable"] = self._usable_durable().all_steps()
-                except (CheckpointError, OSError) as exc:
-                    out["durable_failure"] = str(exc)
-            return out
-
-        def choose(reports: list[dict[str, Any]]) -> dict[str, Any]:
-            failure = reports[0].get("durable_failure")
-            step, tier, sources = choose_restore(reports, frozenset(tuple(s) for s in struck))
-            if failure is not None and tier != "memory":
-                raise CheckpointError(f"no step of this run is whole in memory, and the durable tier cannot be listed "
-                                      f"({failure}); nothing was restored or removed. Bring the durable tier back and "
-                                      "restore again")
-            return {"step": step, "tier": tier, "sources": {str(r): s for r, s in sources.items()},
-                    "durable_failure": failure}
-
-        report = RestoreReport(None, "none", seconds=seconds)
+        lap = _Laps()
+        report = RestoreReport(None, "none", seconds=lap.seconds)
         for round_ in range(1, 2 * self.world_size + 8):
-            plan = self._agree("restore: choose", listing, choose)
+            plan = self._agree("restore: choose", lambda: self._restore_listing(view, layouts, bound),
+                               lambda reports: self._restore_choice(reports, struck))
             step, tier = plan["step"], plan["tier"]
             sources = {int(r): s for r, s in plan["sources"].items()}
-            report = RestoreReport(step, tier, rounds=round_, seconds=seconds, struck=sorted(struck, key=str))
+            report = RestoreReport(step, tier, rounds=round_, seconds=lap.seconds, struck=sorted(struck, key=str))
             lap("agree")
             if plan["durable_failure"] is not None:
                 log.warning("rank %d: the durable tier cannot be listed (%s); restoring from memory, which may be "
@@ -604,60 +577,97 @@ class TieredCheckpointManager:
                          self.run_id)
                 return report
             if tier == "durable":
-                durable = self._usable_durable()
-                try:
-                    durable.load(state, step)
-                except CheckpointError as exc:
-                    if not _damaged(exc):
-                        raise
-                    log.warning("rank %d: durable step %d is damaged (%s); trying an older source", self.rank, step,
-                                str(exc).splitlines()[0])
-                    struck.update((r, step, "durable") for r in range(self.world_size))
-                    self._struck_durable.add(step)
-                    lap("load")
-                    continue
-                lap("load")
-                report.sources = {r: "durable" for r in range(self.world_size)}
-                report.bytes_from["durable"] = _stored_bytes(durable.path(step))
-                log.info("rank %d: restored step %d from the durable tier %s", self.rank, step, durable.root)
+                if self._restore_durable(state, step, struck, report, lap):
+                    return report
+            elif self._restore_from_memory(step, sources, view, struck, report, lap):
                 return report
-            mine = sources[self.rank]
-            failure: Optional[str] = None
-            try:
-                fetched = self._fetch(step, sources)
-                lap("fetch")
-                try:  # a copy from a peer is checked before it takes the step's place in this rank's tier
-                    checked = verify(self._own(step) if fetched is None else fetched.staging.root)
-                except BaseException:
-                    if fetched is not None:
-                        discard(fetched)
-                    raise
-                if fetched is not None:
-                    commit(fetched)
-                lap("verify")
-                report.bytes_from["own" if mine == "own" else "peer"] = checked.bytes_checked
-            except (CheckpointError, OSError) as exc:
-                failure = str(exc) or type(exc).__name__
-            votes = self._agree(f"restore: verify step {step}", lambda: failure)
-            lap("agree")
-            if any(votes):
-                for r, v in enumerate(votes):
-                    if v:
-                        log.warning("rank %d: step %d for rank %d from %s failed (%s); trying the next source",
-                                    self.rank, step, r, sources[r], v.splitlines()[0])
-                        struck.add((r, step, sources[r]))
-                continue
-            # every checksum of this copy passed just above, and only this rank writes its own tier: one read,
-            # not a second pass over the bytes (headers, sizes and save ids are still checked)
-            self._agree(f"restore: load step {step}", lambda: self._load_own(step, view))
-            lap("load")
-            report.sources = {r: ("own" if s == "own" else f"peer {s}") for r, s in sources.items()}
-            log.info("rank %d: restored step %d from %s", self.rank, step,
-                     "its own tier" if mine == "own" else f"the replica on rank {mine}")
-            self._views[step] = view
-            return report
         raise CheckpointError(f"restore gave up after {report.rounds} rounds of failed sources ({sorted(struck, key=str)}); "
                               "nothing was removed")
+
+    def _restore_listing(self, view: LocalView, layouts: list, bound: dict[str, Optional[str]]) -> dict[str, Any]:
+        """What this rank can restore from: its own steps and the replicas it holds (those saved by the same call
+        with the layout each rank has now), and on rank 0 the durable steps."""
+        own = [[s, save] for s in self.own_steps() if (save := self._bound_to(self._own(s), view.fingerprint, bound))]
+        replicas = {str(o): [[s, save] for s in ss if (save := self._bound_to(self._replica(o, s), layouts[o], bound))]
+                    for o, ss in self.replica_steps().items() if o < self.world_size}
+        out: dict[str, Any] = {"own": own, "replicas": replicas}
+        if self.rank == 0:
+            try:
+                out["durable"] = self._usable_durable().all_steps()
+            except (CheckpointError, OSError) as exc:
+                out["durable_failure"] = str(exc)
+        return out
+
+    def _restore_choice(self, reports: list[dict[str, Any]], struck: set) -> dict[str, Any]:
+        """The coordinator's choice from every rank's listing: the step, its tier and each rank's source."""
+        failure = reports[0].get("durable_failure")
+        step, tier, sources = choose_restore(reports, frozenset(tuple(s) for s in struck))
+        if failure is not None and tier != "memory":
+            raise CheckpointError(f"no step of this run is whole in memory, and the durable tier cannot be listed "
+                                  f"({failure}); nothing was restored or removed. Bring the durable tier back and "
+                                  "restore again")
+        return {"step": step, "tier": tier, "sources": {str(r): s for r, s in sources.items()},
+                "durable_failure": failure}
+
+    def _restore_durable(self, state: dict[str, Any], step: int, struck: set, report: RestoreReport, lap: "_Laps") -> bool:
+        """Load ``step`` from the durable tier into ``state``; False (the step struck) where it is damaged."""
+        durable = self._usable_durable()
+        try:
+            durable.load(state, step)
+        except CheckpointError as exc:
+            if not _damaged(exc):
+                raise
+            log.warning("rank %d: durable step %d is damaged (%s); trying an older source", self.rank, step,
+                        str(exc).splitlines()[0])
+            struck.update((r, step, "durable") for r in range(self.world_size))
+            self._struck_durable.add(step)
+            lap("load")
+            return False
+        lap("load")
+        report.sources = {r: "durable" for r in range(self.world_size)}
+        report.bytes_from["durable"] = _stored_bytes(durable.path(step))
+        log.info("rank %d: restored step %d from the durable tier %s", self.rank, step, durable.root)
+        return True
+
+    def _restore_from_memory(self, step: int, sources: dict[int, str], view: LocalView, struck: set,
+                             report: RestoreReport, lap: "_Laps") -> bool:
+        """Fetch and verify each rank's copy of ``step`` from its source, agree, and load; False (each failed source
+        struck) where any rank's copy failed."""
+        mine = sources[self.rank]
+        failure: Optional[str] = None
+        try:
+            fetched = self._fetch(step, sources)
+            lap("fetch")
+            try:  # a copy from a peer is checked before it takes the step's place in this rank's tier
+                checked = verify(self._own(step) if fetched is None else fetched.staging.root)
+            except BaseException:
+                if fetched is not None:
+                    discard(fetched)
+                raise
+            if fetched is not None:
+                commit(fetched)
+            lap("verify")
+            report.bytes_from["own" if mine == "own" else "peer"] = checked.bytes_checked
+        except (CheckpointError, OSError) as exc:
+            failure = str(exc) or type(exc).__name__
+        votes = self._agree(f"restore: verify step {step}", lambda: failure)
+        lap("agree")
+        if any(votes):
+            for r, v in enumerate(votes):
+                if v:
+                    log.warning("rank %d: step %d for rank %d from %s failed (%s); trying the next source",
+                                self.rank, step, r, sources[r], v.splitlines()[0])
+                    struck.add((r, step, sources[r]))
+            return False
+        # every checksum of this copy passed just above, and only this rank writes its own tier: one read,
+        # not a second pass over the bytes (headers, sizes and save ids are still checked)
+        self._agree(f"restore: load step {step}", lambda: self._load_own(step, view))
+        lap("load")
+        report.sources = {r: ("own" if s == "own" else f"peer {s}") for r, s in sources.items()}
+        log.info("rank %d: restored step %d from %s", self.rank, step,
+                 "its own tier" if mine == "own" else f"the replica on rank {mine}")
+        self._views[step] = view
+        return True
 
     def _load_own(self, step: int, view: LocalView) -> None:
         load(view.view, storage_reader=FileSystemReader(self._own(step), verify_checksums=False), no_dist=True)
@@ -768,6 +778,19 @@ class TieredCheckpointManager:
             os._exit(128 + signo)
 
         signal.signal(signum, handler)
+
+
+class _Laps:
+    """Seconds a restore spends in each phase, counted from one lap to the next."""
+
+    def __init__(self) -> None:
+        self.seconds = {"agree": 0.0, "fetch": 0.0, "verify": 0.0, "load": 0.0}
+        self.clock = time.perf_counter()
+
+    def __call__(self, what: str) -> None:
+        now = time.perf_counter()
+        self.seconds[what] += now - self.clock
+        self.clock = now
 
 
 def _damaged(exc: CheckpointError) -> bool:
