@@ -282,7 +282,7 @@ def async_save(
     try:
         if failure is not None:
             raise failure
-        storage_writer = pick_storage("writer", checkpoint_id, storage_writer, overwrite)
+        storage_writer = pick_storage("writer", checkpoint_id, storage_writer, overwrite, own_copy=True)
         planner = planner if planner is not None else DefaultSavePlanner()
         plain, _ = split_stateful(state_dict)
         staged = stage(plain, pool)

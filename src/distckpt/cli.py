@@ -35,6 +35,12 @@ def _shown(text: str) -> str:
     return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
 
 
+def _say_lines(head: str, text: str) -> None:
+    """An error of several lines (a list of problems), each line made safe to print on its own."""
+    lines = text.split("\n")
+    click.echo(head + "\n".join(_shown(line) for line in lines), err=True)
+
+
 DAMAGED, USAGE, NOT_FOUND, REFUSED = 1, 2, 3, 4
 
 
@@ -85,19 +91,19 @@ def inspect(checkpoint: str, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps({"checkpoint": checkpoint, "written_by": layout or "distckpt",
                                "format_version": md.version,
-                               "save_id": getattr(fsd, "save_id", None), "entries": rows, "files": files}, indent=1))
+                               "save_id": getattr(fsd, "save_id", None), "keys": rows, "files": files}, indent=1))
         return
     total = sum(f["size"] for f in files.values())
     if layout == "DCP":
         click.echo(f"DCP checkpoint {_shown(checkpoint)} (written by torch.distributed.checkpoint, version {md.version}), "
-                   f"{len(rows)} entries: distckpt.load reads it directly (resharding as for its own), and "
+                   f"{len(rows)} keys: distckpt.load reads it directly (resharding as for its own), and "
                    "`distckpt convert --from dcp SRC DST` makes a distckpt checkpoint of it")
     elif layout:
-        click.echo(f"{layout} checkpoint {_shown(checkpoint)}, {len(rows)} entries, {len(files)} file(s), {_human(total)}: "
+        click.echo(f"{layout} checkpoint {_shown(checkpoint)}, {len(rows)} keys, {len(files)} file(s), {_human(total)}: "
                    "distckpt.load reads it directly into any sharding")
     else:
         click.echo(f"checkpoint {_shown(checkpoint)}: format {md.version}, save {_shown(str(getattr(fsd, 'save_id', '?')))}, "
-                   f"{len(rows)} entries, {len(files)} data file(s), {_human(total)}")
+                   f"{len(rows)} keys, {len(files)} data file(s), {_human(total)}")
     keys = [_shown(r["key"]) for r in rows]
     width = max([len(k) for k in keys] + [3])
     for key, r in zip(keys, rows):
@@ -122,10 +128,16 @@ def verify_cmd(checkpoint: str, quiet: bool) -> None:
         sys.exit(NOT_FOUND)
     except CheckpointError as exc:
         if not quiet:
-            click.echo(f"{'damaged' if _code(exc) == DAMAGED else 'error'}: {_shown(str(exc))}", err=True)
+            _say_lines(f"{'damaged' if _code(exc) == DAMAGED else 'error'}: ", str(exc))
         sys.exit(_code(exc))
-    if not quiet:
-        click.echo(f"ok: {report.items} items in {report.files} file(s), {_human(report.bytes_checked)} checked")
+    if quiet:
+        return
+    if report.checksums:
+        click.echo(f"ok: {report.keys} keys in {report.files} file(s), {_human(report.bytes_checked)} checked against their checksums")
+    else:
+        click.echo(f"ok: {report.keys} keys in {report.files} file(s): a {report.written_by} checkpoint, whose metadata and the "
+                   f"place of every key in its files were checked; {report.written_by} records no checksums, so its bytes "
+                   "cannot be (`distckpt convert --from ...` makes a distckpt copy that can)")
 
 
 _FORMATS = ("dcp", "safetensors", "torch-save", "hf")
@@ -217,7 +229,7 @@ def steps(root: str, as_json: bool, clean: bool) -> None:
                 continue
             files = getattr(md.storage_data, "files", {})
             rows.append({"step": step, "checkpoint": mgr.path(step), "bytes": sum(f.size for f in files.values()),
-                         "entries": len(md.state_dict_metadata)})
+                         "keys": len(md.state_dict_metadata)})
     except CheckpointError as exc:
         click.echo(f"error: {_shown(str(exc))}", err=True)
         sys.exit(_code(exc))
@@ -235,7 +247,7 @@ def steps(root: str, as_json: bool, clean: bool) -> None:
         if "damaged" in r:
             click.echo(f"step {r['step']:>10}  {'DAMAGED':>10}  {_shown(r['damaged'])}  {_shown(r['checkpoint'])}{newest}")
         else:
-            click.echo(f"step {r['step']:>10}  {_human(r['bytes']):>10}  {r['entries']} key(s)  {_shown(r['checkpoint'])}{newest}")
+            click.echo(f"step {r['step']:>10}  {_human(r['bytes']):>10}  {r['keys']} key(s)  {_shown(r['checkpoint'])}{newest}")
     sys.exit(1 if damaged else 0)
 
 

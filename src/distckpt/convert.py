@@ -131,14 +131,17 @@ def from_dcp(src: PathLike, dst: PathLike, *, trust_pickle: bool = False, allow_
     where = f"DCP checkpoint {os.fspath(src)}"
     try:
         md = DCPReader(os.fspath(src)).read_metadata()
-        state = _read_whole(src, allow_pickle, progress)
+        state = _read_whole(src, allow_pickle, progress, what="DCP checkpoint")
     except CorruptCheckpointError:
         if not trust_pickle:
             raise
         state, md = _read_dcp_trusting_pickle(src, where, progress)
     nested = _nest(state, md.planner_data if isinstance(md.planner_data, dict) else {})
-    _write_distckpt(nested, dst, allow_pickle, progress)
-    return len(state)
+    n = _write_distckpt(nested, dst, allow_pickle, progress)
+    if progress and n != len(state):
+        progress(f"the {len(state)} keys of the DCP checkpoint are {n} in distckpt's: it stores a list or dict of plain "
+                 "values (an optimizer's param_groups) as one key, where DCP makes a key of each leaf")
+    return n
 
 
 def _read_dcp_trusting_pickle(src: PathLike, where: str, progress: Optional[Callable[[str], None]]) -> tuple[dict, Any]:
@@ -192,25 +195,28 @@ def to_dcp(src: PathLike, dst: PathLike, *, allow_pickle: bool = False,
     return len(state)
 
 
-def _read_whole(src: PathLike, allow_pickle: bool, progress: Optional[Callable[[str], None]]) -> dict[str, Any]:
-    """Every key of the distckpt checkpoint ``src``, tensors whole, in this process."""
+def _read_whole(src: PathLike, allow_pickle: bool, progress: Optional[Callable[[str], None]],
+                what: str = "distckpt checkpoint") -> dict[str, Any]:
+    """Every key of the checkpoint ``src`` (``what`` it is: distckpt's, or a program's distckpt reads), tensors whole,
+    in this process."""
     md = read_metadata(src)
     reader = backends.reader_for(src)
     reader.reset(src)
     stored = sum(reader.data_file_sizes(md).values()) if isinstance(reader, BlobStorageReader) else math.inf
     state = _placeholders(md.state_dict_metadata, TensorStorageMetadata, f"checkpoint {os.fspath(src)}", stored)
     if progress:
-        progress(f"reading {len(state)} keys from distckpt checkpoint {src}")
+        progress(f"reading {len(state)} keys from {what} {src}")
     load(state, checkpoint_id=src, planner=DefaultLoadPlanner(allow_pickle=allow_pickle), no_dist=True)
     return state
 
 
 def _write_distckpt(state: dict, dst: PathLike, allow_pickle: bool, progress: Optional[Callable[[str], None]]) -> int:
-    """Save ``state`` as the new distckpt checkpoint ``dst`` (never over a committed one); return its count of keys."""
+    """Save ``state`` as the new distckpt checkpoint ``dst`` (never over a committed one); return its count of keys
+    (as stored: a nested dict counts each of its leaves)."""
     if progress:
-        progress(f"writing distckpt checkpoint {dst} ({len(state)} keys)")
-    save(state, checkpoint_id=dst, planner=DefaultSavePlanner(allow_pickle=allow_pickle), no_dist=True)
-    return len(state)
+        progress(f"writing distckpt checkpoint {dst}")
+    md = save(state, checkpoint_id=dst, planner=DefaultSavePlanner(allow_pickle=allow_pickle), no_dist=True)
+    return len(md.state_dict_metadata)
 
 
 def _write_new_file(dst: PathLike, write: Callable[[Any], None]) -> None:
@@ -457,7 +463,7 @@ def _put(container: Any, step: Any, value: Any) -> None:
 
 
 def from_torch_save(src: PathLike, dst: PathLike, *, progress: Optional[Callable[[str], None]] = None) -> int:
-    """Convert the torch.save file ``src`` into a new distckpt checkpoint ``dst``; return the count of top-level keys.
+    """Convert the torch.save file ``src`` into a new distckpt checkpoint ``dst``; return the count of keys stored.
 
     The file is never given to ``torch.load``: distckpt's archive reader (distckpt.layouts.torch_save) builds only
     tensors and plain data, and refuses a file holding anything else. Nested dicts are kept (keys become dotted

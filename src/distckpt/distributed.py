@@ -263,13 +263,16 @@ class Coordinator:
     # ------------------------------------------------------------ helpers
 
     def _single(self, phase: str, fn: Callable[[], Any]) -> Any:
-        """fn alone, its failure raised as the group's would be (so callers catch the same error at any size)."""
+        """fn alone. With no other rank to tell, an error of the CheckpointError family is raised as it is: its
+        own type and message, once. Any other error becomes a RankFailuresError (the family every caller
+        catches at any size), whose message is the error's own and whose traceback is where it was raised."""
         try:
             return fn()
-        except RankFailuresError:
+        except CheckpointError:
             raise
         except Exception as exc:
-            raise RankFailuresError.of(phase, {self.rank: exc}) from exc
+            error = RankFailuresError.of(phase, {self.rank: exc}, single=True)
+            raise error.with_traceback(exc.__traceback__) from None
 
     def _frame(self, status: int, body: bytes) -> bytes:
         """A message: status byte, this operation's identity (length-prefixed), body."""

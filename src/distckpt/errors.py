@@ -113,29 +113,35 @@ class RankFailuresError(CheckpointError):
     size. DCP's name for this class, ``CheckpointException``, is an alias.
     """
 
-    def __init__(self, phase: str, failures: Mapping[int, "WrappedException | BaseException"]):
+    def __init__(self, phase: str, failures: Mapping[int, "WrappedException | BaseException"], single: bool = False):
         self.phase = phase
+        self.single = single
         self.failures: dict[int, WrappedException] = {
             rank: f if isinstance(f, WrappedException) else WrappedException(f, traceback.extract_tb(f.__traceback__))
             for rank, f in sorted(failures.items())}
+        if single:  # one process, no other rank: the error's own words, once
+            (exc, _), = self.failures.values()
+            super().__init__(f"checkpoint {phase} failed: {describe_type(exc)}: {exc}")
+            return
         lines = [f"checkpoint {phase} failed on {len(self.failures)} rank(s): {sorted(self.failures)}"]
         for rank, (exc, _) in self.failures.items():
             lines.append(f"  rank {rank}: {describe_type(exc)}: {exc}")
         super().__init__("\n".join(lines))
 
     def __reduce__(self):  # the joint classes are not importable by name: rebuild through of()
-        return RankFailuresError.of, (self.phase, self.failures)
+        return RankFailuresError.of, (self.phase, self.failures, self.single)
 
     @classmethod
-    def of(cls, phase: str, failures: Mapping[int, "WrappedException | BaseException"]) -> "RankFailuresError":
+    def of(cls, phase: str, failures: Mapping[int, "WrappedException | BaseException"], single: bool = False) -> "RankFailuresError":
         """The error for ``failures``: of a class that is also the failing ranks' common class, if they share one
-        of this family (so a caller's ``except MissingKeyError`` still catches a load that failed on every rank)."""
+        of this family (so a caller's ``except MissingKeyError`` still catches a load that failed on every rank).
+        ``single``: the failure of the one process of a job without a group, told in its own words."""
         kinds = {type(f[0] if isinstance(f, WrappedException) else f) for f in failures.values()}
         kind = kinds.pop() if len(kinds) == 1 else None
         if (kind is None or kind is CheckpointError or not issubclass(kind, CheckpointError)
                 or issubclass(kind, (RankFailuresError, RemoteRankError))):
-            return cls(phase, failures)
-        return _joint_class(kind)(phase, failures)
+            return cls(phase, failures, single)
+        return _joint_class(kind)(phase, failures, single)
 
 
 _joint_classes: dict[type, type] = {}

@@ -37,6 +37,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 import numpy as np
 import torch
 
+from .errors import CorruptCheckpointError
 from .format.chunk_codec import IDENTITY
 from .format.codec import opaque_from
 from .format.properties import dec_props
@@ -308,8 +309,9 @@ class PlanColumns:
     def keys(self) -> list:
         if self._keys is None:
             keys = self._unpack(self.key_blob, self.where)
-            if not isinstance(keys, list) or (self.item_key.size and int(self.item_key.max()) >= len(keys)):
-                raise ValueError(f"{self.where}: malformed column plan")
+            if (not isinstance(keys, list) or (self.item_key.size and int(self.item_key.max()) >= len(keys))
+                    or not all(_key_row(row) for row in keys)):
+                raise CorruptCheckpointError(f"{self.where}: malformed column plan (its key table)")
             self._keys = keys
         return self._keys
 
@@ -340,6 +342,16 @@ class PlanColumns:
                 ChunkStorageMetadata(off, torch.Size(sizes[:nd])), p, torch.Size(gsize))))
         planner_data = None if self.planner_json is None else opaque_from(self.planner_json, "save plan", True)
         return SavePlan(items, self.storage_data, planner_data, self.usable)
+
+
+def _key_row(row: Any) -> bool:
+    """A row of a key table: [fqn, type code, properties, global size, value bytes], as the encoder writes it."""
+    if type(row) is not list or len(row) != 5 or type(row[0]) is not str or row[1] not in (TENSOR, SHARD, BYTES) \
+            or type(row[1]) is not int:
+        return False
+    if row[1] == BYTES:
+        return type(row[4]) is int and row[4] >= 0
+    return type(row[2]) is list and type(row[3]) is list and all(type(n) is int and n >= 0 for n in row[3])
 
 
 @dataclass

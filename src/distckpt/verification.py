@@ -8,6 +8,7 @@ from typing import Optional, Union
 
 from . import backends, knobs
 from .backends.blob_storage import BlobStorageReader
+from .backends.foreign import LayoutReader
 from .engine.check import check_stored
 from .errors import CheckpointError, CorruptCheckpointError
 from .format.records import FileStorageData
@@ -24,6 +25,9 @@ class VerifyReport:
     items: int = 0
     bytes_checked: int = 0
     problems: list[str] = field(default_factory=list)
+    keys: int = 0  # the checkpoint's keys, as ``inspect`` and ``load`` count them
+    written_by: str = "distckpt"  # or the program whose checkpoint it is (a layout: "DCP", "Hugging Face safetensors", ...)
+    checksums: bool = True  # False: the program recorded none, so only the structure could be checked
 
     @property
     def ok(self) -> bool:
@@ -40,8 +44,11 @@ def verify(checkpoint_id: Union[str, os.PathLike], storage_reader: Optional[Blob
     checkpoint raises CheckpointNotFoundError).
     """
     reader = storage_reader if storage_reader is not None else backends.reader_for(checkpoint_id)
+    if isinstance(reader, LayoutReader):
+        return _verify_structure(reader, checkpoint_id)
     if not isinstance(reader, BlobStorageReader):
-        raise CheckpointError(f"verify needs one of distckpt's storage readers, got {type(reader).__name__}")
+        raise CheckpointError(f"verify checks checkpoints distckpt reads; {str(checkpoint_id)!r} was given a storage reader "
+                              "of another library: leave storage_reader= out")
     reader.reset(checkpoint_id)
     where = f"checkpoint {str(checkpoint_id)!r}"
     md = reader.read_metadata()  # checks the metadata checksum and structure
@@ -51,9 +58,21 @@ def verify(checkpoint_id: Union[str, os.PathLike], storage_reader: Optional[Blob
     bar = Progress("verify", sum(si.length for si in fsd.items.values()), mode="bar") if progress else None
     checked = check_stored(reader.data_store(md), md, where, threads=reader.thread_count or knobs.io_threads(), progress=bar,
                            extension_registry=reader.extension_registry)
-    report = VerifyReport(str(checkpoint_id), checked.files, checked.items, checked.bytes_checked, checked.problems)
+    report = VerifyReport(str(checkpoint_id), checked.files, checked.items, checked.bytes_checked, checked.problems,
+                          keys=len(md.state_dict_metadata))
     if report.problems and raise_on_error:
         shown = "\n  ".join(report.problems[:20])
         more = f"\n  ... and {len(report.problems) - 20} more" if len(report.problems) > 20 else ""
         raise CorruptCheckpointError(f"{where} failed verification ({len(report.problems)} problem(s)):\n  {shown}{more}")
     return report
+
+
+def _verify_structure(reader: LayoutReader, checkpoint_id: Union[str, os.PathLike]) -> VerifyReport:
+    """A checkpoint another program wrote: its metadata is read and every item's place checked against the files
+    (what ``load`` checks before it reads a byte); a program that recorded no checksums leaves nothing to check
+    the bytes against."""
+    reader.reset(checkpoint_id)
+    md = reader.read_metadata()
+    fsd = md.storage_data
+    return VerifyReport(str(checkpoint_id), len(fsd.files), len(fsd.items), 0, [], keys=len(md.state_dict_metadata),
+                        written_by=fsd.layout, checksums=False)

@@ -18,9 +18,9 @@ def test_inspect_and_verify(tmp_path):
     assert "w" in res.output and "bfloat16" in res.output and "(3, 4)" in res.output
     res = runner.invoke(main, ["inspect", path, "--json"])
     doc = json.loads(res.output)
-    assert {e["key"] for e in doc["entries"]} == {"w", "step"} and doc["format_version"] == "3.0"
+    assert {e["key"] for e in doc["keys"]} == {"w", "step"} and doc["format_version"] == "3.0"
     res = runner.invoke(main, ["verify", path])
-    assert res.exit_code == 0 and res.output.startswith("ok: 2 items")
+    assert res.exit_code == 0 and res.output.startswith("ok: 2 keys")
 
 
 def test_verify_exit_codes_for_damage_and_absence(tmp_path):
@@ -64,7 +64,7 @@ def test_steps_lists_a_run_and_cleans_crash_leftovers(tmp_path):
     assert [n for n in os.listdir(root) if n.startswith(".")] == hidden  # listing removes nothing
     res = runner.invoke(main, ["steps", root, "--clean", "--json"])
     doc = json.loads(res.output)
-    assert [s["step"] for s in doc["steps"]] == [10, 20] and doc["steps"][0]["entries"] == 2
+    assert [s["step"] for s in doc["steps"]] == [10, 20] and doc["steps"][0]["keys"] == 2
     assert len(doc["removed"]) == 1 and not [n for n in os.listdir(root) if n.startswith(".")]  # its lease too
     os.mkdir(tmp_path / "empty")
     res = runner.invoke(main, ["steps", str(tmp_path / "empty")])
@@ -83,3 +83,43 @@ def test_help_and_version_start_without_importing_torch():
             "assert 'torch' not in sys.modules\nassert callable(distckpt.save) and 'torch' in sys.modules")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+def _dcp_state():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    return {"model": model.state_dict(), "optim": opt.state_dict()}
+
+
+def test_what_a_new_user_reads_is_one_count_of_keys_in_plain_lines(tmp_path):
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(_dcp_state(), checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    runner = CliRunner()
+    res = runner.invoke(main, ["verify", str(tmp_path / "dcp")])
+    assert res.exit_code == 0, res.output
+    assert res.output.startswith("ok: ") and "a DCP checkpoint" in res.output and "no checksums" in res.output
+    assert "Reader" not in res.output
+    res = runner.invoke(main, ["convert", "--from", "dcp", str(tmp_path / "dcp"), str(tmp_path / "ours")])
+    assert res.exit_code == 0, res.output
+    assert "from DCP checkpoint" in res.output and "distckpt checkpoint " + str(tmp_path / "dcp") not in res.output
+    stored = len(distckpt.read_metadata(tmp_path / "ours").state_dict_metadata)
+    assert f"ok: {stored} keys converted" in res.output
+    inspected = runner.invoke(main, ["inspect", str(tmp_path / "ours")]).output
+    verified = runner.invoke(main, ["verify", str(tmp_path / "ours")]).output
+    assert f", {stored} keys," in inspected and verified.startswith(f"ok: {stored} keys in ")
+    # damage: one real line per problem, no literal backslash-n
+    path = tmp_path / "ours"
+    name = next(n for n in os.listdir(path) if n.endswith(".safetensors"))
+    data = bytearray((path / name).read_bytes())
+    data[-3] ^= 0xFF
+    (path / name).write_bytes(bytes(data))
+    res = runner.invoke(main, ["verify", str(path)])
+    assert res.exit_code == 1 and "\\n" not in res.output and res.output.count("\n") >= 2, res.output

@@ -63,8 +63,11 @@ class _Located:
     def _locate(self, where: Location) -> None:
         if isinstance(where, BlobStore):
             self.given_store, self.checkpoint_id = where, None
-        elif where is not None:
+        elif isinstance(where, (str, os.PathLike)):
             self.given_store, self.checkpoint_id = None, self.canonical(where)
+        elif where is not None:
+            raise CheckpointError(f"{type(self).__name__}({where!r:.100}): pass a distckpt.backends.BlobStore or a checkpoint "
+                                  f"id (a path or URL string), not a {type(where).__name__}")
 
     def canonical(self, checkpoint_id: Union[str, os.PathLike]) -> str:
         """``checkpoint_id`` as this layer names it (in errors and in the metadata's ``storage_meta``)."""
@@ -175,6 +178,9 @@ class BlobStorageWriter(_Located, StorageWriter):
         sd = plan.storage_data
         if not isinstance(sd, dict) or "file" not in sd:
             raise CheckpointError("the save plan has no storage data from prepare_global_plan; was the plan built by this writer?")
+        if self.store is None:
+            raise CheckpointError(f"{type(self).__name__}.write_data: the writer was reset after planning (reset() forgets "
+                                  "the save in progress); plan again after reset, or use one writer per save")
         self.save_id = sd["save_id"]
         staging = self.store.staging(self.save_id)
         staging.prepare()
@@ -318,6 +324,9 @@ class BlobStorageReader(_Located, SharedVerification, StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
+        if self.metadata is None or self.store is None:
+            raise CheckpointError(f"{type(self).__name__}.read_data: no checkpoint is set up (set_up_storage_reader was not "
+                                  "called, or reset() came after it); read the metadata and set up again")
         read_items(self.store, self.metadata, plan, planner, self._checkpoint_id(),
                    verify=self.verify_checksums, threads=self.thread_count or knobs.io_threads(),
                    verified_elsewhere=self.verified_elsewhere, is_coordinator=self.is_coordinator,

@@ -21,7 +21,7 @@ from .fs_objects import create_exclusive, is_real_dir, open_dir, open_regular, r
 from .leases import save_is_dead
 from .rename import exchange, rename_noreplace
 from .replaced import carry_foreign, check_target, dcp_checkpoint_files, holds_committed_metadata
-from .schemes import register_store
+from .schemes import looks_like_scheme_typo, register_store, scheme_of
 from .write_paths import PATHS, TimedWriter, device_of
 
 log = logging.getLogger("distckpt")
@@ -171,6 +171,19 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def _fsync_parent(path: str) -> None:
+    """Make the entry ``path`` durable in its parent directory. The parent is opened as the path names it: the
+    rename that made the entry resolved it the same way (a parent that is a link, as /data -> /mnt/data, is
+    the user's), and an fsync reads and changes nothing in it."""
+    parent = os.path.dirname(path)
+    faults.point("fsync", parent)
+    fd = os.open(parent, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 class FsStore(BlobStore):
     """Blobs as files in one directory."""
 
@@ -299,6 +312,7 @@ class FsStore(BlobStore):
 
     def commit(self, staging: BlobStore, overwrite: bool, sync: bool) -> None:
         assert isinstance(staging, FsStore)
+        check_save_target(self.root)
         final = os.path.abspath(self.root)
         try:
             if sync:
@@ -310,13 +324,13 @@ class FsStore(BlobStore):
                 self.check_replaceable()
                 exchange(staging.root, final)  # atomic swap: the old checkpoint is now at staging.root
                 if sync:
-                    _fsync_dir(os.path.dirname(final))
+                    _fsync_parent(final)
                 if carry_foreign(staging.root, final):  # the replaced checkpoint, distckpt's or DCP's
                     remove_tree(staging.root)
             else:
                 rename_noreplace(staging.root, final)
             if sync:
-                _fsync_dir(os.path.dirname(final))
+                _fsync_parent(final)
         except OSError as exc:
             if exc.errno in (errno.EEXIST, errno.ENOTEMPTY) and not overwrite:
                 self.discard(staging)
@@ -482,9 +496,43 @@ def _strip_file_scheme(checkpoint_id: Union[str, os.PathLike, None]):
     return text[len("file://"):] if text.startswith("file://") else text
 
 
+def checked_path(checkpoint_id: Union[str, os.PathLike]) -> str:
+    """The directory path a plain path or ``file://`` URL names, or a CheckpointError naming the id and the fix.
+
+    An id of another scheme (``s3://``, ``memory://``) or a one-slash typo of one (``s3:/bucket``) would land in a
+    local directory named after the scheme; an empty one (``""``, ``file://``) names no directory at all."""
+    text = os.fspath(checkpoint_id)
+    if not isinstance(text, str):
+        raise CheckpointError(f"checkpoint_id {text!r} is bytes; pass the path as a str")
+    scheme = scheme_of(text)
+    if scheme != "file":
+        raise CheckpointError(f"checkpoint_id {text!r} is a {scheme}:// id, not a directory: leave storage_writer= and "
+                              "storage_reader= out, or use the storage layer of that scheme")
+    typo = looks_like_scheme_typo(text)
+    if typo is not None:
+        raise CheckpointError(f"checkpoint_id {text!r} looks like a {typo}:// id with one slash; write {typo}://..., "
+                              f"or ./{text} for a local directory of that name")
+    path = _strip_file_scheme(text)
+    if "\0" in path:
+        raise CheckpointError(f"checkpoint_id {text!r} holds a NUL byte, which no path can; check how it was built")
+    if not path:
+        raise CheckpointError(f"checkpoint_id {text!r} names no directory; pass a path such as 'checkpoints/step-100'")
+    return path
+
+
+def check_save_target(path: str) -> None:
+    """Refuse to commit a checkpoint at the working or the root directory: the commit puts the checkpoint in
+    place of the directory it names, and these are directories the process stands in."""
+    final = os.path.abspath(path)
+    if final in (os.path.abspath(os.curdir), os.path.abspath(os.sep)):
+        raise CheckpointError(f"checkpoint_id {path!r} names the {'root' if final == os.path.abspath(os.sep) else 'working'} "
+                              "directory: a checkpoint is saved as a directory of its own, which the commit puts in place "
+                              "of whatever the path names; pass a path such as 'checkpoints/step-100'")
+
+
 def fs_store(checkpoint_id: str) -> FsStore:
     """The store of a plain path or a ``file://`` URL (the factory of scheme ``file``)."""
-    return FsStore(_strip_file_scheme(checkpoint_id))
+    return FsStore(checked_path(checkpoint_id))
 
 
 class _AtPath:
@@ -495,7 +543,7 @@ class _AtPath:
         return self.checkpoint_id  # type: ignore[attr-defined]
 
     def canonical(self, checkpoint_id: Union[str, os.PathLike]) -> str:
-        return _strip_file_scheme(checkpoint_id)
+        return checked_path(checkpoint_id)
 
     def _require_path(self) -> str:
         if self.path is None:
@@ -555,6 +603,7 @@ class FileSystemWriter(_AtPath, BlobStorageWriter):
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         super().set_up_storage_writer(is_coordinator, *args, **kwargs)
         if is_coordinator:
+            check_save_target(self._require_path())
             check_target(os.path.abspath(self._require_path()), self._replaces())
 
 

@@ -86,11 +86,13 @@ def _accepted(cls: type, options: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in options.items() if k in params}
 
 
-def pick_storage(kind: str, checkpoint_id: Any, given: Any, overwrite: Optional[bool] = None) -> Any:
+def pick_storage(kind: str, checkpoint_id: Any, given: Any, overwrite: Optional[bool] = None, own_copy: bool = False) -> Any:
     """The storage writer or reader to use: ``given``, or the one for ``checkpoint_id``'s scheme;
     reset to ``checkpoint_id`` when there is one. ``overwrite`` (writers), when given, is this call's
-    choice over the writer's own, for writers that declare ``OVERWRITE``: a copy of a given writer carries it."""
-    storage = given
+    choice over the writer's own, for writers that declare ``OVERWRITE``: a copy of a given writer carries it.
+    ``own_copy``: always work on a copy of a given one (a save still in flight when the caller passes the same
+    writer to the next must keep its own checkpoint id)."""
+    storage = copy.copy(given) if own_copy and given is not None else given
     if storage is None:
         if checkpoint_id is None:
             arg = "storage_writer" if kind == "writer" else "storage_reader"

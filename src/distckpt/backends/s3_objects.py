@@ -50,6 +50,18 @@ def client_settings() -> dict[str, Any]:
                         "total_max_attempts": knobs.s3_max_attempts()}}
 
 
+_NEEDS_BOTO3 = "s3:// checkpoints need boto3, which is not installed: pip install 'distckpt[s3]'"
+
+
+def botocore_exceptions() -> Any:
+    """botocore's exceptions module, or the CheckpointError that names the extra to install."""
+    try:
+        from botocore import exceptions
+    except ImportError:
+        raise CheckpointError(_NEEDS_BOTO3) from None
+    return exceptions
+
+
 def client_for(endpoint_url: Optional[str], region_name: Optional[str]):
     """This process's client for the effective configuration: the arguments, the AWS environment
     (hashed, so no secret is kept in the key) and the timeout and retry knobs."""
@@ -63,7 +75,7 @@ def client_for(endpoint_url: Optional[str], region_name: Optional[str]):
                 import boto3
                 from botocore.config import Config
             except ImportError:
-                raise CheckpointError("s3:// checkpoints need boto3: pip install 'distckpt[s3]'") from None
+                raise CheckpointError(_NEEDS_BOTO3) from None
             config = Config(max_pool_connections=64, **settings)
             client = _CLIENTS[key] = boto3.session.Session().client(
                 "s3", endpoint_url=endpoint_url, region_name=region_name, config=config)
@@ -116,19 +128,17 @@ class SessionClient:
 
 def unreachable_errors() -> tuple[type[BaseException], ...]:
     """Errors that mean the endpoint did not answer in time, after botocore's own attempts."""
-    from botocore.exceptions import ConnectionError as BotoConnectionError
-    from botocore.exceptions import ReadTimeoutError
-
-    return (BotoConnectionError, ReadTimeoutError)
+    exceptions = botocore_exceptions()
+    return (exceptions.ConnectionError, exceptions.ReadTimeoutError)
 
 
 def stream_errors() -> tuple[type[BaseException], ...]:
     """Errors of a response body cut short: worth asking again for the bytes still missing."""
-    from botocore.exceptions import ConnectionClosedError, IncompleteReadError, ReadTimeoutError, ResponseStreamingError
-    from urllib3.exceptions import HTTPError as Urllib3Error
+    exceptions = botocore_exceptions()
+    from urllib3.exceptions import HTTPError as Urllib3Error  # botocore's own dependency
 
-    return (ConnectionClosedError, IncompleteReadError, ReadTimeoutError, ResponseStreamingError, Urllib3Error,
-            ConnectionError, TimeoutError)
+    return (exceptions.ConnectionClosedError, exceptions.IncompleteReadError, exceptions.ReadTimeoutError,
+            exceptions.ResponseStreamingError, Urllib3Error, ConnectionError, TimeoutError)
 
 
 def list_pages(client: Any, **kwargs: Any) -> Iterable[dict]:
@@ -166,9 +176,8 @@ def s3_error(action: str, where: str, exc: BaseException) -> CheckpointError:
 
 
 def s3_failures() -> tuple[type[BaseException], ...]:
-    from botocore.exceptions import BotoCoreError, ClientError
-
-    return (ClientError, BotoCoreError, OSError)
+    exceptions = botocore_exceptions()
+    return (exceptions.ClientError, exceptions.BotoCoreError, OSError)
 
 
 _POOLS: dict[int, ThreadPoolExecutor] = {}

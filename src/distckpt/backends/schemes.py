@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 from ..engine.blobs import BlobStore
 from ..errors import CheckpointError
 
-__all__ = ["StoreFactory", "register_store", "unregister_store", "scheme_of", "scheme_entry", "store_for"]
+__all__ = ["StoreFactory", "register_store", "unregister_store", "scheme_of", "scheme_entry", "store_for", "looks_like_scheme_typo"]
 
 StoreFactory = Callable[[str], BlobStore]
 """``factory(checkpoint_id) -> BlobStore``: the store of the checkpoint at ``checkpoint_id``."""
@@ -75,9 +75,34 @@ def scheme_entry(checkpoint_id: Any) -> Optional[SchemeEntry]:
 
 
 def store_for(checkpoint_id: Any) -> BlobStore:
-    """The store at ``checkpoint_id``, from the factory registered for its scheme."""
+    """The store at ``checkpoint_id``, from the factory registered for its scheme.
+
+    Whatever the factory raises or returns, the answer is a store or a CheckpointError naming the id and the
+    scheme: a third-party factory's bare ValueError, or a return that is no store, would otherwise surface
+    later as an AttributeError far from its cause."""
     entry = scheme_entry(checkpoint_id)
     if entry is None:
         raise CheckpointError(f"no store is registered for the scheme of checkpoint_id {str(checkpoint_id)!r}; register "
                               "one with distckpt.backends.register_store(scheme, factory), or pass a storage writer/reader")
-    return entry.factory(os.fspath(checkpoint_id))
+    scheme = scheme_of(checkpoint_id)
+    try:
+        store = entry.factory(os.fspath(checkpoint_id))
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        raise CheckpointError(f"the store of checkpoint_id {str(checkpoint_id)!r} (scheme {scheme!r}) could not be opened: "
+                              f"{type(exc).__name__}: {exc}") from exc
+    if not isinstance(store, BlobStore):
+        raise CheckpointError(f"the factory registered for scheme {scheme!r} returned a {type(store).__name__} for "
+                              f"checkpoint_id {str(checkpoint_id)!r}, not a distckpt.backends.BlobStore; fix the factory "
+                              "passed to register_store")
+    return store
+
+
+def looks_like_scheme_typo(text: str) -> Optional[str]:
+    """The registered scheme ``text`` starts with followed by one slash (``s3:/bucket``), if it does: such an id
+    is a typo of ``s3://bucket``, not a local directory named ``s3:``."""
+    scheme, sep, rest = text.partition(":")
+    if sep and scheme in _SCHEMES and scheme != FILE and not rest.startswith("//"):
+        return scheme
+    return None

@@ -191,7 +191,11 @@ class BlobStore(abc.ABC):
         writer.close(sync)
 
     def exists(self, name: str) -> bool:
-        return name in set(self.list())
+        names = self.list()
+        if isinstance(names, (str, bytes)) or not isinstance(names, Iterable):
+            raise CheckpointError(f"{self.describe()}: {type(self).__name__}.list() returned {type(names).__name__}, not an "
+                                  "iterable of names; fix the store")
+        return name in set(names)
 
     @abc.abstractmethod
     def list(self) -> Iterable[str]: ...

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
 from ..errors import CheckpointError
 from .tensors import is_sharded_tensor
 
-__all__ = ["leaves", "map_leaves", "flatten_state_dict", "stored_paths", "expand_to_match", "set_element", "get_element",
+__all__ = ["leaves", "map_leaves", "flatten_state_dict", "stored_paths", "rank_local_hint", "expand_to_match", "set_element", "get_element",
            "RankLocal", "rank_local_key"]
 
 Path = tuple
@@ -44,6 +44,22 @@ _RANK_SUFFIX = re.compile(r"@rank\d+\Z")
 
 def rank_local_key(fqn: str, rank: int) -> str:
     return f"{fqn}@rank{rank}"
+
+
+def rank_local_hint(missing: list[str], stored: Iterable[str]) -> str:
+    """What to say when RankLocal values of ``missing`` are not among the ``stored`` keys: they were saved by
+    other ranks than this load has (a new world size), and each rank loads only its own copy."""
+    local = [k for k in missing if _RANK_SUFFIX.search(k)]
+    if not local:
+        return ""
+    key = local[0]
+    base = key[:_RANK_SUFFIX.search(key).start()]
+    ranks = sorted(int(k[len(base) + 5:]) for k in stored if k.startswith(base + "@rank") and k[len(base) + 5:].isdigit())
+    saved = (f"the checkpoint holds it for rank(s) {ranks[:8]}{' ...' if len(ranks) > 8 else ''}, so it was saved by "
+             f"{len(ranks)} rank(s)") if ranks else "the checkpoint holds it for no rank"
+    return (f" {base!r} is a RankLocal value, kept one copy per rank ({key!r} is this rank's): {saved}, and this load runs "
+            "at a rank it lacks. Load at the world size it was saved with, or leave the RankLocal values out of the state "
+            "dict (or pass allow_partial_load=True) and set them afresh at the new world size.")
 
 
 def _has_tensor(obj: Any) -> bool:

@@ -14,7 +14,7 @@ from ..format.values import decode_value
 from ..item_columns import ReadColumns
 from ..metadata import STATE_DICT_TYPE, BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 from ..planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
-from .flatten import expand_to_match, flatten_state_dict, set_element
+from .flatten import expand_to_match, flatten_state_dict, rank_local_hint, set_element
 from .resharding import ChunkIndex
 from .tensors import check_no_aliasing, dtype_of, is_dtensor, local_boxes, local_pieces, piece_at
 
@@ -195,6 +195,7 @@ class DefaultLoadPlanner(LoadPlanner):
         if nested:
             hint = (f" {nested[0]!r} is empty in your state dict but holds entries in the checkpoint: build the "
                     "structure first (for an optimizer, call distckpt.init_optimizer_state(optimizer)).")
+        hint += rank_local_hint(missing, sdm)
         return (f"Missing key in checkpoint state_dict: {shown}{more} ({len(missing)} key(s) of your state dict are "
                 f"not in {self._checkpoint_name()}).{hint} "
                 "Check the key names, or pass planner=DefaultLoadPlanner(allow_partial_load=True) to skip them.")

@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from ..errors import CorruptCheckpointError
 from ..format.codec import enc_props, opaque_from, opaque_to
 from ..format.records import FileInfo, FileResult, StorageInfo
 from ..item_columns import BYTES, ColumnResults, PlanColumns, ResultColumns, WriteColumns, type_code
@@ -38,13 +39,32 @@ def plain_dict(value: Any) -> bool:
     return type(value) is dict and all(type(k) is str for k in value) and "$t" not in value
 
 
+def _sections(raw: bytes, magic: bytes, where: str, kinds: str) -> list:
+    """The sections of a frame, one per letter of ``kinds``: ``b`` bytes, ``1``/``2`` an array of unsigned integers
+    of that many dimensions (every index and size a frame carries is one: a signed -1 would pick the last entry)."""
+    parts = decode_frame(raw, magic, where)
+    if len(parts) != len(kinds):
+        raise CorruptCheckpointError(f"{where}: a frame of {len(parts)} sections, not {len(kinds)}")
+    for part, kind in zip(parts, kinds):
+        if kind == "b" and isinstance(part, np.ndarray) or kind != "b" and not (
+                isinstance(part, np.ndarray) and part.dtype.kind == "u" and part.ndim == int(kind)):
+            raise CorruptCheckpointError(f"{where}: malformed frame section")
+    return parts
+
+
+def _json_object(blob: Any, where: str, members: tuple) -> dict:
+    value = unpack_json(blob, where)
+    if not isinstance(value, dict) or any(m not in value for m in members):
+        raise CorruptCheckpointError(f"{where}: malformed frame section (want an object with {', '.join(members)})")
+    return value
+
+
 def decode_plan_columns(raw: bytes, where: str = "save plan") -> PlanColumns:
     """The PlanColumns of a plan frame (keys and planner data decoded on first use)."""
-    key_blob, meta_blob, planner_blob, item_key, offsets, sizes = decode_frame(raw, PLAN_MAGIC, where)
-    meta = unpack_json(meta_blob, where)
-    if not isinstance(meta, dict) or item_key.ndim != 1 or offsets.shape != sizes.shape \
-            or offsets.ndim != 2 or offsets.shape[0] != item_key.shape[0]:
-        raise ValueError(f"{where}: malformed column plan")
+    key_blob, meta_blob, planner_blob, item_key, offsets, sizes = _sections(raw, PLAN_MAGIC, where, "bbb122")
+    meta = _json_object(meta_blob, where, ("storage_data", "usable"))
+    if offsets.shape != sizes.shape or offsets.shape[0] != item_key.shape[0]:
+        raise CorruptCheckpointError(f"{where}: malformed column plan")
     return PlanColumns(bytes(key_blob), item_key.astype(np.int64), offsets.astype(np.int64), sizes.astype(np.int64),
                        bytes(planner_blob), opaque_from(meta["storage_data"], where, True), bool(meta["usable"]), where,
                        unpack=unpack_json)
@@ -169,11 +189,11 @@ def encode_keep(keep: np.ndarray, storage_data: Any) -> bytes:
 
 def decode_keep(raw: bytes, local: SavePlan) -> SavePlan:
     """The central plan of this rank: its own local plan's items that the coordinator kept."""
-    meta_blob, bits = decode_frame(raw, KEEP_MAGIC, "save plan")
-    meta = unpack_json(meta_blob, "save plan")
+    meta_blob, bits = _sections(raw, KEEP_MAGIC, "save plan", "b1")
+    meta = _json_object(meta_blob, "save plan", ("n", "storage_data"))
     n = meta["n"]
-    if n != len(local.items):
-        raise ValueError(f"the coordinator's reply covers {n} items, this rank planned {len(local.items)}")
+    if type(n) is not int or n != len(local.items) or bits.dtype != np.uint8 or len(bits) * 8 < n:
+        raise CorruptCheckpointError(f"the coordinator's reply covers {n!r:.20} items, this rank planned {len(local.items)}")
     keep = np.unpackbits(bits, count=n).astype(bool).tolist()
     if isinstance(local.items, WriteColumns) and local.items.intact:
         items = local.items.select(keep)
@@ -183,15 +203,21 @@ def decode_keep(raw: bytes, local: SavePlan) -> SavePlan:
 
 
 def decode_result_columns(raw: bytes, where: str = "write results") -> ResultColumns:
-    files_blob, file_no, offset, length, crc, codecs_blob, codec = decode_frame(raw, RESULTS_MAGIC, where)
+    files_blob, file_no, offset, length, crc, codecs_blob, codec = _sections(raw, RESULTS_MAGIC, where, "b1111b1")
     files, codecs = unpack_json(files_blob, where), unpack_json(codecs_blob, where)
     n = len(file_no)
-    if (not isinstance(files, list) or not isinstance(codecs, list) or not all(isinstance(c, str) for c in codecs)
+    if (not isinstance(files, list) or not all(_file_row(f) for f in files) or not isinstance(codecs, list)
+            or not codecs or not all(isinstance(c, str) for c in codecs)
             or not (len(offset) == len(length) == len(crc) == len(codec) == n) or (n and int(file_no.max()) >= len(files))
             or (n and int(codec.max()) >= len(codecs))):
-        raise ValueError(f"{where}: malformed column results")
+        raise CorruptCheckpointError(f"{where}: malformed column results")
     return ResultColumns(files, file_no.astype(np.int64), offset.astype(np.int64), length.astype(np.int64), crc.astype(np.int64),
                          codecs, codec.astype(np.int64))
+
+
+def _file_row(row: Any) -> bool:
+    """[name, size, rank, header crc], as the write engine reports a data file."""
+    return type(row) is list and len(row) == 4 and type(row[0]) is str and all(type(x) is int and x >= 0 for x in row[1:])
 
 
 def _results_frame(files: list, columns: list[np.ndarray], codecs: list[str]) -> bytes:
