@@ -1,9 +1,16 @@
 """torchtitan's CheckpointManager, saving and loading through distckpt.
 
-torchtitan 0.3 picks its checkpoint backend by configuration: set the trainer's ``checkpoint`` config to
-``distckpt.integrations.torchtitan.CheckpointManager.Config(...)`` (the same fields as torchtitan's own)
-and ``config.checkpoint.build(...)`` builds this manager. With torchtitan 0.2, build
-:class:`CheckpointManager` where the trainer builds its own, with the same arguments. What changes:
+torchtitan 0.3 swaps a component by naming an override on its command line; this module registers one,
+:func:`use_distckpt`, so a run of torchtitan's own launcher selects distckpt with one flag::
+
+    torchrun --nproc_per_node=8 -m torchtitan.train --module llama3 --config llama3_8b \
+        --override.imports distckpt.integrations.torchtitan.use_distckpt --checkpoint.enable
+
+(the trainer's ``checkpoint`` config becomes this module's ``CheckpointManager.Config`` with every field
+kept, so ``--checkpoint.*`` flags apply as before). A ``config_registry`` function of your own may set
+``checkpoint=CheckpointManager.Config(...)`` instead (the same fields as torchtitan's); either way
+``config.checkpoint.build(...)`` builds this manager. With torchtitan 0.2, build :class:`CheckpointManager`
+where the trainer builds its own, with the same arguments. What changes:
 
 - saves and loads go through distckpt (sync, ``async`` and ``async_with_pinned_mem`` alike; the async
   modes get distckpt's handle, which is the Future and the ``AsyncSaveResponse`` torchtitan expects);
@@ -33,7 +40,7 @@ from ..layouts.dcp import is_dcp_directory
 from ..loading import load
 from ..saving import save
 
-__all__ = ["CheckpointManager"]
+__all__ = ["CheckpointManager", "use_distckpt"]
 
 _STEP = re.compile(r"step-(\d+)\Z")
 
@@ -93,3 +100,16 @@ class CheckpointManager(_TitanCheckpointManager):
             if m and not os.path.islink(path) and (FsStore(path).is_committed() or is_dcp_directory(path)):
                 steps.append(int(m.group(1)))
         return max(steps, default=-1)
+
+
+try:  # torchtitan >= 0.3: components are swapped by overrides named in --override.imports
+    from torchtitan.config import derive, override
+except ImportError:  # torchtitan 0.2: no override registry; build CheckpointManager where the trainer does
+    use_distckpt = None
+else:
+
+    @override(target=_TitanCheckpointManager.Config, description="checkpoints saved and loaded through distckpt")
+    def use_distckpt(config: Any) -> Any:
+        """The override ``--override.imports distckpt.integrations.torchtitan.use_distckpt`` names: torchtitan's
+        checkpoint config becomes distckpt's, every field (and so every ``--checkpoint.*`` flag) kept."""
+        return derive(config, CheckpointManager.Config)
