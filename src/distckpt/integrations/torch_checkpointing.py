@@ -269,7 +269,17 @@ class _VerifyingReader(io.RawIOBase):
                                          "the file is shorter than when it was written")
 
     def readinto(self, buffer) -> int:
-        view = memoryview(buffer).cast("B")
+        # Every view of the caller's buffer is released before an error leaves: torch_checkpointing fills an
+        # mmap through this call and closes it on the way out, which a live view would turn into BufferError.
+        error = None
+        with memoryview(buffer) as outer, outer.cast("B") as view:
+            try:
+                return self._readinto(view)
+            except (CorruptCheckpointError, OSError) as exc:
+                error = exc.with_traceback(None)
+        raise error
+
+    def _readinto(self, view: memoryview) -> int:
         n = max(0, min(len(view), self.size - self._pos))
         if n == 0:
             return 0
