@@ -196,14 +196,15 @@ def to_dcp(src: PathLike, dst: PathLike, *, allow_pickle: bool = False,
 
 
 def _read_whole(src: PathLike, allow_pickle: bool, progress: Optional[Callable[[str], None]],
-                what: str = "distckpt checkpoint") -> dict[str, Any]:
+                what: str = "distckpt checkpoint", only: Optional[Callable[[str], bool]] = None) -> dict[str, Any]:
     """Every key of the checkpoint ``src`` (``what`` it is: distckpt's, or a program's distckpt reads), tensors whole,
-    in this process."""
+    in this process; with ``only``, the keys it accepts."""
     md = read_metadata(src)
     reader = backends.reader_for(src)
     reader.reset(src)
     stored = sum(reader.data_file_sizes(md).values()) if isinstance(reader, BlobStorageReader) else math.inf
-    state = _placeholders(md.state_dict_metadata, TensorStorageMetadata, f"checkpoint {os.fspath(src)}", stored)
+    entries = md.state_dict_metadata if only is None else {k: e for k, e in md.state_dict_metadata.items() if only(k)}
+    state = _placeholders(entries, TensorStorageMetadata, f"checkpoint {os.fspath(src)}", stored)
     if progress:
         progress(f"reading {len(state)} keys from {what} {src}")
     load(state, checkpoint_id=src, planner=DefaultLoadPlanner(allow_pickle=allow_pickle), no_dist=True)
@@ -393,13 +394,22 @@ def to_torch_save(src: PathLike, dst: PathLike, *, allow_pickle: bool = False,
     return len(state)
 
 
-def read_whole(checkpoint_id: PathLike, *, allow_pickle: bool = False) -> dict[str, Any]:
+def read_whole(checkpoint_id: PathLike, *, allow_pickle: bool = False, under: Optional[str] = None) -> Any:
     """The whole state of a checkpoint (distckpt's, or one DCP wrote) in this process, nested again as it was
     saved, tensors whole: what ``torch.load`` gives for a torch.save file, with no template state dict.
+    With ``under``, only what was saved under that top-level key: its value (``{}`` if nothing was).
     Runs without collectives."""
     md = read_metadata(checkpoint_id)
-    state = _read_whole(checkpoint_id, allow_pickle, None)
-    return _nest(state, md.planner_data if isinstance(md.planner_data, dict) else {})
+    mappings = md.planner_data if isinstance(md.planner_data, dict) else {}
+    only = None if under is None else (lambda key: _top_key(key, mappings) == under)
+    state = _nest(_read_whole(checkpoint_id, allow_pickle, None, only=only), mappings)
+    return state if under is None else state.get(under, {})
+
+
+def _top_key(key: str, mappings: dict) -> Any:
+    """The top-level key a stored key was saved under (its recorded path's first step; a key with none is one)."""
+    path = mappings.get(key)
+    return path[0] if isinstance(path, (tuple, list)) and path else key
 
 
 def dcp_to_torch_save(dcp_checkpoint_dir: PathLike, torch_save_path: PathLike) -> None:

@@ -74,3 +74,51 @@ def test_accelerate_fsdp2_helpers_save_and_load_through_distckpt(tmp_path):
     for same, committed, save_module in run_ranks(_job, 2, str(tmp_path / "out"), timeout_s=180):
         assert same and committed == [True, True]  # pytorch_model_fsdp_0 and optimizer_0, distckpt's format
         assert save_module.startswith("torch.distributed.checkpoint")  # the routing was undone after the block
+
+
+ACCELERATE = "1.15.0"
+_NO_FSDP_ON_CPU = (
+    f"accelerate {ACCELERATE} takes FSDP only on accelerators: accelerate/state.py:986-1013 sets DistributedType.FSDP "
+    "inside `elif self.distributed_type in [MULTI_GPU, MULTI_MLU, MULTI_SDAA, MULTI_MUSA, MULTI_NPU, MULTI_XPU, MULTI_HPU, "
+    "MULTI_NEURON]`, which MULTI_CPU is not; on CPU the fsdp_plugin is dropped, prepare() wraps the model in DDP and "
+    "save_state writes model.safetensors and optimizer.bin without calling DCP (the test above pins that)")
+
+
+def _accelerate_run(tmp_path, nproc, *flags):
+    """Accelerator.save_state/load_state under route_dcp_calls(), ``nproc`` ranks launched by torchrun."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here.parents[1] / "src"), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(here / "accelerate_worker.py"), str(tmp_path / "out"), str(tmp_path / "result.json"), *flags]
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
+    return json.loads((tmp_path / "result.json").read_text())
+
+
+def _pinned():
+    from importlib.metadata import version
+
+    if version("accelerate") != ACCELERATE:
+        pytest.skip(f"pins accelerate {ACCELERATE}'s choice of distributed type (installed: {version('accelerate')})")
+
+
+def test_accelerator_on_cpu_drops_its_fsdp_plugin_so_save_state_is_not_routed(tmp_path):
+    """The silence README documents: on CPU, Accelerator(fsdp_plugin=FSDP2) runs DDP, and save_state never calls DCP,
+    so route_dcp_calls() routes nothing (routing.calls stays 0) and the files are accelerate's own."""
+    _pinned()
+    result = _accelerate_run(tmp_path, 2, "--cpu")
+    assert result["distributed_type"] == "MULTI_CPU" and result["routed"] == 0 and result["committed"] == []
+    assert "model.safetensors" in result["files"] and "optimizer.bin" in result["files"] and result["same"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason=_NO_FSDP_ON_CPU + "; needs 2 GPUs")
+def test_accelerator_fsdp2_save_state_and_load_state_through_distckpt(tmp_path):
+    _pinned()
+    result = _accelerate_run(tmp_path, 2)
+    assert result["distributed_type"] == "FSDP" and result["routed"] >= 4  # model and optimizer, saved twice and loaded
+    assert set(result["committed"]) >= {"pytorch_model_fsdp_0", "optimizer_0"} and result["same"]

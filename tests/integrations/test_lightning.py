@@ -43,7 +43,7 @@ def _scenario(root):
     want = _fit(str(root / "straight"), 6, False)
     at_four = _fit(str(root / "run"), 4, False)  # stops at step 4; last.ckpt was written at steps 2 and 4
     last = root / "run" / "ckpt" / "last.ckpt"
-    assert (last / "metadata.json").is_file()  # a distckpt checkpoint, replaced in place by the second save
+    assert (last / "metadata.json").is_file() and not (last / "meta.pt").exists()  # distckpt's alone, replaced in place
     got = _fit(str(root / "run"), 6, True)
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
     assert not all(torch.equal(want[k], at_four[k]) for k in want)  # the resumed run did train steps 5 and 6

@@ -1,7 +1,10 @@
 """Lightning's ModelParallelStrategy (FSDP2 over a device mesh), Fabric and Trainer, 2 ranks on CPU, with its
-sharded checkpoints written and read by distckpt after one line (``route_dcp_calls()``): saving twice into one
-folder replaces the checkpoint, and a run resumed from it ends with the weights of an uninterrupted run."""
+sharded checkpoints written and read by distckpt after one line (``route_dcp_calls()``), or, for the Trainer,
+through ``DistckptModelParallelStrategy`` with Lightning's metadata inside the checkpoint, pickle-free where it is
+plain data: saving twice into one folder replaces the checkpoint, and a run resumed from it ends with the weights of
+an uninterrupted run."""
 
+import collections
 import os
 
 import pytest
@@ -87,43 +90,79 @@ def test_fabric_model_parallel_saves_and_resumes_through_distckpt(tmp_path):
         assert same  # the loaded weights are step 4's, and training on from them gives step 6's
 
 
-def _trainer_job(rank, world_size, root, max_steps, resume):
+def _trainer_job(rank, world_size, root, max_steps, resume, through="routing"):
     import lightning as L
     from lightning.pytorch.strategies import ModelParallelStrategy
     from torch.distributed.fsdp import fully_shard
 
     from distckpt.integrations.dcp_routing import route_dcp_calls
+    from distckpt.integrations.lightning import DistckptModelParallelStrategy
 
-    route_dcp_calls()
+    if through == "routing":
+        route_dcp_calls()
+    strategy_class = ModelParallelStrategy if through == "routing" else DistckptModelParallelStrategy
 
     class Model(RegressionSteps, L.LightningModule):
         def __init__(self):
             super().__init__()
+            self.save_hyperparameters({"lr": 1e-2, "widths": [6, 8, 2]})
             self.net = _net()
+            self.loaded = None
 
         def configure_model(self):
             fully_shard(self.net, mesh=self.device_mesh["data_parallel"])
+
+        def on_save_checkpoint(self, checkpoint):
+            checkpoint["order"] = collections.OrderedDict(a=1, b=[2, 3])  # not plain data: a dict subclass
+
+        def on_load_checkpoint(self, checkpoint):
+            self.loaded = {k: checkpoint.get(k) for k in ("order", "hyper_parameters", "global_step", "epoch")}
 
     g = torch.Generator().manual_seed(1)
     data = torch.utils.data.TensorDataset(torch.randn(64, 6, generator=g), torch.randn(64, 2, generator=g))
     loader = torch.utils.data.DataLoader(data, batch_size=8)
     ckpt_dir = os.path.join(root, "ckpt")
     checkpoints = L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, save_last=True, every_n_train_steps=2, save_top_k=1)
-    strategy = ModelParallelStrategy(data_parallel_size=world_size, tensor_parallel_size=1)
+    strategy = strategy_class(data_parallel_size=world_size, tensor_parallel_size=1)
     trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=max_steps, callbacks=[checkpoints],
                         logger=False, enable_progress_bar=False, enable_model_summary=False)
     model = Model()
     trainer.fit(model, loader, ckpt_path=os.path.join(ckpt_dir, "last.ckpt") if resume else None)
-    return _full(model.net), _committed(os.path.join(ckpt_dir, "last.ckpt"))
+    last = os.path.join(ckpt_dir, "last.ckpt")
+    return _full(model.net), _committed(last), sorted(os.listdir(last)), model.loaded, trainer.global_step
 
 
-@pytest.mark.filterwarnings("ignore")
-def test_trainer_model_parallel_save_last_and_resume_through_distckpt(tmp_path):
-    straight = run_ranks(_trainer_job, WORLD, str(tmp_path / "straight"), 6, False, timeout_s=240)
-    at_four = run_ranks(_trainer_job, WORLD, str(tmp_path / "run"), 4, False, timeout_s=240)  # last.ckpt at steps 2 and 4
-    resumed = run_ranks(_trainer_job, WORLD, str(tmp_path / "run"), 6, True, timeout_s=240)
+def _resume_scenario(root, through):
+    straight = run_ranks(_trainer_job, WORLD, str(root / "straight"), 6, False, through, timeout_s=240)
+    at_four = run_ranks(_trainer_job, WORLD, str(root / "run"), 4, False, through, timeout_s=240)  # last.ckpt at steps 2, 4
+    resumed = run_ranks(_trainer_job, WORLD, str(root / "run"), 6, True, through, timeout_s=240)
     for rank in range(WORLD):
         want, got = straight[rank][0], resumed[rank][0]
         assert at_four[rank][1] and resumed[rank][1]  # last.ckpt is a committed distckpt checkpoint, replaced in place
         assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
         assert not all(torch.equal(want[k], at_four[rank][0][k]) for k in want)  # the resumed run trained steps 5 and 6
+        loaded, steps = resumed[rank][3], resumed[rank][4]
+        assert steps == 6 and loaded["global_step"] == 4 and loaded["epoch"] == 0
+        assert loaded["hyper_parameters"] == {"lr": 1e-2, "widths": [6, 8, 2]}
+        assert type(loaded["order"]) is collections.OrderedDict and loaded["order"] == {"a": 1, "b": [2, 3]}
+    return resumed[0][2]
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_trainer_model_parallel_save_last_and_resume_through_distckpt(tmp_path):
+    files = _resume_scenario(tmp_path, "routing")
+    assert "meta.pt" in files  # routed: Lightning keeps its own pickled metadata beside distckpt's files
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_trainer_distckpt_strategy_keeps_lightning_metadata_in_the_checkpoint(tmp_path):
+    import distckpt
+    from distckpt.integrations.lightning import META_KEY, META_TORCH_SAVE_KEY
+
+    files = _resume_scenario(tmp_path, "strategy")
+    assert "metadata.json" in files and "meta.pt" not in files and not any(f.endswith(".distcp") for f in files), files
+    keys = distckpt.read_metadata(str(tmp_path / "run" / "ckpt" / "last.ckpt")).state_dict_metadata
+    for plain in ("global_step", "epoch", "pytorch-lightning_version", "hyper_parameters.lr", "hyper_parameters.widths"):
+        assert f"{META_KEY}.{plain}" in keys, plain  # stored as data, each its own value
+    assert any(k.startswith(f"{META_KEY}.loops.") for k in keys) and any(k.startswith(f"{META_KEY}.callbacks.") for k in keys)
+    assert META_TORCH_SAVE_KEY in keys and not any(k.startswith(f"{META_KEY}.order") for k in keys)  # only the OrderedDict

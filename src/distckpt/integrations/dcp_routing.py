@@ -29,6 +29,13 @@ routing counts the calls routed while it was open (``routing.calls``, by functio
 
 Only the module attributes are replaced: code that bound DCP's functions to its own names before the
 call (``from torch.distributed.checkpoint import save``) keeps DCP's.
+
+Only what calls DCP is routed, and a framework that does not call it is not told about: on CPU, accelerate
+(1.15) drops an ``fsdp_plugin`` silently (it takes FSDP only on accelerators, ``accelerate/state.py``), wraps
+the model in DDP, and ``Accelerator.save_state`` writes its own ``model.safetensors`` and ``optimizer.bin``
+with no DCP call: nothing is routed, and nothing fails. ``routing.calls == 0`` after a save says so.
+Lightning's ``ModelParallelStrategy`` keeps its pickled ``meta.pt`` beside routed files;
+:class:`distckpt.integrations.lightning.DistckptModelParallelStrategy` stores it in the checkpoint instead.
 """
 
 from __future__ import annotations

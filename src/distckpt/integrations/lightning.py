@@ -1,4 +1,5 @@
-"""Lightning's CheckpointIO on distckpt, for strategies whose checkpoints one process writes (DDP).
+"""Lightning on distckpt: a CheckpointIO for strategies whose checkpoints one process writes (DDP), and
+``ModelParallelStrategy`` with its sharded checkpoints and Lightning's metadata in one distckpt checkpoint.
 
 ``Trainer(plugins=[DistckptCheckpointIO()])`` (or ``Fabric(plugins=...)``): each ``.ckpt`` that Lightning
 writes becomes a distckpt checkpoint directory of that name, written by the process Lightning calls
@@ -6,25 +7,52 @@ writes becomes a distckpt checkpoint directory of that name, written by the proc
 back whole. Values that are not plain data (a hyperparameter object, say) need ``allow_pickle=True``,
 for checkpoints you trust, as anywhere in distckpt.
 
-Strategies that save sharded state from every rank (``ModelParallelStrategy``, FSDP) save through
-torch.distributed.checkpoint themselves and ignore the CheckpointIO: route those calls with
-:func:`distckpt.integrations.dcp_routing.route_dcp_calls` (tested with ``ModelParallelStrategy``).
+``Trainer(strategy=DistckptModelParallelStrategy(...))`` (the arguments of Lightning's
+``ModelParallelStrategy``): the sharded checkpoint Lightning writes (``last.ckpt`` included) is one distckpt
+checkpoint, saved by every rank and replaced atomically when saved again, holding the model and optimizer
+states and, under the key ``meta``, the rest of Lightning's checkpoint (epoch, loops, callbacks, schedulers,
+hyperparameters): what Lightning itself pickles into a ``meta.pt`` beside DCP's files. Each top-level entry
+of it that is plain data (tensors, numbers, strings, bytes, lists, dicts: ``distckpt.format.values``) is
+stored as such; an entry that is not (an object of its own class) is kept with ``torch.save``, as Lightning
+keeps it, in one bytes value ``meta_torch_save`` inside the checkpoint, loaded back with ``torch.load`` and
+Lightning's ``weights_only``, and named in a warning. A resume (``ckpt_path=``) reads checkpoints of both
+kinds: distckpt's, and Lightning's own (a file, or DCP's folder with ``meta.pt``).
+
+Fabric's ``ModelParallelStrategy`` (and FSDP) save through torch.distributed.checkpoint themselves: route
+those calls with :func:`distckpt.integrations.dcp_routing.route_dcp_calls`; Lightning's ``meta.pt`` then
+stays beside them as Lightning writes it.
 """
 
 from __future__ import annotations
 
+import io
 import os
+import warnings
+from pathlib import Path
 from typing import Any, Optional
 
+import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 
 from ..backends.filesystem import FsStore
 from ..convert import read_whole
-from ..errors import CheckpointError
+from ..errors import CheckpointError, UnsafeValueError
+from ..format.values import to_data
+from ..loading import load
 from ..planning import DefaultSavePlanner
 from ..saving import save
 
-__all__ = ["DistckptCheckpointIO"]
+__all__ = ["DistckptCheckpointIO", "DistckptModelParallelStrategy", "META_KEY", "META_TORCH_SAVE_KEY"]
+
+META_KEY = "meta"  #: Lightning's metadata, as plain data
+META_TORCH_SAVE_KEY = "meta_torch_save"  #: its entries that are not plain data, torch.save'd as Lightning does
 
 
 class DistckptCheckpointIO(CheckpointIO):
@@ -47,3 +75,85 @@ class DistckptCheckpointIO(CheckpointIO):
         store = FsStore(os.fspath(path))
         if store.is_committed():  # only a checkpoint of distckpt's: never another file Lightning names
             store.remove()
+
+
+class DistckptModelParallelStrategy(ModelParallelStrategy):
+    """Lightning's ``ModelParallelStrategy`` whose sharded checkpoints are distckpt's, Lightning's metadata
+    inside them (see the module text). ``save_distributed_checkpoint=False`` (one consolidated file) stays
+    Lightning's own."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        if storage_options is not None or not self._save_distributed_checkpoint:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)  # Lightning's answer, or its own file
+        path = Path(self.broadcast(filepath))
+        state: dict[str, Any] = {"state_dict": checkpoint.pop("state_dict")}
+        state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+        if self.global_rank == 0:  # Lightning's metadata is rank 0's, as its meta.pt is
+            plain, other = _split_plain(checkpoint)
+            state[META_KEY] = plain
+            if other:
+                warnings.warn(f"{path}: Lightning's checkpoint entries {sorted(other)} are not plain data; they are kept "
+                              f"with torch.save in the value {META_TORCH_SAVE_KEY!r} (loaded with torch.load, as "
+                              "Lightning loads its meta.pt). Store them as plain data to keep the checkpoint pickle-free.",
+                              stacklevel=2)
+                buffer = io.BytesIO()
+                torch.save(other, buffer)
+                state[META_TORCH_SAVE_KEY] = buffer
+            if path.is_file():  # a consolidated checkpoint saved there before, as Lightning replaces it
+                path.unlink()
+        save(state, checkpoint_id=os.fspath(path), overwrite=True)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        path = Path(self.broadcast(checkpoint_path))
+        if not FsStore(os.fspath(path)).is_committed():
+            return super().load_checkpoint(checkpoint_path, weights_only)  # Lightning's own (a file, or DCP's + meta.pt)
+        module = self.model
+        state: dict[str, Any] = {"state_dict": get_model_state_dict(module)}
+        state.update({f"optimizer_{i}": get_optimizer_state_dict(module, o) for i, o in enumerate(self.optimizers)})
+        load(state, checkpoint_id=os.fspath(path))
+        module.load_state_dict(state["state_dict"], strict=self.lightning_module.strict_loading)
+        for i, optimizer in enumerate(self.optimizers):
+            set_optimizer_state_dict(module, optimizer, optim_state_dict=state[f"optimizer_{i}"],
+                                     options=StateDictOptions(cpu_offload=True))
+        return _read_meta(path, weights_only)
+
+
+def _split_plain(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Lightning's metadata entries that distckpt stores as they are, and the others."""
+    plain, other = {}, {}
+    for key, value in checkpoint.items():
+        (plain if isinstance(key, str) and _storable(value) else other)[key] = value
+    return plain, other
+
+
+def _storable(value: Any) -> bool:
+    """Whether distckpt stores ``value`` without pickle: tensors, dicts (always walked, so keyed by str or int), lists
+    holding tensors (walked), and every other leaf plain data (``to_data`` takes it)."""
+    if type(value) is torch.Tensor:
+        return True
+    if type(value) is dict:
+        return all(type(k) in (str, int) for k in value) and all(_storable(v) for v in value.values())
+    if type(value) in (list, tuple) and _holds_tensor(value):
+        return all(_storable(v) for v in value)
+    try:
+        to_data(value)
+    except UnsafeValueError:
+        return False
+    return True
+
+
+def _holds_tensor(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, dict):
+        return any(_holds_tensor(v) for v in value.values())
+    return isinstance(value, (list, tuple)) and any(_holds_tensor(v) for v in value)
+
+
+def _read_meta(path: Path, weights_only: Optional[bool]) -> dict[str, Any]:
+    """Lightning's metadata from the checkpoint at ``path``, as its meta.pt gave it; read by each rank alone."""
+    meta = dict(read_whole(os.fspath(path), under=META_KEY))
+    kept = read_whole(os.fspath(path), under=META_TORCH_SAVE_KEY)
+    if isinstance(kept, io.BytesIO):
+        meta.update(torch.load(kept, weights_only=weights_only))
+    return meta
