@@ -132,9 +132,10 @@ def _trainer_job(rank, world_size, root, max_steps, resume, through="routing"):
     return _full(model.net), _committed(last), sorted(os.listdir(last)), model.loaded, trainer.global_step
 
 
-def _resume_scenario(root, through):
+def _resume_scenario(root, through, first=None):
+    """An uninterrupted run to step 6, and a run to step 4 (saved ``first`` way, else ``through``) resumed to step 6."""
     straight = run_ranks(_trainer_job, WORLD, str(root / "straight"), 6, False, through, timeout_s=240)
-    at_four = run_ranks(_trainer_job, WORLD, str(root / "run"), 4, False, through, timeout_s=240)  # last.ckpt at steps 2, 4
+    at_four = run_ranks(_trainer_job, WORLD, str(root / "run"), 4, False, first or through, timeout_s=240)  # saves at 2, 4
     resumed = run_ranks(_trainer_job, WORLD, str(root / "run"), 6, True, through, timeout_s=240)
     for rank in range(WORLD):
         want, got = straight[rank][0], resumed[rank][0]
@@ -166,3 +167,9 @@ def test_trainer_distckpt_strategy_keeps_lightning_metadata_in_the_checkpoint(tm
         assert f"{META_KEY}.{plain}" in keys, plain  # stored as data, each its own value
     assert any(k.startswith(f"{META_KEY}.loops.") for k in keys) and any(k.startswith(f"{META_KEY}.callbacks.") for k in keys)
     assert META_TORCH_SAVE_KEY in keys and not any(k.startswith(f"{META_KEY}.order") for k in keys)  # only the OrderedDict
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_trainer_distckpt_strategy_resumes_a_run_saved_through_routing(tmp_path):
+    files = _resume_scenario(tmp_path, "strategy", first="routing")  # read with the meta.pt beside it, then replaced
+    assert "metadata.json" in files and "meta.pt" not in files, files

@@ -15,8 +15,9 @@ hyperparameters): what Lightning itself pickles into a ``meta.pt`` beside DCP's 
 of it that is plain data (tensors, numbers, strings, bytes, lists, dicts: ``distckpt.format.values``) is
 stored as such; an entry that is not (an object of its own class) is kept with ``torch.save``, as Lightning
 keeps it, in one bytes value ``meta_torch_save`` inside the checkpoint, loaded back with ``torch.load`` and
-Lightning's ``weights_only``, and named in a warning. A resume (``ckpt_path=``) reads checkpoints of both
-kinds: distckpt's, and Lightning's own (a file, or DCP's folder with ``meta.pt``).
+Lightning's ``weights_only``, and named in a warning. A resume (``ckpt_path=``) reads distckpt's checkpoints
+(those saved with ``route_dcp_calls()`` too, their ``meta.pt`` beside them), and Lightning's own (a file, or
+DCP's folder with ``meta.pt``).
 
 Fabric's ``ModelParallelStrategy`` (and FSDP) save through torch.distributed.checkpoint themselves: route
 those calls with :func:`distckpt.integrations.dcp_routing.route_dcp_calls`; Lightning's ``meta.pt`` then
@@ -33,6 +34,7 @@ from typing import Any, Optional
 
 import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -102,6 +104,9 @@ class DistckptModelParallelStrategy(ModelParallelStrategy):
             if path.is_file():  # a consolidated checkpoint saved there before, as Lightning replaces it
                 path.unlink()
         save(state, checkpoint_id=os.fspath(path), overwrite=True)
+        stale = path / _METADATA_FILENAME  # Lightning's, from a save routed there before; the checkpoint's own meta wins
+        if self.global_rank == 0 and stale.is_file():
+            stale.unlink()
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         path = Path(self.broadcast(checkpoint_path))
@@ -156,4 +161,6 @@ def _read_meta(path: Path, weights_only: Optional[bool]) -> dict[str, Any]:
     kept = read_whole(os.fspath(path), under=META_TORCH_SAVE_KEY)
     if isinstance(kept, io.BytesIO):
         meta.update(torch.load(kept, weights_only=weights_only))
+    if not meta and (path / _METADATA_FILENAME).is_file():  # saved with route_dcp_calls(): Lightning's meta.pt beside
+        return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
     return meta
