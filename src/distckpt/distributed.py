@@ -263,12 +263,13 @@ class Coordinator:
     # ------------------------------------------------------------ helpers
 
     def _single(self, phase: str, fn: Callable[[], Any]) -> Any:
-        """fn alone. With no other rank to tell, an error of the CheckpointError family is raised as it is: its
-        own type and message, once. Any other error becomes a RankFailuresError (the family every caller
-        catches at any size), whose message is the error's own and whose traceback is where it was raised."""
+        """fn alone. With no other rank to tell, its error keeps its own type name and message, said once: one of
+        the CheckpointError family is raised as that class (joined with RankFailuresError, DCP's
+        CheckpointException, so code written for either catches it); any other error becomes a
+        RankFailuresError that quotes it. The traceback is where the error was raised."""
         try:
             return fn()
-        except CheckpointError:
+        except RankFailuresError:
             raise
         except Exception as exc:
             error = RankFailuresError.of(phase, {self.rank: exc}, single=True)

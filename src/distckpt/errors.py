@@ -121,7 +121,8 @@ class RankFailuresError(CheckpointError):
             for rank, f in sorted(failures.items())}
         if single:  # one process, no other rank: the error's own words, once
             (exc, _), = self.failures.values()
-            super().__init__(f"checkpoint {phase} failed: {describe_type(exc)}: {exc}")
+            own = isinstance(exc, CheckpointError) and not isinstance(exc, (RankFailuresError, RemoteRankError))
+            super().__init__(str(exc) if own else f"checkpoint {phase} failed: {describe_type(exc)}: {exc}")
             return
         lines = [f"checkpoint {phase} failed on {len(self.failures)} rank(s): {sorted(self.failures)}"]
         for rank, (exc, _) in self.failures.items():
@@ -138,24 +139,36 @@ class RankFailuresError(CheckpointError):
         ``single``: the failure of the one process of a job without a group, told in its own words."""
         kinds = {type(f[0] if isinstance(f, WrappedException) else f) for f in failures.values()}
         kind = kinds.pop() if len(kinds) == 1 else None
-        if (kind is None or kind is CheckpointError or not issubclass(kind, CheckpointError)
-                or issubclass(kind, (RankFailuresError, RemoteRankError))):
+        if (kind is None or not issubclass(kind, CheckpointError) or issubclass(kind, (RankFailuresError, RemoteRankError))
+                or (kind is CheckpointError and not single)):
             return cls(phase, failures, single)
-        return _joint_class(kind)(phase, failures, single)
+        error = _joint_class(kind, single)(phase, failures, single)
+        if single:
+            original = next(iter(failures.values()))
+            original = original[0] if isinstance(original, WrappedException) else original
+            error.__dict__.update({k: v for k, v in vars(original).items() if k not in error.__dict__})
+            if isinstance(original, OSError):
+                error.errno, error.strerror, error.filename = original.errno, original.strerror, original.filename
+        return error
 
 
 _joint_classes: dict[type, type] = {}
 
 
-def _joint_class(kind: type) -> type:
-    """RankFailuresError and ``kind`` in one class (one per ``kind``, so its identity is stable)."""
-    joint = _joint_classes.get(kind)
+def _joint_class(kind: type, single: bool = False) -> type:
+    """RankFailuresError and ``kind`` in one class (one per ``kind``, so its identity is stable).
+
+    Named as the base, so logs and ``type(e).__name__`` checks read the same at any world size; for the
+    failure of a single process (``single``), named as ``kind``: there the error is that process's own, and a
+    traceback shows it as it was raised (``MissingKeyError: ...``), while ``except CheckpointException`` still
+    catches it as DCP's code expects."""
+    joint = _joint_classes.get((kind, single))
     if joint is None:
-        # named as the base, so logs and ``type(e).__name__`` checks read the same at any world size
-        joint = type("RankFailuresError", (RankFailuresError, kind), {
+        name, module = (kind.__name__, kind.__module__) if single else ("RankFailuresError", __name__)
+        joint = type(name, (RankFailuresError, kind), {
             "__init__": RankFailuresError.__init__, "__str__": lambda self: str(self.args[0]) if self.args else "",
-            "__module__": __name__, "__qualname__": "RankFailuresError"})
-        _joint_classes[kind] = joint
+            "__module__": module, "__qualname__": name})
+        _joint_classes[(kind, single)] = joint
     return joint
 
 

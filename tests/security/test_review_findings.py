@@ -506,7 +506,7 @@ def test_inspect_escapes_control_characters_in_keys(tmp_path):
     out = CliRunner().invoke(cli, ["inspect", path]).output
     assert "\x1b" not in out and "\x07" not in out and "\nforged line" not in out and "\\x1b" in out
     doc = json.loads(CliRunner().invoke(cli, ["inspect", path, "--json"]).output)
-    assert doc["entries"][0]["key"] == "a\x1b]0;owned\x07\nforged line"
+    assert doc["keys"][0]["key"] == "a\x1b]0;owned\x07\nforged line"
 
 
 # ---- 23, 25: values
