@@ -81,7 +81,8 @@ class _FdWriter(BlobWriter):
         except OSError as exc:
             raise _io_error("fsync of", self.path, exc) from exc
         finally:
-            os.close(self.fd)
+            fd, self.fd = self.fd, -1  # a closed writer holds no number another file may be given
+            os.close(fd)
 
 
 class FileReader(BlobReader):
@@ -128,7 +129,8 @@ class FileReader(BlobReader):
             raise _io_error("reading", self.path, exc) from exc
 
     def close(self) -> None:
-        os.close(self.fd)
+        fd, self.fd = self.fd, -1  # a closed reader holds no number another file may be given
+        os.close(fd)
 
 
 _NOWAIT = getattr(os, "RWF_NOWAIT", None)

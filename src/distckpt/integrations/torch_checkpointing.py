@@ -25,7 +25,10 @@ What a checkpoint gains over torch_checkpointing's own local-filesystem backend:
   conditional PUT, so of two racing saves exactly one commits and a reader never sees half a checkpoint;
 - on local disk: files are created exclusively under a hidden name and renamed into place, opened without
   following links, read only when regular, and directories are removed through descriptors (never through
-  a link); a rename follows the table of ``Storage.rename`` exactly, atomically (``renameat2``).
+  a link); every directory is reached one component at a time, a link on the way followed only where root or
+  this user owns it (one another user planted is refused); a rename follows the table of ``Storage.rename``
+  exactly, atomically (``renameat2``). A stream used after close or abort raises ValueError; a close after a
+  failed write, or one that fails, commits nothing and leaves no hidden file.
 
 Paths are torch_checkpointing's: a local path, or ``scheme://...`` (``pathlib.Path`` turns ``s3://b/x`` into
 ``s3:/b/x``; both spellings name the same place).
@@ -33,6 +36,8 @@ Paths are torch_checkpointing's: a local path, or ``scheme://...`` (``pathlib.Pa
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import errno
 import io
 import json
@@ -46,12 +51,21 @@ from typing import Any, Optional
 
 from torch_checkpointing.storage.base_storage import ReadArgs, Storage, StorageConfig
 
+from .. import faults
 from ..backends.filesystem import FileReader, FsStore
-from ..backends.fs_objects import is_real_dir, open_dir, open_regular, remove_tree
-from ..backends.rename import rename_noreplace
+from ..backends.fs_objects import _clear, _rmdir, is_real_dir, open_regular
+from ..backends.rename import _RENAME_NOREPLACE, _renameat2
 from ..backends.schemes import scheme_entry, scheme_of, store_for
 from ..engine.blobs import RUNS, BlobReader, BlobStore
-from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, NotRegularFileError, UnsafeValueError
+from ..errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    NotRegularFileError,
+    StorageIOError,
+    UnsafeLocationError,
+    UnsafeValueError,
+)
 from ..format import METADATA_FILE
 from ..format.checksum import crc32c, format_crc, parse_crc
 from ..format.json_text import parse_json
@@ -98,6 +112,10 @@ class DistckptStorageConfig(StorageConfig):
 def _url(path: Any) -> str:
     """``s3:/b/x`` (what ``Path`` made of ``s3://b/x``) back to ``s3://b/x``; a local path made absolute."""
     text = os.fspath(path)
+    if isinstance(text, bytes):
+        text = os.fsdecode(text)
+    if "\x00" in text:
+        raise OSError(errno.EINVAL, f"{text!r} holds a NUL byte, which no file or object name may hold")
     if "://" in text:
         scheme, _, rest = text.partition("://")
         return f"{scheme}://{rest.strip('/')}"
@@ -171,6 +189,7 @@ class _ChecksummingWriter(io.RawIOBase):
         self._fill = 0
         self._crcs: list[int] = []
         self._done = False
+        self._failed: Optional[BaseException] = None  # a write that failed: close then commits nothing
 
     def writable(self) -> bool:
         return True
@@ -179,13 +198,19 @@ class _ChecksummingWriter(io.RawIOBase):
         return self._pos
 
     def write(self, data) -> int:
+        if self._done or self.closed:
+            raise ValueError("I/O operation on closed file")
         view = memoryview(data)
         if not view.c_contiguous:
             view = memoryview(bytes(view))
         view = view.cast("B")
         n = len(view)
         if n:
-            self._blob.pwrite(view, self._pos)
+            try:
+                self._blob.pwrite(view, self._pos)
+            except BaseException as exc:
+                self._failed = exc  # the blob now holds an unknown part of these bytes: never committed
+                raise
             at = 0
             while at < n:
                 take = min(n - at, self._block - self._fill)
@@ -213,6 +238,12 @@ class _ChecksummingWriter(io.RawIOBase):
         super().close()
 
     def close(self) -> None:
+        if not self._done and self._failed is not None:
+            failed = self._failed
+            self.abort()
+            code = failed.errno if isinstance(failed, OSError) and failed.errno else errno.EIO
+            raise OSError(code, f"{self._where} was not written: a write to it failed ({failed}), so closing it "
+                                "committed nothing and removed what was written") from None
         if not self._done:
             self._done = True
             if self._fill:
@@ -247,6 +278,9 @@ class _VerifyingReader(io.RawIOBase):
         return self._pos
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        self._checkClosed()
+        if whence not in (io.SEEK_SET, io.SEEK_CUR, io.SEEK_END):
+            raise ValueError(f"invalid whence ({whence!r}, should be {io.SEEK_SET}, {io.SEEK_CUR} or {io.SEEK_END})")
         base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self.size}[whence]
         if base + offset < 0:
             raise OSError(errno.EINVAL, f"seek before the start of {self._where}")
@@ -271,6 +305,8 @@ class _VerifyingReader(io.RawIOBase):
     def readinto(self, buffer) -> int:
         # Every view of the caller's buffer is released before an error leaves: torch_checkpointing fills an
         # mmap through this call and closes it on the way out, which a live view would turn into BufferError.
+        if self.closed:
+            raise ValueError("I/O operation on closed file")
         error = None
         with memoryview(buffer) as outer, outer.cast("B") as view:
             try:
@@ -310,6 +346,7 @@ class _VerifyingReader(io.RawIOBase):
         return n
 
     def readall(self) -> bytes:
+        self._checkClosed()
         out = bytearray(max(0, self.size - self._pos))
         self.readinto(out)
         return bytes(out)
@@ -354,52 +391,166 @@ def _metadata_to_pickle(raw: bytes, where: str, pickled_ok: bool) -> bytes:
 
 # ---------------------------------------------------------------- local filesystem
 
+_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0) | _CLOEXEC
+_MAX_LINKS = 40  # as the kernel's own limit on links followed in one path
+
+
+def _not_own_dir(path: str) -> NotRegularFileError:
+    return NotRegularFileError(f"{path} is not a directory of its own (a link); distckpt never writes or reads through a "
+                               "link at a checkpoint's directory")
+
+
+def _walk(path: str, *, create: bool = False, follow_last: bool = False) -> int:
+    """A descriptor of the directory ``path`` (absolute), reached one component at a time from ``/`` with
+    ``openat(O_NOFOLLOW)``, so that no link is followed unseen anywhere on the way.
+
+    A link on the way is followed only where root or this user owns it (the rule of ``private_dir``: a link
+    another user planted, as in a shared or world-writable folder, is refused with UnsafeLocationError); the
+    last component is a real directory unless ``follow_last``. ``create`` makes missing directories, as
+    ``os.makedirs`` would. Raises FileNotFoundError, NotADirectoryError or NotRegularFileError naming ``path``.
+    """
+    me = os.geteuid()
+    todo = [p for p in path.split("/") if p][::-1]  # a stack: the next component last
+    walked = "/"
+    links = 0
+    fd = os.open("/", _DIR_FLAGS)
+    try:
+        while todo:
+            part = todo.pop()
+            if part == ".":
+                continue
+            last = not todo
+            try:
+                nfd = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            except FileNotFoundError:
+                if not create or part == "..":
+                    raise FileNotFoundError(errno.ENOENT, f"{path} does not exist", path) from None
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(part, 0o777, dir_fd=fd)
+                todo.append(part)  # opened as any other (what another process made there meanwhile included)
+                continue
+            except OSError as exc:
+                if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                    raise
+                where = os.path.join(walked, part)
+                st = os.lstat(part, dir_fd=fd)
+                if not stat.S_ISLNK(st.st_mode):
+                    raise NotADirectoryError(errno.ENOTDIR, f"{where} is not a directory" +
+                                             ("" if where == path else f" (on the way to {path})"), path) from None
+                if last and not follow_last:
+                    raise _not_own_dir(path) from None
+                if st.st_uid not in (0, me):
+                    raise UnsafeLocationError(
+                        f"{where} is a symbolic link owned by uid {st.st_uid}, not by root or this user (uid {me}): another "
+                        f"user may have planted it, and distckpt does not follow it to reach {path}. Remove it, or use the "
+                        "real path") from None
+                target = os.readlink(part, dir_fd=fd)
+                again = os.lstat(part, dir_fd=fd)
+                if (again.st_ino, again.st_dev, again.st_uid) != (st.st_ino, st.st_dev, st.st_uid):
+                    raise UnsafeLocationError(f"{where} was replaced while distckpt followed it; nothing was done") from None
+                links += 1
+                if links > _MAX_LINKS:
+                    raise OSError(errno.ELOOP, f"{path}: too many levels of symbolic links", path) from None
+                if target.startswith("/"):
+                    nfd = os.open("/", _DIR_FLAGS)
+                    os.close(fd)
+                    fd, walked = nfd, "/"
+                todo.extend([p for p in target.split("/") if p][::-1])
+                continue
+            os.close(fd)
+            fd = nfd
+            walked = os.path.dirname(walked) if part == ".." else os.path.join(walked, part)
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _named(exc: BaseException, url: str) -> BaseException:
+    """``exc``, naming ``url`` where it named only a hidden temporary file (an OSError keeps its class and errno)."""
+    if not isinstance(exc, OSError) or url in str(exc):
+        return exc
+    text = f"writing {url} failed: {exc.strerror or exc}; nothing of it was kept"
+    if isinstance(exc, StorageIOError):
+        return StorageIOError(text, exc.errno)
+    if isinstance(exc, CheckpointError):
+        return exc
+    return OSError(exc.errno, text) if exc.errno else OSError(text)
+
 
 class _Local:
-    """Real files and directories, each file created exclusively under a hidden name and renamed into place."""
+    """Real files and directories, each file created exclusively under a hidden name and renamed into place.
+
+    Every directory is reached through :func:`_walk` (no link followed unseen, none another user owns), and every
+    name in it is then used relative to that descriptor."""
 
     def __init__(self, config: DistckptStorageConfig):
         self.config = config
 
     def _dir_fd(self, path: str) -> int:
-        try:
-            return open_dir(path)
-        except FileNotFoundError:
-            raise FileNotFoundError(errno.ENOENT, f"{path} does not exist", path) from None
-        except OSError as exc:
-            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-                raise NotRegularFileError(f"{path} is not a directory of its own (a link or a file); distckpt never "
-                                          "writes or reads through a link") from None
-            raise
+        return _walk(path)
 
     def create(self, url: str) -> _ChecksummingWriter:
         parent, name = _split(url)
-        if not is_real_dir(parent):
-            if os.path.lexists(parent):
-                raise NotRegularFileError(f"{parent} is not a directory of its own (a link or a file); distckpt never "
-                                          "writes through a link")
-            raise FileNotFoundError(errno.ENOENT, f"{parent} does not exist; mkdir it first", parent)
+        try:
+            fd = self._dir_fd(parent)
+        except FileNotFoundError:
+            raise FileNotFoundError(errno.ENOENT, f"{parent} does not exist; mkdir it first", parent) from None
+        try:
+            if _is_dir_at(name, fd):
+                raise IsADirectoryError(errno.EISDIR, f"{url} is a directory", url)
+        finally:
+            os.close(fd)
         part = f".{name}{PART_MARK}{uuid.uuid4().hex}"
         blob = FsStore(parent).create(part)
         sync = self.config.sync
+        side, sidecar = f"{part}{CRC_SUFFIX}", _sidecar(name)
 
         def finish(crcs: Optional[_Crcs]) -> None:
-            fd = self._dir_fd(parent)
+            try:
+                fd = self._dir_fd(parent)
+            except BaseException:
+                if crcs is not None:
+                    with contextlib.suppress(Exception):
+                        blob.abort()
+                raise
+            placed = None  # the inode renamed to ``name``, once it is there
             try:
                 if crcs is None:
                     _unlink_regular(part, fd)
                     return
                 blob.close(sync)
-                side = f"{part}{CRC_SUFFIX}"
                 self._write_small(fd, side, crcs.encode())
+                if _is_dir_at(name, fd):  # checked before anything is replaced
+                    raise IsADirectoryError(errno.EISDIR, f"{url} is a directory", url)
                 try:
-                    os.replace(side, _sidecar(name), src_dir_fd=fd, dst_dir_fd=fd)
+                    os.replace(side, sidecar, src_dir_fd=fd, dst_dir_fd=fd)
+                except OSError as exc:
+                    raise OSError(exc.errno, f"writing {url} failed: its checksum file {os.path.join(parent, sidecar)} cannot "
+                                             f"be replaced ({exc.strerror}); nothing of {url} was kept") from None
+                inode = os.lstat(part, dir_fd=fd).st_ino
+                try:
                     os.replace(part, name, src_dir_fd=fd, dst_dir_fd=fd)
-                except IsADirectoryError:
-                    _unlink_regular(part, fd)
-                    raise IsADirectoryError(errno.EISDIR, f"{url} is a directory", url) from None
+                except OSError as exc:
+                    _unlink_regular(sidecar, fd)  # the checksums of a file that is not there
+                    if exc.errno == errno.EISDIR:
+                        raise IsADirectoryError(errno.EISDIR, f"{url} is a directory", url) from None
+                    raise
+                placed = inode
                 if sync:
                     os.fsync(fd)
+            except BaseException as exc:
+                for leftover in (part, side):
+                    with contextlib.suppress(OSError):
+                        _unlink_regular(leftover, fd)
+                with contextlib.suppress(OSError):
+                    if placed is not None and os.lstat(name, dir_fd=fd).st_ino == placed:
+                        os.unlink(name, dir_fd=fd)  # a close that raises leaves no file behind
+                        _unlink_regular(sidecar, fd)
+                named = _named(exc, url)
+                if named is exc:
+                    raise
+                raise named from exc
             finally:
                 os.close(fd)
 
@@ -437,7 +588,11 @@ class _Local:
                 blob = FileReader(url, open_regular(name, dir_fd=fd))
             except CheckpointNotFoundError:
                 raise FileNotFoundError(errno.ENOENT, f"{url} does not exist", url) from None
-            return blob, self._read_small(fd, _sidecar(name), url + " (its checksums)")
+            try:
+                return blob, self._read_small(fd, _sidecar(name), url + " (its checksums)")
+            except BaseException:
+                blob.close()
+                raise
         finally:
             os.close(fd)
 
@@ -448,15 +603,27 @@ class _Local:
         return is_real_dir(url)
 
     def mkdir(self, url: str, recursive: bool) -> None:
-        if recursive:
-            os.makedirs(url, exist_ok=True)
-        else:
-            os.mkdir(url)
-        if not is_real_dir(url):
-            raise NotRegularFileError(f"{url} is not a directory of its own (a link or a file); distckpt never writes through a link")
+        parent, name = _split(url)
+        fd = _walk(parent, create=recursive)
+        try:
+            try:
+                os.mkdir(name, 0o777, dir_fd=fd)
+            except FileExistsError:
+                mode = os.lstat(name, dir_fd=fd).st_mode
+                if stat.S_ISLNK(mode):
+                    raise _not_own_dir(url) from None
+                if not recursive or not stat.S_ISDIR(mode):
+                    raise FileExistsError(errno.EEXIST, f"{url} exists" + ("" if stat.S_ISDIR(mode) else " and is not a directory"),
+                                          url) from None
+        finally:
+            os.close(fd)
 
     def ls(self, url: str) -> list[str]:
-        return sorted(n for n in os.listdir(url) if not _hidden(n))
+        fd = _walk(url, follow_last=True)
+        try:
+            return sorted(n for n in os.listdir(fd) if not _hidden(n))
+        finally:
+            os.close(fd)
 
     def delete(self, url: str) -> None:
         parent, name = _split(url)
@@ -471,68 +638,113 @@ class _Local:
             os.close(fd)
 
     def rmdir(self, url: str) -> None:
-        if not is_real_dir(url):
-            if os.path.lexists(url):
-                raise NotRegularFileError(f"{url} is not a directory of its own (a link or a file); left in place")
-            raise FileNotFoundError(errno.ENOENT, f"{url} does not exist", url)
-        left = remove_tree(url)
+        parent, name = _split(url)
+        pfd = self._dir_fd(parent)
+        try:
+            try:
+                fd = os.open(name, _DIR_FLAGS, dir_fd=pfd)
+            except FileNotFoundError:
+                raise FileNotFoundError(errno.ENOENT, f"{url} does not exist", url) from None
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise NotRegularFileError(f"{url} is not a directory of its own (a link or a file); left in place") from None
+                raise
+            left: list[str] = []
+            try:
+                _clear(fd, url, left)  # through descriptors only: no link inside leads the removal out
+            finally:
+                os.close(fd)
+            if not left:
+                faults.point("unlink", url)
+                _rmdir(name, pfd, left, url)
+        finally:
+            os.close(pfd)
         if left:
             raise NotRegularFileError(f"{url} was not removed whole: {', '.join(left[:5])} not files distckpt deletes "
                                       "(links, FIFOs, sockets or devices); remove them yourself")
 
     def rename(self, src: str, dst: str) -> None:
+        sparent, sname = _split(src)
+        dparent, dname = _split(dst)
+        sfd = self._dir_fd(sparent)
         try:
-            src_mode = os.lstat(src).st_mode
-        except FileNotFoundError:
-            raise FileNotFoundError(errno.ENOENT, f"{src} does not exist", src) from None
+            dfd = self._dir_fd(dparent)
+        except BaseException:
+            os.close(sfd)
+            raise
         try:
-            dst_mode: Optional[int] = os.lstat(dst).st_mode
-        except FileNotFoundError:
-            dst_mode = None
-        if stat.S_ISDIR(src_mode):
-            self._rename_dir(src, dst, dst_mode)
-        elif stat.S_ISREG(src_mode):
-            self._rename_file(src, dst, dst_mode)
-        else:
-            raise NotRegularFileError(f"{src} is neither a regular file nor a directory; distckpt never moves links")
-        if self.config.sync:
-            for d in {os.path.dirname(src), os.path.dirname(dst)}:
-                fd = os.open(d, os.O_RDONLY | _CLOEXEC)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+            try:
+                src_mode = os.lstat(sname, dir_fd=sfd).st_mode
+            except FileNotFoundError:
+                raise FileNotFoundError(errno.ENOENT, f"{src} does not exist", src) from None
+            try:
+                dst_mode: Optional[int] = os.lstat(dname, dir_fd=dfd).st_mode
+            except FileNotFoundError:
+                dst_mode = None
+            if stat.S_ISDIR(src_mode):
+                self._rename_dir(src, dst, dst_mode, sfd, dfd)
+            elif stat.S_ISREG(src_mode):
+                self._rename_file(src, dst, dst_mode, sfd, dfd)
+            else:
+                raise NotRegularFileError(f"{src} is neither a regular file nor a directory; distckpt never moves links")
+            if self.config.sync:
+                os.fsync(sfd)
+                if dparent != sparent:
+                    os.fsync(dfd)
+        finally:
+            os.close(sfd)
+            os.close(dfd)
 
-    def _rename_dir(self, src: str, dst: str, dst_mode: Optional[int]) -> None:
+    def _rename_dir(self, src: str, dst: str, dst_mode: Optional[int], sfd: int, dfd: int) -> None:
         if dst_mode is not None and not stat.S_ISDIR(dst_mode):
             raise _occupied(src, dst, errno.ENOTDIR)
+        sname, dname = _split(src)[1], _split(dst)[1]
         try:
             if dst_mode is None:
-                rename_noreplace(src, dst)
-            else:
-                os.rename(src, dst)  # replaces an empty directory atomically, refuses a populated one
+                _rename_noreplace_at(sfd, sname, dfd, dname)
+            else:  # replaces an empty directory atomically, refuses a populated one
+                os.rename(sname, dname, src_dir_fd=sfd, dst_dir_fd=dfd)
         except OSError as exc:
             if exc.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
                 raise _occupied(src, dst, exc.errno) from None
-            raise
+            raise OSError(exc.errno, f"cannot rename {src} to {dst}: {exc.strerror}") from None
 
-    def _rename_file(self, src: str, dst: str, dst_mode: Optional[int]) -> None:
+    def _rename_file(self, src: str, dst: str, dst_mode: Optional[int], sfd: int, dfd: int) -> None:
         if dst_mode is not None and stat.S_ISDIR(dst_mode):
             raise _occupied(src, dst, errno.EISDIR)
         if dst_mode is not None and not stat.S_ISREG(dst_mode):
             raise _occupied(src, dst, errno.EEXIST)  # a link or a device: not a file to replace
-        sparent, sname = _split(src)
-        dparent, dname = _split(dst)
-        sfd, dfd = self._dir_fd(sparent), self._dir_fd(dparent)
+        sname, dname = _split(src)[1], _split(dst)[1]
         try:
-            if os.path.lexists(os.path.join(sparent, _sidecar(sname))):
-                os.replace(_sidecar(sname), _sidecar(dname), src_dir_fd=sfd, dst_dir_fd=dfd)
-            else:
-                _unlink_regular(_sidecar(dname), dfd)
-            os.replace(sname, dname, src_dir_fd=sfd, dst_dir_fd=dfd)
-        finally:
-            os.close(sfd)
-            os.close(dfd)
+            os.lstat(_sidecar(sname), dir_fd=sfd)
+        except FileNotFoundError:
+            _unlink_regular(_sidecar(dname), dfd)
+        else:
+            os.replace(_sidecar(sname), _sidecar(dname), src_dir_fd=sfd, dst_dir_fd=dfd)
+        os.replace(sname, dname, src_dir_fd=sfd, dst_dir_fd=dfd)
+
+
+def _is_dir_at(name: str, dir_fd: int) -> bool:
+    try:
+        return stat.S_ISDIR(os.lstat(name, dir_fd=dir_fd).st_mode)
+    except FileNotFoundError:
+        return False
+
+
+def _rename_noreplace_at(sfd: int, sname: str, dfd: int, dname: str) -> None:
+    """``renameat2(RENAME_NOREPLACE)`` between two directory descriptors; EEXIST if ``dname`` exists."""
+    if _renameat2 is not None:
+        if _renameat2(sfd, os.fsencode(sname), dfd, os.fsencode(dname), _RENAME_NOREPLACE) == 0:
+            return
+        err = ctypes.get_errno()
+        if err not in (errno.ENOSYS, errno.EINVAL):
+            raise OSError(err, os.strerror(err), dname)
+    try:
+        os.lstat(dname, dir_fd=dfd)
+    except FileNotFoundError:
+        os.rename(sname, dname, src_dir_fd=sfd, dst_dir_fd=dfd)
+        return
+    raise OSError(errno.EEXIST, os.strerror(errno.EEXIST), dname)
 
 
 def _unlink_regular(name: str, dir_fd: int) -> None:
@@ -608,6 +820,8 @@ class _Objects:
         if self._committed_home(url) is not None or self._manifest(url) is not None:
             raise FileExistsError(errno.EEXIST, f"{url} is inside a committed checkpoint, which is never written to "
                                                 "again; write into a new directory and rename it", url)
+        if self._isdir(url):
+            raise IsADirectoryError(errno.EISDIR, f"{url} is a directory", url)
         store = store_for(parent)
         blob = store.create(name)
 
@@ -726,10 +940,15 @@ class _Objects:
             self._manifests.pop(url, None)
 
     def rename(self, src: str, dst: str, background_cleanup: bool) -> None:
+        if dst == src or dst.startswith(src + "/"):
+            raise OSError(errno.EINVAL, f"cannot rename {src} to {dst}: a directory cannot be moved into itself")
         if self._is_file(src):
             raise io.UnsupportedOperation(f"{src}: the store of {scheme_of(src)}:// renames directories only")
         if not self._isdir(src):
             raise FileNotFoundError(errno.ENOENT, f"{src} does not exist", src)
+        if self._committed_home(src) is not None:
+            raise io.UnsupportedOperation(f"{src} is a directory inside a committed checkpoint, which is never changed; "
+                                          "rename the whole checkpoint")
         if self._committed_home(dst) is not None:
             raise _occupied(src, dst, errno.EEXIST)
         if self._is_file(dst):
@@ -743,8 +962,8 @@ class _Objects:
         try:
             staging.prepare()
             sizes = {}
-            for rel in files:
-                sizes[rel] = self._copy(src, rel, staging)
+            for rel, store, name in files:
+                sizes[rel] = self._copy(f"{src}/{rel}", store, name, rel, staging)
             manifest = {"format": MANIFEST_FORMAT, "version": 1, "save_id": save_id,
                         "files": {rel: size for rel, size in sizes.items() if not _hidden(rel.rpartition("/")[2])}}
             staging.put_atomic(METADATA_FILE, json.dumps(manifest, separators=(",", ":")).encode(), self.config.sync)
@@ -753,29 +972,57 @@ class _Objects:
             raise
         try:
             target.commit(staging, overwrite=False, sync=self.config.sync)
-        except CheckpointError:
-            raise _occupied(src, dst, errno.EEXIST) from None
+        except BaseException as exc:
+            # Only a lost race is "occupied": another save's manifest is there now. A commit that landed before its
+            # store failed (cleaning up after it) is a commit. Any other failure is itself, and this save's staged
+            # copy goes (a store's discard also leaves a save that did commit alone).
+            committed = None
+            if isinstance(exc, Exception):
+                with contextlib.suppress(Exception):
+                    committed = self._manifest(dst)
+            if committed is None or committed.get("save_id") != save_id:
+                with contextlib.suppress(Exception):
+                    target.discard(staging)
+                if committed is not None:
+                    raise _occupied(src, dst, errno.EEXIST) from None
+                if isinstance(exc, OSError) or not isinstance(exc, Exception):
+                    raise
+                raise OSError(errno.EIO, f"committing the rename of {src} to {dst} failed: {exc}; nothing was committed, "
+                                         f"{src} is left as it was") from exc
         if background_cleanup:
             threading.Thread(target=self._remove_tree, args=(src,), daemon=True).start()
         else:
             self._remove_tree(src)
 
-    def _files_below(self, url: str, rel: str = "") -> list[str]:
+    def _files_below(self, url: str, rel: str = "") -> list[tuple[str, BlobStore, str]]:
+        """Every file below directory ``url``, its checksum files included: (its name relative to ``url`` prefixed
+        with ``rel``, the store holding it, its name there). A committed directory's files are those of its
+        manifest, read from its save's data store (never its store's own objects: on S3 the manifest and the
+        save area)."""
+        out = {}
+        manifest = self._manifest(url)
+        if manifest is not None:
+            data = store_for(url).data_store(manifest["save_id"])
+            for name in manifest["files"]:
+                out[rel + name] = (data, name)
+                if data.exists(_sidecar(name)):
+                    out[rel + _sidecar(name)] = (data, _sidecar(name))
+            return sorted((r, st, n) for r, (st, n) in out.items())
         store = store_for(url)
-        out = []
         for name in store.list():
             if name.endswith("/") or name == DIR_MARKER:
                 continue
-            out.append(rel + name)
+            out[rel + name] = (store, name)
+        listed = sorted((r, st, n) for r, (st, n) in out.items())
         if RUNS in store.capabilities:
             for child in store.children():
                 if "#tmp-" not in child:
-                    out.extend(self._files_below(f"{url}/{child}", f"{rel}{child}/"))
-        return sorted(set(out))
+                    listed.extend(self._files_below(f"{url}/{child}", f"{rel}{child}/"))
+        return sorted(listed, key=lambda f: f[0])
 
-    def _copy(self, src: str, rel: str, staging: BlobStore) -> int:
-        parent, name = _split(f"{src}/{rel}")
-        reader = store_for(parent).open(name)
+    def _copy(self, where: str, store: BlobStore, name: str, rel: str, staging: BlobStore) -> int:
+        src = where
+        reader = store.open(name)
         try:
             writer = staging.create(rel)
             try:
@@ -785,7 +1032,7 @@ class _Objects:
                     view = memoryview(buf)[: min(len(buf), reader.size - at)]
                     got = reader.readinto(view, at)
                     if got != len(view):
-                        raise CorruptCheckpointError(f"{src}/{rel}: cut short at byte {at + got} while it was renamed")
+                        raise CorruptCheckpointError(f"{src}: cut short at byte {at + got} while it was renamed")
                     writer.pwrite(view, at)
                     at += got
             except BaseException:
