@@ -116,18 +116,20 @@ def remove_tree(path: str) -> list[str]:
             return [path]
         raise
     try:
-        _clear(fd, path, left)
+        clear_dir(fd, path, left)
     finally:
         os.close(fd)
     if not left:
         faults.point("unlink", path)
-        _rmdir(path, None, left)
+        rmdir_at(path, None, left)
     else:
         log.warning("distckpt: left %s in place: %s not created by distckpt", path, ", ".join(left[:5]))
     return left
 
 
-def _clear(fd: int, path: str, left: list[str]) -> None:
+def clear_dir(fd: int, path: str, left: list[str]) -> None:
+    """Remove what the directory open as ``fd`` holds, through descriptors only; what is not a regular file or a
+    directory (a link, FIFO, socket or device) is left in place and its path added to ``left``."""
     for entry in os.scandir(fd):
         name = entry.name
         where = os.path.join(path, name)
@@ -145,12 +147,12 @@ def _clear(fd: int, path: str, left: list[str]) -> None:
                     left.append(where)
                     continue
                 before = len(left)
-                _clear(sub, where, left)
+                clear_dir(sub, where, left)
             finally:
                 os.close(sub)
             if len(left) == before:
                 faults.point("unlink", where)
-                _rmdir(name, fd, left, where)
+                rmdir_at(name, fd, left, where)
         elif stat.S_ISREG(mode):
             faults.point("unlink", where)
             try:
@@ -161,7 +163,8 @@ def _clear(fd: int, path: str, left: list[str]) -> None:
             left.append(where)
 
 
-def _rmdir(name: str, dir_fd: Optional[int], left: list[str], where: str = "") -> None:
+def rmdir_at(name: str, dir_fd: Optional[int], left: list[str], where: str = "") -> None:
+    """Remove the empty directory ``name`` of ``dir_fd``; one that is not empty (something left in it) is added to ``left``."""
     try:
         os.rmdir(name, dir_fd=dir_fd)
     except FileNotFoundError:

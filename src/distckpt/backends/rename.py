@@ -53,3 +53,20 @@ def exchange(a: str, b: str) -> None:
     os.rename(b, aside)
     os.rename(a, b)
     os.rename(aside, a)
+
+
+def rename_noreplace_at(sfd: int, sname: str, dfd: int, dname: str) -> None:
+    """``rename_noreplace`` between entries of two directory descriptors (no path is resolved again); EEXIST if
+    ``dname`` exists."""
+    if _renameat2 is not None:
+        if _renameat2(sfd, os.fsencode(sname), dfd, os.fsencode(dname), _RENAME_NOREPLACE) == 0:
+            return
+        err = ctypes.get_errno()
+        if err not in (errno.ENOSYS, errno.EINVAL):
+            raise OSError(err, os.strerror(err), dname)
+    try:
+        os.lstat(dname, dir_fd=dfd)
+    except FileNotFoundError:
+        os.rename(sname, dname, src_dir_fd=sfd, dst_dir_fd=dfd)
+        return
+    raise OSError(errno.EEXIST, os.strerror(errno.EEXIST), dname)

@@ -37,7 +37,6 @@ Paths are torch_checkpointing's: a local path, or ``scheme://...`` (``pathlib.Pa
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import io
 import json
@@ -53,8 +52,8 @@ from torch_checkpointing.storage.base_storage import ReadArgs, Storage, StorageC
 
 from .. import faults
 from ..backends.filesystem import FileReader, FsStore
-from ..backends.fs_objects import _clear, _rmdir, is_real_dir, open_regular
-from ..backends.rename import _RENAME_NOREPLACE, _renameat2
+from ..backends.fs_objects import clear_dir, is_real_dir, open_regular, rmdir_at
+from ..backends.rename import rename_noreplace_at
 from ..backends.schemes import scheme_entry, scheme_of, store_for
 from ..engine.blobs import RUNS, BlobReader, BlobStore
 from ..errors import (
@@ -651,12 +650,12 @@ class _Local:
                 raise
             left: list[str] = []
             try:
-                _clear(fd, url, left)  # through descriptors only: no link inside leads the removal out
+                clear_dir(fd, url, left)  # through descriptors only: no link inside leads the removal out
             finally:
                 os.close(fd)
             if not left:
                 faults.point("unlink", url)
-                _rmdir(name, pfd, left, url)
+                rmdir_at(name, pfd, left, url)
         finally:
             os.close(pfd)
         if left:
@@ -701,7 +700,7 @@ class _Local:
         sname, dname = _split(src)[1], _split(dst)[1]
         try:
             if dst_mode is None:
-                _rename_noreplace_at(sfd, sname, dfd, dname)
+                rename_noreplace_at(sfd, sname, dfd, dname)
             else:  # replaces an empty directory atomically, refuses a populated one
                 os.rename(sname, dname, src_dir_fd=sfd, dst_dir_fd=dfd)
         except OSError as exc:
@@ -729,22 +728,6 @@ def _is_dir_at(name: str, dir_fd: int) -> bool:
         return stat.S_ISDIR(os.lstat(name, dir_fd=dir_fd).st_mode)
     except FileNotFoundError:
         return False
-
-
-def _rename_noreplace_at(sfd: int, sname: str, dfd: int, dname: str) -> None:
-    """``renameat2(RENAME_NOREPLACE)`` between two directory descriptors; EEXIST if ``dname`` exists."""
-    if _renameat2 is not None:
-        if _renameat2(sfd, os.fsencode(sname), dfd, os.fsencode(dname), _RENAME_NOREPLACE) == 0:
-            return
-        err = ctypes.get_errno()
-        if err not in (errno.ENOSYS, errno.EINVAL):
-            raise OSError(err, os.strerror(err), dname)
-    try:
-        os.lstat(dname, dir_fd=dfd)
-    except FileNotFoundError:
-        os.rename(sname, dname, src_dir_fd=sfd, dst_dir_fd=dfd)
-        return
-    raise OSError(errno.EEXIST, os.strerror(errno.EEXIST), dname)
 
 
 def _unlink_regular(name: str, dir_fd: int) -> None:
