@@ -73,16 +73,17 @@ class _Stored:
 
     def __init__(self, plan: ColumnarPlan, results: list[ResultColumns]) -> None:
         if len(results) != len(plan.keep):
-            raise ValueError(f"write results from {len(results)} ranks for a plan of {len(plan.keep)}")
+            raise CorruptCheckpointError(f"write results from {len(results)} ranks for a plan of {len(plan.keep)}; nothing was committed")
         files: dict[str, list] = {}
         codecs: dict[str, int] = {IDENTITY.name: 0}
         rank_files, codec_nos = [], []
         for r, res in enumerate(results):
             if len(res.file_no) != int(plan.keep[r].sum()):
-                raise ValueError(f"rank {r} reported {len(res.file_no)} written items, its plan had {int(plan.keep[r].sum())}")
+                raise CorruptCheckpointError(f"rank {r} reported {len(res.file_no)} written items, its plan had {int(plan.keep[r].sum())}; "
+                                             "nothing was committed")
             for f in res.files:
                 if f[0] in files:
-                    raise ValueError(f"data file {f[0]!r} was written by two ranks")
+                    raise CorruptCheckpointError(f"data file {f[0]!r} was written by two ranks; nothing was committed")
                 files[f[0]] = f
             rank_files.append(res.files)
             codec_nos.append(np.array([codecs.setdefault(name, len(codecs)) for name in res.codecs], dtype=np.int64))
@@ -109,7 +110,7 @@ def columns_document(plan: ColumnarPlan, results: list[ResultColumns], save_id: 
     as_is = plan.code[plan.group_gid] != BYTES
     as_is &= codec == 0  # a chunk stored through a codec has its own length
     if (stored.length[row][as_is] != plan.group_bytes[as_is]).any():
-        raise ValueError("a rank wrote a chunk with a length other than planned")
+        raise CorruptCheckpointError("a rank wrote a chunk with a length other than planned; nothing was committed")
     f_l, b_l, c_l, len_l = stored.file_no[row].tolist(), stored.begin[row].tolist(), stored.crc[row].tolist(), stored.length[row].tolist()
     coded = bool(codec.any())
     codec_l = codec.tolist() if coded else None
