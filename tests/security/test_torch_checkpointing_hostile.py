@@ -1,4 +1,4 @@
-"""Hostile review of the torch_checkpointing storage backend (src/distckpt/integrations/torch_checkpointing.py):
+"""Hostile review of the torch_checkpointing storage backend (src/distckpt/integrations/torch_checkpointing/):
 DistckptStorage driven as a stranger would, through torch_checkpointing's Storage methods only, on local disk,
 memory:// and S3 (moto's server on loopback).
 
