@@ -89,6 +89,7 @@ def train(rank, world_size, run, steps, resume=False, hold=False, persist_every=
         if fail_last and step == steps:  # node 1's tmpfs is full: its local copy of the last step fails
             from distckpt import faults
 
+            mgr.wait()  # the fault is process-wide: earlier steps' background replication must not meet it
             with faults.inject(faults.Fault("enospc", kinds=("write",)) if rank == 1 else faults.Fault("call")):
                 mgr.save(step, state)
                 try:
