@@ -10,7 +10,7 @@ import threading
 from typing import Iterable, Optional, Union
 
 from .. import faults
-from ..engine.blobs import LEASES, RUNS, BlobReader, BlobStore, BlobWriter
+from ..engine.blobs import LEASES, RUNS, BlobReader, BlobStore, BlobWriter, BytesReader
 from ..errors import CheckpointError, CheckpointNotFoundError
 from ..format import METADATA_FILE
 from .blob_storage import BlobStorageReader, BlobStorageWriter
@@ -51,20 +51,6 @@ class _MemWriter(BlobWriter):
         pass
 
 
-class _MemReader(BlobReader):
-    small_reads_are_cheap = True
-
-    def __init__(self, buf: bytearray):
-        self.buf = buf
-        self.size = len(buf)
-
-    def readinto(self, buf: memoryview, offset: int) -> int:
-        view = memoryview(buf).cast("B")
-        part = self.buf[offset: offset + len(view)]
-        view[: len(part)] = part
-        return len(part)
-
-
 class MemoryStore(BlobStore):
     """Blobs in this process's memory, under one name."""
 
@@ -87,7 +73,7 @@ class MemoryStore(BlobStore):
         blobs = _CHECKPOINTS.get(self.name, {})
         if name not in blobs:
             raise CheckpointNotFoundError(f"{self.describe(name)} does not exist")
-        return _MemReader(blobs[name])
+        return BytesReader(blobs[name])
 
     def put_atomic(self, name: str, data: bytes, sync: bool) -> None:
         self._blobs()[name] = bytearray(data)
