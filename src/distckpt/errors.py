@@ -32,6 +32,8 @@ __all__ = [
     "UnsafeLocationError",
     "RelayoutError",
     "StateDictLookupError",
+    "CheckpointIndexError",
+    "CheckpointClosedError",
 ]
 
 
@@ -214,3 +216,11 @@ class StagingMemoryError(CheckpointError, MemoryError):
 class UnsafeLocationError(CheckpointError, PermissionError):
     """A directory distckpt would keep its own files in could be changed by another user: owned by someone else,
     writable by others, or reached through a link someone else owns (a planted link in ``/dev/shm``)."""
+
+
+class CheckpointIndexError(CheckpointError, IndexError):
+    """An index of a tensor opened with :func:`distckpt.open` that is out of range, or of a kind it does not read."""
+
+
+class CheckpointClosedError(CheckpointError, ValueError):
+    """A checkpoint opened with :func:`distckpt.open` was used after ``close()`` (or after its ``with`` block)."""
