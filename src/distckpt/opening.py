@@ -1,0 +1,216 @@
+"""distckpt.open(): a checkpoint as a read-only mapping of lazily read tensors and values, in one process.
+
+Like ``safetensors.safe_open``: nothing but the metadata is read when it opens; a value is read when it is
+looked up, a tensor's bytes when it is indexed. No process group is needed, and inside one no collective is
+made.
+
+    with distckpt.open("/ckpt/step-1000") as ckpt:
+        ckpt["progress.step"]              # a value: read, checked and decoded now
+        wte = ckpt["model.wte"]            # a LazyTensor: shape and dtype, nothing read yet
+        rows = wte[1000:2000]              # reads only those rows' bytes, from whichever chunks hold them
+        whole = wte.read()                 # the whole tensor, every chunk checked against its CRC-32C
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from collections.abc import Mapping
+from typing import Any, Iterator, Optional, Union
+
+import torch
+
+from .backends.blob_storage import BlobStorageReader
+from .backends.foreign import LayoutReader
+from .backends.registry import pick_storage
+from .engine.lazy_reads import LazyReads
+from .errors import CheckpointClosedError, CheckpointError, MissingKeyError
+from .format.values import decode_value
+from .metadata import Metadata, TensorStorageMetadata
+from .planning.slices import select
+from .storage import StorageReader
+
+__all__ = ["open", "OpenCheckpoint", "LazyTensor"]
+
+def open(checkpoint_id: Union[str, os.PathLike, None] = None, *, storage_reader: Optional[StorageReader] = None,
+         verify_checksums: bool = True, verify_slices: bool = False, allow_pickle: bool = False) -> "OpenCheckpoint":
+    """Open a checkpoint for lazy reads: a read-only mapping from its keys (as :func:`read_metadata` lists them,
+    flattened: ``"model.wte"``, ``"progress.step"``) to values and :class:`LazyTensor` objects.
+
+    Works on every store ``load`` reads (a path, ``s3://bucket/prefix``, ``memory://name``) and on checkpoints
+    other programs wrote that ``load`` reads (a DCP directory, a Hugging Face directory, a torch.save file).
+    Data files are opened and validated as ``load`` validates them when first needed, and stay open until
+    :meth:`OpenCheckpoint.close` (or the end of a ``with`` block).
+
+    Args:
+        verify_checksums: check the CRC-32C of every value and every chunk read whole.
+        verify_slices: read every stored chunk a slice touches whole, so that it is checked too (a chunk read in
+            part cannot be: its CRC-32C covers all of it). Off by default: a slice reads only its own rows.
+        allow_pickle: values stored pickled (saved with ``allow_pickle=True``) may be unpickled.
+    """
+    reader = pick_storage("reader", checkpoint_id, storage_reader)
+    name = os.fspath(checkpoint_id) if checkpoint_id is not None else type(reader).__name__
+    where = f"checkpoint {name!r}"
+    md = reader.read_metadata()
+    if isinstance(reader, BlobStorageReader):
+        store = reader.data_store(md)
+        verify = verify_checksums and reader.verify_checksums
+        registry = reader.extension_registry
+    elif isinstance(reader, LayoutReader):
+        reader.set_up_storage_reader(md, True)
+        store, verify, registry = reader.store, verify_checksums, None
+    else:
+        raise CheckpointError(f"distckpt.open reads through distckpt's storage readers; {where} was given a "
+                              f"{type(reader).__name__}. Leave storage_reader= out, or pass a distckpt reader "
+                              "(FileSystemReader, S3Reader, MemoryReader, DCPReader...)")
+    return OpenCheckpoint(md, LazyReads(store, md, where, verify=verify, registry=registry), verify_slices, allow_pickle)
+
+
+class OpenCheckpoint(Mapping):
+    """A checkpoint opened by :func:`open`: ``ckpt[key]`` is a value (read when looked up) or a
+    :class:`LazyTensor`. Iterating, ``len`` and ``in`` read only the metadata; ``values()`` and ``items()``
+    read every value.
+
+    It holds its data files open: ``close()`` it, or use it in a ``with`` block; after that, every read raises
+    CheckpointClosedError. ``metadata`` is the checkpoint's :class:`~distckpt.Metadata`; ``bytes_read``
+    counts the bytes of chunks and values read so far (data-file headers, read once per file, not included).
+    """
+
+    def __init__(self, md: Metadata, reads: LazyReads, verify_slices: bool = False, allow_pickle: bool = False) -> None:
+        self.metadata, self._reads = md, reads
+        self.verify_slices, self.allow_pickle = verify_slices, allow_pickle
+
+    @property
+    def where(self) -> str:
+        return self._reads.where
+
+    @property
+    def bytes_read(self) -> int:
+        return self._reads.bytes_read
+
+    @property
+    def closed(self) -> bool:
+        return self._reads.closed
+
+    def _check_open(self) -> None:
+        if self._reads.closed:
+            raise CheckpointClosedError(f"{self.where} was closed; open it again (distckpt.open) to read from it")
+
+    def __getitem__(self, key: str) -> Any:
+        self._check_open()
+        entry = self.metadata.state_dict_metadata.get(key) if isinstance(key, str) else None
+        if entry is None:
+            raise MissingKeyError(self._missing(key))
+        if isinstance(entry, TensorStorageMetadata):
+            return LazyTensor(self, key, entry)
+        raw = self._reads.read_value(key)
+        return decode_value(raw, allow_pickle=self.allow_pickle, where=self._reads.here(key))
+
+    def _missing(self, key: Any) -> str:
+        keys = self.metadata.state_dict_metadata
+        text = f"{self.where} has no key {key!r}"
+        if not isinstance(key, str):
+            return f"{text}: keys are strings, as distckpt.read_metadata lists them"
+        close = difflib.get_close_matches(key, list(keys), n=3)
+        under = sorted(k for k in keys if k.startswith(key + "."))[:3]
+        hint = close or under
+        if hint:
+            return f"{text}; did you mean {', '.join(repr(k) for k in hint)}?"
+        return f"{text} ({len(keys)} keys; `distckpt inspect` lists them)"
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.metadata.state_dict_metadata)
+
+    def __len__(self) -> int:
+        return len(self.metadata.state_dict_metadata)
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, str) and key in self.metadata.state_dict_metadata
+
+    def close(self) -> None:
+        """Close the data files; reads after this raise CheckpointClosedError. Closing twice does nothing."""
+        self._reads.close()
+
+    def __enter__(self) -> "OpenCheckpoint":
+        self._check_open()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"{len(self)} keys"
+        return f"<distckpt.OpenCheckpoint {self.where}, {state}>"
+
+
+class LazyTensor:
+    """A stored tensor of an :class:`OpenCheckpoint`, read when indexed.
+
+    ``shape``, ``dtype``, ``ndim``, ``numel()``, ``nbytes`` and ``chunks`` (each stored chunk's offsets and
+    sizes) come from the metadata. ``t[index]`` takes torch's basic indexing (ints, slices with positive steps,
+    ``...``, ``None``, over any dimensions) and returns a new CPU tensor equal to ``t.read()[index]``, reading
+    only the rows of dimension 0 that it needs from each chunk that holds some of it (one ranged read per run
+    of rows). A chunk whose rows are all read is checked against its CRC-32C; a chunk read in part cannot be
+    (open with ``verify_slices=True`` to read such chunks whole and check them). ``read()`` reads the whole
+    tensor, checking every chunk. Out-of-range ints raise CheckpointIndexError, an IndexError.
+    """
+
+    def __init__(self, opened: OpenCheckpoint, key: str, entry: TensorStorageMetadata) -> None:
+        self._opened, self.key, self._entry = opened, key, entry
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size(self._entry.size)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._entry.properties.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self._entry.size)
+
+    def dim(self) -> int:
+        return self.ndim
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel() * self.dtype.itemsize
+
+    @property
+    def chunks(self) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        return [(tuple(c.offsets), tuple(c.sizes)) for c in self._entry.chunks]
+
+    def __len__(self) -> int:
+        if not self.ndim:
+            raise TypeError("len() of a 0-d tensor")
+        return self.shape[0]
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        self._opened._check_open()
+        reads = self._opened._reads
+        sel = select(index, self.shape, reads.here(self.key))
+        block = reads.read_block(self.key, self._entry, sel, whole=self._opened.verify_slices)
+        return block[sel.view]
+
+    def read(self) -> torch.Tensor:
+        """The whole tensor, every chunk checked against its checksum."""
+        return self[...]
+
+    def pieces(self, max_bytes: int) -> Iterator[tuple[tuple[int, ...], torch.Tensor]]:
+        """The stored chunks, whole rows at a time: (offsets of the piece in the tensor, piece), pieces of at
+        most ``max_bytes`` (a chunk stored through a codec, or 0-d, comes whole). Each piece lives in a reused
+        buffer until the next is taken; each chunk's checksum is checked before its last piece is given."""
+        reads = self._opened._reads
+        for chunk in self._entry.chunks:
+            offsets = tuple(chunk.offsets)
+            for row, piece in reads.chunk_slabs(self.key, self._entry, chunk, max_bytes):
+                self._opened._check_open()
+                yield ((offsets[0] + row,) + offsets[1:] if offsets else ()), piece
+
+    def __repr__(self) -> str:
+        dtype = str(self.dtype).replace("torch.", "")
+        return f"<distckpt.LazyTensor {self.key!r} {dtype} {list(self.shape)}, {len(self._entry.chunks)} chunk(s)>"
