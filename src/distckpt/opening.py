@@ -14,23 +14,25 @@ made.
 from __future__ import annotations
 
 import difflib
+import math
 import os
 from collections.abc import Mapping
 from typing import Any, Iterator, Optional, Union
 
 import torch
 
+from . import knobs
 from .backends.blob_storage import BlobStorageReader
 from .backends.foreign import LayoutReader
 from .backends.registry import pick_storage
 from .engine.lazy_reads import LazyReads
-from .errors import CheckpointClosedError, CheckpointError, MissingKeyError
+from .errors import CheckpointClosedError, CheckpointError, CheckpointIndexError, MissingKeyError
 from .format.values import decode_value
 from .metadata import Metadata, TensorStorageMetadata
 from .planning.slices import select
 from .storage import StorageReader
 
-__all__ = ["open", "OpenCheckpoint", "LazyTensor"]
+__all__ = ["open", "OpenCheckpoint", "LazyTensor", "summarize"]
 
 def open(checkpoint_id: Union[str, os.PathLike, None] = None, *, storage_reader: Optional[StorageReader] = None,
          verify_checksums: bool = True, verify_slices: bool = False, allow_pickle: bool = False) -> "OpenCheckpoint":
@@ -200,13 +202,17 @@ class LazyTensor:
         """The whole tensor, every chunk checked against its checksum."""
         return self[...]
 
-    def pieces(self, max_bytes: int) -> Iterator[tuple[tuple[int, ...], torch.Tensor]]:
-        """The stored chunks, whole rows at a time: (offsets of the piece in the tensor, piece), pieces of at
-        most ``max_bytes`` (a chunk stored through a codec, or 0-d, comes whole). Each piece lives in a reused
-        buffer until the next is taken; each chunk's checksum is checked before its last piece is given."""
+    def pieces(self, max_bytes: int, chunks: Optional[list] = None) -> Iterator[tuple[tuple[int, ...], torch.Tensor]]:
+        """The stored chunks (all, as stored, or ``chunks``: (offsets, sizes) pairs of ``self.chunks`` in the order
+        wanted), whole rows at a time: (offsets of the piece in the tensor, piece), pieces of at most ``max_bytes``
+        (a chunk stored through a codec, or 0-d, comes whole). Each piece lives in a reused buffer until the next
+        is taken; each chunk's checksum is checked before its last piece is given."""
         reads = self._opened._reads
-        for chunk in self._entry.chunks:
-            offsets = tuple(chunk.offsets)
+        stored = {(tuple(c.offsets), tuple(c.sizes)): c for c in self._entry.chunks}
+        for key in (list(stored) if chunks is None else [(tuple(o), tuple(s)) for o, s in chunks]):
+            chunk, offsets = stored.get(key), key[0]
+            if chunk is None:
+                raise CheckpointIndexError(f"{reads.here(self.key)} has no stored chunk at {list(offsets)} of {list(key[1])}")
             for row, piece in reads.chunk_slabs(self.key, self._entry, chunk, max_bytes):
                 self._opened._check_open()
                 yield ((offsets[0] + row,) + offsets[1:] if offsets else ()), piece
@@ -214,3 +220,60 @@ class LazyTensor:
     def __repr__(self) -> str:
         dtype = str(self.dtype).replace("torch.", "")
         return f"<distckpt.LazyTensor {self.key!r} {dtype} {list(self.shape)}, {len(self._entry.chunks)} chunk(s)>"
+
+
+def summarize(tensor: LazyTensor, head: int = 8) -> dict:
+    """A tensor's summary, read chunk by chunk in pieces within the memory budget (every chunk checksummed):
+    key, dtype, shape, chunks, its first ``head`` elements in row-major order, and for real dtypes min, max and
+    mean (float dtypes: over the elements that are not NaN, with ``nan``, their count, and the L2 ``norm``)."""
+    out: dict = {"key": tensor.key, "kind": "tensor", "dtype": str(tensor.dtype).replace("torch.", ""),
+                 "shape": list(tensor.shape), "chunks": len(tensor.chunks)}
+    first = tensor[_head_index(tuple(tensor.shape), head)].reshape(-1)[:head] if tensor.numel() else None
+    out["head"] = [] if first is None else _plain(first.tolist() if not _is_float8(first) else first.float().tolist())
+    if tensor.dtype.is_complex or not tensor.numel():
+        return out
+    floating = tensor.dtype.is_floating_point
+    low, high, total, squares, count, nans = math.inf, -math.inf, 0.0, 0.0, 0, 0
+    for _, piece in tensor.pieces(max(1, min(knobs.read_slab_bytes(), knobs.memory_budget_bytes()) // 4)):
+        values = piece.reshape(-1).double()
+        if floating:
+            is_nan = torch.isnan(values)
+            nans += int(is_nan.sum())
+            values = values[~is_nan] if nans else values
+        if values.numel():
+            exact = values if floating else piece.reshape(-1).long()  # integers beyond 2**53 keep their value
+            low, high = min(low, exact.min().item()), max(high, exact.max().item())
+            total += float(values.sum())
+            squares += float(values.square().sum()) if floating else 0.0
+            count += values.numel()
+    out.update(min=_plain(low if count else None), max=_plain(high if count else None),
+               mean=_plain(total / count if count else None))
+    if floating:
+        out.update(norm=_plain(math.sqrt(squares)), nan=nans)
+    return out
+
+
+def _head_index(shape: tuple, n: int) -> tuple:
+    """An index reading at least the first ``n`` elements (row-major) of a tensor of ``shape``, and at most
+    about twice that many: whole innermost rows, from the outermost dimension that holds ``n``."""
+    inner = 1
+    for dim in range(len(shape) - 1, -1, -1):
+        if inner * shape[dim] >= n or dim == 0:
+            return (0,) * dim + (slice(0, min(shape[dim], -(-n // inner))),)
+        inner *= shape[dim]
+    return ()
+
+
+def _is_float8(t: torch.Tensor) -> bool:
+    return t.dtype.is_floating_point and t.dtype.itemsize == 1
+
+
+def _plain(x: Any) -> Any:
+    """``x`` as JSON can hold it: NaN and infinities as strings, complex numbers as text."""
+    if isinstance(x, list):
+        return [_plain(v) for v in x]
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if isinstance(x, complex):
+        return str(x)
+    return x
