@@ -157,9 +157,15 @@ def _block_by_block(ta: LazyTensor, tb: LazyTensor) -> int:
 
 def _count_differing(x: torch.Tensor, y: torch.Tensor) -> int:
     """Elements of ``x`` and ``y`` (same shape and dtype) whose bits differ."""
-    bx = x.reshape(-1).view(torch.uint8) if x.numel() else torch.empty(0, dtype=torch.uint8)
-    by = y.reshape(-1).view(torch.uint8) if y.numel() else torch.empty(0, dtype=torch.uint8)
+    bx, by = _bytes_of(x), _bytes_of(y)
     if torch.equal(bx, by):
         return 0
     size = max(1, x.dtype.itemsize)
     return int((bx.reshape(-1, size) != by.reshape(-1, size)).any(dim=1).sum())
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    flat = t.reshape(-1)
+    if flat.numel() and flat.stride(0) != 1:  # a one-element view may keep any stride, and then will not view as bytes
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    return flat.view(torch.uint8)
