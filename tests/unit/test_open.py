@@ -193,6 +193,11 @@ def test_chunks_of_a_two_rank_save_read_at_one_process(tmp_path_factory):
         rows[13:17]
         assert ckpt.bytes_read - before == 4 * 8 * 4  # rows 13-14 of one chunk, 15-16 of the other
         assert torch.equal(ckpt["model.bias"].read(), open_workers.BIAS)
+        rebuilt = torch.zeros_like(open_workers.COLS)
+        for offsets, piece in cols.pieces(64):  # whole rows of each chunk, 64 bytes at most: 6 rows of 5 bf16
+            assert piece.numel() * 2 <= 64
+            rebuilt[offsets[0]:offsets[0] + piece.shape[0], offsets[1]:offsets[1] + piece.shape[1]] = piece
+        assert torch.equal(rebuilt, open_workers.COLS)
 
 
 def _flip(path, key, offsets, at):

@@ -168,7 +168,8 @@ class LazyReads:
         runs = [(0, rows)] if whole else needed
         checked = runs == [(0, rows)] and self.verify and info.crc32c is not None
         direct = runs == needed and _direct_rows(part, axes, sizes, block)
-        slab_rows = max(1, _slab_bytes() // max(1, row_bytes))
+        # straight into the block, a run is one read (no buffer to bound); through a buffer, a slab at a time
+        slab_rows = rows if direct else max(1, _slab_bytes() // max(1, row_bytes))
         buf = None if direct else torch.empty(min(slab_rows, max(b - a for a, b in runs)) * row_bytes, dtype=torch.uint8)
         crc = 0
         for a, b in runs:
