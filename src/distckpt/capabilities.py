@@ -23,6 +23,7 @@ from typing import Any, Callable, TypeVar
 __all__ = [
     "COLUMNAR_COMMIT",
     "SHARED_VERIFICATION",
+    "SHARED_READS",
     "OVERWRITE",
     "supports",
     "plans_on_columns",
@@ -46,6 +47,13 @@ verifies whole, this rank reads only in part without checking their checksums. T
 ``partly_read_chunks(plan)`` (every rank), ``assign_verifiers(tables)`` (the coordinator) and
 ``accept_verifiers(chunks, mask)`` (every rank), the steps of
 :class:`distckpt.engine.shared_verification.SharedVerification`, which such a reader inherits."""
+
+SHARED_READS = "shared-reads"
+"""A StorageReader that reads each stored chunk several ranks of a load need once, on one of them, which sends it
+to the others. Where its ``shares_reads()`` is true, the load sequence calls its ``read_chunks(plan)`` (every rank),
+``assign_readers(tables)`` (the coordinator) and ``accept_readers(chunks, payload, peers)`` (every rank), the steps
+of :class:`distckpt.engine.shared_reads.SharedReads`, which such a reader inherits; its ``read_data`` then takes
+part in the exchange of every rank (failed or not)."""
 
 OVERWRITE = "overwrite"
 """A StorageWriter with an ``overwrite`` attribute (None: the DISTCKPT_OVERWRITE setting; or a bool) that a

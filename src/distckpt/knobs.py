@@ -43,6 +43,8 @@ __all__ = [
     "tier_transfer_depth",
     "hf_copy_block_bytes",
     "node_id",
+    "shared_reads",
+    "shared_read_bucket_bytes",
 ]
 
 
@@ -358,3 +360,16 @@ def hf_copy_block_bytes() -> int:
     """Bytes of host memory a Hugging Face publish copies a device or non-contiguous chunk through at a time
     (DISTCKPT_HF_COPY_BLOCK_BYTES, default 64 MiB); a row larger than this is copied whole."""
     return _int("DISTCKPT_HF_COPY_BLOCK_BYTES", 64 << 20, minimum=1)
+
+
+def shared_reads() -> bool:
+    """Whether a load over a process group reads each stored chunk that several ranks need once, on one of
+    them, and sends it to the others (DISTCKPT_SHARED_READS, default on; engine/shared_reads.py). Off, every
+    rank reads what it needs itself. A reader's ``shared_reads=`` overrides it; every rank must agree."""
+    return _bool("DISTCKPT_SHARED_READS", True)
+
+
+def shared_read_bucket_bytes() -> int:
+    """Largest buffer a shared read sends at once (DISTCKPT_SHARED_READ_BUCKET_BYTES; default 64 MiB, at most
+    half the memory budget). A larger chunk is sent in pieces of whole rows; a row larger than this goes alone."""
+    return _int("DISTCKPT_SHARED_READ_BUCKET_BYTES", max(1, min(64 << 20, memory_budget_bytes() // 2)), minimum=1)

@@ -8,8 +8,9 @@ from typing import Any, Optional, Union
 
 from ._sequence import prepare, storage_by_position
 from .backends.registry import pick_storage
-from .capabilities import SHARED_VERIFICATION, declares, keeps_plans, supports
+from .capabilities import SHARED_READS, SHARED_VERIFICATION, declares, keeps_plans, supports
 from .distributed import RAW, Coordinator, Wire
+from .engine.shared_reads import Peers
 from .format.codec import dumps, loads
 from .gc_pause import gc_paused
 from .metadata import STATE_DICT_TYPE, Metadata
@@ -85,7 +86,11 @@ def run_load(state_dict: STATE_DICT_TYPE, reader: Optional[StorageReader], plann
     def global_step(all_plans: list[LoadPlan]) -> list[LoadPlan]:
         return reader.prepare_global_plan(planner.create_global_plan(all_plans))
 
-    if coord.use_dist and _plans_stay(planner, reader):
+    if coord.use_dist and _plans_stay(planner, reader) and _shares_reads(reader):
+        # every plan stays as its rank made it; ranks list the chunks they read, so that each chunk several
+        # ranks need is read by one of them and sent to the others (engine/shared_reads.py)
+        central_plan = _plan_shared_reads(local_step, reader, planner, coord)
+    elif coord.use_dist and _plans_stay(planner, reader):
         # every plan stays as its rank made it: planning moves no plan bytes; ranks only list the chunks
         # they read partly, so that one reader of each verifies it whole and the others read just what they need
         central_plan = _plan_with_shared_verification(local_step, reader, coord)
@@ -104,6 +109,29 @@ def _plans_stay(planner: LoadPlanner, reader: StorageReader) -> bool:
     """Whether both global steps declare that they keep plans, and the reader can share verification."""
     return (declares(planner, "create_global_plan", keeps_plans) and declares(reader, "prepare_global_plan", keeps_plans)
             and supports(reader, SHARED_VERIFICATION))
+
+
+def _shares_reads(reader: StorageReader) -> bool:
+    return supports(reader, SHARED_READS) and reader.shares_reads()
+
+
+def _plan_shared_reads(local_step, reader: StorageReader, planner: LoadPlanner, coord: Coordinator) -> LoadPlan:
+    """This rank's plan, once every rank has planned, and its part of the shared reads. One fixed-size vote tells
+    whether any rank failed and whether any may read a chunk another rank needs too (a replicated destination, a
+    chunk read partly); only then do the ranks exchange their chunk lists."""
+    failure: Optional[BaseException] = None
+    plan, chunks, table, share = None, [], b"", False
+    try:
+        plan = local_step()
+        alone = planner.keys_held_alone() if isinstance(planner, DefaultLoadPlanner) else set()
+        chunks, table, share = reader.read_chunks(plan, alone)
+    except Exception as exc:  # noqa: BLE001 - reported to every rank by the vote
+        failure = exc
+    if not coord.vote("load planning", failure, share):
+        return plan
+    payload = coord.reduce_scatter("load planning", lambda: table, reader.assign_readers, RAW, RAW)
+    reader.accept_readers(chunks, payload, Peers(coord.group, coord.rank, coord.world_size, coord.device, coord.timeout_s))
+    return plan
 
 
 def _plan_with_shared_verification(local_step, reader: StorageReader, coord: Coordinator) -> LoadPlan:

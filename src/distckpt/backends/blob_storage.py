@@ -20,10 +20,11 @@ from typing import Any, Optional, Union
 from torch.futures import Future
 
 from .. import knobs
-from ..capabilities import COLUMNAR_COMMIT, OVERWRITE, SHARED_VERIFICATION, keeps_plans
+from ..capabilities import COLUMNAR_COMMIT, OVERWRITE, SHARED_READS, SHARED_VERIFICATION, keeps_plans
 from ..engine.blobs import BlobStore
 from ..engine.commit import columns_document, objects_document, publish
 from ..engine.read import read_items
+from ..engine.shared_reads import SharedReads
 from ..engine.shared_verification import SharedVerification
 from ..engine.write import identity_codec, write_file
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
@@ -238,7 +239,7 @@ class BlobStorageWriter(_Located, StorageWriter):
         self._release_lease()
 
 
-class BlobStorageReader(_Located, SharedVerification, StorageReader):
+class BlobStorageReader(_Located, SharedReads, SharedVerification, StorageReader):
     """The protocol's StorageReader over any blob store.
 
     Args:
@@ -246,16 +247,22 @@ class BlobStorageReader(_Located, SharedVerification, StorageReader):
             :func:`~distckpt.backends.register_store`); may also be given later as ``checkpoint_id``.
         verify_checksums: check the CRC-32C of every item read (default True).
         thread_count: reader threads per rank (default: the DISTCKPT_IO_THREADS knob).
+        shared_reads: in a load over a process group, read each chunk several ranks need on one of them, which
+            sends it to the others (default: the DISTCKPT_SHARED_READS knob, on); every rank must agree.
 
-    It declares ``SHARED_VERIFICATION`` (:mod:`distckpt.capabilities`; the steps are
+    It declares ``SHARED_READS`` and ``SHARED_VERIFICATION`` (:mod:`distckpt.capabilities`; the steps are
+    :class:`~distckpt.engine.shared_reads.SharedReads`' and
     :class:`~distckpt.engine.shared_verification.SharedVerification`'s), and that its
     ``prepare_global_plan`` keeps plans as they are.
     """
 
-    capabilities = frozenset({SHARED_VERIFICATION})
+    capabilities = frozenset({SHARED_READS, SHARED_VERIFICATION})
 
-    def __init__(self, store: Location = None, *, verify_checksums: bool = True, thread_count: Optional[int] = None):
+    def __init__(self, store: Location = None, *, verify_checksums: bool = True, thread_count: Optional[int] = None,
+                 shared_reads: Optional[bool] = None):
         self._locate(store)
+        self.shared_reads = shared_reads
+        self.shares = None
         self.verify_checksums = verify_checksums
         self.thread_count = thread_count
         self.load_id = uuid.uuid4().hex  # names this load to planners (StorageMeta.load_id); new at each reset
@@ -315,6 +322,7 @@ class BlobStorageReader(_Located, SharedVerification, StorageReader):
         self.is_coordinator = is_coordinator
         self.store = self._store().data_store(metadata.storage_data.save_id)
         self.verified_elsewhere = set()
+        self.shares = None
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -330,5 +338,5 @@ class BlobStorageReader(_Located, SharedVerification, StorageReader):
         read_items(self.store, self.metadata, plan, planner, self._checkpoint_id(),
                    verify=self.verify_checksums, threads=self.thread_count or knobs.io_threads(),
                    verified_elsewhere=self.verified_elsewhere, is_coordinator=self.is_coordinator,
-                   extension_registry=self.extension_registry)
+                   extension_registry=self.extension_registry, shares=self.shares)
         return done(None)

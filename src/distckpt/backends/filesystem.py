@@ -616,6 +616,7 @@ class FileSystemReader(_AtPath, BlobStorageReader):
         path: the checkpoint directory (may also be given as ``checkpoint_id``).
         verify_checksums: check the CRC-32C of every item read (default True).
         thread_count: reader threads per rank (default: the DISTCKPT_IO_THREADS knob).
+        shared_reads: as :class:`~distckpt.backends.BlobStorageReader`'s (default: DISTCKPT_SHARED_READS, on).
         _extension_registry: rebuilds the stream transforms items were written
             through, from the descriptors the metadata records (DCP's name; an
             :class:`~distckpt.ExtensionRegistry` or DCP's). The default one knows
@@ -623,8 +624,8 @@ class FileSystemReader(_AtPath, BlobStorageReader):
     """
 
     def __init__(self, path: Union[str, os.PathLike, None] = None, verify_checksums: bool = True, thread_count: int | None = None,
-                 *, _extension_registry: Any = None):
-        super().__init__(path, verify_checksums=verify_checksums, thread_count=thread_count)
+                 *, _extension_registry: Any = None, shared_reads: Optional[bool] = None):
+        super().__init__(path, verify_checksums=verify_checksums, thread_count=thread_count, shared_reads=shared_reads)
         self.extension_registry = _extension_registry
 
     def open_store(self, checkpoint_id: str) -> BlobStore:

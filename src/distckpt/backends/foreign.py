@@ -14,9 +14,10 @@ from typing import Any, Optional, Union
 from torch.futures import Future
 
 from .. import knobs
-from ..capabilities import SHARED_VERIFICATION, keeps_plans
+from ..capabilities import SHARED_READS, SHARED_VERIFICATION, keeps_plans
 from ..engine.blobs import BlobStore
 from ..engine.read import read_items
+from ..engine.shared_reads import SharedReads
 from ..engine.shared_verification import SharedVerification
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, MissingKeyError, ShapeMismatchError
 from ..format.records import ForeignStorageData
@@ -30,7 +31,7 @@ from .s3 import S3Reader
 __all__ = ["LayoutReader"]
 
 
-class LayoutReader(SharedVerification, StorageReader):
+class LayoutReader(SharedReads, SharedVerification, StorageReader):
     """Reads another program's checkpoint through a layout (see the module docstring).
 
     Args:
@@ -42,11 +43,14 @@ class LayoutReader(SharedVerification, StorageReader):
     kind = "foreign"  # how errors name the checkpoint
     # nothing of another program's checkpoint is verified on read (it records no checksums), so verification is
     # trivially shared: the load keeps every rank's plan where it made it, with no plan exchanged
-    capabilities = frozenset({SHARED_VERIFICATION})
+    capabilities = frozenset({SHARED_READS, SHARED_VERIFICATION})
     verify_checksums = False
 
-    def __init__(self, path: Union[str, os.PathLike, None] = None, *, thread_count: Optional[int] = None, **s3_options: Any):
+    def __init__(self, path: Union[str, os.PathLike, None] = None, *, thread_count: Optional[int] = None,
+                 shared_reads: Optional[bool] = None, **s3_options: Any):
         self.path = None if path is None else os.fspath(path)
+        self.shared_reads = shared_reads  # as BlobStorageReader's
+        self.shares = None
         self.thread_count = thread_count
         self.s3_options = s3_options
         self.load_id = uuid.uuid4().hex
@@ -117,6 +121,7 @@ class LayoutReader(SharedVerification, StorageReader):
         self.metadata = metadata
         self.is_coordinator = is_coordinator
         self.store = self._store()
+        self.shares = None
 
     def skip_verification(self, chunks: set) -> None:
         """Nothing to skip: nothing is verified (see ``capabilities``)."""
@@ -131,7 +136,7 @@ class LayoutReader(SharedVerification, StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
         self._check_planned(planner)
         read_items(self.store, self.metadata, plan, planner, str(self.path), verify=False,
-                   threads=self.thread_count or knobs.io_threads(), is_coordinator=self.is_coordinator)
+                   threads=self.thread_count or knobs.io_threads(), is_coordinator=self.is_coordinator, shares=self.shares)
         return done(None)
 
     def _check_planned(self, planner: LoadPlanner) -> None:

@@ -195,8 +195,9 @@ class MemoryWriter(_Named, BlobStorageWriter):
 class MemoryReader(_Named, BlobStorageReader):
     """Reads a checkpoint written by :class:`MemoryWriter`."""
 
-    def __init__(self, name: Union[str, None] = None, verify_checksums: bool = True, thread_count: int | None = None):
-        super().__init__(name, verify_checksums=verify_checksums, thread_count=thread_count)
+    def __init__(self, name: Union[str, None] = None, verify_checksums: bool = True, thread_count: int | None = None,
+                 shared_reads: Optional[bool] = None):
+        super().__init__(name, verify_checksums=verify_checksums, thread_count=thread_count, shared_reads=shared_reads)
 
     def open_store(self, checkpoint_id: str) -> BlobStore:
         name = _name(checkpoint_id)

@@ -505,12 +505,13 @@ class S3Writer(_AtUrl, BlobStorageWriter):
 
 
 class S3Reader(_AtUrl, BlobStorageReader):
-    """Reads a checkpoint written by :class:`S3Writer` (same arguments, plus ``verify_checksums``)."""
+    """Reads a checkpoint written by :class:`S3Writer` (same arguments, plus ``verify_checksums`` and
+    ``shared_reads``, as :class:`~distckpt.backends.BlobStorageReader`'s)."""
 
     def __init__(self, url: Union[str, os.PathLike, None] = None, *, endpoint_url: Optional[str] = None,
                  region_name: Optional[str] = None, client: Any = None, verify_checksums: bool = True,
-                 thread_count: Optional[int] = None):
-        super().__init__(url, verify_checksums=verify_checksums, thread_count=thread_count)
+                 thread_count: Optional[int] = None, shared_reads: Optional[bool] = None):
+        super().__init__(url, verify_checksums=verify_checksums, thread_count=thread_count, shared_reads=shared_reads)
         self._init_s3(endpoint_url, region_name, client)
 
     def read_metadata(self, *args: Any, **kwargs: Any):

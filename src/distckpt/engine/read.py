@@ -31,6 +31,8 @@ from .blobs import BlobReader, BlobStore
 from .budget import ByteBudget
 from .chunk_reads import ChunkShapes, check_checksum, copy_rows, read_exact, read_into, rows_meet
 from .device_copy import PendingCopies, caller_streams, host_buffer, uses_pinned
+from .shared_delivery import SharedChunks
+from .shared_reads import RECEIVE, Failing, Shares, exchange
 from .tasks import run_lanes
 from .tensor_bytes import memory_at, writable_bytes
 from .windows import WINDOW_BYTES, windows
@@ -100,7 +102,7 @@ def _check_lead_crc(crc: int, info, data_start: int, here: str) -> None:
 
 def read_items(store: BlobStore, md: Metadata, plan: LoadPlan, planner: LoadPlanner, checkpoint_id: str,
                *, verify: bool, threads: int, verified_elsewhere: set = frozenset(), is_coordinator: bool = True,
-               extension_registry: Any = None) -> None:
+               extension_registry: Any = None, shares: Optional[Shares] = None) -> None:
     """Read every item of ``plan``.
 
     Stored chunks that one read item needs whole, into a contiguous CPU
@@ -112,10 +114,21 @@ def read_items(store: BlobStore, md: Metadata, plan: LoadPlan, planner: LoadPlan
     see shared_verification.py), in which case only the rows needed are read.
     Chunks stored through stream transforms are decoded by extensions that
     ``extension_registry`` rebuilds (format/stream_transforms.py).
+
+    With ``shares`` (shared_reads.py), the chunks it names are read by one rank of the load and sent to the
+    others first; a rank that fails before that still takes its part, sending its failure, so that no rank waits.
     """
-    read = Read(store, md, plan, planner, f"checkpoint {checkpoint_id!r}", verify, verified_elsewhere, extension_registry)
-    read.open_files()
+    where = f"checkpoint {checkpoint_id!r}"
     try:
+        read = Read(store, md, plan, planner, where, verify, verified_elsewhere, extension_registry, shares)
+        read.open_files()
+    except Exception as exc:
+        if shares is not None:
+            exchange(shares, Failing(f"{type(exc).__name__}: {exc}"), ByteBudget(knobs.memory_budget_bytes()).hold)
+        raise
+    try:
+        if shares is not None:
+            read.exchange(shares)
         read.execute(threads, is_coordinator)
     finally:
         read.close()
@@ -131,7 +144,7 @@ class Read:
     """One rank's read of a plan: the chunks it needs, where they are stored, and the steps that read them."""
 
     def __init__(self, store: BlobStore, md: Metadata, plan: LoadPlan, planner: LoadPlanner, where: str, verify: bool,
-                 verified_elsewhere: set, registry: Any = None) -> None:
+                 verified_elsewhere: set, registry: Any = None, shares: Optional[Shares] = None) -> None:
         self.store, self.md, self.planner, self.where, self.verify = store, md, planner, where, verify
         self.verified_elsewhere = verified_elsewhere
         self.fsd: FileStorageData = md.storage_data
@@ -169,6 +182,12 @@ class Read:
             self.by_chunk[item.storage_index].append(item)
         for index in list(self.by_chunk):
             self.add_chunk(index)
+        # chunks another rank reads for this one, or this one for others (shared_reads.py): key -> index
+        self.shared: dict[tuple, MetadataIndex] = {}
+        self.shared_info: dict[tuple, StorageInfo] = {}
+        self.preset: dict[int, torch.Tensor] = {}  # id(read item) -> its destination, for column items made items
+        if shares is not None:
+            self.take_shared(shares.roles)
         self.lock = threading.Lock()
         self.budget = ByteBudget(knobs.memory_budget_bytes())
         self.per_thread = threading.local()
@@ -188,6 +207,40 @@ class Read:
             self.codecs[index] = self.fsd.decoder(index, info, self.here(index))
         else:
             self.codecs[index] = codec_for(info.codec, self.registry, self.here(index))
+
+    def take_shared(self, roles: dict) -> None:
+        """Set apart the chunks ``roles`` names: column items among them become read items (with their
+        destination preset); a chunk received from another rank is not opened here."""
+        if self.whole:
+            locations = self.fsd.items
+            names = [name for name, _ in locations.file_list]
+            keep = []
+            for entry in self.whole:
+                fqn, offsets, dest, size, row, at, _ = entry
+                if not locations.length[row] or (names[locations.file_no[row]], locations.begin[row]) not in roles:
+                    keep.append(entry)
+                    continue
+                index = MetadataIndex(fqn, offsets, 0)
+                zeros = torch.Size([0] * len(size))
+                item = ReadItem(LoadItemType.TENSOR, MetadataIndex(fqn, at), zeros, index, zeros, torch.Size(size))
+                self.by_chunk[index].append(item)
+                self.preset[id(item)] = dest
+                self.add_chunk(index)
+            self.whole = keep
+        for index, info in list(self.infos.items()):
+            role = roles.get((info.file, info.offset)) if info.length else None  # an empty chunk shares its offset
+            if role is not None:
+                self.shared[(info.file, info.offset)] = index
+                self.shared_info[(info.file, info.offset)] = info
+                if role == RECEIVE:
+                    del self.infos[index]
+
+    def exchange(self, shares: Shares) -> None:
+        """Send and receive the shared chunks (shared_reads.py); raise the first failure of a chunk this rank
+        needed, once every message has gone."""
+        endpoint = SharedChunks(self, shares)
+        exchange(shares, endpoint, self.budget.hold)
+        endpoint.raise_first()
 
     def here(self, index: MetadataIndex) -> str:
         chunk = f", chunk {list(index.offset)}" if index.offset is not None else ""
@@ -269,6 +322,8 @@ class Read:
                 self.add_chunk(index)
         in_order = len(direct)  # the column items, already in file order (by number, not by name)
         for index, info in sorted(self.infos.items(), key=lambda kv: (kv[1].file, kv[1].offset)):
+            if (info.file, info.offset) in self.shared:
+                continue  # sent to this rank, or read here and sent: by exchange()
             items, shape = self.by_chunk[index], self.chunk_shapes[index]
             if (items[0].type == LoadItemType.TENSOR and len(items) == 1 and tuple(items[0].lengths) == shape
                     and self.codecs[index].identity):
@@ -473,13 +528,15 @@ class Read:
         """The destination tensor of each read item of a chunk, checked to be real and of the item's shape."""
         items = self.by_chunk[index]
         with self.lock:
-            dests = [self.planner.resolve_tensor(item) for item in items]
+            dests = [self.preset[id(item)] if id(item) in self.preset else self.planner.resolve_tensor(item)
+                     for item in items]
+        length = self.fsd.items[index].length if index not in self.infos else self.infos[index].length
         for item, dest in zip(items, dests):
-            if self.infos[index].length and dest.device.type == "meta":  # planning on meta is fine; loading would drop data
+            if length and dest.device.type == "meta":  # planning on meta is fine; loading would drop data
                 raise UnsupportedTensorError(
                     f"{self.here(index)}: the destination is on the meta device and has no memory to load into; "
                     "materialise it first (for a module: .to_empty(device=...)), or return a real tensor from resolve_tensor")
-            if self.infos[index].length and tuple(dest.shape) != tuple(item.lengths):
+            if length and tuple(dest.shape) != tuple(item.lengths):
                 raise CheckpointError(f"{self.here(index)}: resolve_tensor returned shape {tuple(dest.shape)}, the read "
                                       f"item needs {tuple(item.lengths)}")
         return dests

@@ -16,7 +16,7 @@ from ..metadata import STATE_DICT_TYPE, BytesStorageMetadata, Metadata, Metadata
 from ..planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from .flatten import expand_to_match, flatten_state_dict, rank_local_hint, set_element
 from .resharding import ChunkIndex
-from .tensors import check_no_aliasing, dtype_of, is_dtensor, local_boxes, local_pieces, piece_at
+from .tensors import check_no_aliasing, dtype_of, held_alone, is_dtensor, local_boxes, local_pieces, piece_at
 
 __all__ = ["DefaultLoadPlanner"]
 
@@ -234,6 +234,11 @@ class DefaultLoadPlanner(LoadPlanner):
                     torch.Size(ov.storage_offsets),
                     torch.Size(ov.lengths),
                 ))
+
+    def keys_held_alone(self) -> set[str]:
+        """The keys whose destination this rank alone holds (see :func:`~distckpt.planning.tensors.held_alone`): a
+        stored chunk read whole into one of them is needed by no other rank of the load (shared reads)."""
+        return {fqn for fqn, obj in self.state_dict.items() if held_alone(obj)}
 
     @keeps_plans
     def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:

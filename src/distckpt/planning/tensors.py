@@ -32,6 +32,17 @@ def is_dtensor(obj: Any) -> bool:
     return DTensor is not None and isinstance(obj, DTensor)
 
 
+def held_alone(obj: Any) -> bool:
+    """Whether no other rank holds any element of ``obj``'s local part: a DTensor sharded along every mesh
+    dimension of more than one rank, or a ShardedTensor (whose shards do not overlap)."""
+    if is_sharded_tensor(obj):
+        return True
+    if not is_dtensor(obj):
+        return False
+    mesh = obj.device_mesh
+    return all(p.is_shard() or mesh.size(dim) == 1 for dim, p in enumerate(obj.placements))
+
+
 def is_sharded_tensor(obj: Any) -> bool:
     """A ShardedTensor (FSDP1's SHARDED_STATE_DICT, torch.distributed._shard): several local shards per rank."""
     return ShardedTensor is not None and isinstance(obj, ShardedTensor)

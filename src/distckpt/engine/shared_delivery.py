@@ -1,0 +1,144 @@
+"""The read engine's side of shared reads: reading the pieces this rank sends, and copying the pieces it sends or
+receives into its destinations (the transport and the plan are shared_reads.py's)."""
+
+from __future__ import annotations
+
+import io
+from typing import Any, Optional
+
+import torch
+
+from ..errors import CheckpointError, CorruptCheckpointError
+from ..format.checksum import crc32c
+from ..format.dtypes import itemsize
+from ..metadata import MetadataIndex
+from ..planner import LoadItemType
+from ..planning.resharding import volume
+from .chunk_reads import check_checksum, copy_rows, read_into, rows_meet
+from .shared_reads import Endpoint, Message
+
+__all__ = ["SharedChunks"]
+
+
+class SharedChunks(Endpoint):
+    """One rank's pieces of the shared chunks of a :class:`~distckpt.engine.read.Read` (``read``): the chunks it
+    reads for others are checksummed as they are read, and the bytes checked are the bytes sent; what it needs of
+    any shared chunk is copied out of the message buffer. A chunk that fails has its destinations zeroed."""
+
+    def __init__(self, read: Any, shares: Any) -> None:
+        self.read = read
+        self.crc: dict[tuple, int] = {}
+        self.failed: dict[tuple, BaseException] = {}  # chunks that failed on this rank
+        self.unsent: dict[tuple, str] = {}  # chunks this rank reads for others that failed: why, for the receivers
+        self.errors: list[BaseException] = []
+        self.dests: dict[tuple, list] = {}
+
+    def raise_first(self) -> None:
+        if self.errors:
+            raise self.errors[0]
+
+    # ------------------------------------------------------------ the sender
+
+    def fill(self, message: Message, views: list[memoryview]) -> list[Optional[str]]:
+        out: list[Optional[str]] = []
+        for (key, b0, b1), view in zip(message.pieces, views):
+            if key not in self.unsent:
+                try:
+                    self.fill_piece(key, b0, b1, view)
+                except Exception as exc:  # noqa: BLE001 - sent to every receiver, raised here after the exchange
+                    self.unsent[key] = str(self.fail(key, exc))
+                else:  # the bytes are good for the others, whatever this rank's own destinations do with them
+                    self.deliver_safely(key, self.read.shared[key], view, b0, b1)
+            out.append(self.unsent.get(key))
+        return out
+
+    def fill_piece(self, key: tuple, b0: int, b1: int, view: memoryview) -> None:
+        read = self.read
+        index = read.shared.get(key)
+        if index is None or index not in read.infos:
+            raise CheckpointError(f"rank's plan no longer reads the chunk at {key[0]!r} offset {key[1]}: the plan changed "
+                                  "between planning and reading (finish_plan)")
+        info = read.infos[index]
+        read_into(read.reader(info.file), view, info.offset + b0, read.here(index), info.file)
+        if read.verify:
+            self.crc[key] = crc32c(view, self.crc.get(key, 0))
+            if b1 == info.length:
+                check_checksum(True, self.crc.pop(key), info, read.here(index), self.dests.get(key, ()))
+
+    # ------------------------------------------------------------ every rank that needs the chunk
+
+    def take(self, message: Message, views: list[memoryview], failures: list[Optional[str]]) -> None:
+        for (key, b0, b1), view, why in zip(message.pieces, views, failures):
+            if key in self.failed:
+                continue
+            index = self.read.shared.get(key)
+            if index is None:
+                continue  # the plan changed after planning; the chunk is not this rank's any more
+            if why is not None:
+                self.fail(key, CorruptCheckpointError(f"{self.read.here(index)}: {why}"))
+                continue
+            self.deliver_safely(key, index, view, b0, b1)
+
+    def deliver_safely(self, key: tuple, index: MetadataIndex, view: memoryview, b0: int, b1: int) -> None:
+        """:meth:`deliver`, a failure recorded (raised after the exchange, which the other ranks still need)."""
+        if key in self.failed:
+            return
+        try:
+            self.deliver(key, index, view, b0, b1)
+        except Exception as exc:  # noqa: BLE001
+            self.fail(key, exc)
+
+    def deliver(self, key: tuple, index: MetadataIndex, view: memoryview, b0: int, b1: int) -> None:
+        """Copy the piece [b0, b1) of a chunk into every destination that needs part of it; after its last
+        piece, commit the items."""
+        read = self.read
+        items, info, shape = read.by_chunk[index], read.shared_info[key], read.chunk_shapes[index]
+        codec = read.codecs[index]
+        if items[0].type == LoadItemType.BYTE_IO:
+            data = bytes(view) if codec.identity else bytes(codec.decode(view, -1, read.here(index)))
+            with read.lock:
+                read.planner.load_bytes(items[0], io.BytesIO(data))
+            return
+        dests = self.dests.get(key)
+        if dests is None:
+            dests = self.dests[key] = read.destinations(index)
+        dtype = read.md.state_dict_metadata[index.fqn].properties.dtype
+        if not codec.identity:
+            nbytes = volume(shape) * itemsize(dtype)
+            raw = codec.decode(view, nbytes, read.here(index))
+            chunk = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
+            slab, a, b = chunk.view(dtype).reshape(shape), 0, shape[0] if shape else 1
+        else:
+            raw = torch.frombuffer(view, dtype=torch.uint8) if len(view) else torch.empty(0, dtype=torch.uint8)
+            if shape:
+                row_bytes = info.length // shape[0]
+                a, b = b0 // row_bytes, b1 // row_bytes
+                slab = raw.view(dtype).reshape((b - a,) + tuple(shape[1:]))
+            else:
+                a, b, slab = 0, 1, raw.view(dtype).reshape(())
+        for item, dest in zip(items, dests):
+            if rows_meet(item, a, b, shape):
+                copy_rows(item, dest, slab, a, b, shape, None)
+        if b1 == info.length:
+            with read.lock:
+                for item, dest in zip(items, dests):
+                    if id(item) not in read.preset:
+                        read.planner.commit_tensor(item, dest)
+
+    def fail(self, key: tuple, exc: BaseException) -> BaseException:
+        """Record the first failure of a chunk on this rank, and zero what was copied of it: bytes that were not
+        checked, or failed, never stay in the caller's tensors. Returns the error recorded."""
+        if key in self.failed:
+            return self.failed[key]
+        if not isinstance(exc, CheckpointError):
+            exc = CheckpointError(f"{self.here(key)}: {type(exc).__name__}: {exc}")
+        self.failed[key] = exc
+        self.errors.append(exc)
+        for dest in self.dests.get(key, ()):
+            if isinstance(dest, torch.Tensor) and dest.device.type != "meta":
+                dest.zero_()
+        return exc
+
+    def here(self, key: tuple) -> str:
+        index = self.read.shared.get(key)
+        return self.read.here(index) if index is not None else f"{self.read.where}: file {key[0]!r} offset {key[1]}"

@@ -1,0 +1,390 @@
+"""Reading each stored chunk once per load: one rank reads a chunk that several ranks need and sends it to them.
+
+A replicated tensor (DDP's parameters, an optimizer's step counter) or a chunk that several ranks of another
+sharding overlap is needed by more than one rank. Read by each, it costs storage traffic times the number of
+ranks; here one of them reads it, checks its checksum, and sends the bytes it checked to the others.
+
+During load planning every rank lists the chunks its plan reads (file number, offset, length, and the bytes of
+one row, so that a large chunk is cut on row boundaries). The coordinator picks one reader among the ranks
+that need each shared chunk, the one with the fewest bytes to read so far, largest chunks first; chunks only
+one rank needs count toward that rank's share. It then packs the shared chunks into messages of at most the
+bucket size, one sender and its set of receivers per message, and tells each rank the messages it takes part
+in, in one global order.
+
+Each rank then walks its messages in that order: as the sender it reads the pieces, checksums them and sends
+the buffer; as a receiver it waits for the buffer and copies the pieces into its destinations. Every rank
+walks the messages in the same global order and blocks only on its own, so the earliest unfinished message
+always has all of its ranks waiting on it: no cycle of waits can form. A chunk that fails at its reader (a
+checksum mismatch, a truncated file, any error of that rank) travels as a failed status with the reader's
+message; each receiver zeroes what it copied of that chunk and the load fails on every rank that needed it.
+A sender that dies leaves its receivers with a broken connection or, at worst, the checkpoint timeout.
+
+Messages go point to point, to the ranks that need them only: a chunk shared by the two ranks of one replica
+pair crosses the network once, whatever the size of the job.
+"""
+
+from __future__ import annotations
+
+import struct
+from datetime import timedelta
+from typing import Any, Callable, NamedTuple, Optional
+
+import numpy as np
+import torch
+
+from .. import faults, knobs
+from ..errors import CheckpointError, CorruptCheckpointError
+from ..format.locations import ChunkLocations
+from ..format.records import FileStorageData
+from ..item_columns import BYTES, ReadColumns
+from ..metadata import Metadata
+from ..planner import LoadItemType, LoadPlan
+from .chunk_reads import ChunkShapes
+from .shared_verification import partial_chunks
+
+try:
+    import torch.distributed as dist
+except ImportError:  # pragma: no cover
+    dist = None  # type: ignore[assignment]
+
+__all__ = ["SharedReads", "Peers", "Shares", "Message", "planned_chunks", "may_share", "encode_table", "decode_table", "plan_shares",
+           "SEND", "RECEIVE"]
+
+SEND, RECEIVE = 1, 2
+_TABLE = struct.Struct("<QQ")  # chunk count, the bucket size this rank proposes
+_ALIGN = 64  # pieces start at multiples of this in a message, so that any dtype views them in place
+ERROR_BYTES = 512  # a failed piece's message, in every message's tail
+Key = tuple  # (file name, offset)
+
+
+def planned_chunks(md: Metadata, plan: LoadPlan) -> list[tuple[str, int, int, int]]:
+    """The stored chunks ``plan`` reads, each once: (file, offset, length, bytes of one row, or the whole length
+    where a chunk is not cut: values, chunks through a codec, scalars). Empty chunks are left out."""
+    fsd: FileStorageData = md.storage_data
+    locations = fsd.items
+    shapes = ChunkShapes(md)
+    seen: set = set()
+    out: list[tuple[str, int, int, int]] = []
+
+    def add(name: str, offset: int, length: int, rows: Optional[int], codec: str) -> None:
+        if length <= 0 or (name, offset) in seen:
+            return
+        seen.add((name, offset))
+        row = length // rows if rows and codec == "identity" and length % rows == 0 else length
+        out.append((name, offset, length, row))
+
+    items = plan.items
+    if isinstance(items, ReadColumns) and items.intact and isinstance(locations, ChunkLocations):
+        tensors = [i for i, code in enumerate(items.code) if code != BYTES]
+        rows = locations.rows([items.fqn[i] for i in tensors], [items.chunk_offsets[i] for i in tensors])
+        names = [name for name, _ in locations.file_list]
+        for i, row in zip(tensors, rows):
+            if row is None:
+                raise CorruptCheckpointError(f"key {items.fqn[i]!r} chunk {list(items.chunk_offsets[i])} has no storage "
+                                             "entry in the metadata")
+            size = items.size[i]
+            add(names[locations.file_no[row]], locations.begin[row], locations.length[row], size[0] if size else None,
+                "identity")
+        items = items.general + [items.column_item(i) for i, code in enumerate(items.code) if code == BYTES]
+    for item in items:
+        index = item.storage_index
+        info = locations.get(index)
+        if info is None:
+            raise CorruptCheckpointError(f"key {index.fqn!r} chunk {list(index.offset or [])} has no storage entry in "
+                                         "the metadata")
+        shape = shapes.get(index) if item.type == LoadItemType.TENSOR else None
+        add(info.file, info.offset, info.length, shape[0] if shape else None, info.codec)
+    return out
+
+
+def may_share(md: Metadata, plan: LoadPlan, held_alone: set) -> bool:
+    """Whether another rank of the load may need a chunk ``plan`` reads: one read partly, or into a destination
+    not in ``held_alone`` (keys no other rank holds any part of). Where no rank may, chunk lists are not exchanged."""
+    items = plan.items
+    if isinstance(items, ReadColumns) and items.intact:
+        if any(fqn not in held_alone for fqn in items.fqn):  # a column item's destination has the chunk's key
+            return True
+        items = items.general
+    if any(item.dest_index.fqn not in held_alone for item in items):
+        return True
+    return bool(partial_chunks(md, plan))
+
+
+def encode_table(md: Metadata, chunks: list[tuple[str, int, int, int]], bucket: int) -> bytes:
+    """``chunks`` as four little-endian int64 columns (file number, offset, length, row bytes), after a header."""
+    file_no = {name: i for i, name in enumerate(md.storage_data.files)}
+    table = np.array([(file_no[name], offset, length, row) for name, offset, length, row in chunks], dtype="<i8")
+    return _TABLE.pack(len(chunks), bucket) + table.reshape(-1, 4).T.copy().tobytes()
+
+
+def decode_table(raw: bytes) -> tuple[np.ndarray, int]:
+    """The (4, n) table and the bucket size :func:`encode_table` wrote."""
+    if len(raw) < _TABLE.size:
+        raise CorruptCheckpointError("chunk table from a rank is truncated")
+    n, bucket = _TABLE.unpack_from(raw)
+    if len(raw) != _TABLE.size + 32 * n or bucket < 1:
+        raise CorruptCheckpointError("chunk table from a rank has the wrong length")
+    table = np.frombuffer(raw, dtype="<i8", offset=_TABLE.size).reshape(4, n)
+    if n and (table[2].min() < 1 or table[3].min() < 1 or table[0].min() < 0 or table[1].min() < 0):
+        raise CorruptCheckpointError("chunk table from a rank has negative or empty entries")
+    return table, bucket
+
+
+def _pick_readers(tables: list[np.ndarray]) -> tuple[dict, dict, dict]:
+    """For every chunk: the ranks (with its row in their table) that need it, its length and row bytes; and for
+    each chunk several ranks need, the one that reads it."""
+    needers: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    sizes: dict[tuple[int, int], tuple[int, int]] = {}
+    for rank, table in enumerate(tables):
+        for j, (f, o, n, row) in enumerate(table.T.tolist()):
+            needers.setdefault((f, o), []).append((rank, j))
+            sizes[(f, o)] = (n, row)
+    load = [0] * len(tables)
+    shared = []
+    for key, ranks in needers.items():
+        if len(ranks) == 1:
+            load[ranks[0][0]] += sizes[key][0]
+        else:
+            shared.append(key)
+    reader: dict[tuple[int, int], int] = {}
+    for key in sorted(shared, key=lambda k: (-sizes[k][0], k)):
+        rank = min((load[r], r) for r, _ in needers[key])[1]
+        reader[key] = rank
+        load[rank] += sizes[key][0]
+    return needers, sizes, reader
+
+
+def plan_shares(tables: list[np.ndarray], bucket: int) -> list[bytes]:
+    """The coordinator's step: every rank's table of chunks -> one payload per rank (:meth:`Shares.decode`),
+    the messages it sends or receives, in the one order every rank walks them."""
+    needers, sizes, reader = _pick_readers(tables)
+    groups: dict[tuple[int, tuple[int, ...]], list[tuple[int, int]]] = {}
+    for key, src in reader.items():
+        receivers = tuple(sorted(r for r, _ in needers[key] if r != src))
+        groups.setdefault((src, receivers), []).append(key)
+    messages: list[tuple[int, tuple[int, ...], list[tuple[tuple[int, int], int, int]]]] = []
+    for (src, receivers), keys in sorted(groups.items()):
+        pieces: list = []
+        held = 0
+        for key in sorted(keys):
+            length, row = sizes[key]
+            step = max(row, bucket // row * row)
+            for b0 in range(0, length, step):
+                b1 = min(length, b0 + step)
+                if pieces and held + (b1 - b0) > bucket:
+                    messages.append((src, receivers, pieces))
+                    pieces, held = [], 0
+                pieces.append((key, b0, b1))
+                held += b1 - b0
+        if pieces:
+            messages.append((src, receivers, pieces))
+    rows: list[list[int]] = [[] for _ in tables]
+    count = [0] * len(tables)
+    for src, receivers, pieces in messages:
+        for rank in (src,) + receivers:
+            own = dict(_needers_rows(needers, pieces, rank))
+            rows[rank] += [src, len(receivers), len(pieces), *receivers]
+            for key, b0, b1 in pieces:
+                rows[rank] += [own[key], b0, b1]
+            count[rank] += 1
+    return [struct.pack("<QQ", bucket, count[r]) + np.array(rows[r], dtype="<i8").tobytes() for r in range(len(tables))]
+
+
+def _needers_rows(needers: dict, pieces: list, rank: int):
+    """(chunk, this rank's row of it in its table) for the chunks of ``pieces``."""
+    for key, _, _ in pieces:
+        for r, j in needers[key]:
+            if r == rank:
+                yield key, j
+                break
+
+
+class Message(NamedTuple):
+    """One buffer from ``src`` to ``receivers``: ``pieces`` are (chunk key, first byte, end byte) of chunks."""
+
+    src: int
+    receivers: tuple[int, ...]
+    pieces: list[tuple[Key, int, int]]
+
+    def layout(self) -> tuple[list[int], int]:
+        """Where each piece starts in the buffer, and the buffer's size: the pieces, their status bytes, and the
+        first failure's text."""
+        starts, end = [], 0
+        for _, b0, b1 in self.pieces:
+            end = -(-end // _ALIGN) * _ALIGN
+            starts.append(end)
+            end += b1 - b0
+        return starts, end + len(self.pieces) + ERROR_BYTES
+
+
+class Shares:
+    """This rank's part of the shared reads of one load: which of its chunks it sends or receives, and the
+    messages it takes part in, in order."""
+
+    def __init__(self, messages: list[Message], rank: int, peers: "Peers", lengths: dict[Key, int]) -> None:
+        self.messages, self.rank, self.peers, self.lengths = messages, rank, peers, lengths
+        self.roles: dict[Key, int] = {}
+        for m in messages:
+            for key, _, _ in m.pieces:
+                self.roles[key] = SEND if m.src == rank else RECEIVE
+
+    @classmethod
+    def decode(cls, payload: bytes, chunks: list[tuple[str, int, int, int]], peers: "Peers") -> "Shares":
+        """This rank's payload from :func:`plan_shares`, its chunk numbers resolved against ``chunks`` (this rank's
+        table, in order)."""
+        if len(payload) < 16 or (len(payload) - 16) % 8:
+            raise CorruptCheckpointError("shared-read plan from the coordinator is malformed")
+        _, count = struct.unpack_from("<QQ", payload)
+        row = np.frombuffer(payload, dtype="<i8", offset=16).tolist()
+        messages, at = [], 0
+        world = peers.world_size
+        try:
+            for _ in range(count):
+                src, n_recv, n_pieces = row[at:at + 3]
+                receivers = tuple(row[at + 3:at + 3 + n_recv])
+                at += 3 + n_recv
+                pieces = []
+                for _ in range(n_pieces):
+                    j, b0, b1 = row[at:at + 3]
+                    name, offset, length, _ = chunks[j]
+                    if not 0 <= b0 < b1 <= length:
+                        raise ValueError("piece outside its chunk")
+                    pieces.append(((name, offset), b0, b1))
+                    at += 3
+                if not 0 <= src < world or any(not 0 <= r < world for r in receivers) or not pieces:
+                    raise ValueError("rank out of range")
+                messages.append(Message(src, receivers, pieces))
+        except (ValueError, IndexError) as exc:
+            raise CorruptCheckpointError(f"shared-read plan from the coordinator is malformed: {exc}") from None
+        if at != len(row):
+            raise CorruptCheckpointError("shared-read plan from the coordinator has trailing entries")
+        return cls(messages, peers.rank, peers, {(name, offset): length for name, offset, length, _ in chunks})
+
+
+class Peers:
+    """Point-to-point transport between the ranks of one load's process group, each wait bounded by the
+    checkpoint timeout. Buffers travel on the group's device (a CUDA device for NCCL, else host memory)."""
+
+    def __init__(self, group: Any, rank: int, world_size: int, device: torch.device, timeout_s: float) -> None:
+        self.group, self.rank, self.world_size, self.device, self.timeout_s = group, rank, world_size, device, timeout_s
+
+    def send(self, buf: torch.Tensor, receivers: tuple[int, ...]) -> None:
+        wire = buf if self.device.type == "cpu" else buf.to(self.device)
+        faults.point("collective", "shared read")
+        works = [dist.isend(wire, group=self.group, group_dst=r) for r in receivers]
+        self._wait(works, f"sending to ranks {list(receivers)}")
+
+    def receive(self, buf: torch.Tensor, src: int) -> None:
+        wire = buf if self.device.type == "cpu" else torch.empty_like(buf, device=self.device)
+        self._wait([dist.irecv(wire, group=self.group, group_src=src)], f"receiving from rank {src}")
+        if wire is not buf:
+            buf.copy_(wire)
+
+    def _wait(self, works: list, what: str) -> None:
+        try:
+            for work in works:
+                if work is not None and not work.wait(timeout=timedelta(seconds=self.timeout_s)):
+                    raise CheckpointError(f"rank {self.rank}: shared read, {what}, did not finish within "
+                                          f"{self.timeout_s:.0f}s (DISTCKPT_TIMEOUT_S)")
+        except CheckpointError:
+            raise
+        except Exception as exc:  # a peer died or the group broke
+            raise CheckpointError(f"rank {self.rank}: shared read, {what}, failed: {exc}. The other rank probably died "
+                                  "or timed out; check its log.") from exc
+
+
+class Endpoint:
+    """What a rank does with a message's pieces: ``fill`` reads this rank's pieces into a buffer and returns,
+    per piece, None or why it failed; ``take`` copies received pieces into destinations, given the failures."""
+
+    def fill(self, message: Message, views: list[memoryview]) -> list[Optional[str]]:
+        raise NotImplementedError
+
+    def take(self, message: Message, views: list[memoryview], failures: list[Optional[str]]) -> None:
+        raise NotImplementedError
+
+
+class Failing(Endpoint):
+    """A rank that failed before its reads: it sends its failure for every piece it owes, and drops what it
+    receives, so that no other rank waits for it."""
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+    def fill(self, message: Message, views: list[memoryview]) -> list[Optional[str]]:
+        return [self.why] * len(views)
+
+    def take(self, message: Message, views: list[memoryview], failures: list[Optional[str]]) -> None:
+        pass
+
+
+def exchange(shares: Shares, endpoint: Endpoint, hold: Callable[[int], Any]) -> None:
+    """Walk this rank's messages in order (see the module docstring). ``hold(n)`` is a context that keeps ``n``
+    bytes of buffer within the memory budget. A transport failure (a dead peer, the timeout) raises at once:
+    the ranks are no longer in step."""
+    sizes = [m.layout()[1] for m in shares.messages]
+    if not sizes:
+        return
+    with hold(max(sizes)):
+        whole = torch.empty(max(sizes), dtype=torch.uint8)
+        for message, size in zip(shares.messages, sizes):
+            buf = whole[:size]
+            raw = memoryview(buf.numpy())
+            starts, _ = message.layout()
+            views = [raw[s:s + b1 - b0] for s, (_, b0, b1) in zip(starts, message.pieces)]
+            status_at = size - len(message.pieces) - ERROR_BYTES
+            if message.src == shares.rank:
+                failures = endpoint.fill(message, views)
+                _put_status(raw, status_at, failures)
+                shares.peers.send(buf, message.receivers)
+            else:
+                shares.peers.receive(buf, message.src)
+                endpoint.take(message, views, _get_status(raw, status_at, len(message.pieces), message.src))
+
+
+def _put_status(raw: memoryview, at: int, failures: list[Optional[str]]) -> None:
+    text = next((why for why in failures if why), "")
+    raw[at:at + len(failures)] = bytes(1 if why else 0 for why in failures)
+    encoded = text.encode("utf-8", "replace")[:ERROR_BYTES]
+    tail = at + len(failures)
+    raw[tail:tail + ERROR_BYTES] = encoded + bytes(ERROR_BYTES - len(encoded))
+
+
+def _get_status(raw: memoryview, at: int, n: int, src: int) -> list[Optional[str]]:
+    flags = bytes(raw[at:at + n])
+    if not any(flags):
+        return [None] * n
+    text = bytes(raw[at + n:at + n + ERROR_BYTES]).rstrip(b"\0").decode("utf-8", "replace")
+    why = f"rank {src}, which read it for this rank, failed: {text or 'no reason given'}"
+    return [why if flag else None for flag in flags]
+
+
+class SharedReads:
+    """The load sequence's steps of shared reads, as a reader's methods (for readers declaring ``SHARED_READS``).
+    The reader sets ``metadata`` (``set_up_storage_reader``), resets ``shares`` to None there, and passes
+    ``shares`` to the read engine."""
+
+    metadata: Optional[Metadata] = None
+    shared_reads: Optional[bool] = None  # None: the DISTCKPT_SHARED_READS setting
+    shares: Optional[Shares] = None
+
+    def shares_reads(self) -> bool:
+        """Whether this reader takes part in shared reads (its ``shared_reads``, else DISTCKPT_SHARED_READS)."""
+        return knobs.shared_reads() if self.shared_reads is None else bool(self.shared_reads)
+
+    def read_chunks(self, plan: LoadPlan, held_alone: set) -> tuple[list, bytes, bool]:
+        """The chunks ``plan`` reads, their table for the coordinator, and whether another rank may need any of
+        them (:func:`may_share`; ``held_alone``: the keys whose destination only this rank holds). Every rank,
+        after its local plan."""
+        chunks = planned_chunks(self.metadata, plan)
+        table = encode_table(self.metadata, chunks, knobs.shared_read_bucket_bytes())
+        return chunks, table, bool(chunks) and may_share(self.metadata, plan, held_alone)
+
+    def assign_readers(self, tables: list[bytes]) -> list[bytes]:
+        """Every rank's table -> one payload per rank: the messages it sends and receives. Coordinator."""
+        decoded = [decode_table(t) for t in tables]
+        return plan_shares([t for t, _ in decoded], min(b for _, b in decoded))
+
+    def accept_readers(self, chunks: list, payload: bytes, peers: Peers) -> None:
+        """Take this rank's part of the shared reads; the next ``read_data`` sends and receives it. Every rank."""
+        self.shares = Shares.decode(payload, chunks, peers)

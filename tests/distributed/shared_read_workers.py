@@ -1,0 +1,118 @@
+"""Ranks of the shared-read tests: save states of each kind, load them counting the bytes each rank reads."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+import distckpt
+from distckpt.engine import shared_reads
+from distckpt.testing.read_counts import FileReads
+
+
+def _replicated(scale: int = 1) -> dict:
+    """The same on every rank: plain tensors of several dtypes and sizes, a value, a 2-D tensor of many rows."""
+    g = torch.Generator().manual_seed(7)
+    sd = {f"layer{i}.w": torch.randn(64 * (i + 1) * scale, 33, generator=g) for i in range(6)}
+    sd["emb"] = torch.randint(0, 1000, (1000 * scale, 16), generator=g, dtype=torch.int64)
+    sd["half"] = torch.randn(257, 3, generator=g).to(torch.bfloat16)
+    sd["scalar"] = torch.tensor(3.5)
+    sd["step"] = 11
+    sd["meta"] = {"name": "run", "lr": [0.1, 0.01]}
+    return sd
+
+
+def _zeros_like(sd: dict) -> dict:
+    out = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else v for k, v in sd.items()}
+    out["step"], out["meta"] = 0, {"name": "", "lr": [0.0, 0.0]}
+    return out
+
+
+def _mesh(world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+    return init_device_mesh("cpu", (world_size,))
+
+
+def _sharded(world_size, fill: bool) -> dict:
+    from torch.distributed.tensor import Shard, distribute_tensor
+    mesh = _mesh(world_size)
+    full = torch.arange(240 * 2000, dtype=torch.float32).reshape(240, 2000)
+    other = torch.arange(10 * 300, dtype=torch.float64).reshape(10, 300) * 0.5
+    return {"fsdp.w": distribute_tensor(full if fill else torch.zeros_like(full), mesh, [Shard(0)]),
+            "fsdp.cols": distribute_tensor(other if fill else torch.zeros_like(other), mesh, [Shard(1)])}
+
+
+def _data_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.startswith("data-"))
+
+
+def save_state(rank, world_size, path, kind):
+    sd = {}
+    if kind in ("replicated", "mixed"):
+        sd.update(_replicated())
+    if kind in ("sharded", "mixed"):
+        sd.update(_sharded(world_size, True))
+    distckpt.save(sd, checkpoint_id=path)
+    return True
+
+
+def load_state(rank, world_size, path, kind, shared=None):
+    """Load ``kind`` (saved at any world size); return whether it is bit-exact and the bytes this rank read."""
+    want = {}
+    if kind in ("replicated", "mixed"):
+        want.update(_replicated())
+    if kind in ("sharded", "mixed"):
+        want.update(_sharded(world_size, True))
+    sd = {k: v for k, v in _zeros_like(_replicated()).items()} if kind in ("replicated", "mixed") else {}
+    if kind in ("sharded", "mixed"):
+        sd.update(_sharded(world_size, False))
+    reads = FileReads()
+    reader = distckpt.FileSystemReader(path, shared_reads=shared)
+    distckpt.load(sd, storage_reader=reader)
+    exact = all(_equal(sd[k], v) for k, v in want.items())
+    return {"exact": exact, "read": reads.total, "data": _data_bytes(path),
+            "messages": len(reader.shares.messages) if reader.shares else 0}
+
+
+def _equal(a, b) -> bool:
+    if isinstance(b, torch.Tensor):
+        if hasattr(b, "full_tensor"):
+            return torch.equal(a.full_tensor(), b.full_tensor())
+        return a.dtype == b.dtype and torch.equal(a, b)
+    return a == b
+
+
+def load_corrupted(rank, world_size, path):
+    sd = _zeros_like(_replicated())
+    try:
+        distckpt.load(sd, checkpoint_id=path)
+    except distckpt.CheckpointError as exc:
+        return {"error": type(exc).__name__, "text": str(exc),
+                "zeroed": bool(torch.count_nonzero(sd["layer5.w"]) == 0)}
+    return {"error": None}
+
+
+def load_with_dying_reader(rank, world_size, path, victim):
+    """Rank ``victim`` dies (SIGKILL) after its first shared-read message; the others must raise, not hang."""
+    if rank == victim:
+        real = shared_reads.Peers.send
+        sent = {"n": 0}
+
+        def send_then_die(self, buf, receivers):
+            real(self, buf, receivers)
+            sent["n"] += 1
+            if sent["n"] == 1:
+                os.kill(os.getpid(), 9)
+        shared_reads.Peers.send = send_then_die
+    sd = _zeros_like(_replicated(scale=4))
+    try:
+        distckpt.load(sd, checkpoint_id=path)
+    except distckpt.CheckpointError as exc:
+        return {"error": type(exc).__name__, "text": str(exc)[:2000]}
+    return {"error": None}
+
+
+def save_big_replicated(rank, world_size, path):
+    distckpt.save(_replicated(scale=4), checkpoint_id=path)
+    return True

@@ -1,0 +1,122 @@
+"""Each stored byte is read once per load: a chunk several ranks need is read by one and sent to the others."""
+
+import os
+import time
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import distckpt
+from distckpt.engine.shared_reads import Message, Peers, Shares, plan_shares
+from distckpt.testing import run_ranks
+
+from . import shared_read_workers as workers
+
+
+def _load(path, kind, ranks, shared=None, env=None):
+    results = run_ranks(workers.load_state, ranks, path, kind, shared, env=env)
+    assert all(r["exact"] for r in results), results
+    return sum(r["read"] for r in results), results[0]["data"], results
+
+
+def test_a_replicated_state_at_four_ranks_is_read_once(tmp_path):
+    path = str(tmp_path / "ck")
+    run_ranks(workers.save_state, 4, path, "replicated")
+    read, data, results = _load(path, "replicated", 4)
+    assert read <= 1.02 * data, (read, data)
+    assert all(r["read"] < 0.6 * data for r in results), [r["read"] for r in results]  # the reads are spread
+    alone, _, _ = _load(path, "replicated", 4, shared=False)  # the switch: every rank reads what it needs
+    assert alone >= 3.9 * data, (alone, data)
+
+
+def test_fsdp_sharded_and_mixed_states_stay_within_two_percent(tmp_path):
+    for kind in ("sharded", "mixed"):
+        path = str(tmp_path / kind)
+        run_ranks(workers.save_state, 4, path, kind)
+        read, data, _ = _load(path, kind, 4)
+        assert read <= 1.02 * data, (kind, read, data)
+
+
+def test_overlapping_reshard_reads_are_shared_at_three_ranks_from_two(tmp_path):
+    path = str(tmp_path / "ck")
+    run_ranks(workers.save_state, 2, path, "mixed")
+    read, data, results = _load(path, "mixed", 3)
+    assert read <= 1.02 * data, (read, data)
+    # small buckets: large chunks travel in pieces of whole rows, still bit-exact
+    read, data, results = _load(path, "mixed", 3, env={"DISTCKPT_SHARED_READ_BUCKET_BYTES": "5000"})
+    assert read <= 1.02 * data and results[0]["messages"] > 10, (read, data, results[0])
+
+
+def test_a_corrupted_chunk_fails_every_rank_that_needed_it_naming_the_chunk(tmp_path):
+    path = str(tmp_path / "ck")
+    run_ranks(workers.save_state, 2, path, "replicated")
+    md = distckpt.read_metadata(path)
+    info = md.storage_data.items[next(i for i in md.storage_data.items if i.fqn == "layer5.w")]
+    with open(os.path.join(path, info.file), "r+b") as f:  # flip a byte in the middle of layer5.w's rows
+        f.seek(info.offset + info.length // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x40]))
+    results = run_ranks(workers.load_corrupted, 4, path, env={"DISTCKPT_SHARED_READ_BUCKET_BYTES": "4096"})
+    for r in results:
+        assert r["error"] in ("RankFailuresError", "CorruptCheckpointError"), r
+        assert "layer5.w" in r["text"] and "checksum mismatch" in r["text"], r["text"][:600]
+        assert r["zeroed"], r  # what was copied of the failed chunk before its checksum failed is zeroed
+
+
+def test_a_reader_rank_that_dies_mid_exchange_makes_every_rank_raise_without_hanging(tmp_path):
+    path = str(tmp_path / "ck")
+    run_ranks(workers.save_big_replicated, 1, path)
+    started = time.monotonic()
+    results = run_ranks(workers.load_with_dying_reader, 3, path, 1, allow_failures=True, timeout_s=90,
+                        collective_timeout_s=20, env={"DISTCKPT_SHARED_READ_BUCKET_BYTES": "65536"})
+    assert time.monotonic() - started < 80
+    assert getattr(results[1], "exitcode", None) == -9, results[1]
+    for rank in (0, 2):
+        assert isinstance(results[rank], dict) and results[rank]["error"], results[rank]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 5), st.sampled_from([1, 7, 64])), max_size=7,
+                         unique_by=lambda t: t[:2]), min_size=1, max_size=5),
+       st.sampled_from([8, 100, 1000]))
+def test_every_shared_chunk_has_one_sender_among_its_needers_and_travels_whole(listed, bucket):
+    def length(o, row):
+        return row * (o + 1) * 3
+
+    tables = [np.array([[f for f, o, r in c], [o * 1000 for f, o, r in c], [length(o, r) for f, o, r in c],
+                        [r for f, o, r in c]], dtype="<i8").reshape(4, len(c)) for c in listed]
+    # a chunk's row size is a property of the chunk: make every rank agree
+    rows = {}
+    for t in tables:
+        for j in range(t.shape[1]):
+            key = (int(t[0, j]), int(t[1, j]))
+            rows.setdefault(key, (int(t[2, j]), int(t[3, j])))
+            t[2, j], t[3, j] = rows[key]
+    payloads = plan_shares(tables, bucket)
+    needers = {}
+    for rank, t in enumerate(tables):
+        for j in range(t.shape[1]):
+            needers.setdefault((int(t[0, j]), int(t[1, j])), []).append(rank)
+    seen = {}  # (chunk) -> [(sender, receivers, b0, b1)]
+    for rank, raw in enumerate(payloads):
+        chunks = [(f"f{int(f)}", int(o), int(n), int(r)) for f, o, n, r in tables[rank].T]
+        shares = Shares.decode(raw, chunks, Peers(None, rank, len(tables), None, 1.0))
+        for m in shares.messages:
+            assert isinstance(m, Message) and rank in (m.src,) + m.receivers
+            size = sum(b1 - b0 for _, b0, b1 in m.pieces)
+            assert size <= bucket or len(m.pieces) == 1
+            for (name, offset), b0, b1 in m.pieces:
+                seen.setdefault((int(name[1:]), offset), set()).add((m.src, m.receivers, b0, b1))
+    for key, ranks in needers.items():
+        if len(ranks) == 1:
+            assert key not in seen
+            continue
+        pieces = sorted(seen[key], key=lambda p: p[2])
+        senders = {p[0] for p in pieces}
+        assert len(senders) == 1 and senders <= set(ranks)
+        assert all(set(p[1]) == set(ranks) - senders for p in pieces)
+        n, row = rows[key]
+        assert pieces[0][2] == 0 and pieces[-1][3] == n and all(a[3] == b[2] for a, b in zip(pieces, pieces[1:]))
+        assert all((p[3] - p[2]) % row == 0 or p[3] == n for p in pieces)
