@@ -20,7 +20,7 @@ _LAZY = {
     **dict.fromkeys(["DCPReader", "FileSystemReader", "FileSystemWriter", "HuggingFaceReader", "HuggingFaceWriter", "MemoryReader",
                      "MemoryWriter", "TorchSaveReader"], "backends"),
     **dict.fromkeys(["ExtensionRegistry", "StreamTransformExtension", "ZStandard"], "format.stream_transforms"),
-    **dict.fromkeys(["load", "load_state_dict", "read_metadata"], "loading"),
+    **dict.fromkeys(["load", "load_state_dict", "read_metadata", "LoadResult"], "loading"),
     "CheckpointManager": "manager",
     "open": "opening",
     **dict.fromkeys(["TieredCheckpointManager", "RestoreReport"], "tiers"),

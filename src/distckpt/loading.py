@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Any, Optional, Union
+from typing import Any, NamedTuple, Optional, Union
 
 from ._sequence import prepare, storage_by_position
 from .backends.registry import pick_storage
@@ -19,7 +19,16 @@ from .planning import DefaultLoadPlanner
 from .storage import StorageReader
 from .wire.plans import decode_load_plan, encode_load_plan
 
-__all__ = ["load", "load_state_dict", "read_metadata"]
+__all__ = ["load", "load_state_dict", "read_metadata", "LoadResult"]
+
+
+class LoadResult(NamedTuple):
+    """What a load left out, on this rank, as ``torch.nn.Module.load_state_dict`` reports it: keys of the state
+    dict the checkpoint lacks (skipped where the planner allows a partial load; else the load raised), and keys
+    of the checkpoint the state dict lacks (left unread). Flattened keys, as the checkpoint names them."""
+
+    missing_keys: list[str]
+    unexpected_keys: list[str]
 
 
 def load_state_dict(
@@ -47,7 +56,7 @@ def load(
     process_group: Any = None,
     coordinator_rank: int = 0,
     no_dist: bool = False,
-) -> None:
+) -> Optional[LoadResult]:
     """Load a checkpoint into ``state_dict`` in place, collectively over ``process_group``.
 
     The state dict says what to load and where: each tensor (plain or DTensor,
@@ -56,6 +65,9 @@ def load(
     values are replaced; Stateful objects get ``load_state_dict`` afterwards.
     Checksums are verified as data is read. ``no_dist`` and the older call
     form ``load(state_dict, storage_reader)`` work as for :func:`save`.
+
+    Returns a :class:`LoadResult` (this rank's missing and unexpected keys) where the planner is a
+    DefaultLoadPlanner, which records them; None for other planners (DCP's load returns None).
     """
     coord = Coordinator(process_group, coordinator_rank, no_dist=no_dist)
     coord.begin("load", checkpoint_id)
@@ -69,6 +81,9 @@ def load(
             objects[key].load_state_dict(plain[key])
         else:  # top-level non-tensor values were replaced in the copy
             state_dict[key] = plain[key]
+    if isinstance(ready.planner, DefaultLoadPlanner):
+        return LoadResult(list(ready.planner.missing_keys), list(ready.planner.unexpected_keys))
+    return None
 
 
 def run_load(state_dict: STATE_DICT_TYPE, reader: Optional[StorageReader], planner: Optional[LoadPlanner],

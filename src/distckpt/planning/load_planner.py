@@ -64,6 +64,10 @@ class DefaultLoadPlanner(LoadPlanner):
         self.allow_unexpected_keys = allow_unexpected_keys
         self.mappings: dict = {}
         self.rank = 0  # set by distckpt.load before set_up_planner
+        # after create_local_plan: keys of the state dict the checkpoint lacks (skipped with allow_partial_load),
+        # and keys of the checkpoint the state dict lacks (left unread)
+        self.missing_keys: list[str] = []
+        self.unexpected_keys: list[str] = []
 
     def set_up_planner(
         self,
@@ -123,8 +127,7 @@ class DefaultLoadPlanner(LoadPlanner):
             if type(obj) in _PLAIN and md is not None:
                 loose.append((fqn, obj))
             if md is None:
-                if not self.allow_partial_load:
-                    missing.append(fqn)
+                missing.append(fqn)
                 continue
             if type(obj) in _PLAIN and type(md) is TensorStorageMetadata and len(md.chunks) == 1:
                 # the common case, one whole stored chunk into one plain tensor, without building its pieces
@@ -153,7 +156,9 @@ class DefaultLoadPlanner(LoadPlanner):
         check_no_aliasing(loose, spans)
         if missing:
             missing = self._not_tied(missing)
-        if missing:
+        self.missing_keys = missing
+        self.unexpected_keys = [fqn for fqn in sdm if fqn not in self.state_dict]
+        if missing and not self.allow_partial_load:
             raise MissingKeyError(self._missing_message(missing))
         self._check_unexpected()
         if problems:
@@ -177,7 +182,7 @@ class DefaultLoadPlanner(LoadPlanner):
             allow = not getattr(self.metadata.storage_data, "every_key", False)
         if allow:
             return
-        unexpected = [fqn for fqn in self.metadata.state_dict_metadata if fqn not in self.state_dict]
+        unexpected = self.unexpected_keys
         if unexpected:
             shown = ", ".join(repr(k) for k in unexpected[:_MAX_LISTED])
             more = f" and {len(unexpected) - _MAX_LISTED} more" if len(unexpected) > _MAX_LISTED else ""
