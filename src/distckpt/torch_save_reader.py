@@ -7,12 +7,15 @@ in the file. Two readers use it:
 - :class:`TorchSaveReader` (chosen by ``distckpt.load(state_dict, checkpoint_id="model.pt")``): every rank reads
   the rows its state dict holds straight from the file, through the read engine, like any checkpoint;
 - :class:`BroadcastingTorchSaveReader` (DCP's name, with :class:`DynamicMetaLoadPlanner`): the coordinator reads
-  the tensors and broadcasts each over the default process group, for a file only it can see.
+  the tensors and broadcasts each over the default process group, for a file only it can see. It reads them a
+  batch at a time, each within half the memory budget (DISTCKPT_MEMORY_BUDGET_BYTES), never the whole file at
+  once (DCP's reader, and this one until issue 48, held the whole state dict on the coordinator).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Any, Optional, Union
 
@@ -20,16 +23,18 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
+from . import knobs
 from .backends.fs_objects import open_regular
 from .backends.torch_save_file import TorchSaveReader, is_torch_save_file
 from .errors import CheckpointError, DTypeMismatchError, MissingKeyError, ShapeMismatchError
-from .format.dtypes import dtype_from_name, dtype_name
-from .layouts.torch_save import load_torch_save
+from .format.dtypes import dtype_from_name, dtype_name, itemsize
+from .layouts.torch_save import flatten_refs, read_archive
+from .layouts.torch_zip import TensorRef, tensor_from
 from .metadata import STATE_DICT_TYPE, ChunkStorageMetadata, Metadata, StorageMeta, TensorProperties, TensorStorageMetadata
 from .planner import LoadItemType, LoadPlan, LoadPlanner
 from .planning import DefaultLoadPlanner
 from .planning.flatten import flatten_state_dict
-from .planning.tensors import dtype_of, is_dtensor, is_sharded_tensor
+from .planning.tensors import dtype_of
 from .storage import StorageReader
 
 __all__ = ["TorchSaveReader", "BroadcastingTorchSaveReader", "DynamicMetaLoadPlanner", "is_torch_save_file"]
@@ -99,34 +104,58 @@ class BroadcastingTorchSaveReader(StorageReader):
         mine = {fqn: [list(entry.size), dtype_name(entry.properties.dtype)]
                 for fqn, entry in sorted(planner.metadata.state_dict_metadata.items())}
         source = self._source(planner) if self.is_coordinator else None
-        spread = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        if spread:
-            self._agree(mine, source)
-        elif isinstance(source, BaseException):
-            raise source
-        for fqn, (size, dtype) in mine.items():  # every rank the same keys, shapes and dtypes, in one order
-            tensor = source[fqn] if self.is_coordinator else torch.empty(size, dtype=dtype_from_name(dtype))
+        try:
+            spread = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
             if spread:
-                dist.broadcast(tensor, src=self.coordinator_rank)
-            for item in by_key.get(fqn, ()):
-                piece = tensor
-                for dim, (offset, length) in enumerate(zip(item.storage_offsets, item.lengths)):
-                    piece = piece.narrow(dim, offset, length)
-                dest = planner.resolve_tensor(item).detach()
-                dest.copy_(piece)
-                planner.commit_tensor(item, dest)
+                self._agree(mine, source)
+            elif isinstance(source, BaseException):
+                raise source
+            # every rank the same keys, shapes and dtypes, in one order, in the same batches
+            for batch in _batches(list(mine.items()), knobs.memory_budget_bytes() // 2):
+                tensors = self._read_batch(source, [fqn for fqn, _ in batch], spread)
+                for fqn, (size, dtype) in batch:
+                    tensor = tensors.pop(fqn) if self.is_coordinator else torch.empty(size, dtype=dtype_from_name(dtype))
+                    if spread:
+                        dist.broadcast(tensor, src=self.coordinator_rank)
+                    for item in by_key.get(fqn, ()):
+                        piece = tensor
+                        for dim, (offset, length) in enumerate(zip(item.storage_offsets, item.lengths)):
+                            piece = piece.narrow(dim, offset, length)
+                        dest = planner.resolve_tensor(item).detach()
+                        dest.copy_(piece)
+                        planner.commit_tensor(item, dest)
+                    tensor = piece = None  # not held while the next batch is read
+        finally:
+            if isinstance(source, _Source):
+                source.close()
         fut: Future = Future()
         fut.set_result(None)
         return fut
 
-    def _agree(self, mine: dict, source: Any) -> None:
-        """Before any tensor travels: the coordinator says whether it read the file and what it will send (keys,
-        shapes, dtypes); every rank compares that with its own state dict, and if any rank differs, every rank
-        raises. Nothing is received into a destination of another shape or dtype, and no rank waits on a
-        broadcast that never comes."""
+    def _read_batch(self, source: Any, keys: list[str], spread: bool) -> dict:
+        """The coordinator's tensors of ``keys``; with ``spread``, whether it read them is told to every rank first,
+        so that a damaged record raises everywhere instead of leaving the others waiting on a broadcast."""
+        tensors: dict = {}
+        error: Optional[BaseException] = None
         if self.is_coordinator:
-            doc = {"error": None, "keys": mine} if isinstance(source, dict) else {
-                "error": f"{type(source).__name__}: {source}", "keys": {}}
+            try:
+                tensors = source.tensors(keys)
+            except CheckpointError as exc:
+                error = exc
+            except OSError as exc:
+                error = CheckpointError(f"{self._where()}: cannot be read ({exc})")
+        if spread:
+            said = self._from_coordinator({"error": None if error is None else f"{type(error).__name__}: {error}"})
+            if error is None and said["error"] is not None:
+                raise CheckpointError(f"{self._where()}: the coordinator (rank {self.coordinator_rank}) could not read the "
+                                      f"file ({said['error']})")
+        if error is not None:
+            raise error
+        return tensors
+
+    def _from_coordinator(self, doc: Optional[dict]) -> dict:
+        """The coordinator's ``doc`` (JSON), on every rank."""
+        if self.is_coordinator:
             raw = json.dumps(doc).encode()
             length = torch.tensor([len(raw)], dtype=torch.int64)
         else:
@@ -135,7 +164,18 @@ class BroadcastingTorchSaveReader(StorageReader):
         buf = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if self.is_coordinator else torch.empty(
             int(length.item()), dtype=torch.uint8)
         dist.broadcast(buf, src=self.coordinator_rank)
-        theirs = json.loads(bytes(buf.numpy()).decode())
+        return json.loads(bytes(buf.numpy()).decode())
+
+    def _agree(self, mine: dict, source: Any) -> None:
+        """Before any tensor travels: the coordinator says whether it read the file and what it will send (keys,
+        shapes, dtypes); every rank compares that with its own state dict, and if any rank differs, every rank
+        raises. Nothing is received into a destination of another shape or dtype, and no rank waits on a
+        broadcast that never comes."""
+        doc = None
+        if self.is_coordinator:
+            doc = {"error": None, "keys": mine} if isinstance(source, _Source) else {
+                "error": f"{type(source).__name__}: {source}", "keys": {}}
+        theirs = self._from_coordinator(doc)
         if theirs["error"] is not None:
             if isinstance(source, BaseException):
                 raise source
@@ -157,35 +197,89 @@ class BroadcastingTorchSaveReader(StorageReader):
     def _where(self) -> str:
         return f"torch.save file {str(self.checkpoint_id)!r}"
 
-    def _source(self, planner: LoadPlanner) -> Union[dict, BaseException]:
-        """The file's tensors by key, as the metadata wants them; or the error, raised after telling the others."""
+    def _source(self, planner: LoadPlanner) -> Union["_Source", BaseException]:
+        """The file, its tensors checked against what the metadata wants (nothing read yet but the archive's
+        directory and pickle); or the error, raised after telling the others."""
         try:
-            fd = open_regular(os.fspath(self.checkpoint_id))
-            try:
-                loaded = load_torch_save(lambda n, offset: os.pread(fd, n, offset), os.fstat(fd).st_size, self._where())
-            finally:
-                os.close(fd)
-            if not isinstance(loaded, dict):
-                raise CheckpointError(f"{self._where()} holds a {type(loaded).__name__}, not a state dict")
-            flat = flatten_state_dict(loaded)[0] if getattr(planner, "flatten_state_dict", True) else loaded
-            out = {}
-            for fqn, entry in planner.metadata.state_dict_metadata.items():
-                value = flat.get(fqn)
-                if value is None:
-                    raise MissingKeyError(f"{self._where()}: key {fqn!r} is not in the file (Missing key in checkpoint); "
-                                          "leave it out of the state dict")
-                if not isinstance(value, torch.Tensor) or is_dtensor(value) or is_sharded_tensor(value):
-                    raise CheckpointError(f"{self._where()}: key {fqn!r} is a {type(value).__name__} in the file, not a plain tensor")
-                if tuple(value.shape) != tuple(entry.size):
-                    raise ShapeMismatchError(f"{self._where()}: key {fqn!r} has shape {tuple(value.shape)}, the state dict "
-                                             f"{tuple(entry.size)} (Size mismatch)")
-                if value.dtype != entry.properties.dtype and not getattr(planner, "allow_dtype_conversion", False):
-                    raise DTypeMismatchError(
-                        f"{self._where()}: key {fqn!r} is {value.dtype} in the file, {entry.properties.dtype} in the state "
-                        "dict; pass planner=DynamicMetaLoadPlanner(allow_dtype_conversion=True) to convert")
-                out[fqn] = value.to(entry.properties.dtype).contiguous()
-            return out
+            return _Source(os.fspath(self.checkpoint_id), planner, self._where())
         except CheckpointError as exc:
             return exc
         except OSError as exc:
             return CheckpointError(f"{self._where()}: cannot be read ({exc})")
+
+
+class _Source:
+    """A ``torch.save`` file on the coordinator: every key the metadata wants, found and checked as a tensor of its
+    shape (and dtype, or castable to it), read a batch of keys at a time."""
+
+    def __init__(self, path: str, planner: LoadPlanner, where: str) -> None:
+        self.fd = open_regular(path)
+        try:
+            obj, self.archive = read_archive(self.pread, os.fstat(self.fd).st_size, where)
+            if not isinstance(obj, dict):
+                raise CheckpointError(f"{where} holds a {type(obj).__name__}, not a state dict")
+            flat = flatten_refs(obj) if getattr(planner, "flatten_state_dict", True) else obj
+            self.refs: dict[str, tuple[TensorRef, torch.dtype]] = {}
+            for fqn, entry in planner.metadata.state_dict_metadata.items():
+                ref = flat.get(fqn)
+                if ref is None:
+                    raise MissingKeyError(f"{where}: key {fqn!r} is not in the file (Missing key in checkpoint); "
+                                          "leave it out of the state dict")
+                if not isinstance(ref, TensorRef):
+                    raise CheckpointError(f"{where}: key {fqn!r} is a {type(ref).__name__} in the file, not a plain tensor")
+                if tuple(ref.size) != tuple(entry.size):
+                    raise ShapeMismatchError(f"{where}: key {fqn!r} has shape {tuple(ref.size)}, the state dict "
+                                             f"{tuple(entry.size)} (Size mismatch)")
+                if ref.dtype != entry.properties.dtype and not getattr(planner, "allow_dtype_conversion", False):
+                    raise DTypeMismatchError(
+                        f"{where}: key {fqn!r} is {ref.dtype} in the file, {entry.properties.dtype} in the state "
+                        "dict; pass planner=DynamicMetaLoadPlanner(allow_dtype_conversion=True) to convert")
+                self.refs[fqn] = (ref, entry.properties.dtype)
+        except BaseException:
+            self.close()
+            raise
+
+    def pread(self, n: int, offset: int) -> bytes:
+        return os.pread(self.fd, n, offset)
+
+    def read_into(self, n: int, offset: int) -> bytearray:
+        """``n`` bytes at ``offset`` (fewer at the end of the file), read into a buffer the tensor then views."""
+        buf = bytearray(n)
+        got = 0
+        while got < n:
+            step = os.preadv(self.fd, [memoryview(buf)[got:]], offset + got)
+            if step <= 0:
+                return buf[:got]
+            got += step
+        return buf
+
+    def tensors(self, keys: list[str]) -> dict[str, torch.Tensor]:
+        """The tensors of ``keys``, each read (storages shared within the batch read once) and checked against its
+        record's CRC-32, contiguous and in the dtype the state dict wants."""
+        cache: dict = {}
+        out = {}
+        for fqn in keys:
+            ref, dtype = self.refs[fqn]
+            out[fqn] = tensor_from(self.archive, ref, self.read_into, cache).to(dtype).contiguous()
+        return out
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _batches(keys: list[tuple[str, list]], limit: int) -> list[list[tuple[str, list]]]:
+    """Consecutive keys (fqn, [shape, dtype name]) whose tensors together hold at most ``limit`` bytes; a larger
+    tensor alone."""
+    out: list[list] = []
+    held = 0
+    for key in keys:
+        size, dtype = key[1]
+        n = math.prod(size) * itemsize(dtype_from_name(dtype))
+        if not out or (held + n > limit and out[-1]):
+            out.append([])
+            held = 0
+        out[-1].append(key)
+        held += n
+    return out

@@ -73,3 +73,42 @@ def test_when_the_coordinator_cannot_serve_every_rank_raises_instead_of_waiting(
     path = str(tmp_path / "model.pt")
     torch.save(_model_state(), path)
     assert run_ranks(_load_missing, 2, path, timeout_s=60) == [True, True]
+
+
+def _load_two_batches(rank, world_size, path):
+    out = {"a": torch.zeros(256, 1024), "b": torch.zeros(256, 1024)}
+    try:
+        distckpt.load(out, planner=DynamicMetaLoadPlanner(), storage_reader=BroadcastingTorchSaveReader(), checkpoint_id=path)
+    except distckpt.CheckpointError as exc:
+        return type(exc).__name__, str(exc), bool(out["a"].eq(1.0).all())
+    return "loaded", "", bool(out["a"].eq(1.0).all())
+
+
+def test_a_damaged_tensor_in_a_later_batch_fails_every_rank_without_a_hang(tmp_path):
+    """The coordinator reads a batch of keys at a time (half the memory budget): one that fails its CRC after
+    others were delivered still raises on every rank, and no rank waits for a broadcast that never comes."""
+    import io
+
+    buf = io.BytesIO()
+    torch.save({"a": torch.ones(256, 1024), "b": torch.full((256, 1024), 2.0)}, buf)
+    data = bytearray(buf.getvalue())
+    data[data.find(torch.full((16,), 2.0).numpy().tobytes()) + 1000] ^= 0x10  # inside b's record
+    path = tmp_path / "m.pt"
+    path.write_bytes(bytes(data))
+    per_rank = run_ranks(_load_two_batches, 2, str(path), timeout_s=60, env={"DISTCKPT_MEMORY_BUDGET_BYTES": str(2 << 20)})
+    # every rank raises the error that names each rank's: the coordinator's CRC failure, and the others' word of it
+    assert all(r[0] == "RankFailuresError" and "fails its CRC-32" in r[1] for r in per_rank), per_rank
+    assert all("rank 1: CheckpointError" in r[1] and "coordinator (rank 0) could not read" in r[1] for r in per_rank)
+    assert all(r[2] for r in per_rank)  # the batch before it was delivered
+
+
+def test_torch_save_reader_reads_lists_of_tensors(tmp_path):
+    """Each rank's own reads (TorchSaveReader) find tensors kept in lists, as the state dict flattens them."""
+    path = str(tmp_path / "model.pt")
+    torch.save(_model_state(), path)
+    out = {"model": {"w": torch.zeros(6, 4), "b": torch.zeros(4, dtype=torch.bfloat16)},
+           "layers": [torch.zeros(5), torch.zeros(2, 2)]}
+    distckpt.load(out, checkpoint_id=path, no_dist=True)
+    want = _model_state()
+    assert all(torch.equal(a, b) for a, b in zip(out["layers"], want["layers"]))
+    assert torch.equal(out["model"]["w"], want["model"]["w"])

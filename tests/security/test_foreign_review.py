@@ -54,14 +54,23 @@ def test_a_dcp_value_of_shared_containers_is_refused(tmp_path):
         distckpt.load({"cfg": None}, checkpoint_id=str(tmp_path / "c"), no_dist=True)
 
 
-def test_a_stride_zero_view_of_a_tiny_storage_is_refused_before_anything_allocates_it(tmp_path):
+def test_a_stride_zero_view_of_a_tiny_storage_is_refused_before_anything_allocates_it(tmp_path, monkeypatch):
     s = Storage("0", torch.FloatStorage, 12)
     file = tmp_path / "m.pt"
     file.write_bytes(archive({"w": Tensor(s, 0, (3, 4), (4, 1)), "bomb": Tensor(s, 0, (1 << 36,), (0,))},
                              {"0": raw(torch.arange(12.0))}))
+    # the broadcasting reader reads only the keys asked for: the bomb beside them is never built
+    out = {"w": torch.zeros(3, 4)}
+    distckpt.load(out, storage_reader=BroadcastingTorchSaveReader(str(file)), planner=DynamicMetaLoadPlanner(), no_dist=True)
+    assert torch.equal(out["w"], torch.arange(12.0).view(3, 4))
+    # and refuses one asked for (a smaller bomb over a lower cap, so that its destination fits in memory)
+    monkeypatch.setenv("DISTCKPT_MAX_VALUE_BYTES", "1024")
+    asked = tmp_path / "asked.pt"
+    asked.write_bytes(archive({"bomb": Tensor(s, 0, (4096,), (0,))}, {"0": raw(torch.arange(12.0))}))
     with pytest.raises(distckpt.CorruptCheckpointError, match="views storage"):
-        distckpt.load({"w": torch.zeros(3, 4)}, storage_reader=BroadcastingTorchSaveReader(str(file)),
+        distckpt.load({"bomb": torch.zeros(4096)}, storage_reader=BroadcastingTorchSaveReader(str(asked)),
                       planner=DynamicMetaLoadPlanner(), no_dist=True)
+    monkeypatch.delenv("DISTCKPT_MAX_VALUE_BYTES")
     with pytest.raises(distckpt.CorruptCheckpointError, match="views storage"):
         distckpt.convert.from_torch_save(str(file), str(tmp_path / "out"))
     small = tmp_path / "small.pt"  # a stride-0 view within the cap loads, as a view, as torch.load gives it

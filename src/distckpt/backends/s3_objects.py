@@ -380,10 +380,17 @@ class ObjectReader(BlobReader):
         return total
 
 
+BODY_PIECE_BYTES = 1 << 20
+"""Most bytes asked of a response body at once. urllib3's ``readinto`` reads into a temporary ``bytes`` of the
+size asked and copies it over (http.client and urllib3's buffer add a copy or two of their own), so asking for a
+whole 32 MiB slab made each request hold 2-3 transient copies of it, beyond the memory budget
+(bench/load_memory.py); in pieces of 1 MiB, a request holds a few MiB."""
+
+
 def _fill(body: Any, views: list, start: int, want: int, progress: list[int]) -> bool:
     """Copy ``body`` into ``views`` seen as one buffer, from byte ``start`` up to ``want``, counting the bytes
     copied in ``progress[0]`` as they arrive (so a stream error leaves the count of what did); whether the
-    body ended early."""
+    body ended early. The body is read :data:`BODY_PIECE_BYTES` at a time."""
     skip = start
     for v in views:
         if skip >= len(v):
@@ -393,7 +400,7 @@ def _fill(body: Any, views: list, start: int, want: int, progress: list[int]) ->
         skip = 0
         filled = 0
         while filled < len(v):
-            n = body.readinto(v[filled:])
+            n = body.readinto(v[filled: filled + BODY_PIECE_BYTES])
             if not n:
                 return True
             filled += n

@@ -94,7 +94,9 @@ def read_into(blob: BlobReader, view: memoryview, offset: int, here: str, file: 
                                      f"{offset}; it is truncated")
 
 
-def read_exact(blob: BlobReader, n: int, offset: int, here: str, file: str) -> bytes:
+def read_exact(blob: BlobReader, n: int, offset: int, here: str, file: str) -> bytearray:
+    """``n`` bytes at ``offset``, in the buffer they were read into: a copy into ``bytes`` would hold the chunk
+    twice at once, beyond the memory budget it was read under."""
     buf = bytearray(n)
     read_into(blob, memoryview(buf), offset, here, file)
-    return bytes(buf)
+    return buf

@@ -24,7 +24,7 @@ from ..planning.flatten import flatten_state_dict
 from .checks import check_layout
 from .torch_zip import Archive, NotPlainData, TensorRef, materialise, open_archive, unpickle_refs
 
-__all__ = ["read_archive", "torch_save_layout", "load_torch_save"]
+__all__ = ["read_archive", "flatten_refs", "torch_save_layout", "load_torch_save"]
 
 STRIDED = "torch.save.strided"  # the codec of a tensor stored as a strided view of a storage span
 
@@ -46,12 +46,33 @@ def load_torch_save(pread: Callable[[int, int], bytes], size: int, where: str) -
     return materialise(obj, archive, pread)
 
 
+def flatten_refs(obj: Any) -> dict[str, Any]:
+    """``obj`` (from :func:`read_archive`) flattened to dotted keys as the state dict it was saved from flattens:
+    flattening walks a list only where it holds a tensor, so each TensorRef stands in as a tensor on the meta
+    device while it runs (without that, a list of tensors stayed one value and its keys were missing)."""
+    refs: dict[int, TensorRef] = {}
+
+    def stand_in(node: Any) -> Any:
+        if isinstance(node, TensorRef):
+            meta = torch.empty(node.size, dtype=node.dtype, device="meta")
+            refs[id(meta)] = node
+            return meta
+        if isinstance(node, dict):
+            return {k: stand_in(v) for k, v in node.items()}
+        if type(node) in (list, tuple):
+            return type(node)(stand_in(v) for v in node)
+        return node
+
+    flat, _ = flatten_state_dict(stand_in(obj))
+    return {fqn: refs.get(id(v), v) if isinstance(v, torch.Tensor) else v for fqn, v in flat.items()}
+
+
 def torch_save_layout(obj: Any, archive: Archive, file: str, file_size: int, where: str, checkpoint_id: Optional[str],
                       load_id: str) -> Metadata:
     """The metadata of a ``torch.save`` file of a state dict: its tensors by dotted key, each one chunk."""
     if not isinstance(obj, dict):
         raise CheckpointError(f"{where} holds a {type(obj).__name__}, not a state dict")
-    flat, _ = flatten_state_dict(obj)
+    flat = flatten_refs(obj)
     sdm: dict[str, Any] = {}
     items: dict[MetadataIndex, StorageInfo] = {}
     strided: dict[MetadataIndex, TensorRef] = {}
@@ -103,7 +124,10 @@ class _StridedView(ChunkCodec):
         start, end = ref.extent()
         if len(stored) != end - start or nbytes != ref.nbytes():
             raise CorruptCheckpointError(f"{where}: the stored span is {len(stored)} bytes, not {end - start}")
-        span = torch.frombuffer(bytearray(stored), dtype=torch.uint8).view(ref.dtype) if len(stored) else torch.empty(0, dtype=ref.dtype)
+        if not len(stored):
+            span = torch.empty(0, dtype=ref.dtype)
+        else:  # the engine's own read buffer where it is writable: a copy would hold the span twice
+            span = torch.frombuffer(stored if not stored.readonly else bytearray(stored), dtype=torch.uint8).view(ref.dtype)
         offset = ref.offset - start // itemsize(ref.dtype)
         out = span.as_strided(ref.size, ref.stride, offset).contiguous()
         return memoryview(out.view(torch.uint8).numpy()).cast("B")

@@ -380,7 +380,10 @@ def tensor_from(archive: Archive, ref: TensorRef, pread: Callable[[int, int], by
         if len(raw) != rec.size:
             raise CorruptCheckpointError(f"{archive.where}: storage {ref.storage.key!r} lies outside the archive")
         check_crc(rec, raw, f"data/{ref.storage.key}", archive.where)
-        flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if rec.size else torch.empty(0, dtype=torch.uint8)
+        if rec.size:  # a bytearray ``pread`` returned is the caller's to give: viewed, not copied (held once, not twice)
+            flat = torch.frombuffer(raw if isinstance(raw, bytearray) else bytearray(raw), dtype=torch.uint8)
+        else:
+            flat = torch.empty(0, dtype=torch.uint8)
         if cache is not None:
             cache[ref.storage.key] = flat
     limit = knobs.max_value_bytes() if limit is None else limit
