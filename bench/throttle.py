@@ -57,6 +57,21 @@ def throttled_writes(mbps: float, directory: str, size_bytes: int) -> Iterator[s
         yield location
 
 
+@contextlib.contextmanager
+def throttled_reads(mbps: float, directory: str, size_bytes: int) -> Iterator[str]:
+    """Yield a directory whose files are read from its device at most ``mbps`` MB/s (10**6 bytes) in all, by every
+    process together: a store whose bandwidth the ranks share. Only reads that reach the device are limited:
+    evict a file's pages (``measure.drop_cache``) before each read of it. A loop device, as for writes."""
+    bps = int(mbps * 1e6)
+    if bps <= 0:
+        raise ValueError(f"throttle speed must be positive, not {mbps} MB/s")
+    why = _loop_unavailable()
+    if why:
+        raise ThrottleUnavailable("cannot throttle disk reads here: " + why)
+    with _loop_device_limit(directory, bps, size_bytes, "read") as location:
+        yield location
+
+
 # cgroup v2
 
 
@@ -176,13 +191,13 @@ def _run(*cmd: str) -> str:
     return done.stdout.strip()
 
 
-def _set_write_bps(device: str, bps: int) -> None:
-    with open(os.path.join(CGROUP_V1_BLKIO, "blkio.throttle.write_bps_device"), "w") as f:
+def _set_write_bps(device: str, bps: int, kind: str = "write") -> None:
+    with open(os.path.join(CGROUP_V1_BLKIO, f"blkio.throttle.{kind}_bps_device"), "w") as f:
         f.write(f"{device} {bps}")  # 0 removes the limit
 
 
 @contextlib.contextmanager
-def _loop_device_limit(directory: str, bps: int, size_bytes: int) -> Iterator[str]:
+def _loop_device_limit(directory: str, bps: int, size_bytes: int, kind: str = "write") -> Iterator[str]:
     image = os.path.join(directory, f".throttle-{os.getpid()}.img")
     mountpoint = os.path.join(directory, f"throttled-{os.getpid()}")
     with open(image, "wb") as f:
@@ -198,11 +213,11 @@ def _loop_device_limit(directory: str, bps: int, size_bytes: int) -> Iterator[st
                 _run("mount", loop, mountpoint)
                 try:
                     device = f"{os.major(os.stat(loop).st_rdev)}:{os.minor(os.stat(loop).st_rdev)}"
-                    _set_write_bps(device, bps)
+                    _set_write_bps(device, bps, kind)
                     try:
                         yield mountpoint
                     finally:
-                        _set_write_bps(device, 0)
+                        _set_write_bps(device, 0, kind)
                 finally:
                     _run("umount", mountpoint)
             finally:

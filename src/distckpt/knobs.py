@@ -371,5 +371,6 @@ def shared_reads() -> bool:
 
 def shared_read_bucket_bytes() -> int:
     """Largest buffer a shared read sends at once (DISTCKPT_SHARED_READ_BUCKET_BYTES; default 64 MiB, at most
-    half the memory budget). A larger chunk is sent in pieces of whole rows; a row larger than this goes alone."""
-    return _int("DISTCKPT_SHARED_READ_BUCKET_BYTES", max(1, min(64 << 20, memory_budget_bytes() // 2)), minimum=1)
+    a quarter of the memory budget: a rank holds one it receives and two it reads ahead to send). A larger chunk
+    is sent in pieces of whole rows; a row larger than this goes alone."""
+    return _int("DISTCKPT_SHARED_READ_BUCKET_BYTES", max(1, min(64 << 20, memory_budget_bytes() // 4)), minimum=1)

@@ -11,7 +11,7 @@ from distckpt.engine import shared_reads
 from distckpt.testing.read_counts import FileReads
 
 
-def _replicated(scale: int = 1) -> dict:
+def _replicated(scale: int = 8) -> dict:
     """The same on every rank: plain tensors of several dtypes and sizes, a value, a 2-D tensor of many rows."""
     g = torch.Generator().manual_seed(7)
     sd = {f"layer{i}.w": torch.randn(64 * (i + 1) * scale, 33, generator=g) for i in range(6)}
@@ -105,7 +105,7 @@ def load_with_dying_reader(rank, world_size, path, victim):
             if sent["n"] == 1:
                 os.kill(os.getpid(), 9)
         shared_reads.Peers.send = send_then_die
-    sd = _zeros_like(_replicated(scale=4))
+    sd = _zeros_like(_replicated(scale=16))
     try:
         distckpt.load(sd, checkpoint_id=path)
     except distckpt.CheckpointError as exc:
@@ -114,5 +114,5 @@ def load_with_dying_reader(rank, world_size, path, victim):
 
 
 def save_big_replicated(rank, world_size, path):
-    distckpt.save(_replicated(scale=4), checkpoint_id=path)
+    distckpt.save(_replicated(scale=16), checkpoint_id=path)
     return True

@@ -30,12 +30,13 @@ def test_a_replicated_state_at_four_ranks_is_read_once(tmp_path):
     assert alone >= 3.9 * data, (alone, data)
 
 
-def test_fsdp_sharded_and_mixed_states_stay_within_two_percent(tmp_path):
-    for kind in ("sharded", "mixed"):
-        path = str(tmp_path / kind)
-        run_ranks(workers.save_state, 4, path, kind)
-        read, data, _ = _load(path, kind, 4)
-        assert read <= 1.02 * data, (kind, read, data)
+def test_an_fsdp_sharded_state_stays_within_two_percent(tmp_path):
+    """(A mixed state, resharded, is the next test's.)"""
+    path = str(tmp_path / "ck")
+    run_ranks(workers.save_state, 4, path, "sharded")
+    read, data, results = _load(path, "sharded", 4)
+    assert read <= 1.02 * data, (read, data)
+    assert all(r["messages"] == 0 for r in results), results  # every chunk is one rank's: nothing to send
 
 
 def test_overlapping_reshard_reads_are_shared_at_three_ranks_from_two(tmp_path):

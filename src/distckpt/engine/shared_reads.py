@@ -5,14 +5,15 @@ sharding overlap is needed by more than one rank. Read by each, it costs storage
 ranks; here one of them reads it, checks its checksum, and sends the bytes it checked to the others.
 
 During load planning every rank lists the chunks its plan reads (file number, offset, length, and the bytes of
-one row, so that a large chunk is cut on row boundaries). The coordinator picks one reader among the ranks
-that need each shared chunk, the one with the fewest bytes to read so far, largest chunks first; chunks only
-one rank needs count toward that rank's share. It then packs the shared chunks into messages of at most the
-bucket size, one sender and its set of receivers per message, and tells each rank the messages it takes part
-in, in one global order.
+one row, so that a large chunk is cut on row boundaries). The coordinator picks one reader among the ranks that
+need each shared chunk, evening out the bytes each rank reads (chunks only one rank needs count toward its
+share); the chunks one set of ranks needs are cut into runs contiguous in the files, one run per rank, so that
+storage is read in long ranges. It then packs the shared chunks into messages of at most the bucket size, one
+sender and its set of receivers per message, and tells each rank the messages it takes part in, in one global
+order, the senders taking turns.
 
-Each rank then walks its messages in that order: as the sender it reads the pieces, checksums them and sends
-the buffer; as a receiver it waits for the buffer and copies the pieces into its destinations. Every rank
+Each rank then walks its messages in that order: as the sender it sends the buffer that a thread of its own
+read (and checksummed) ahead; as a receiver it waits for the buffer and copies the pieces into its destinations. Every rank
 walks the messages in the same global order and blocks only on its own, so the earliest unfinished message
 always has all of its ranks waiting on it: no cycle of waits can form. A chunk that fails at its reader (a
 checksum mismatch, a truncated file, any error of that rank) travels as a failed status with the reader's
@@ -25,7 +26,9 @@ pair crosses the network once, whatever the size of the job.
 
 from __future__ import annotations
 
+import queue
 import struct
+import threading
 from datetime import timedelta
 from typing import Any, Callable, NamedTuple, Optional
 
@@ -146,11 +149,24 @@ def _pick_readers(tables: list[np.ndarray]) -> tuple[dict, dict, dict]:
             load[ranks[0][0]] += sizes[key][0]
         else:
             shared.append(key)
+    # each set of ranks needing the same chunks splits them into runs that are contiguous in the files, one run per
+    # rank, sized to even out what every rank reads: a rank reading every other chunk would have its storage
+    # read ahead into the chunks between (page cache read-ahead, an object store's larger ranges)
+    by_set: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+    for key in shared:
+        by_set.setdefault(tuple(sorted(r for r, _ in needers[key])), []).append(key)
     reader: dict[tuple[int, int], int] = {}
-    for key in sorted(shared, key=lambda k: (-sizes[k][0], k)):
-        rank = min((load[r], r) for r, _ in needers[key])[1]
-        reader[key] = rank
-        load[rank] += sizes[key][0]
+    for ranks, keys in sorted(by_set.items(), key=lambda kv: -sum(sizes[k][0] for k in kv[1])):
+        keys.sort()
+        total = sum(sizes[k][0] for k in keys)
+        order = sorted(ranks, key=lambda r: (load[r], r))
+        level = (total + sum(load[r] for r in ranks)) / len(ranks)
+        at = 0
+        for key in keys:
+            while at < len(order) - 1 and load[order[at]] + sizes[key][0] / 2 > level:
+                at += 1
+            reader[key] = order[at]
+            load[order[at]] += sizes[key][0]
     return needers, sizes, reader
 
 
@@ -178,6 +194,13 @@ def plan_shares(tables: list[np.ndarray], bucket: int) -> list[bytes]:
                 held += b1 - b0
         if pieces:
             messages.append((src, receivers, pieces))
+    # one order for every rank: the senders' messages taken in turn, so that while one message travels, its
+    # receivers' own next messages are being read (exchange reads ahead)
+    by_src: dict[int, list] = {}
+    for message in messages:
+        by_src.setdefault(message[0], []).append(message)
+    turns = [by_src[src] for src in sorted(by_src)]
+    messages = [m for at in range(max((len(t) for t in turns), default=0)) for t in turns if at < len(t) for m in (t[at],)]
     rows: list[list[int]] = [[] for _ in tables]
     count = [0] * len(tables)
     for src, receivers, pieces in messages:
@@ -319,27 +342,86 @@ class Failing(Endpoint):
 
 
 def exchange(shares: Shares, endpoint: Endpoint, hold: Callable[[int], Any]) -> None:
-    """Walk this rank's messages in order (see the module docstring). ``hold(n)`` is a context that keeps ``n``
-    bytes of buffer within the memory budget. A transport failure (a dead peer, the timeout) raises at once:
-    the ranks are no longer in step."""
-    sizes = [m.layout()[1] for m in shares.messages]
-    if not sizes:
+    """Walk this rank's messages in order (see the module docstring). A thread reads this rank's next messages to
+    send ahead of the walk, into one of two buffers, so that reading overlaps the exchange of other ranks'
+    messages. ``hold(n)`` is a context that keeps ``n`` bytes of buffer within the memory budget. A transport
+    failure (a dead peer, the timeout) raises at once: the ranks are no longer in step."""
+    if not shares.messages:
         return
-    with hold(max(sizes)):
-        whole = torch.empty(max(sizes), dtype=torch.uint8)
-        for message, size in zip(shares.messages, sizes):
-            buf = whole[:size]
-            raw = memoryview(buf.numpy())
-            starts, _ = message.layout()
-            views = [raw[s:s + b1 - b0] for s, (_, b0, b1) in zip(starts, message.pieces)]
-            status_at = size - len(message.pieces) - ERROR_BYTES
-            if message.src == shares.rank:
-                failures = endpoint.fill(message, views)
-                _put_status(raw, status_at, failures)
-                shares.peers.send(buf, message.receivers)
-            else:
-                shares.peers.receive(buf, message.src)
-                endpoint.take(message, views, _get_status(raw, status_at, len(message.pieces), message.src))
+    sends = [m for m in shares.messages if m.src == shares.rank]
+    received = [m.layout()[1] for m in shares.messages if m.src != shares.rank]
+    send_size = max((m.layout()[1] for m in sends), default=0)
+    spare = 2 if len(sends) > 1 else len(sends)
+    with hold(max(received, default=0) + spare * send_size):
+        ahead = _ReadAhead(sends, endpoint, send_size, spare)
+        try:
+            inbox = torch.empty(max(received, default=0), dtype=torch.uint8)
+            for message in shares.messages:
+                if message.src == shares.rank:
+                    buf = ahead.next()
+                    shares.peers.send(buf, message.receivers)
+                    ahead.recycle(buf)
+                else:
+                    size = message.layout()[1]
+                    buf = inbox[:size]
+                    shares.peers.receive(buf, message.src)
+                    views, status_at = _views(message, buf)
+                    endpoint.take(message, views, _get_status(memoryview(buf.numpy()), status_at, len(message.pieces),
+                                                              message.src))
+        finally:
+            ahead.stop()
+
+
+def _views(message: Message, buf: torch.Tensor) -> tuple[list[memoryview], int]:
+    """The pieces of ``message`` in its buffer, and where its status bytes begin."""
+    raw = memoryview(buf.numpy())
+    starts, size = message.layout()
+    return [raw[s:s + b1 - b0] for s, (_, b0, b1) in zip(starts, message.pieces)], size - len(message.pieces) - ERROR_BYTES
+
+
+class _ReadAhead:
+    """Fills this rank's messages to send, in order, on a thread of its own, at most ``spare`` ahead."""
+
+    def __init__(self, sends: list[Message], endpoint: Endpoint, size: int, spare: int) -> None:
+        self.free: queue.Queue = queue.Queue()
+        self.filled: queue.Queue = queue.Queue()
+        for _ in range(spare):
+            self.free.put(torch.empty(size, dtype=torch.uint8))
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self.run, args=(sends, endpoint), name="distckpt-shared-read", daemon=True)
+        self.thread.start()
+
+    def run(self, sends: list[Message], endpoint: Endpoint) -> None:
+        try:
+            for message in sends:
+                while True:
+                    if self.stopping.is_set():
+                        return
+                    try:
+                        whole = self.free.get(timeout=0.2)
+                        break
+                    except queue.Empty:
+                        continue
+                buf = whole[:message.layout()[1]]
+                views, status_at = _views(message, buf)
+                _put_status(memoryview(buf.numpy()), status_at, endpoint.fill(message, views))
+                self.filled.put((whole, buf))
+        except BaseException as exc:  # noqa: BLE001 - raised by next() on the walking thread
+            self.filled.put((None, exc))
+
+    def next(self) -> torch.Tensor:
+        whole, buf = self.filled.get()
+        if whole is None:
+            raise buf
+        self.pending = whole
+        return buf
+
+    def recycle(self, buf: torch.Tensor) -> None:
+        self.free.put(self.pending)
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.thread.join()
 
 
 def _put_status(raw: memoryview, at: int, failures: list[Optional[str]]) -> None:

@@ -1,0 +1,112 @@
+"""Rank bodies of the shared-read benchmark (bench/shared_reads.py): a replicated state loaded by every rank."""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+
+import torch
+import torch.distributed as dist
+
+from .measure import drop_cache
+from .states import gpt_like
+
+PEERS = ("shared", "alone", "dcp", "raw")
+
+
+def save_copies(rank, world_size, total, location, copies):
+    """One process: save the replicated state with distckpt and with DCP, and copy each ``copies`` times (each rank
+    of the load reads its own copy, as a node would through its own page cache, from one shared device)."""
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+
+    import distckpt
+
+    sd = gpt_like(total, seed=0)
+    distckpt.save(sd, checkpoint_id=os.path.join(location, "distckpt"))
+    dcp.save(sd, checkpoint_id=os.path.join(location, "dcp"))
+    for peer in ("distckpt", "dcp"):
+        for c in range(copies):
+            shutil.copytree(os.path.join(location, peer), os.path.join(location, f"{peer}-{c}"))
+        shutil.rmtree(os.path.join(location, peer))
+    os.sync()
+    return sum(os.path.getsize(os.path.join(location, "distckpt-0", f)) for f in os.listdir(os.path.join(location, "distckpt-0"))
+               if f.startswith("data-"))
+
+
+def _device_reads(path: str) -> int:
+    """Bytes the device holding ``path`` has served so far, to every process (its sectors read): what the store
+    counts. On the throttled loop device nothing else reads; on a shared disk, other work is counted too."""
+    dev = os.stat(path).st_dev
+    with open(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/stat") as f:
+        return int(f.read().split()[2]) * 512
+
+
+def _raw(dest: dict, path: str, rank: int, world_size: int) -> None:
+    """The floor: each rank reads its share of the data file's bytes once, with no format or checksum, and the
+    ranks all-gather them: the same bytes from storage once, then over the process group."""
+    name = next(f for f in sorted(os.listdir(path)) if f.startswith("data-"))
+    fd = os.open(os.path.join(path, name), os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        share = -(-size // world_size)
+        mine = torch.empty(share, dtype=torch.uint8)
+        view = memoryview(mine.numpy())
+        start = rank * share
+        got = os.preadv(fd, [view[:max(0, min(share, size - start))]], start) if start < size else 0
+        assert got == max(0, min(share, size - start))
+    finally:
+        os.close(fd)
+    out = torch.empty(share * world_size, dtype=torch.uint8)
+    dist.all_gather_into_tensor(out, mine)
+    at = 0
+    for t in dest.values():  # the bytes land in the destinations, as a load's would (not at the format's offsets)
+        n = t.numel() * t.element_size()
+        t.view(-1).view(torch.uint8).copy_(out[at:at + n])
+        at += n
+
+
+def _load(peer, dest, path, rank, world_size):
+    if peer in ("shared", "alone"):
+        import distckpt
+
+        distckpt.load(dest, storage_reader=distckpt.FileSystemReader(path, shared_reads=peer == "shared"))
+    elif peer == "dcp":
+        import torch.distributed.checkpoint as dcp
+
+        dcp.load(dest, storage_reader=dcp.FileSystemReader(path))
+    else:
+        _raw(dest, path, rank, world_size)
+
+
+def load_rounds(rank, world_size, total, location, repeat):
+    """Every peer loads the replicated state at every rank, ``repeat`` rounds in shuffled order, page caches
+    emptied before each; per (peer, round): the slowest rank's time and the bytes all ranks read from storage."""
+    want = gpt_like(total, seed=0)
+    out: dict = {}
+    for r in range(-1, repeat):  # round -1 warms every peer up (imports, the group's first exchanges), unrecorded
+        order = list(PEERS)
+        random.Random(r).shuffle(order)
+        for peer in order:
+            path = os.path.join(location, f"{'dcp' if peer == 'dcp' else 'distckpt'}-{rank}")
+            dest = {k: torch.zeros_like(v) for k, v in want.items()}
+            drop_cache(path)
+            dist.barrier()
+            before = _device_reads(path)
+            dist.barrier()
+            t0 = time.perf_counter()
+            _load(peer, dest, path, rank, world_size)
+            wall = time.perf_counter() - t0
+            dist.barrier()
+            read = _device_reads(path) - before
+            if peer != "raw":
+                assert all(torch.equal(dest[k], want[k]) for k in want), f"{peer} loaded wrong data"
+            slowest = torch.tensor([wall], dtype=torch.float64)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            if r >= 0:
+                out.setdefault(peer, []).append((float(slowest[0]), read))
+            dest = None
+            dist.barrier()
+    return out
