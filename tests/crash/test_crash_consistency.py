@@ -27,6 +27,16 @@ def _sweep(tmp_path, world_size, ranks=None, stride=1):
     return crash_model.sweep(lambda name: str(tmp_path / name), world_size, ranks, stride, _tmp_leftovers)
 
 
+def test_kill_one_rank_at_every_other_boundary_two_ranks(tmp_path):
+    """Every second boundary of each rank (the first and, by the parity of the count, often the last); every
+    boundary under --run-slow (the next test)."""
+    points, outcomes = _sweep(tmp_path, 2, stride=2)
+    assert {k for k, _ in points[0]} >= {"write", "fsync", "rename", "collective"}
+    assert "invisible" in outcomes.values()
+    assert len(outcomes) == sum((len(p) + 1) // 2 for p in points)
+
+
+@pytest.mark.slow
 def test_kill_one_rank_at_every_boundary_two_ranks(tmp_path):
     points, outcomes = _sweep(tmp_path, 2)
     assert {k for k, _ in points[0]} >= {"write", "fsync", "rename", "collective"}
