@@ -45,20 +45,25 @@ def _device_reads(path: str) -> int:
 
 
 def _raw(dest: dict, path: str, rank: int, world_size: int) -> None:
-    """The floor: each rank reads its share of the data file's bytes once, with no format or checksum, and the
-    ranks all-gather them: the same bytes from storage once, then over the process group."""
-    name = next(f for f in sorted(os.listdir(path)) if f.startswith("data-"))
-    fd = os.open(os.path.join(path, name), os.O_RDONLY)
-    try:
-        size = os.fstat(fd).st_size
-        share = -(-size // world_size)
-        mine = torch.empty(share, dtype=torch.uint8)
-        view = memoryview(mine.numpy())
-        start = rank * share
-        got = os.preadv(fd, [view[:max(0, min(share, size - start))]], start) if start < size else 0
-        assert got == max(0, min(share, size - start))
-    finally:
-        os.close(fd)
+    """The floor: each rank reads its share of the data files' bytes once (one range of their concatenation), with
+    no format or checksum, and the ranks all-gather them: the same bytes from storage once, then over the group."""
+    names = [f for f in sorted(os.listdir(path)) if f.startswith("data-")]
+    sizes = [os.path.getsize(os.path.join(path, f)) for f in names]
+    total = sum(sizes)
+    share = -(-total // world_size)
+    mine = torch.zeros(share, dtype=torch.uint8)
+    view = memoryview(mine.numpy())
+    lo, hi = rank * share, min(total, (rank + 1) * share)
+    at = 0
+    for name, size in zip(names, sizes):  # the part of [lo, hi) in each file
+        a, b = max(lo, at), min(hi, at + size)
+        if a < b:
+            fd = os.open(os.path.join(path, name), os.O_RDONLY)
+            try:
+                assert os.preadv(fd, [view[a - lo:b - lo]], a - at) == b - a
+            finally:
+                os.close(fd)
+        at += size
     out = torch.empty(share * world_size, dtype=torch.uint8)
     dist.all_gather_into_tensor(out, mine)
     at = 0
