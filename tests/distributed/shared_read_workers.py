@@ -43,6 +43,15 @@ def _sharded(world_size, fill: bool) -> dict:
             "fsdp.cols": distribute_tensor(other if fill else torch.zeros_like(other), mesh, [Shard(1)])}
 
 
+def _hsdp(world_size, fill: bool) -> dict:
+    """HSDP: replicated across the first mesh dimension, sharded along the second (2 x 2 at 4 ranks)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    mesh = init_device_mesh("cpu", (2, world_size // 2))
+    full = torch.arange(64 * 3000, dtype=torch.float32).reshape(64, 3000) * 0.25
+    return {"hsdp.w": distribute_tensor(full if fill else torch.zeros_like(full), mesh, [Replicate(), Shard(0)])}
+
+
 def _data_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.startswith("data-"))
 
@@ -53,6 +62,8 @@ def save_state(rank, world_size, path, kind):
         sd.update(_replicated())
     if kind in ("sharded", "mixed"):
         sd.update(_sharded(world_size, True))
+    if kind == "hsdp":
+        sd.update(_hsdp(world_size, True))
     distckpt.save(sd, checkpoint_id=path)
     return True
 
@@ -67,12 +78,16 @@ def load_state(rank, world_size, path, kind, shared=None):
     sd = {k: v for k, v in _zeros_like(_replicated()).items()} if kind in ("replicated", "mixed") else {}
     if kind in ("sharded", "mixed"):
         sd.update(_sharded(world_size, False))
+    if kind == "hsdp":
+        want.update(_hsdp(world_size, True))
+        sd.update(_hsdp(world_size, False))
     reads = FileReads()
     reader = distckpt.FileSystemReader(path, shared_reads=shared)
     distckpt.load(sd, storage_reader=reader)
     exact = all(_equal(sd[k], v) for k, v in want.items())
     return {"exact": exact, "read": reads.total, "data": _data_bytes(path),
-            "messages": len(reader.shares.messages) if reader.shares else 0}
+            "messages": len(reader.shares.messages) if reader.shares else 0,
+            "peers": sorted({r for m in reader.shares.messages for r in (m.src,) + m.receivers}) if reader.shares else []}
 
 
 def _equal(a, b) -> bool:

@@ -39,6 +39,17 @@ def test_an_fsdp_sharded_state_stays_within_two_percent(tmp_path):
     assert all(r["messages"] == 0 for r in results), results  # every chunk is one rank's: nothing to send
 
 
+def test_hsdp_replicas_share_their_shards_pairwise(tmp_path):
+    """Replicated across mesh rows, sharded along columns (2 x 2): each shard is read once and goes only to its
+    replica, never to the ranks of the other shard."""
+    path = str(tmp_path / "ck")
+    run_ranks(workers.save_state, 4, path, "hsdp")
+    read, data, results = _load(path, "hsdp", 4)
+    assert read <= 1.02 * data, (read, data)
+    # ranks (0, 2) hold shard 0, (1, 3) shard 1: each rank exchanges with its replica only
+    assert [r["peers"] for r in results] == [[0, 2], [1, 3], [0, 2], [1, 3]], results
+
+
 def test_overlapping_reshard_reads_are_shared_at_three_ranks_from_two(tmp_path):
     path = str(tmp_path / "ck")
     run_ranks(workers.save_state, 2, path, "mixed")
