@@ -48,7 +48,11 @@ class Selection:
 
 
 def _is_int(x: Any) -> bool:
+    """Whether torch's indexing takes ``x`` as one int: a Python or NumPy integer, or a 0-d integer tensor (a
+    tensor of one element with dimensions is an advanced index, and a bool or uint8 tensor a mask, to torch)."""
     if isinstance(x, bool):
+        return False
+    if getattr(x, "ndim", 0) != 0 or str(getattr(x, "dtype", "")) in ("torch.bool", "torch.uint8", "bool"):
         return False
     try:
         return isinstance(x.__index__(), int)
@@ -109,7 +113,9 @@ def _axis_of_slice(s: slice, size: int, dim: int, where: str) -> Axis:
         raise CheckpointIndexError(f"{where}: slice {s!r} of dimension {dim}: the step must be greater than zero "
                                    "(as for torch tensors); flip the result instead (.flip(dim))")
     start, stop, step = s.indices(size)
-    return Axis(start, step, len(range(start, stop, step)))
+    count = len(range(start, stop, step))
+    return Axis(start, step if count > 1 else 1, count)  # a step past the end picks at most one index: torch's
+    # strides are 64-bit, so a larger step must not reach them
 
 
 def chunk_part(axes: Sequence[Axis], offsets: Sequence[int], sizes: Sequence[int]) -> Optional[list[tuple[int, int, int]]]:
