@@ -47,3 +47,49 @@ def test_a_step_beyond_64_bits_reads_one_row_not_a_runtime_error(good):
         assert got.shape == (1, 0)
         assert torch.equal(ckpt["w"][5::1 << 100], sd["w"][5:6])
         assert torch.equal(ckpt["ids"][-(1 << 80):1 << 80:1 << 65], sd["ids"][0:1])
+
+
+# ------------------------------------------------------------------------------------------------ sizes that lie
+
+
+_PEAK = """
+import resource, sys, distckpt
+from distckpt.errors import CorruptCheckpointError
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+try:
+    with distckpt.open(sys.argv[1]) as ckpt:
+        ckpt["w"][0]
+    print("read")
+except CorruptCheckpointError as exc:
+    print("refused:", exc)
+print("grew", (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
+"""
+
+
+def test_a_compressed_chunk_claiming_a_huge_size_is_refused_without_filling_the_claim(tmp_path):
+    """A chunk stored through a codec has no stored length to check its claimed size against: the decoder was
+    handed a zero-filled buffer of the claimed size first (here 1 GiB for 12 KiB of zeros), so a slice of one
+    row of a forged checkpoint of a few KiB made the reader take the whole claim in memory."""
+    from distckpt import FileSystemWriter, ZStandard
+
+    from .helpers import read_body, write_body
+
+    path = str(tmp_path / "zstd")
+    distckpt.save({"w": torch.zeros(64, 48)}, storage_writer=FileSystemWriter(path, _extensions=[ZStandard()]))
+    body = read_body(path)
+    entry = body["state_dict_metadata"]["w"]
+    assert entry["chunks"][0][5]["codec"] != ["identity"]
+    entry["size"] = entry["chunks"][0][1] = [1 << 22, 64]  # 1 GiB of float32 claimed
+    write_body(path, body)
+    out = _python(_PEAK, path)
+    assert "refused:" in out and "'w'" in out and "not the 1073741824" in out, out
+    assert int(out.rsplit("grew", 1)[1]) < 256, out  # MiB
+
+
+def _python(script, *args):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import abc
 import io
+import mmap
 from typing import IO, Any, Optional, Sequence
 
 from ..errors import CheckpointError, CorruptCheckpointError
@@ -165,7 +166,7 @@ class StreamTransforms(ChunkCodec):
                 while piece := stream.read(_PIECE):
                     out += piece
                 return memoryview(out), len(out)
-            view = memoryview(bytearray(nbytes))
+            view = _untouched(nbytes)
             done = 0
             while done < nbytes:
                 n = stream.readinto(view[done:])
@@ -227,6 +228,15 @@ class StreamTransforms(ChunkCodec):
 
 
 _PIECE = 1 << 20  # bytes asked of a transform at a time
+
+
+def _untouched(nbytes: int) -> memoryview:
+    """A writable buffer of ``nbytes`` whose pages take memory only once written: the size comes from the
+    metadata, and stored bytes that decode to less (a forged size, distckpt.open reading a slice) must not
+    make a reader fill the whole claim with zeros first. Small ones are plain bytearrays."""
+    if nbytes < _PIECE:
+        return memoryview(bytearray(nbytes))
+    return memoryview(mmap.mmap(-1, nbytes))
 
 
 class _Overflow(Exception):
