@@ -20,8 +20,9 @@ checksum mismatch, a truncated file, any error of that rank) travels as a failed
 message; each receiver zeroes what it copied of that chunk and the load fails on every rank that needed it.
 A sender that dies leaves its receivers with a broken connection or, at worst, the checkpoint timeout.
 
-Messages go point to point, to the ranks that need them only: a chunk shared by the two ranks of one replica
-pair crosses the network once, whatever the size of the job.
+Messages go to the ranks that need them only: point to point, so that a chunk shared by the two ranks of one
+replica pair crosses the network once whatever the size of the job; a message for every other rank of the group
+(a fully replicated state) is the backend's broadcast, a ring or tree on NCCL rather than one copy per receiver.
 """
 
 from __future__ import annotations
@@ -201,25 +202,19 @@ def plan_shares(tables: list[np.ndarray], bucket: int) -> list[bytes]:
         by_src.setdefault(message[0], []).append(message)
     turns = [by_src[src] for src in sorted(by_src)]
     messages = [m for at in range(max((len(t) for t in turns), default=0)) for t in turns if at < len(t) for m in (t[at],)]
+    world = len(tables)
     rows: list[list[int]] = [[] for _ in tables]
-    count = [0] * len(tables)
+    count = [0] * world
+    row_of = {key: dict(ranks) for key, ranks in needers.items() if key in reader}  # chunk -> {rank: its row there}
     for src, receivers, pieces in messages:
+        # a message to every other rank says so in one number (-1), not with the list of every rank
+        head = [src, -1, len(pieces)] if len(receivers) == world - 1 else [src, len(receivers), len(pieces), *receivers]
         for rank in (src,) + receivers:
-            own = dict(_needers_rows(needers, pieces, rank))
-            rows[rank] += [src, len(receivers), len(pieces), *receivers]
+            rows[rank] += head
             for key, b0, b1 in pieces:
-                rows[rank] += [own[key], b0, b1]
+                rows[rank] += [row_of[key][rank], b0, b1]
             count[rank] += 1
-    return [struct.pack("<QQ", bucket, count[r]) + np.array(rows[r], dtype="<i8").tobytes() for r in range(len(tables))]
-
-
-def _needers_rows(needers: dict, pieces: list, rank: int):
-    """(chunk, this rank's row of it in its table) for the chunks of ``pieces``."""
-    for key, _, _ in pieces:
-        for r, j in needers[key]:
-            if r == rank:
-                yield key, j
-                break
+    return [struct.pack("<QQ", bucket, count[r]) + np.array(rows[r], dtype="<i8").tobytes() for r in range(world)]
 
 
 class Message(NamedTuple):
@@ -264,7 +259,12 @@ class Shares:
         try:
             for _ in range(count):
                 src, n_recv, n_pieces = row[at:at + 3]
-                receivers = tuple(row[at + 3:at + 3 + n_recv])
+                if n_recv == -1:  # every other rank
+                    receivers, n_recv = tuple(r for r in range(world) if r != src), 0
+                elif n_recv < 0:
+                    raise ValueError("negative receiver count")
+                else:
+                    receivers = tuple(row[at + 3:at + 3 + n_recv])
                 at += 3 + n_recv
                 pieces = []
                 for _ in range(n_pieces):
@@ -292,14 +292,24 @@ class Peers:
         self.group, self.rank, self.world_size, self.device, self.timeout_s = group, rank, world_size, device, timeout_s
 
     def send(self, buf: torch.Tensor, receivers: tuple[int, ...]) -> None:
+        """Send ``buf`` to ``receivers``: a broadcast where they are every other rank of the group (the backend's
+        own algorithm, a ring or tree on NCCL, instead of one copy per receiver from this rank), else point to point."""
         wire = buf if self.device.type == "cpu" else buf.to(self.device)
         faults.point("collective", "shared read")
-        works = [dist.isend(wire, group=self.group, group_dst=r) for r in receivers]
+        if len(receivers) == self.world_size - 1:
+            works = [dist.broadcast(wire, group=self.group, group_src=self.rank, async_op=True)]
+        else:
+            works = [dist.isend(wire, group=self.group, group_dst=r) for r in receivers]
         self._wait(works, f"sending to ranks {list(receivers)}")
 
-    def receive(self, buf: torch.Tensor, src: int) -> None:
+    def receive(self, buf: torch.Tensor, src: int, everyone: bool) -> None:
+        """Receive ``buf`` from ``src``; ``everyone``: the message goes to every rank but ``src`` (a broadcast)."""
         wire = buf if self.device.type == "cpu" else torch.empty_like(buf, device=self.device)
-        self._wait([dist.irecv(wire, group=self.group, group_src=src)], f"receiving from rank {src}")
+        if everyone:
+            work = dist.broadcast(wire, group=self.group, group_src=src, async_op=True)
+        else:
+            work = dist.irecv(wire, group=self.group, group_src=src)
+        self._wait([work], f"receiving from rank {src}")
         if wire is not buf:
             buf.copy_(wire)
 
@@ -364,7 +374,7 @@ def exchange(shares: Shares, endpoint: Endpoint, hold: Callable[[int], Any]) -> 
                 else:
                     size = message.layout()[1]
                     buf = inbox[:size]
-                    shares.peers.receive(buf, message.src)
+                    shares.peers.receive(buf, message.src, len(message.receivers) == shares.peers.world_size - 1)
                     views, status_at = _views(message, buf)
                     endpoint.take(message, views, _get_status(memoryview(buf.numpy()), status_at, len(message.pieces),
                                                               message.src))
