@@ -11,6 +11,7 @@ compared by their decoded value.
 
 from __future__ import annotations
 
+import io
 import math
 import os
 from dataclasses import dataclass, field
@@ -19,6 +20,8 @@ from typing import Any, Optional, Union
 import torch
 
 from . import knobs
+from .errors import UnsafeValueError
+from .format.values import decode_value
 from .metadata import MetadataIndex, TensorStorageMetadata
 from .opening import LazyTensor, OpenCheckpoint, open
 from .planning.slices import row_blocks
@@ -80,21 +83,38 @@ def _compare_key(key: str, left: OpenCheckpoint, right: OpenCheckpoint, exact: b
         report.changed.append({"key": key, "a": da, "b": db})
         return
     if da["kind"] == "value":
-        same, how, extra = _same_value(left[key], right[key]), VALUE, {}
+        same, how, extra = _same_value(key, left, right), VALUE, {}
     else:
         same, how, extra = _compare_tensor(key, left, right, exact)
     (report.same if same else report.differ).append({"key": key, "decided_by": how, **extra})
 
 
-def _same_value(x: Any, y: Any) -> bool:
-    if type(x) is not type(y):
-        return False
+def _same_value(key: str, left: OpenCheckpoint, right: OpenCheckpoint) -> bool:
+    """Whether value ``key`` is the same on both sides: the same decoded value, types and all (1, 1.0 and True
+    differ, as do 0.0 and -0.0, wherever they are nested), or, for a value stored pickled (never unpickled
+    here), the same stored bytes."""
+    raw = [side._reads.read_value(key) for side in (left, right)]
     try:
-        if x == y:
-            return True
-    except Exception:  # noqa: BLE001 - a value whose == raises is compared by its text below
-        pass
-    return repr(x) == repr(y)  # NaN inside: equal texts, equal values
+        x, y = (decode_value(r, where=side._reads.here(key)) for r, side in zip(raw, (left, right)))
+    except UnsafeValueError:
+        return raw[0] == raw[1]
+    return _canonical(x) == _canonical(y)
+
+
+def _canonical(x: Any) -> Any:
+    """``x`` as nested tuples that are equal exactly where the values are: tagged by type, floats by their bits
+    (NaN equal to NaN), dicts as the set of their items whatever their order."""
+    if isinstance(x, float):
+        return ("float", x.hex())
+    if isinstance(x, (list, tuple)):
+        return (type(x).__name__, tuple(_canonical(v) for v in x))
+    if isinstance(x, dict):
+        return ("dict", frozenset((_canonical(k), _canonical(v)) for k, v in x.items()))
+    if isinstance(x, io.BytesIO):
+        return ("bytesio", x.getvalue())
+    if x is None or isinstance(x, (bool, int, str, bytes, torch.dtype)):
+        return (type(x).__name__, x)
+    return (type(x).__name__, repr(x))  # torch.Size and what else a value decodes to: by type and text
 
 
 def _compare_tensor(key: str, left: OpenCheckpoint, right: OpenCheckpoint, exact: bool) -> tuple[bool, str, dict]:
@@ -102,6 +122,8 @@ def _compare_tensor(key: str, left: OpenCheckpoint, right: OpenCheckpoint, exact
     if sorted(ta.chunks) == sorted(tb.chunks):
         crcs = [_checksums(left, key, ta.chunks), _checksums(right, key, ta.chunks)]
         if None not in crcs[0] and None not in crcs[1]:
+            _check_stored(left, ta)
+            _check_stored(right, tb)
             if crcs[0] != crcs[1]:
                 return False, CHECKSUM, {}
             if not exact:
@@ -124,6 +146,16 @@ def _checksums(opened: OpenCheckpoint, key: str, chunks: list) -> list[Optional[
     """Each chunk's recorded CRC-32C where its stored bytes are its bytes (identity codec), else None."""
     return [info.crc32c if info is not None and info.codec == "identity" else None
             for info in _infos(opened, key, sorted(chunks))]
+
+
+def _check_stored(opened: OpenCheckpoint, tensor: LazyTensor) -> None:
+    """Check, reading no chunk, that the chunks a verdict by checksum speaks for are there as the metadata says:
+    each data file validated as load validates it (size, header, save id: read once per file) and each chunk's
+    entry in its file's header (dtype, shape, place). Else a checkpoint whose files are missing, truncated or
+    another save's would be "the same" as its intact original."""
+    entry = opened.metadata.state_dict_metadata[tensor.key]
+    for offsets, sizes in tensor.chunks:
+        opened._reads.stored(tensor.key, offsets, sizes, entry.properties.dtype)
 
 
 def _through_codec(opened: OpenCheckpoint, key: str, chunks: list) -> bool:

@@ -25,8 +25,8 @@ from . import knobs
 from .backends.blob_storage import BlobStorageReader
 from .backends.foreign import LayoutReader
 from .backends.registry import pick_storage
-from .engine.lazy_reads import LazyReads
-from .errors import CheckpointClosedError, CheckpointError, CheckpointIndexError, MissingKeyError
+from .engine.lazy_reads import LazyReads, named
+from .errors import CheckpointClosedError, CheckpointError, CheckpointIndexError, MissingKeyError, UnsafeValueError
 from .format.values import decode_value
 from .metadata import Metadata, TensorStorageMetadata
 from .planning.slices import select
@@ -53,7 +53,10 @@ def open(checkpoint_id: Union[str, os.PathLike, None] = None, *, storage_reader:
     reader = pick_storage("reader", checkpoint_id, storage_reader)
     name = os.fspath(checkpoint_id) if checkpoint_id is not None else type(reader).__name__
     where = f"checkpoint {name!r}"
-    md = reader.read_metadata()
+    try:
+        md = reader.read_metadata()
+    except CheckpointError as exc:
+        raise named(exc, where, name) from None
     if isinstance(reader, BlobStorageReader):
         store = reader.data_store(md)
         verify = verify_checksums and reader.verify_checksums
@@ -65,7 +68,8 @@ def open(checkpoint_id: Union[str, os.PathLike, None] = None, *, storage_reader:
         raise CheckpointError(f"distckpt.open reads through distckpt's storage readers; {where} was given a "
                               f"{type(reader).__name__}. Leave storage_reader= out, or pass a distckpt reader "
                               "(FileSystemReader, S3Reader, MemoryReader, DCPReader...)")
-    return OpenCheckpoint(md, LazyReads(store, md, where, verify=verify, registry=registry), verify_slices, allow_pickle)
+    reads = LazyReads(store, md, where, verify=verify, registry=registry, name=name)
+    return OpenCheckpoint(md, reads, verify_slices, allow_pickle)
 
 
 class OpenCheckpoint(Mapping):
@@ -106,7 +110,11 @@ class OpenCheckpoint(Mapping):
         if isinstance(entry, TensorStorageMetadata):
             return LazyTensor(self, key, entry)
         raw = self._reads.read_value(key)
-        return decode_value(raw, allow_pickle=self.allow_pickle, where=self._reads.here(key))
+        try:
+            return decode_value(raw, allow_pickle=self.allow_pickle, where=self._reads.here(key))
+        except UnsafeValueError as exc:  # its fix names load's argument; here it is open's (and cat has none)
+            raise UnsafeValueError(f"{exc}. Here: distckpt.open(..., allow_pickle=True) unpickles it; "
+                                   "`distckpt cat` and `distckpt diff` never do") from None
 
     def _missing(self, key: Any) -> str:
         keys = self.metadata.state_dict_metadata

@@ -93,3 +93,118 @@ def _python(script, *args):
     done = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout
+
+
+# ------------------------------------------------------------------------------------------------ diff's verdicts
+
+
+def _diff_cli(*args):
+    from click.testing import CliRunner
+
+    from distckpt.cli import main
+
+    result = CliRunner().invoke(main, ["diff", *args])
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    return result.exit_code, result.output
+
+
+@pytest.mark.parametrize("a, b", [({"lr": 1}, {"lr": 1.0}), ({"flag": True}, {"flag": 1}), (0.0, -0.0),
+                                  ([1, 2], [1.0, 2]), ({"k": (1, [0.0])}, {"k": (1, [-0.0])}), ([{1: "x"}], [{True: "x"}])],
+                         ids=["int-float", "bool-int", "signed-zero", "in-a-list", "nested", "dict-key"])
+def test_values_that_python_calls_equal_but_that_differ_are_reported_as_differing(tmp_path, a, b):
+    """A value came back as the same where == said so: 1, 1.0 and True, 0.0 and -0.0, nested anywhere."""
+    from distckpt.diffing import diff
+
+    distckpt.save({"v": a}, checkpoint_id=str(tmp_path / "a"))
+    distckpt.save({"v": b}, checkpoint_id=str(tmp_path / "b"))
+    report = diff(str(tmp_path / "a"), str(tmp_path / "b"))
+    assert not report.identical, report.to_dict()
+    assert report.differ and all(e["decided_by"] == "value" for e in report.differ) and not report.same
+
+
+def test_values_equal_by_content_are_the_same_even_where_python_compares_identity(tmp_path):
+    """A BytesIO (DCP's opaque bytes) equals only itself in Python: a checkpoint was reported to differ from
+    itself. A NaN nested in a value, and dicts whose items come in another order, are the same too."""
+    import io
+
+    path = str(tmp_path / "ck")
+    distckpt.save({"blob": io.BytesIO(b"opaque"), "cfg": {"x": [float("nan")], "a": 1, "b": 2}}, checkpoint_id=path)
+    other = str(tmp_path / "other")
+    distckpt.save({"blob": io.BytesIO(b"opaque"), "cfg": {"b": 2, "a": 1, "x": [float("nan")]}}, checkpoint_id=other)
+    code, out = _diff_cli(path, path)
+    assert code == 0 and "the same" in out, out
+    code, out = _diff_cli(path, other)
+    assert code == 0, out
+    distckpt.save({"blob": io.BytesIO(b"opaquE"), "cfg": {"b": 2, "a": 1, "x": [float("nan")]}}, checkpoint_id=str(tmp_path / "c"))
+    code, out = _diff_cli(path, str(tmp_path / "c"))
+    assert code == 1 and "! blob differs" in out, out
+
+
+def test_pickled_values_are_compared_by_their_stored_bytes_never_unpickled(tmp_path):
+    """diff refused a pair of checkpoints holding pickled values (exit 4, "pass allow_pickle=True to load", which
+    the command cannot take); cat's refusal named the same inapplicable fix."""
+    import datetime
+
+    from click.testing import CliRunner
+
+    from distckpt.cli import main
+
+    planner = distckpt.DefaultSavePlanner(allow_pickle=True)
+    for name, day in (("a", 1), ("b", 1), ("c", 2)):
+        distckpt.save({"when": datetime.date(2020, 1, day), "n": 3}, checkpoint_id=str(tmp_path / name), planner=planner)
+    code, out = _diff_cli(str(tmp_path / "a"), str(tmp_path / "b"))
+    assert code == 0 and "2 key(s) the same" in out, out
+    code, out = _diff_cli(str(tmp_path / "a"), str(tmp_path / "c"))
+    assert code == 1 and "! when differs" in out, out
+    result = CliRunner().invoke(main, ["cat", str(tmp_path / "a"), "when"])
+    assert result.exit_code == 4 and "'when'" in result.output and "never" in result.output, result.output
+    with distckpt.open(str(tmp_path / "a"), allow_pickle=True) as ckpt:
+        assert ckpt["when"] == datetime.date(2020, 1, 1)
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated", "another-save"])
+def test_a_checksum_verdict_is_not_given_for_a_checkpoint_whose_data_files_are_not_there(good, tmp_path, damage):
+    """diff decides tensors stored alike by the checksums in the metadata, reading no chunk: a copy of a
+    checkpoint whose data files were missing, truncated or another save's was "the same" (exit 0) as its
+    original. Each data file a checksum verdict speaks for is validated (size, header, save id) first."""
+    from .helpers import copy
+
+    path, _ = good
+    ck = copy(path, str(tmp_path / "ck"))
+    name = os.path.join(ck, next(n for n in sorted(os.listdir(ck)) if n.endswith(".safetensors")))
+    body = str(tmp_path / "tensors-only")
+    distckpt.save({k: v for k, v in make_checkpoint(str(tmp_path / "tmp")).items() if isinstance(v, torch.Tensor)},
+                  checkpoint_id=body)
+    data = os.path.join(body, os.path.basename(name))
+    twin = copy(body, str(tmp_path / "twin"))
+    if damage == "missing":
+        os.unlink(os.path.join(twin, os.path.basename(name)))
+    elif damage == "truncated":
+        os.truncate(os.path.join(twin, os.path.basename(name)), os.path.getsize(data) - 1)
+    else:
+        other = str(tmp_path / "other")
+        distckpt.save({k: v for k, v in make_checkpoint(str(tmp_path / "tmp2")).items() if isinstance(v, torch.Tensor)},
+                      checkpoint_id=other)
+        os.replace(os.path.join(other, os.path.basename(name)), os.path.join(twin, os.path.basename(name)))
+    code, out = _diff_cli(body, twin)
+    assert code in (3, 5) and "twin" in out and "Traceback" not in out, out
+    code, out = _diff_cli(body, copy(body, str(tmp_path / "intact")))
+    assert code == 0, out
+
+
+def test_a_refused_file_is_named_with_its_checkpoint_so_diff_says_which_side(good, tmp_path):
+    """A store names a FIFO or a link it refuses by its file name alone: `distckpt diff` of two checkpoints said
+    "metadata.json is a FIFO" without saying which."""
+    from .helpers import copy
+
+    path, _ = good
+    ck = copy(path, str(tmp_path / "fifo-side"))
+    name = next(n for n in sorted(os.listdir(ck)) if n.endswith(".safetensors"))
+    os.unlink(os.path.join(ck, name))
+    os.mkfifo(os.path.join(ck, name))
+    code, out = _diff_cli(path, ck, "--exact")
+    assert code == 5 and "fifo-side" in out and "FIFO" in out, out
+    os.unlink(os.path.join(ck, "metadata.json"))
+    os.mkfifo(os.path.join(ck, "metadata.json"))
+    code, out = _diff_cli(ck, path)
+    assert code == 5 and "fifo-side" in out and "FIFO" in out, out

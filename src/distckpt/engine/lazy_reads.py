@@ -34,7 +34,21 @@ from .chunk_reads import check_checksum, read_into
 from .read import open_and_validate
 from .tensor_bytes import flat_bytes, writable_bytes
 
-__all__ = ["LazyReads", "GAP_BYTES"]
+__all__ = ["LazyReads", "GAP_BYTES", "named"]
+
+
+def named(exc: CheckpointError, where: str, name: str) -> CheckpointError:
+    """``exc``, naming the checkpoint (``where``) if its message does not name it (``name``) already: a store
+    names a file it refuses by its name alone ("data-00000.safetensors is a FIFO"), and `distckpt diff` reads
+    two checkpoints."""
+    if name in str(exc):
+        return exc
+    try:
+        again = type(exc)(f"{where}: {exc}")
+    except Exception:  # noqa: BLE001 - an error class that takes other arguments: kept as it is
+        return exc
+    again.__dict__.update(exc.__dict__)
+    return again
 
 GAP_BYTES = 1 << 20
 """Rows skipped by a step of dimension 0 are read along with the rows around them up to this many bytes of gap,
@@ -49,10 +63,12 @@ class LazyReads:
     ``bytes_read`` counts the bytes of chunks and values read (file headers, read once per file, not included).
     """
 
-    def __init__(self, store: BlobStore, md: Metadata, where: str, *, verify: bool = True, registry: Any = None) -> None:
+    def __init__(self, store: BlobStore, md: Metadata, where: str, *, verify: bool = True, registry: Any = None,
+                 name: Optional[str] = None) -> None:
         if not isinstance(md.storage_data, FileStorageData):
             raise CorruptCheckpointError(f"{where}: metadata has no data-file table")
         self.store, self.md, self.where, self.verify, self.registry = store, md, where, verify, registry
+        self.name = where if name is None else name  # how errors name the checkpoint (its path, its URL)
         self.fsd: FileStorageData = md.storage_data
         self.foreign = isinstance(self.fsd, ForeignStorageData)
         self.blobs: dict[str, BlobReader] = {}
@@ -83,7 +99,10 @@ class LazyReads:
             if blob is None:
                 spans: dict = {}
                 leads = {} if self.foreign else expected_leads(self.md, [name])
-                self.blobs.update(open_and_validate(self.store, self.fsd, [name], self.where, spans, leads))
+                try:
+                    self.blobs.update(open_and_validate(self.store, self.fsd, [name], self.where, spans, leads))
+                except CheckpointError as exc:
+                    raise named(exc, self.where, self.name) from None
                 self.spans[name] = spans[name]
                 blob = self.blobs[name]
             return blob
