@@ -242,15 +242,29 @@ def summarize(tensor: LazyTensor, head: int = 8) -> dict:
         return out
     floating = tensor.dtype.is_floating_point
     low, high, total, squares, count, nans = math.inf, -math.inf, 0.0, 0.0, 0, 0
-    for _, piece in tensor.pieces(max(1, min(knobs.read_slab_bytes(), knobs.memory_budget_bytes()) // 4)):
-        values = piece.reshape(-1).double()
-        if floating:
-            is_nan = torch.isnan(values)
-            nans += int(is_nan.sum())
-            values = values[~is_nan] if nans else values
-        if values.numel():
-            exact = values if floating else piece.reshape(-1).long()  # integers beyond 2**53 keep their value
-            low, high = min(low, exact.min().item()), max(high, exact.max().item())
+    piece_bytes = max(1, min(knobs.read_slab_bytes(), knobs.memory_budget_bytes()) // 4)
+    step = max(1, piece_bytes // 8)  # elements converted at a time: a piece may be one row larger than piece_bytes
+    for _, piece in tensor.pieces(piece_bytes):
+        flat = piece.reshape(-1)
+        for at in range(0, flat.numel(), step):
+            part = flat[at:at + step]
+            values = part.double()
+            if floating:
+                is_nan = torch.isnan(values)
+                found = int(is_nan.sum())
+                nans += found
+                values = values[~is_nan] if found else values
+            if not values.numel():
+                continue
+            if floating:
+                lo, hi = values.min().item(), values.max().item()
+            elif part.dtype == torch.uint64:  # no min or max in torch: in int64 with the top bit flipped, same order
+                flipped = part.view(torch.int64) ^ _TOP_BIT
+                lo, hi = flipped.min().item() - _TOP_BIT, flipped.max().item() - _TOP_BIT
+            else:
+                exact = part.long()  # integers beyond 2**53 keep their value
+                lo, hi = exact.min().item(), exact.max().item()
+            low, high = min(low, lo), max(high, hi)
             total += float(values.sum())
             squares += float(values.square().sum()) if floating else 0.0
             count += values.numel()
@@ -259,6 +273,9 @@ def summarize(tensor: LazyTensor, head: int = 8) -> dict:
     if floating:
         out.update(norm=_plain(math.sqrt(squares)), nan=nans)
     return out
+
+
+_TOP_BIT = -(1 << 63)
 
 
 def _head_index(shape: tuple, n: int) -> tuple:

@@ -208,3 +208,54 @@ def test_a_refused_file_is_named_with_its_checkpoint_so_diff_says_which_side(goo
     os.mkfifo(os.path.join(ck, "metadata.json"))
     code, out = _diff_cli(ck, path)
     assert code == 5 and "fifo-side" in out and "FIFO" in out, out
+
+
+# ------------------------------------------------------------------------------------------------ cat's summary
+
+
+def test_cat_of_uint64_gives_the_true_min_and_max(tmp_path):
+    """uint64 has no min or max in torch: cast to int64, values past 2**63 came out negative (min -2**63, max 5
+    for [2**64 - 1, 5, 2**63])."""
+    from click.testing import CliRunner
+
+    from distckpt.cli import main
+
+    path = str(tmp_path / "ck")
+    distckpt.save({"u": torch.tensor([2**64 - 1, 5, 2**63], dtype=torch.uint64)}, checkpoint_id=path)
+    result = CliRunner().invoke(main, ["cat", path, "u", "--json"])
+    assert result.exit_code == 0, result.output
+    import json
+
+    doc = json.loads(result.output)
+    assert doc["min"] == 5 and doc["max"] == 2**64 - 1 and doc["head"] == [2**64 - 1, 5, 2**63]
+
+
+_SUMMARY_PEAK = """
+import resource, sys, distckpt
+from distckpt.opening import summarize
+with distckpt.open(sys.argv[1]) as ckpt:
+    summarize(ckpt["small"])
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    doc = summarize(ckpt["wide"])
+print(doc["min"], doc["max"], doc["nan"])
+print("grew", (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
+"""
+
+
+def test_a_summary_of_rows_larger_than_the_budget_holds_about_one_row(tmp_path):
+    """A piece is whole rows, so a row larger than the budget comes whole (one request larger than the budget goes
+    through alone, as for load); the summary then converted the whole piece to float64, masked and copied it:
+    about 3.6 rows of memory for a budget of 1 MiB. It converts a budget's worth of elements at a time."""
+    import subprocess
+    import sys
+
+    path = str(tmp_path / "wide")
+    wide = torch.ones(2, 8 << 20)  # rows of 32 MiB
+    wide[1, 5] = float("nan")
+    distckpt.save({"wide": wide, "small": torch.ones(4)}, checkpoint_id=path)
+    del wide
+    done = subprocess.run([sys.executable, "-c", _SUMMARY_PEAK, path], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "DISTCKPT_MEMORY_BUDGET_BYTES": str(1 << 20)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n")[0] == "1.0 1.0 1", done.stdout
+    assert int(done.stdout.rsplit("grew", 1)[1]) < 48, done.stdout  # MiB: one row of 32 MiB, and little else
