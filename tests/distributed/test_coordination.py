@@ -104,15 +104,15 @@ def test_default_load_planning_moves_no_plan_bytes(tmp_path):
 
     With shared reads off, what travels is each rank's list of partly read chunks (8 + 24 bytes a chunk) and,
     back, one byte a chunk saying whether this rank verifies it, for shared verification. With shared reads on
-    (the default), each rank's list of the chunks it reads (16 + 32 bytes a chunk) and, back, the messages it
-    sends and receives: still a fraction of the plans."""
+    (the default), each rank's list of the chunks it reads (24 + 48 bytes a chunk) and, back, the messages it
+    sends and receives: still less than the plans."""
     path = str(tmp_path / "ck")
     run_ranks(workers.save_all_layouts, 2, path)
     for moved in run_ranks(workers.load_with_and_without_plan_transport, 3, path, env={"DISTCKPT_SHARED_READS": "0"}):
         partly_read, rest = divmod(moved["default"] - 10, 25)  # a status byte each way
         assert rest == 0 and partly_read >= 1 and moved["object"] > 4 * moved["default"], moved
     for moved in run_ranks(workers.load_with_and_without_plan_transport, 3, path):
-        assert moved["object"] > 2 * moved["default"], moved
+        assert moved["object"] > 1.5 * moved["default"], moved
 
 
 def test_stateful_objects_are_asked_in_one_order_on_every_rank(tmp_path):

@@ -90,30 +90,31 @@ def test_a_reader_rank_that_dies_mid_exchange_makes_every_rank_raise_without_han
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.lists(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 5), st.sampled_from([1, 7, 64])), max_size=7,
-                         unique_by=lambda t: t[:2]), min_size=1, max_size=5),
-       st.sampled_from([8, 100, 1000]))
-def test_every_shared_chunk_has_one_sender_among_its_needers_and_travels_whole(listed, bucket):
-    def length(o, row):
-        return row * (o + 1) * 3
-
-    tables = [np.array([[f for f, o, r in c], [o * 1000 for f, o, r in c], [length(o, r) for f, o, r in c],
-                        [r for f, o, r in c]], dtype="<i8").reshape(4, len(c)) for c in listed]
-    # a chunk's row size is a property of the chunk: make every rank agree
-    rows = {}
-    for t in tables:
-        for j in range(t.shape[1]):
-            key = (int(t[0, j]), int(t[1, j]))
-            rows.setdefault(key, (int(t[2, j]), int(t[3, j])))
-            t[2, j], t[3, j] = rows[key]
-    payloads = plan_shares(tables, bucket)
+@given(st.lists(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 5), st.sampled_from([1, 7, 64]), st.booleans()),
+                         max_size=7, unique_by=lambda t: t[:2]), min_size=1, max_size=5),
+       st.sampled_from([8, 100, 1000]), st.booleans())
+def test_every_shared_chunk_has_one_sender_among_its_needers_and_travels_whole(listed, bucket, verify):
+    rows = {}  # a chunk's length and row size are its own: every rank lists the same
+    for chunks in listed:
+        for f, o, r, _ in chunks:
+            rows.setdefault((f, o), (r * (o + 1) * 3, r))
+    tables, spans = [], {}
+    for rank, chunks in enumerate(listed):
+        cols = []
+        for f, o, _, part in chunks:
+            n, row = rows[(f, o)]
+            first, end = ((rank % 3) * row, (rank % 3 + 1) * row) if part else (0, n)  # one row of three, or whole
+            cols.append((f, o * 1000, n, row, first, end))
+            spans.setdefault((f, o * 1000), []).append((first, end))
+        tables.append(np.array(cols, dtype="<i8").reshape(len(cols), 6).T.copy())
+    payloads = plan_shares(tables, bucket, verify)
     needers = {}
     for rank, t in enumerate(tables):
         for j in range(t.shape[1]):
             needers.setdefault((int(t[0, j]), int(t[1, j])), []).append(rank)
     seen = {}  # (chunk) -> [(sender, receivers, b0, b1)]
     for rank, raw in enumerate(payloads):
-        chunks = [(f"f{int(f)}", int(o), int(n), int(r)) for f, o, n, r in tables[rank].T]
+        chunks = [(f"f{int(c[0])}",) + tuple(int(x) for x in c[1:]) for c in tables[rank].T]
         shares = Shares.decode(raw, chunks, Peers(None, rank, len(tables), None, 1.0))
         for m in shares.messages:
             assert isinstance(m, Message) and rank in (m.src,) + m.receivers
@@ -122,13 +123,15 @@ def test_every_shared_chunk_has_one_sender_among_its_needers_and_travels_whole(l
             for (name, offset), b0, b1 in m.pieces:
                 seen.setdefault((int(name[1:]), offset), set()).add((m.src, m.receivers, b0, b1))
     for key, ranks in needers.items():
-        if len(ranks) == 1:
+        ordered = sorted(spans[key])
+        overlap = any(b[0] < a[1] for a, b in zip(ordered, ordered[1:]))
+        if len(ranks) == 1 or not (verify or overlap):  # read by each rank that needs it, its own part
             assert key not in seen
             continue
         pieces = sorted(seen[key], key=lambda p: p[2])
         senders = {p[0] for p in pieces}
         assert len(senders) == 1 and senders <= set(ranks)
         assert all(set(p[1]) == set(ranks) - senders for p in pieces)
-        n, row = rows[key]
+        n, row = rows[(key[0], key[1] // 1000)]
         assert pieces[0][2] == 0 and pieces[-1][3] == n and all(a[3] == b[2] for a, b in zip(pieces, pieces[1:]))
         assert all((p[3] - p[2]) % row == 0 or p[3] == n for p in pieces)

@@ -55,27 +55,34 @@ __all__ = ["SharedReads", "Peers", "Shares", "Message", "planned_chunks", "may_s
            "SEND", "RECEIVE"]
 
 SEND, RECEIVE = 1, 2
-_TABLE = struct.Struct("<QQ")  # chunk count, the bucket size this rank proposes
+_TABLE = struct.Struct("<QQQ")  # chunk count, the bucket size this rank proposes, whether it verifies checksums
+_COLUMNS = 6
 _ALIGN = 64  # pieces start at multiples of this in a message, so that any dtype views them in place
 ERROR_BYTES = 512  # a failed piece's message, in every message's tail
 Key = tuple  # (file name, offset)
 
 
-def planned_chunks(md: Metadata, plan: LoadPlan) -> list[tuple[str, int, int, int]]:
+def planned_chunks(md: Metadata, plan: LoadPlan) -> list[tuple[int, ...]]:
     """The stored chunks ``plan`` reads, each once: (file, offset, length, bytes of one row, or the whole length
-    where a chunk is not cut: values, chunks through a codec, scalars). Empty chunks are left out."""
+    where a chunk is not cut: values, chunks through a codec, scalars; and the range of its bytes this rank needs,
+    whole rows: first, end). Empty chunks are left out."""
     fsd: FileStorageData = md.storage_data
     locations = fsd.items
     shapes = ChunkShapes(md)
-    seen: set = set()
-    out: list[tuple[str, int, int, int]] = []
+    at: dict = {}
+    out: list[list] = []
 
-    def add(name: str, offset: int, length: int, rows: Optional[int], codec: str) -> None:
-        if length <= 0 or (name, offset) in seen:
+    def add(name: str, offset: int, length: int, rows: Optional[int], codec: str, span: Optional[tuple]) -> None:
+        if length <= 0:
             return
-        seen.add((name, offset))
         row = length // rows if rows and codec == "identity" and length % rows == 0 else length
-        out.append((name, offset, length, row))
+        first, end = (0, length) if span is None or row == length else (span[0] * row, span[1] * row)
+        j = at.get((name, offset))
+        if j is None:
+            at[(name, offset)] = len(out)
+            out.append([name, offset, length, row, first, end])
+        else:
+            out[j][4], out[j][5] = min(out[j][4], first), max(out[j][5], end)
 
     items = plan.items
     if isinstance(items, ReadColumns) and items.intact and isinstance(locations, ChunkLocations):
@@ -88,7 +95,7 @@ def planned_chunks(md: Metadata, plan: LoadPlan) -> list[tuple[str, int, int, in
                                              "entry in the metadata")
             size = items.size[i]
             add(names[locations.file_no[row]], locations.begin[row], locations.length[row], size[0] if size else None,
-                "identity")
+                "identity", None)
         items = items.general + [items.column_item(i) for i, code in enumerate(items.code) if code == BYTES]
     for item in items:
         index = item.storage_index
@@ -97,8 +104,9 @@ def planned_chunks(md: Metadata, plan: LoadPlan) -> list[tuple[str, int, int, in
             raise CorruptCheckpointError(f"key {index.fqn!r} chunk {list(index.offset or [])} has no storage entry in "
                                          "the metadata")
         shape = shapes.get(index) if item.type == LoadItemType.TENSOR else None
-        add(info.file, info.offset, info.length, shape[0] if shape else None, info.codec)
-    return out
+        span = (item.storage_offsets[0], item.storage_offsets[0] + item.lengths[0]) if shape else None
+        add(info.file, info.offset, info.length, shape[0] if shape else None, info.codec, span)
+    return [tuple(c) for c in out]
 
 
 def may_share(md: Metadata, plan: LoadPlan, held_alone: set) -> bool:
@@ -114,42 +122,57 @@ def may_share(md: Metadata, plan: LoadPlan, held_alone: set) -> bool:
     return bool(partial_chunks(md, plan))
 
 
-def encode_table(md: Metadata, chunks: list[tuple[str, int, int, int]], bucket: int) -> bytes:
-    """``chunks`` as four little-endian int64 columns (file number, offset, length, row bytes), after a header."""
+def encode_table(md: Metadata, chunks: list[tuple], bucket: int, verify: bool) -> bytes:
+    """``chunks`` as six little-endian int64 columns (file number, offset, length, row bytes, the range needed:
+    first and end byte), after a header (count, bucket, whether this rank verifies checksums)."""
     file_no = {name: i for i, name in enumerate(md.storage_data.files)}
-    table = np.array([(file_no[name], offset, length, row) for name, offset, length, row in chunks], dtype="<i8")
-    return _TABLE.pack(len(chunks), bucket) + table.reshape(-1, 4).T.copy().tobytes()
+    table = np.array([(file_no[c[0]],) + tuple(c[1:]) for c in chunks], dtype="<i8")
+    return _TABLE.pack(len(chunks), bucket, int(verify)) + table.reshape(-1, _COLUMNS).T.copy().tobytes()
 
 
-def decode_table(raw: bytes) -> tuple[np.ndarray, int]:
-    """The (4, n) table and the bucket size :func:`encode_table` wrote."""
+def decode_table(raw: bytes) -> tuple[np.ndarray, int, bool]:
+    """The (6, n) table, the bucket size and the verify flag :func:`encode_table` wrote."""
     if len(raw) < _TABLE.size:
         raise CorruptCheckpointError("chunk table from a rank is truncated")
-    n, bucket = _TABLE.unpack_from(raw)
-    if len(raw) != _TABLE.size + 32 * n or bucket < 1:
+    n, bucket, verify = _TABLE.unpack_from(raw)
+    if len(raw) != _TABLE.size + 8 * _COLUMNS * n or bucket < 1:
         raise CorruptCheckpointError("chunk table from a rank has the wrong length")
-    table = np.frombuffer(raw, dtype="<i8", offset=_TABLE.size).reshape(4, n)
-    if n and (table[2].min() < 1 or table[3].min() < 1 or table[0].min() < 0 or table[1].min() < 0):
-        raise CorruptCheckpointError("chunk table from a rank has negative or empty entries")
-    return table, bucket
+    table = np.frombuffer(raw, dtype="<i8", offset=_TABLE.size).reshape(_COLUMNS, n)
+    if n and (table[2].min() < 1 or table[3].min() < 1 or table[0].min() < 0 or table[1].min() < 0
+              or (table[4] < 0).any() or (table[5] > table[2]).any() or (table[4] >= table[5]).any()):
+        raise CorruptCheckpointError("chunk table from a rank has negative, empty or out-of-chunk entries")
+    return table, bucket, bool(verify)
 
 
-def _pick_readers(tables: list[np.ndarray]) -> tuple[dict, dict, dict]:
+def _overlap(spans: list[tuple[int, int]]) -> bool:
+    """Whether any two of the byte ranges meet."""
+    spans = sorted(spans)
+    return any(b[0] < a[1] for a, b in zip(spans, spans[1:]))
+
+
+def _pick_readers(tables: list[np.ndarray], verify: bool) -> tuple[dict, dict, dict]:
     """For every chunk: the ranks (with its row in their table) that need it, its length and row bytes; and for
-    each chunk several ranks need, the one that reads it."""
+    each chunk to share, the rank that reads it.
+
+    A chunk is shared where several ranks need it and some of its bytes are needed twice, or where checksums are
+    verified (its checksum covers it whole: read once, it need not be read again in parts). Unverified chunks whose
+    parts go to different ranks are read by each, its own part: storage serves each byte once either way."""
     needers: dict[tuple[int, int], list[tuple[int, int]]] = {}
     sizes: dict[tuple[int, int], tuple[int, int]] = {}
+    spans: dict[tuple[int, int], list[tuple[int, int]]] = {}
     for rank, table in enumerate(tables):
-        for j, (f, o, n, row) in enumerate(table.T.tolist()):
+        for j, (f, o, n, row, first, end) in enumerate(table.T.tolist()):
             needers.setdefault((f, o), []).append((rank, j))
             sizes[(f, o)] = (n, row)
+            spans.setdefault((f, o), []).append((first, end))
     load = [0] * len(tables)
     shared = []
     for key, ranks in needers.items():
-        if len(ranks) == 1:
-            load[ranks[0][0]] += sizes[key][0]
-        else:
+        if len(ranks) > 1 and (verify or _overlap(spans[key])):
             shared.append(key)
+        else:
+            for (r, _), (first, end) in zip(ranks, spans[key]):
+                load[r] += sizes[key][0] if verify else end - first
     # each set of ranks needing the same chunks splits them into runs that are contiguous in the files, one run per
     # rank, sized to even out what every rank reads: a rank reading every other chunk would have its storage
     # read ahead into the chunks between (page cache read-ahead, an object store's larger ranges)
@@ -171,10 +194,11 @@ def _pick_readers(tables: list[np.ndarray]) -> tuple[dict, dict, dict]:
     return needers, sizes, reader
 
 
-def plan_shares(tables: list[np.ndarray], bucket: int) -> list[bytes]:
+def plan_shares(tables: list[np.ndarray], bucket: int, verify: bool = True) -> list[bytes]:
     """The coordinator's step: every rank's table of chunks -> one payload per rank (:meth:`Shares.decode`),
-    the messages it sends or receives, in the one order every rank walks them."""
-    needers, sizes, reader = _pick_readers(tables)
+    the messages it sends or receives, in the one order every rank walks them (``verify``: whether the ranks
+    verify checksums; see :func:`_pick_readers`)."""
+    needers, sizes, reader = _pick_readers(tables, verify)
     groups: dict[tuple[int, tuple[int, ...]], list[tuple[int, int]]] = {}
     for key, src in reader.items():
         receivers = tuple(sorted(r for r, _ in needers[key] if r != src))
@@ -269,7 +293,7 @@ class Shares:
                 pieces = []
                 for _ in range(n_pieces):
                     j, b0, b1 = row[at:at + 3]
-                    name, offset, length, _ = chunks[j]
+                    name, offset, length = chunks[j][:3]
                     if not 0 <= b0 < b1 <= length:
                         raise ValueError("piece outside its chunk")
                     pieces.append(((name, offset), b0, b1))
@@ -281,7 +305,7 @@ class Shares:
             raise CorruptCheckpointError(f"shared-read plan from the coordinator is malformed: {exc}") from None
         if at != len(row):
             raise CorruptCheckpointError("shared-read plan from the coordinator has trailing entries")
-        return cls(messages, peers.rank, peers, {(name, offset): length for name, offset, length, _ in chunks})
+        return cls(messages, peers.rank, peers, {(c[0], c[1]): c[2] for c in chunks})
 
 
 class Peers:
@@ -459,6 +483,7 @@ class SharedReads:
     metadata: Optional[Metadata] = None
     shared_reads: Optional[bool] = None  # None: the DISTCKPT_SHARED_READS setting
     shares: Optional[Shares] = None
+    verify_checksums: bool = True
 
     def shares_reads(self) -> bool:
         """Whether this reader takes part in shared reads (its ``shared_reads``, else DISTCKPT_SHARED_READS)."""
@@ -469,13 +494,13 @@ class SharedReads:
         them (:func:`may_share`; ``held_alone``: the keys whose destination only this rank holds). Every rank,
         after its local plan."""
         chunks = planned_chunks(self.metadata, plan)
-        table = encode_table(self.metadata, chunks, knobs.shared_read_bucket_bytes())
+        table = encode_table(self.metadata, chunks, knobs.shared_read_bucket_bytes(), self.verify_checksums)
         return chunks, table, bool(chunks) and may_share(self.metadata, plan, held_alone)
 
     def assign_readers(self, tables: list[bytes]) -> list[bytes]:
         """Every rank's table -> one payload per rank: the messages it sends and receives. Coordinator."""
         decoded = [decode_table(t) for t in tables]
-        return plan_shares([t for t, _ in decoded], min(b for _, b in decoded))
+        return plan_shares([t for t, _, _ in decoded], min(b for _, b, _ in decoded), any(v for _, _, v in decoded))
 
     def accept_readers(self, chunks: list, payload: bytes, peers: Peers) -> None:
         """Take this rank's part of the shared reads; the next ``read_data`` sends and receives it. Every rank."""
