@@ -131,3 +131,12 @@ def load_with_dying_reader(rank, world_size, path, victim):
 def save_big_replicated(rank, world_size, path):
     distckpt.save(_replicated(scale=16), checkpoint_id=path)
     return True
+
+
+def load_expecting_failure(rank, world_size, path):
+    sd = _zeros_like(_replicated())
+    try:
+        distckpt.load(sd, checkpoint_id=path)
+    except distckpt.CheckpointError as exc:
+        return {"error": type(exc).__name__, "text": str(exc)[:3000]}
+    return {"error": None}

@@ -77,6 +77,20 @@ def test_a_corrupted_chunk_fails_every_rank_that_needed_it_naming_the_chunk(tmp_
         assert r["zeroed"], r  # what was copied of the failed chunk before its checksum failed is zeroed
 
 
+def test_a_sender_that_fails_before_reading_still_answers_every_receiver(tmp_path):
+    """A data file gone: the ranks that read from it fail opening it, before any read; they still send their
+    failure for every chunk they owe, so the ranks waiting for those chunks raise too instead of waiting."""
+    path = str(tmp_path / "ck")
+    run_ranks(workers.save_state, 2, path, "replicated")
+    victim = sorted(f for f in os.listdir(path) if f.startswith("data-"))[-1]
+    os.remove(os.path.join(path, victim))
+    started = time.monotonic()
+    results = run_ranks(workers.load_expecting_failure, 3, path, timeout_s=90, collective_timeout_s=60)
+    assert time.monotonic() - started < 45  # failures travel; nobody waits for the timeout
+    for r in results:
+        assert r["error"] and victim in r["text"], r
+
+
 def test_a_reader_rank_that_dies_mid_exchange_makes_every_rank_raise_without_hanging(tmp_path):
     path = str(tmp_path / "ck")
     run_ranks(workers.save_big_replicated, 1, path)
