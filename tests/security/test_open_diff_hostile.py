@@ -259,3 +259,58 @@ def test_a_summary_of_rows_larger_than_the_budget_holds_about_one_row(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split("\n")[0] == "1.0 1.0 1", done.stdout
     assert int(done.stdout.rsplit("grew", 1)[1]) < 48, done.stdout  # MiB: one row of 32 MiB, and little else
+
+
+# ------------------------------------------------------------------------------------------------ close and threads
+
+
+def test_close_while_another_thread_reads_never_gives_it_another_files_bytes(good, tmp_path, monkeypatch):
+    """close() closed the data files under a read in flight: the reading thread's preadv then ran on a file
+    descriptor number the process had meanwhile given to another file, and the slice came back with that file's
+    bytes (a slice read in part has no checksum to tell). close() now waits for the reads in flight."""
+    import threading
+
+    path, sd = good
+    decoy = tmp_path / "decoy"
+    decoy.write_bytes(b"\x7f" * (1 << 16))
+    entered, go = threading.Event(), threading.Event()
+    real = os.preadv
+    reader = {}
+
+    def paused(fd, buffers, offset, *flags):
+        if threading.current_thread() is reader.get("thread") and not go.is_set():
+            reader["fd"] = fd
+            entered.set()
+            go.wait(5)
+        return real(fd, buffers, offset, *flags)
+
+    ckpt = distckpt.open(path)
+    ckpt["w"][0:1]  # the data file is open and validated
+    monkeypatch.setattr(os, "preadv", paused)
+    out = {}
+
+    def read():
+        try:
+            out["got"] = ckpt["w"][8:10]
+        except distckpt.errors.CheckpointError as exc:
+            out["error"] = exc
+
+    reader["thread"] = threading.Thread(target=read)
+    reader["thread"].start()
+    assert entered.wait(5)
+    closer = threading.Thread(target=ckpt.close)
+    closer.start()
+    closer.join(0.3)
+    fd = os.open(decoy, os.O_RDONLY)
+    try:
+        try:
+            os.fstat(reader["fd"])
+        except OSError:  # close() gave the reader's number back: another file takes it, as any open() may
+            os.dup2(fd, reader["fd"])
+        go.set()
+        reader["thread"].join(5)
+        closer.join(5)
+    finally:
+        os.close(fd)
+    assert not closer.is_alive() and ckpt.closed
+    assert "error" in out or torch.equal(out["got"], sd["w"][8:10]), out

@@ -74,6 +74,8 @@ class LazyReads:
         self.blobs: dict[str, BlobReader] = {}
         self.spans: dict[str, Optional[dict]] = {}
         self.lock = threading.Lock()
+        self.idle = threading.Condition(self.lock)  # notified when the last read in flight ends
+        self.in_flight = 0
         self.bytes_read = 0
         self.closed = False
 
@@ -82,8 +84,13 @@ class LazyReads:
         return f"{self.where}: key {fqn!r}{chunk}"
 
     def close(self) -> None:
+        """Refuse further reads, wait for those in flight (another thread's), then close the files: a file closed
+        under a read would give its descriptor's number to the next file the process opens, and the read would
+        take that file's bytes."""
         with self.lock:
             self.closed = True
+            while self.in_flight:
+                self.idle.wait()
             blobs, self.blobs = list(self.blobs.values()), {}
         for blob in blobs:
             blob.close()
@@ -133,7 +140,18 @@ class LazyReads:
 
     def read_into(self, info: StorageInfo, view: memoryview, offset: int, here: str) -> None:
         """``len(view)`` bytes at ``offset`` of the item ``info`` (relative to the item)."""
-        read_into(self.blob(info.file), view, info.offset + offset, here, info.file)
+        blob = self.blob(info.file)
+        with self.lock:
+            if self.closed:
+                raise CheckpointClosedError(f"{self.where} was closed; open it again (distckpt.open) to read from it")
+            self.in_flight += 1
+        try:
+            read_into(blob, view, info.offset + offset, here, info.file)
+        finally:
+            with self.lock:
+                self.in_flight -= 1
+                if not self.in_flight:
+                    self.idle.notify_all()
         with self.lock:
             self.bytes_read += len(view)
 
