@@ -17,7 +17,9 @@ differ, 5 one is damaged, the others as above.
 
 from __future__ import annotations
 
+import io
 import json
+import math
 import os
 import sys
 from typing import Optional
@@ -273,15 +275,37 @@ def cat(checkpoint: str, key: str, as_json: bool) -> None:
         click.echo(f"error: {_shown(str(exc))}", err=True)
         sys.exit(_code(exc))
     if as_json:
-        click.echo(json.dumps(doc, indent=1, default=repr))
+        if doc["kind"] == "value":
+            doc["value"] = _jsonable(doc["value"])
+        click.echo(json.dumps(doc, indent=1, allow_nan=False))
     elif doc["kind"] == "value":
-        click.echo(_shown(repr(doc["value"])))
+        value = doc["value"]
+        click.echo(_shown(f"BytesIO({value.getvalue()!r})" if isinstance(value, io.BytesIO) else repr(value)))
     else:
         click.echo(f"{_shown(key)}: tensor {doc['dtype']} {doc['shape']}, {doc['chunks']} chunk(s)")
         for name in ("min", "max", "mean", "norm", "nan"):
             if name in doc:
                 click.echo(f"  {name:<5} {doc[name]}")
         click.echo(f"  head  {doc['head']}")
+
+
+def _jsonable(x):
+    """A value as strict JSON holds it: NaN and infinities as text, tuples as lists, a dict with keys other than
+    strings as a list of [key, value] pairs (JSON would make 1 and "1" one key, and cannot take a tuple), bytes
+    and the rest by their repr."""
+    if x is None or isinstance(x, (bool, int, str)):
+        return x
+    if isinstance(x, float):
+        return x if math.isfinite(x) else str(x)
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, dict):
+        if all(isinstance(k, str) for k in x):
+            return {k: _jsonable(v) for k, v in x.items()}
+        return [[_jsonable(k), _jsonable(v)] for k, v in x.items()]
+    if isinstance(x, io.BytesIO):
+        return repr(x.getvalue())
+    return repr(x)
 
 
 @main.command(name="diff")

@@ -314,3 +314,25 @@ def test_close_while_another_thread_reads_never_gives_it_another_files_bytes(goo
         os.close(fd)
     assert not closer.is_alive() and ckpt.closed
     assert "error" in out or torch.equal(out["got"], sd["w"][8:10]), out
+
+
+def test_cat_json_of_any_value_is_strict_json_and_never_a_traceback(tmp_path):
+    """`cat --json` of a value holding a dict with tuple keys ended in a TypeError traceback (exit 1, "damaged"),
+    a NaN came out as a bare NaN (not JSON), a BytesIO as "<_io.BytesIO object at 0x...>"."""
+    import io
+    import json
+
+    from click.testing import CliRunner
+
+    from distckpt.cli import main
+
+    path = str(tmp_path / "ck")
+    distckpt.save({"pairs": [{(1, 2): "x", 3: "y"}], "nan": float("nan"), "blob": io.BytesIO(b"ab")}, checkpoint_id=path)
+    got = {}
+    for key in ("pairs", "nan", "blob"):
+        result = CliRunner().invoke(main, ["cat", path, key, "--json"])
+        assert result.exit_code == 0 and result.exception is None or isinstance(result.exception, SystemExit), result.output
+        got[key] = json.loads(result.output, parse_constant=lambda c: pytest.fail(f"not strict JSON: {c}"))["value"]
+    assert got == {"pairs": [[[[1, 2], "x"], [3, "y"]]], "nan": "nan", "blob": "b'ab'"}
+    result = CliRunner().invoke(main, ["cat", path, "blob"])
+    assert result.output.strip() == "BytesIO(b'ab')"
