@@ -9,6 +9,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from distckpt.testing.read_counts import FileReads
+
 from .measure import drop_cache
 from .states import gpt_like
 
@@ -46,7 +48,8 @@ def _device_reads(path: str) -> int:
 
 def _raw(dest: dict, path: str, rank: int, world_size: int) -> None:
     """The floor: each rank reads its share of the data files' bytes once (one range of their concatenation), with
-    no format or checksum, and the ranks all-gather them: the same bytes from storage once, then over the group."""
+    no format or checksum, and broadcasts it, 64 MiB at a time: the same bytes from storage once, then over the
+    group, without reading ahead while sending."""
     names = [f for f in sorted(os.listdir(path)) if f.startswith("data-")]
     sizes = [os.path.getsize(os.path.join(path, f)) for f in names]
     total = sum(sizes)
@@ -65,7 +68,13 @@ def _raw(dest: dict, path: str, rank: int, world_size: int) -> None:
                 os.close(fd)
         at += size
     out = torch.empty(share * world_size, dtype=torch.uint8)
-    dist.all_gather_into_tensor(out, mine)
+    piece = 64 << 20  # as shared reads send: one rank's share in turn, a bucket at a time
+    for src in range(world_size):
+        part = out[src * share:(src + 1) * share]
+        if src == rank:
+            part.copy_(mine)
+        for a in range(0, share, piece):
+            dist.broadcast(part[a:a + piece], src=src)
     at = 0
     for t in dest.values():  # the bytes land in the destinations, as a load's would (not at the format's offsets)
         n = t.numel() * t.element_size()
@@ -90,6 +99,7 @@ def load_rounds(rank, world_size, total, location, repeat):
     """Every peer loads the replicated state at every rank, ``repeat`` rounds in shuffled order, page caches
     emptied before each; per (peer, round): the slowest rank's time and the bytes all ranks read from storage."""
     want = gpt_like(total, seed=0)
+    counter = FileReads()
     out: dict = {}
     for r in range(-1, repeat):  # round -1 warms every peer up (imports, the group's first exchanges), unrecorded
         order = list(PEERS)
@@ -100,18 +110,24 @@ def load_rounds(rank, world_size, total, location, repeat):
             drop_cache(path)
             dist.barrier()
             before = _device_reads(path)
+            asked_before = counter.total
             dist.barrier()
             t0 = time.perf_counter()
             _load(peer, dest, path, rank, world_size)
             wall = time.perf_counter() - t0
             dist.barrier()
             read = _device_reads(path) - before
+            asked = None
+            if peer in ("shared", "alone"):  # what distckpt asked of its files, every rank together
+                total = torch.tensor([counter.total - asked_before], dtype=torch.int64)
+                dist.all_reduce(total)
+                asked = int(total)
             if peer != "raw":
                 assert all(torch.equal(dest[k], want[k]) for k in want), f"{peer} loaded wrong data"
             slowest = torch.tensor([wall], dtype=torch.float64)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             if r >= 0:
-                out.setdefault(peer, []).append((float(slowest[0]), read))
+                out.setdefault(peer, []).append((float(slowest[0]), read, asked))
             dest = None
             dist.barrier()
     return out

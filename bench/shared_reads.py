@@ -41,7 +41,10 @@ def run(gib: float, ranks: int, mbps: float, repeat: int, where: str) -> dict:
             rounds = run_ranks(shared_read_workers.load_rounds, ranks, total, location, repeat, timeout_s=3600)[0]
     rows = {peer: min(runs) for peer, runs in rounds.items()}
     return {"gib": gib, "ranks": ranks, "mbps": mbps, "data_bytes": data,
-            "rows": {peer: {"s": s, "read_bytes": b, "read_ratio": b / data} for peer, (s, b) in rows.items()}}
+            "storage_floor_s": data / (mbps * 1e6) if mbps > 0 else None,
+            "rows": {peer: {"s": s, "read_bytes": b, "read_ratio": b / data,
+                            "asked_ratio": None if asked is None else asked / data}
+                     for peer, (s, b, asked) in rows.items()}}
 
 
 def table(result: dict) -> str:
@@ -50,11 +53,16 @@ def table(result: dict) -> str:
     lines = [f"replicated state of {result['gib']} GiB ({result['data_bytes']} data bytes) loaded by {result['ranks']} ranks, "
              f"each from its own copy on one device read at {result['mbps'] or 'full'} MB/s in all; slowest rank, "
              "best of the rounds",
-             f"  {'peer':8} {'load s':>8} {'/shared':>8} {'read/size':>10}"]
+             f"  {'peer':8} {'load s':>8} {'/shared':>8} {'read/size':>10} {'asked/size':>11}"]
     for peer in ("shared", "alone", "dcp", "raw"):
         r = rows[peer]
-        lines.append(f"  {peer:8} {r['s']:8.3f} {r['s'] / base:8.2f} {r['read_ratio']:10.3f}")
-    lines.append("  goals: shared read/size <= 1.02 (DCP and alone: one per rank); shared faster than alone and DCP where "
+        asked = "-" if r["asked_ratio"] is None else f"{r['asked_ratio']:.3f}"
+        lines.append(f"  {peer:8} {r['s']:8.3f} {r['s'] / base:8.2f} {r['read_ratio']:10.3f} {asked:>11}")
+    if result["storage_floor_s"]:
+        lines.append(f"  the device alone: {result['storage_floor_s']:.3f} s to serve the data bytes once")
+    lines.append("  read/size: what the device served (read-ahead and the file system's own reads included); asked/size: "
+                 "what distckpt's ranks asked of their files")
+    lines.append("  goals: shared asked/size <= 1.02 (DCP and alone: one per rank); shared faster than alone and DCP where "
                  "the store's bandwidth is the limit")
     return "\n".join(lines)
 
