@@ -10,7 +10,9 @@ from ._sequence import prepare, storage_by_position
 from .backends.registry import pick_storage
 from .capabilities import SHARED_READS, SHARED_VERIFICATION, declares, keeps_plans, supports
 from .distributed import RAW, Coordinator, Wire
-from .engine.shared_reads import Peers
+from . import knobs
+from .engine.budget import ByteBudget
+from .engine.shared_reads import Failing, PeerLost, Peers, Shares, exchange
 from .format.codec import dumps, loads
 from .gc_pause import gc_paused
 from .metadata import STATE_DICT_TYPE, Metadata
@@ -114,10 +116,34 @@ def run_load(state_dict: STATE_DICT_TYPE, reader: Optional[StorageReader], plann
         central_plan = coord.reduce_scatter("load planning", local_step, global_step, wire, wire)
 
     def read_step() -> None:
-        final_plan = planner.finish_plan(central_plan)
-        reader.read_data(final_plan, planner).wait()
+        try:
+            final_plan = planner.finish_plan(central_plan)
+            reader.read_data(final_plan, planner).wait()
+        except Exception as exc:
+            _answer_peers(reader, exc)
+            raise
 
-    coord.all_gather("load read", read_step)
+    failure: Optional[BaseException] = None
+    try:
+        read_step()
+    except PeerLost:  # the ranks are out of step: the vote would wait out the timeout again, and hide why
+        coord.transport_failed = True
+        raise
+    except Exception as exc:  # noqa: BLE001 - reported to every rank by the vote
+        failure = exc
+    coord.vote("load read", failure, False)
+
+
+def _answer_peers(reader: StorageReader, exc: BaseException) -> None:
+    """A rank that failed before walking its shared reads (its planner's finish_plan, a reader's check before the
+    read engine) still walks them, sending its failure for each chunk it owes, so that no rank waits for it."""
+    shares = getattr(reader, "shares", None)
+    if not isinstance(shares, Shares) or shares.walked:
+        return
+    try:
+        exchange(shares, Failing(f"{type(exc).__name__}: {exc}"), ByteBudget(knobs.memory_budget_bytes()).hold)
+    except Exception:  # noqa: BLE001 - this rank reports its own failure; a peer lost shows on the others
+        pass
 
 
 def _plans_stay(planner: LoadPlanner, reader: StorageReader) -> bool:

@@ -33,7 +33,7 @@ def _result(fn) -> dict:
 
 
 def save_plain(rank, world_size, path, scale=1):
-    distckpt.save(_state(scale), checkpoint_id=path)
+    distckpt.save(_state(scale), checkpoint_id=path, no_dist=world_size == 1)
     return True
 
 
@@ -168,20 +168,30 @@ def load_plain(rank, world_size, path, mode=None, opts=None):
     return _result(run)
 
 
+_FIRST_RECEIVE: list = []
+
+
 def _die_after_sends(n: int, how: str = "kill") -> None:
-    """This rank dies (SIGKILL) right after its ``n``-th shared-read send; ``how='hang'``: it stops instead."""
+    """This rank dies (SIGKILL) right after its ``n``-th shared-read send; ``how='hang'``: it stops answering for
+    twice DISTCKPT_TIMEOUT_S first. Every rank notes when it began to receive."""
     from distckpt.engine import shared_reads
-    real = shared_reads.Peers.send
+    real, real_receive = shared_reads.Peers.send, shared_reads.Peers.receive
     sent = {"n": 0}
 
     def send_then_die(self, buf, receivers):
         if sent["n"] >= n:
-            if how == "hang":  # stops answering for a while, then goes
-                time.sleep(float(os.environ["DISTCKPT_TIMEOUT_S"]) * 3)
+            if how == "hang":
+                time.sleep(float(os.environ["DISTCKPT_TIMEOUT_S"]) * 2)
             os.kill(os.getpid(), 9)
         real(self, buf, receivers)
         sent["n"] += 1
+
+    def receive(self, buf, src, everyone):
+        if not _FIRST_RECEIVE:
+            _FIRST_RECEIVE.append(time.monotonic())
+        real_receive(self, buf, src, everyone)
     shared_reads.Peers.send = send_then_die
+    shared_reads.Peers.receive = receive
 
 
 def load_one_dying(rank, world_size, path, n, sends=1, how="kill"):
@@ -191,6 +201,7 @@ def load_one_dying(rank, world_size, path, n, sends=1, how="kill"):
     want = torch.arange(n * 33, dtype=torch.float32).reshape(n, 33)
     sd = {"a": torch.zeros(n, 33)}
     out = _result(lambda: distckpt.load(sd, checkpoint_id=path) and None)
+    out["since_first_receive"] = time.monotonic() - _FIRST_RECEIVE[0] if _FIRST_RECEIVE else None
     out["zero"] = bool(torch.count_nonzero(sd["a"]) == 0)
     out["exact"] = torch.equal(sd["a"], want)
     return out

@@ -182,8 +182,9 @@ class Read:
             self.by_chunk[item.storage_index].append(item)
         for index in list(self.by_chunk):
             self.add_chunk(index)
-        # chunks another rank reads for this one, or this one for others (shared_reads.py): key -> index
-        self.shared: dict[tuple, MetadataIndex] = {}
+        # chunks another rank reads for this one, or this one for others (shared_reads.py): key -> the chunks stored
+        # there (several where keys view one storage: a torch.save file's tied weights)
+        self.shared: dict[tuple, list[MetadataIndex]] = {}
         self.shared_info: dict[tuple, StorageInfo] = {}
         self.preset: dict[int, torch.Tensor] = {}  # id(read item) -> its destination, for column items made items
         if shares is not None:
@@ -230,8 +231,12 @@ class Read:
         for index, info in list(self.infos.items()):
             role = roles.get((info.file, info.offset)) if info.length else None  # an empty chunk shares its offset
             if role is not None:
-                self.shared[(info.file, info.offset)] = index
-                self.shared_info[(info.file, info.offset)] = info
+                key = (info.file, info.offset)
+                known = self.shared_info.setdefault(key, info)
+                if known.length != info.length:  # planned_chunks lists no such offset
+                    raise CheckpointError(f"{self.here(index)}: shares file {info.file!r} offset {info.offset} with a "
+                                          "chunk of another length, but the load planned to share it")
+                self.shared.setdefault(key, []).append(index)
                 if role == RECEIVE:
                     del self.infos[index]
 
@@ -239,7 +244,11 @@ class Read:
         """Send and receive the shared chunks (shared_reads.py); raise the first failure of a chunk this rank
         needed, once every message has gone."""
         endpoint = SharedChunks(self, shares)
-        exchange(shares, endpoint, self.budget.hold)
+        try:
+            exchange(shares, endpoint, self.budget.hold)
+        except BaseException:
+            endpoint.abandon()  # chunks copied in part, never checked whole: zeroed
+            raise
         endpoint.raise_first()
 
     def here(self, index: MetadataIndex) -> str:

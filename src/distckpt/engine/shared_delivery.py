@@ -31,7 +31,15 @@ class SharedChunks(Endpoint):
         self.failed: dict[tuple, BaseException] = {}  # chunks that failed on this rank
         self.unsent: dict[tuple, str] = {}  # chunks this rank reads for others that failed: why, for the receivers
         self.errors: list[BaseException] = []
-        self.dests: dict[tuple, list] = {}
+        self.dests: dict[MetadataIndex, list] = {}
+        self.whole: set = set()  # chunks whose every piece this rank has copied out
+
+    def abandon(self) -> None:
+        """The exchange broke off: zero what was copied of every chunk not copied whole (its checksum, checked at
+        its last piece, never was), so that no unchecked byte stays in the caller's tensors."""
+        for key in self.read.shared:
+            if key not in self.whole and key not in self.failed:
+                self.zero(key)
 
     def raise_first(self) -> None:
         if self.errors:
@@ -48,22 +56,25 @@ class SharedChunks(Endpoint):
                 except Exception as exc:  # noqa: BLE001 - sent to every receiver, raised here after the exchange
                     self.unsent[key] = str(self.fail(key, exc))
                 else:  # the bytes are good for the others, whatever this rank's own destinations do with them
-                    self.deliver_safely(key, self.read.shared[key], view, b0, b1)
+                    self.deliver_safely(key, view, b0, b1)
             out.append(self.unsent.get(key))
         return out
 
     def fill_piece(self, key: tuple, b0: int, b1: int, view: memoryview) -> None:
         read = self.read
-        index = read.shared.get(key)
-        if index is None or index not in read.infos:
+        indices = [i for i in read.shared.get(key, ()) if i in read.infos]
+        if not indices:
             raise CheckpointError(f"rank's plan no longer reads the chunk at {key[0]!r} offset {key[1]}: the plan changed "
                                   "between planning and reading (finish_plan)")
+        index = indices[0]
         info = read.infos[index]
         read_into(read.reader(info.file), view, info.offset + b0, read.here(index), info.file)
         if read.verify:
             self.crc[key] = crc32c(view, self.crc.get(key, 0))
             if b1 == info.length:
-                check_checksum(True, self.crc.pop(key), info, read.here(index), self.dests.get(key, ()))
+                crc = self.crc.pop(key)
+                for i in indices:  # each item stored there carries its own checksum
+                    check_checksum(True, crc, read.infos[i], read.here(i), self.dests_of(key))
 
     # ------------------------------------------------------------ every rank that needs the chunk
 
@@ -71,22 +82,29 @@ class SharedChunks(Endpoint):
         for (key, b0, b1), view, why in zip(message.pieces, views, failures):
             if key in self.failed:
                 continue
-            index = self.read.shared.get(key)
-            if index is None:
+            if key not in self.read.shared:
                 continue  # the plan changed after planning; the chunk is not this rank's any more
             if why is not None:
-                self.fail(key, CorruptCheckpointError(f"{self.read.here(index)}: {why}"))
+                self.fail(key, CorruptCheckpointError(f"{self.here(key)}: {why}"))
                 continue
-            self.deliver_safely(key, index, view, b0, b1)
+            self.deliver_safely(key, view, b0, b1)
 
-    def deliver_safely(self, key: tuple, index: MetadataIndex, view: memoryview, b0: int, b1: int) -> None:
-        """:meth:`deliver`, a failure recorded (raised after the exchange, which the other ranks still need)."""
+    def deliver_safely(self, key: tuple, view: memoryview, b0: int, b1: int) -> None:
+        """:meth:`deliver` into each chunk stored at ``key``, a failure recorded (raised after the exchange, which
+        the other ranks still need)."""
         if key in self.failed:
             return
         try:
-            self.deliver(key, index, view, b0, b1)
+            for index in self.read.shared[key]:
+                self.deliver(key, index, view, b0, b1)
         except Exception as exc:  # noqa: BLE001
             self.fail(key, exc)
+        else:
+            if b1 == self.read.shared_info[key].length:
+                self.whole.add(key)
+
+    def dests_of(self, key: tuple) -> list:
+        return [dest for index in self.read.shared.get(key, ()) for dest in self.dests.get(index, ())]
 
     def deliver(self, key: tuple, index: MetadataIndex, view: memoryview, b0: int, b1: int) -> None:
         """Copy the piece [b0, b1) of a chunk into every destination that needs part of it; after its last
@@ -99,9 +117,9 @@ class SharedChunks(Endpoint):
             with read.lock:
                 read.planner.load_bytes(items[0], io.BytesIO(data))
             return
-        dests = self.dests.get(key)
+        dests = self.dests.get(index)
         if dests is None:
-            dests = self.dests[key] = read.destinations(index)
+            dests = self.dests[index] = read.destinations(index)
         dtype = read.md.state_dict_metadata[index.fqn].properties.dtype
         if not codec.identity:
             nbytes = volume(shape) * itemsize(dtype)
@@ -134,11 +152,16 @@ class SharedChunks(Endpoint):
             exc = CheckpointError(f"{self.here(key)}: {type(exc).__name__}: {exc}")
         self.failed[key] = exc
         self.errors.append(exc)
-        for dest in self.dests.get(key, ()):
-            if isinstance(dest, torch.Tensor) and dest.device.type != "meta":
-                dest.zero_()
+        self.zero(key)
         return exc
 
+    def zero(self, key: tuple) -> None:
+        for dest in self.dests_of(key):
+            if isinstance(dest, torch.Tensor) and dest.device.type != "meta":
+                dest.zero_()
+
     def here(self, key: tuple) -> str:
-        index = self.read.shared.get(key)
-        return self.read.here(index) if index is not None else f"{self.read.where}: file {key[0]!r} offset {key[1]}"
+        indices = self.read.shared.get(key)
+        if not indices:
+            return f"{self.read.where}: file {key[0]!r} offset {key[1]}"
+        return self.read.here(indices[0]) + "".join(f" (and key {i.fqn!r})" for i in indices[1:])

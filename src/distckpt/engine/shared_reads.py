@@ -27,6 +27,7 @@ replica pair crosses the network once whatever the size of the job; a message fo
 
 from __future__ import annotations
 
+import hashlib
 import queue
 import struct
 import threading
@@ -51,11 +52,12 @@ try:
 except ImportError:  # pragma: no cover
     dist = None  # type: ignore[assignment]
 
-__all__ = ["SharedReads", "Peers", "Shares", "Message", "planned_chunks", "may_share", "encode_table", "decode_table", "plan_shares",
-           "SEND", "RECEIVE"]
+__all__ = ["SharedReads", "Peers", "PeerLost", "Shares", "Message", "planned_chunks", "may_share", "encode_table",
+           "decode_table", "plan_shares", "fingerprint", "SEND", "RECEIVE"]
 
 SEND, RECEIVE = 1, 2
-_TABLE = struct.Struct("<QQQ")  # chunk count, the bucket size this rank proposes, whether it verifies checksums
+# chunk count, the bucket size this rank proposes, whether it verifies checksums, the checkpoint it reads (fingerprint)
+_TABLE = struct.Struct("<QQQQ")
 _COLUMNS = 6
 _ALIGN = 64  # pieces start at multiples of this in a message, so that any dtype views them in place
 ERROR_BYTES = 512  # a failed piece's message, in every message's tail
@@ -71,6 +73,7 @@ def planned_chunks(md: Metadata, plan: LoadPlan) -> list[tuple[int, ...]]:
     shapes = ChunkShapes(md)
     at: dict = {}
     out: list[list] = []
+    apart: set = set()  # offsets that items of other lengths share (views of one storage): read by this rank alone
 
     def add(name: str, offset: int, length: int, rows: Optional[int], codec: str, span: Optional[tuple]) -> None:
         if length <= 0:
@@ -81,6 +84,10 @@ def planned_chunks(md: Metadata, plan: LoadPlan) -> list[tuple[int, ...]]:
         if j is None:
             at[(name, offset)] = len(out)
             out.append([name, offset, length, row, first, end])
+        elif out[j][2] != length:
+            apart.add(j)
+        elif out[j][3] != row:  # one storage viewed with two shapes (tied weights): travels whole
+            out[j][3:] = [length, 0, length]
         else:
             out[j][4], out[j][5] = min(out[j][4], first), max(out[j][5], end)
 
@@ -106,7 +113,7 @@ def planned_chunks(md: Metadata, plan: LoadPlan) -> list[tuple[int, ...]]:
         shape = shapes.get(index) if item.type == LoadItemType.TENSOR else None
         span = (item.storage_offsets[0], item.storage_offsets[0] + item.lengths[0]) if shape else None
         add(info.file, info.offset, info.length, shape[0] if shape else None, info.codec, span)
-    return [tuple(c) for c in out]
+    return [tuple(c) for j, c in enumerate(out) if j not in apart]
 
 
 def may_share(md: Metadata, plan: LoadPlan, held_alone: set) -> bool:
@@ -122,26 +129,43 @@ def may_share(md: Metadata, plan: LoadPlan, held_alone: set) -> bool:
     return bool(partial_chunks(md, plan))
 
 
+def fingerprint(md: Metadata) -> int:
+    """64 bits that differ between checkpoints: the save id, the data files (names, sizes, header checksums), and
+    where the checkpoint records no save id (another program's), its path. Ranks share the reads of one checkpoint
+    only: a rank loading another save (a node-local copy of another step) is never sent its peers' bytes."""
+    fsd: FileStorageData = md.storage_data
+    h = hashlib.blake2b(digest_size=8)
+    parts = [str(fsd.save_id), type(fsd).__name__, str(getattr(fsd, "layout", ""))]
+    if not fsd.save_id:
+        parts.append(str(getattr(md.storage_meta, "checkpoint_id", None)))
+    parts += [f"{name}\0{info.size}\0{info.header_crc32c}" for name, info in sorted(fsd.files.items())]
+    for part in parts:
+        h.update(part.encode("utf-8", "surrogatepass") + b"\1")
+    return int.from_bytes(h.digest(), "little")
+
+
 def encode_table(md: Metadata, chunks: list[tuple], bucket: int, verify: bool) -> bytes:
     """``chunks`` as six little-endian int64 columns (file number, offset, length, row bytes, the range needed:
-    first and end byte), after a header (count, bucket, whether this rank verifies checksums)."""
+    first and end byte), after a header (count, bucket, whether this rank verifies checksums, the checkpoint's
+    :func:`fingerprint`)."""
     file_no = {name: i for i, name in enumerate(md.storage_data.files)}
     table = np.array([(file_no[c[0]],) + tuple(c[1:]) for c in chunks], dtype="<i8")
-    return _TABLE.pack(len(chunks), bucket, int(verify)) + table.reshape(-1, _COLUMNS).T.copy().tobytes()
+    return (_TABLE.pack(len(chunks), bucket, int(verify), fingerprint(md))
+            + table.reshape(-1, _COLUMNS).T.copy().tobytes())
 
 
-def decode_table(raw: bytes) -> tuple[np.ndarray, int, bool]:
-    """The (6, n) table, the bucket size and the verify flag :func:`encode_table` wrote."""
+def decode_table(raw: bytes) -> tuple[np.ndarray, int, bool, int]:
+    """The (6, n) table, the bucket size, the verify flag and the fingerprint :func:`encode_table` wrote."""
     if len(raw) < _TABLE.size:
         raise CorruptCheckpointError("chunk table from a rank is truncated")
-    n, bucket, verify = _TABLE.unpack_from(raw)
+    n, bucket, verify, print_ = _TABLE.unpack_from(raw)
     if len(raw) != _TABLE.size + 8 * _COLUMNS * n or bucket < 1:
         raise CorruptCheckpointError("chunk table from a rank has the wrong length")
     table = np.frombuffer(raw, dtype="<i8", offset=_TABLE.size).reshape(_COLUMNS, n)
     if n and (table[2].min() < 1 or table[3].min() < 1 or table[0].min() < 0 or table[1].min() < 0
               or (table[4] < 0).any() or (table[5] > table[2]).any() or (table[4] >= table[5]).any()):
         raise CorruptCheckpointError("chunk table from a rank has negative, empty or out-of-chunk entries")
-    return table, bucket, bool(verify)
+    return table, bucket, bool(verify), print_
 
 
 def _overlap(spans: list[tuple[int, int]]) -> bool:
@@ -150,25 +174,46 @@ def _overlap(spans: list[tuple[int, int]]) -> bool:
     return any(b[0] < a[1] for a, b in zip(spans, spans[1:]))
 
 
-def _pick_readers(tables: list[np.ndarray], verify: bool) -> tuple[dict, dict, dict]:
+def _pick_readers(tables: list[np.ndarray], verify: bool, verifying: Optional[list[bool]] = None,
+                  kinds: Optional[list[int]] = None) -> tuple[dict, dict, dict]:
     """For every chunk: the ranks (with its row in their table) that need it, its length and row bytes; and for
     each chunk to share, the rank that reads it.
 
     A chunk is shared where several ranks need it and some of its bytes are needed twice, or where checksums are
     verified (its checksum covers it whole: read once, it need not be read again in parts). Unverified chunks whose
-    parts go to different ranks are read by each, its own part: storage serves each byte once either way."""
-    needers: dict[tuple[int, int], list[tuple[int, int]]] = {}
-    sizes: dict[tuple[int, int], tuple[int, int]] = {}
-    spans: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    parts go to different ranks are read by each, its own part: storage serves each byte once either way.
+
+    ``kinds``: which checkpoint each rank reads (equal numbers, the same one); a chunk is shared only among the
+    ranks reading one checkpoint, and only where they agree on its length (else each reads its own: views of one
+    storage, or forged metadata). ``verifying``: whether each rank verifies checksums; a chunk that a rank
+    verifying them needs is read by such a rank, so that no rank is sent bytes checked less than it asked."""
+    needers: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
+    sizes: dict[tuple[int, int, int], tuple[int, int]] = {}
+    spans: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
+    apart: set = set()
     for rank, table in enumerate(tables):
+        kind = kinds[rank] if kinds is not None else 0
         for j, (f, o, n, row, first, end) in enumerate(table.T.tolist()):
-            needers.setdefault((f, o), []).append((rank, j))
-            sizes[(f, o)] = (n, row)
-            spans.setdefault((f, o), []).append((first, end))
+            key = (kind, f, o)
+            listed = needers.setdefault(key, [])
+            if listed and listed[-1][0] == rank:
+                raise CorruptCheckpointError(f"chunk table from rank {rank} lists file {f} offset {o} twice")
+            listed.append((rank, j))
+            spans.setdefault(key, []).append((first, end))
+            known = sizes.get(key)
+            if known is None or known == (n, row):
+                sizes[key] = (n, row)
+            elif known[0] != n:
+                apart.add(key)
+            else:  # one storage viewed with two shapes: sent whole
+                sizes[key] = (n, n)
     load = [0] * len(tables)
     shared = []
     for key, ranks in needers.items():
-        if len(ranks) > 1 and (verify or _overlap(spans[key])):
+        if key in apart:
+            for (r, j) in ranks:
+                load[r] += int(tables[r][2, j])
+        elif len(ranks) > 1 and (verify or _overlap(spans[key])):
             shared.append(key)
         else:
             for (r, _), (first, end) in zip(ranks, spans[key]):
@@ -184,6 +229,8 @@ def _pick_readers(tables: list[np.ndarray], verify: bool) -> tuple[dict, dict, d
         keys.sort()
         total = sum(sizes[k][0] for k in keys)
         order = sorted(ranks, key=lambda r: (load[r], r))
+        if verifying is not None and any(verifying[r] for r in order):
+            order = [r for r in order if verifying[r]]
         level = (total + sum(load[r] for r in ranks)) / len(ranks)
         at = 0
         for key in keys:
@@ -194,11 +241,12 @@ def _pick_readers(tables: list[np.ndarray], verify: bool) -> tuple[dict, dict, d
     return needers, sizes, reader
 
 
-def plan_shares(tables: list[np.ndarray], bucket: int, verify: bool = True) -> list[bytes]:
+def plan_shares(tables: list[np.ndarray], bucket: int, verify: bool = True, verifying: Optional[list[bool]] = None,
+                kinds: Optional[list[int]] = None) -> list[bytes]:
     """The coordinator's step: every rank's table of chunks -> one payload per rank (:meth:`Shares.decode`),
     the messages it sends or receives, in the one order every rank walks them (``verify``: whether the ranks
-    verify checksums; see :func:`_pick_readers`)."""
-    needers, sizes, reader = _pick_readers(tables, verify)
+    verify checksums; ``verifying``, ``kinds``: each rank's, see :func:`_pick_readers`)."""
+    needers, sizes, reader = _pick_readers(tables, verify, verifying, kinds)
     groups: dict[tuple[int, tuple[int, ...]], list[tuple[int, int]]] = {}
     for key, src in reader.items():
         receivers = tuple(sorted(r for r, _ in needers[key] if r != src))
@@ -265,6 +313,7 @@ class Shares:
 
     def __init__(self, messages: list[Message], rank: int, peers: "Peers", lengths: dict[Key, int]) -> None:
         self.messages, self.rank, self.peers, self.lengths = messages, rank, peers, lengths
+        self.walked = False  # whether this rank has begun walking its messages (exchange)
         self.roles: dict[Key, int] = {}
         for m in messages:
             for key, _, _ in m.pieces:
@@ -293,6 +342,8 @@ class Shares:
                 pieces = []
                 for _ in range(n_pieces):
                     j, b0, b1 = row[at:at + 3]
+                    if j < 0:
+                        raise ValueError("chunk number below zero")
                     name, offset, length = chunks[j][:3]
                     if not 0 <= b0 < b1 <= length:
                         raise ValueError("piece outside its chunk")
@@ -300,12 +351,21 @@ class Shares:
                     at += 3
                 if not 0 <= src < world or any(not 0 <= r < world for r in receivers) or not pieces:
                     raise ValueError("rank out of range")
+                if src in receivers or len(set(receivers)) != len(receivers):
+                    raise ValueError(f"message from rank {src} lists a receiver twice, or its sender")
+                if peers.rank != src and peers.rank not in receivers:
+                    raise ValueError(f"a message from rank {src} to ranks {list(receivers)} is not this rank's")
                 messages.append(Message(src, receivers, pieces))
         except (ValueError, IndexError) as exc:
             raise CorruptCheckpointError(f"shared-read plan from the coordinator is malformed: {exc}") from None
         if at != len(row):
             raise CorruptCheckpointError("shared-read plan from the coordinator has trailing entries")
         return cls(messages, peers.rank, peers, {(c[0], c[1]): c[2] for c in chunks})
+
+
+class PeerLost(CheckpointError):
+    """The transport of a shared read failed (a peer died, or did not answer within the checkpoint timeout): the
+    ranks are no longer in step, and no further collective of this load can succeed."""
 
 
 class Peers:
@@ -341,13 +401,13 @@ class Peers:
         try:
             for work in works:
                 if work is not None and not work.wait(timeout=timedelta(seconds=self.timeout_s)):
-                    raise CheckpointError(f"rank {self.rank}: shared read, {what}, did not finish within "
-                                          f"{self.timeout_s:.0f}s (DISTCKPT_TIMEOUT_S)")
+                    raise PeerLost(f"rank {self.rank}: shared read, {what}, did not finish within "
+                                   f"{self.timeout_s:.0f}s (DISTCKPT_TIMEOUT_S)")
         except CheckpointError:
             raise
         except Exception as exc:  # a peer died or the group broke
-            raise CheckpointError(f"rank {self.rank}: shared read, {what}, failed: {exc}. The other rank probably died "
-                                  "or timed out; check its log.") from exc
+            raise PeerLost(f"rank {self.rank}: shared read, {what}, failed: {exc}. The other rank probably died "
+                           "or timed out; check its log.") from exc
 
 
 class Endpoint:
@@ -379,7 +439,8 @@ def exchange(shares: Shares, endpoint: Endpoint, hold: Callable[[int], Any]) -> 
     """Walk this rank's messages in order (see the module docstring). A thread reads this rank's next messages to
     send ahead of the walk, into one of two buffers, so that reading overlaps the exchange of other ranks'
     messages. ``hold(n)`` is a context that keeps ``n`` bytes of buffer within the memory budget. A transport
-    failure (a dead peer, the timeout) raises at once: the ranks are no longer in step."""
+    failure (a dead peer, the timeout) raises :class:`PeerLost` at once: the ranks are no longer in step."""
+    shares.walked = True
     if not shares.messages:
         return
     sends = [m for m in shares.messages if m.src == shares.rank]
@@ -500,7 +561,10 @@ class SharedReads:
     def assign_readers(self, tables: list[bytes]) -> list[bytes]:
         """Every rank's table -> one payload per rank: the messages it sends and receives. Coordinator."""
         decoded = [decode_table(t) for t in tables]
-        return plan_shares([t for t, _, _ in decoded], min(b for _, b, _ in decoded), any(v for _, _, v in decoded))
+        prints: dict[int, int] = {}
+        return plan_shares([t for t, _, _, _ in decoded], min(b for _, b, _, _ in decoded), any(v for _, _, v, _ in decoded),
+                           verifying=[v for _, _, v, _ in decoded], kinds=[prints.setdefault(p, len(prints))
+                                                                          for _, _, _, p in decoded])
 
     def accept_readers(self, chunks: list, payload: bytes, peers: Peers) -> None:
         """Take this rank's part of the shared reads; the next ``read_data`` sends and receives it. Every rank."""
