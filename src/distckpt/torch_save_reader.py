@@ -110,11 +110,19 @@ class BroadcastingTorchSaveReader(StorageReader):
                 self._agree(mine, source)
             elif isinstance(source, BaseException):
                 raise source
-            # every rank the same keys, shapes and dtypes, in one order, in the same batches
+            # every rank the same keys, shapes and dtypes, in one order, in the same batches; the others receive
+            # each into one buffer, kept for the whole load (a buffer per tensor would leave the allocator freed
+            # memory of every size to keep, and gloo lets go of a tensor it sent only some time after)
+            inbox = None
+            if not self.is_coordinator:
+                inbox = torch.empty(max((_nbytes(k) for k in mine.items()), default=0), dtype=torch.uint8)
             for batch in _batches(list(mine.items()), knobs.memory_budget_bytes() // 2):
                 tensors = self._read_batch(source, [fqn for fqn, _ in batch], spread)
                 for fqn, (size, dtype) in batch:
-                    tensor = tensors.pop(fqn) if self.is_coordinator else torch.empty(size, dtype=dtype_from_name(dtype))
+                    if self.is_coordinator:
+                        tensor = tensors.pop(fqn)
+                    else:
+                        tensor = inbox[:_nbytes((fqn, (size, dtype)))].view(dtype_from_name(dtype)).view(size)
                     if spread:
                         dist.broadcast(tensor, src=self.coordinator_rank)
                     for item in by_key.get(fqn, ()):
@@ -214,6 +222,7 @@ class _Source:
 
     def __init__(self, path: str, planner: LoadPlanner, where: str) -> None:
         self.fd = open_regular(path)
+        self.arena = bytearray(0)
         try:
             obj, self.archive = read_archive(self.pread, os.fstat(self.fd).st_size, where)
             if not isinstance(obj, dict):
@@ -242,31 +251,44 @@ class _Source:
     def pread(self, n: int, offset: int) -> bytes:
         return os.pread(self.fd, n, offset)
 
-    def read_into(self, n: int, offset: int) -> bytearray:
-        """``n`` bytes at ``offset`` (fewer at the end of the file), read into a buffer the tensor then views."""
-        buf = bytearray(n)
-        got = 0
-        while got < n:
-            step = os.preadv(self.fd, [memoryview(buf)[got:]], offset + got)
-            if step <= 0:
-                return buf[:got]
-            got += step
-        return buf
-
     def tensors(self, keys: list[str]) -> dict[str, torch.Tensor]:
         """The tensors of ``keys``, each read (storages shared within the batch read once) and checked against its
-        record's CRC-32, contiguous and in the dtype the state dict wants."""
+        record's CRC-32, contiguous and in the dtype the state dict wants. Their storages are read into one
+        buffer, kept for the next batch: the tensors are views of it until then."""
+        sizes = {ref.storage.key: self.archive.storage(ref.storage).size for ref, _ in (self.refs[k] for k in keys)}
+        need = sum(-(-n // _ALIGN) * _ALIGN for n in sizes.values())
+        if len(self.arena) < need:
+            self.arena = bytearray(0)
+            self.arena = bytearray(need)
+        free = [memoryview(self.arena)]
+
+        def read_into(n: int, offset: int) -> memoryview:
+            """``n`` bytes at ``offset`` (fewer at the end of the file), into the next free part of the buffer."""
+            view, free[0] = free[0][:n], free[0][-(-n // _ALIGN) * _ALIGN:]
+            got = 0
+            while got < n:
+                step = os.preadv(self.fd, [view[got:]], offset + got)
+                if step <= 0:
+                    break
+                got += step
+            return view[:got]
+
         cache: dict = {}
-        out = {}
-        for fqn in keys:
-            ref, dtype = self.refs[fqn]
-            out[fqn] = tensor_from(self.archive, ref, self.read_into, cache).to(dtype).contiguous()
-        return out
+        return {fqn: tensor_from(self.archive, self.refs[fqn][0], read_into, cache).to(self.refs[fqn][1]).contiguous()
+                for fqn in keys}
 
     def close(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+_ALIGN = 64  # each storage read into the coordinator's buffer starts on a boundary any dtype can be viewed at
+
+
+def _nbytes(key: tuple[str, list]) -> int:
+    size, dtype = key[1]
+    return math.prod(size) * itemsize(dtype_from_name(dtype))
 
 
 def _batches(keys: list[tuple[str, list]], limit: int) -> list[list[tuple[str, list]]]:
@@ -275,8 +297,7 @@ def _batches(keys: list[tuple[str, list]], limit: int) -> list[list[tuple[str, l
     out: list[list] = []
     held = 0
     for key in keys:
-        size, dtype = key[1]
-        n = math.prod(size) * itemsize(dtype_from_name(dtype))
+        n = _nbytes(key)
         if not out or (held + n > limit and out[-1]):
             out.append([])
             held = 0

@@ -380,8 +380,9 @@ def tensor_from(archive: Archive, ref: TensorRef, pread: Callable[[int, int], by
         if len(raw) != rec.size:
             raise CorruptCheckpointError(f"{archive.where}: storage {ref.storage.key!r} lies outside the archive")
         check_crc(rec, raw, f"data/{ref.storage.key}", archive.where)
-        if rec.size:  # a bytearray ``pread`` returned is the caller's to give: viewed, not copied (held once, not twice)
-            flat = torch.frombuffer(raw if isinstance(raw, bytearray) else bytearray(raw), dtype=torch.uint8)
+        if rec.size:  # writable memory ``pread`` returned is the caller's to give: viewed, not copied (held once)
+            owned = isinstance(raw, bytearray) or (isinstance(raw, memoryview) and not raw.readonly)
+            flat = torch.frombuffer(raw if owned else bytearray(raw), dtype=torch.uint8)
         else:
             flat = torch.empty(0, dtype=torch.uint8)
         if cache is not None:
