@@ -136,6 +136,12 @@ def load_plain(rank, world_size, path, mode=None, opts=None):
         from distckpt.planning import DefaultLoadPlanner
         sd["nope"] = torch.zeros(3)
         planner = DefaultLoadPlanner(allow_partial_load=True)
+    if mode == "expanded" and rank == opts.get("rank", 1):  # a destination no copy can write (one row, expanded)
+        sd["a"] = torch.zeros(1, want["a"].shape[1]).expand(want["a"].shape)
+    if mode == "requires_grad":  # parameters, and an inference tensor, as direct reads fill them
+        sd["a"] = torch.nn.Parameter(sd["a"])
+        with torch.inference_mode():
+            sd["b"] = torch.zeros_like(want["b"])
     if mode == "meta_dest" and rank == opts.get("rank", 1):
         sd["a"] = torch.empty(want["a"].shape, device="meta")
     if mode == "convert":  # destinations of another dtype, non-contiguous

@@ -81,6 +81,19 @@ def test_a_rank_that_verifies_checksums_is_never_sent_unverified_bytes(tmp_path)
     assert not r["mixed"], r  # no corrupted byte stays
 
 
+def test_parameters_that_require_grad_and_inference_tensors_load_as_direct_reads_fill_them(tmp_path):
+    """``{"a": nn.Parameter(...)}`` and a tensor made under inference_mode: a load without shared reads fills them
+    (direct reads write their memory); with shared reads the copy raised in autograd's checks, the zeroing after it
+    raised again out of the read-ahead thread, and the ranks, out of step, waited out the timeout."""
+    path = str(tmp_path / "ck")
+    workers.save_plain(0, 1, path)
+    started = time.monotonic()
+    results = run_ranks(workers.load_plain, 2, path, "requires_grad", env={"DISTCKPT_TIMEOUT_S": "10"}, timeout_s=60)
+    assert time.monotonic() - started < 9
+    assert all(r["error"] is None and r["bad"] == [] for r in results), results
+    assert {"send", "receive"} <= set(results[0]["roles"].values()), results  # each rank sends and receives
+
+
 # ------------------------------------------------------------ ranks that fail or hang
 
 

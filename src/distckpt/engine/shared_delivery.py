@@ -134,9 +134,11 @@ class SharedChunks(Endpoint):
                 slab = raw.view(dtype).reshape((b - a,) + tuple(shape[1:]))
             else:
                 a, b, slab = 0, 1, raw.view(dtype).reshape(())
-        for item, dest in zip(items, dests):
-            if rows_meet(item, a, b, shape):
-                copy_rows(item, dest, slab, a, b, shape, None)
+        # copied as the read engine's direct reads write: into parameters that require grad, inference tensors too
+        with torch.inference_mode():
+            for item, dest in zip(items, dests):
+                if rows_meet(item, a, b, shape):
+                    copy_rows(item, dest, slab, a, b, shape, None)
         if b1 == info.length:
             with read.lock:
                 for item, dest in zip(items, dests):
@@ -158,7 +160,13 @@ class SharedChunks(Endpoint):
     def zero(self, key: tuple) -> None:
         for dest in self.dests_of(key):
             if isinstance(dest, torch.Tensor) and dest.device.type != "meta":
-                dest.zero_()
+                try:
+                    with torch.inference_mode():
+                        dest.zero_()
+                except Exception as exc:  # noqa: BLE001 - the chunk's failure is what this rank reports
+                    self.errors.append(CheckpointError(f"{self.here(key)}: its destination could not be zeroed after "
+                                                       f"the chunk failed ({type(exc).__name__}: {exc}); it holds "
+                                                       "bytes that were not checked"))
 
     def here(self, key: tuple) -> str:
         indices = self.read.shared.get(key)

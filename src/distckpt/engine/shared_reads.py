@@ -439,7 +439,9 @@ def exchange(shares: Shares, endpoint: Endpoint, hold: Callable[[int], Any]) -> 
     """Walk this rank's messages in order (see the module docstring). A thread reads this rank's next messages to
     send ahead of the walk, into one of two buffers, so that reading overlaps the exchange of other ranks'
     messages. ``hold(n)`` is a context that keeps ``n`` bytes of buffer within the memory budget. A transport
-    failure (a dead peer, the timeout) raises :class:`PeerLost` at once: the ranks are no longer in step."""
+    failure (a dead peer, the timeout) raises :class:`PeerLost` at once: the ranks are no longer in step. Any other
+    error of this rank's endpoint is sent as the failure of the pieces it concerned, and raised once every message
+    has gone: the other ranks still wait for them."""
     shares.walked = True
     if not shares.messages:
         return
@@ -447,8 +449,9 @@ def exchange(shares: Shares, endpoint: Endpoint, hold: Callable[[int], Any]) -> 
     received = [m.layout()[1] for m in shares.messages if m.src != shares.rank]
     send_size = max((m.layout()[1] for m in sends), default=0)
     spare = 2 if len(sends) > 1 else len(sends)
+    errors: list[BaseException] = []
     with hold(max(received, default=0) + spare * send_size):
-        ahead = _ReadAhead(sends, endpoint, send_size, spare)
+        ahead = _ReadAhead(sends, endpoint, send_size, spare, errors)
         try:
             inbox = torch.empty(max(received, default=0), dtype=torch.uint8)
             for message in shares.messages:
@@ -461,10 +464,15 @@ def exchange(shares: Shares, endpoint: Endpoint, hold: Callable[[int], Any]) -> 
                     buf = inbox[:size]
                     shares.peers.receive(buf, message.src, len(message.receivers) == shares.peers.world_size - 1)
                     views, status_at = _views(message, buf)
-                    endpoint.take(message, views, _get_status(memoryview(buf.numpy()), status_at, len(message.pieces),
-                                                              message.src))
+                    try:
+                        endpoint.take(message, views, _get_status(memoryview(buf.numpy()), status_at,
+                                                                  len(message.pieces), message.src))
+                    except Exception as exc:  # noqa: BLE001 - raised once every message has gone
+                        errors.append(exc)
         finally:
             ahead.stop()
+    if errors:
+        raise errors[0]
 
 
 def _views(message: Message, buf: torch.Tensor) -> tuple[list[memoryview], int]:
@@ -477,7 +485,8 @@ def _views(message: Message, buf: torch.Tensor) -> tuple[list[memoryview], int]:
 class _ReadAhead:
     """Fills this rank's messages to send, in order, on a thread of its own, at most ``spare`` ahead."""
 
-    def __init__(self, sends: list[Message], endpoint: Endpoint, size: int, spare: int) -> None:
+    def __init__(self, sends: list[Message], endpoint: Endpoint, size: int, spare: int, errors: list) -> None:
+        self.errors = errors  # the endpoint's errors, each sent as its message's failure
         self.free: queue.Queue = queue.Queue()
         self.filled: queue.Queue = queue.Queue()
         for _ in range(spare):
@@ -499,7 +508,12 @@ class _ReadAhead:
                         continue
                 buf = whole[:message.layout()[1]]
                 views, status_at = _views(message, buf)
-                _put_status(memoryview(buf.numpy()), status_at, endpoint.fill(message, views))
+                try:
+                    failures = endpoint.fill(message, views)
+                except Exception as exc:  # noqa: BLE001 - every piece of the message fails; raised after the walk
+                    self.errors.append(exc)
+                    failures = [f"{type(exc).__name__}: {exc}"] * len(views)
+                _put_status(memoryview(buf.numpy()), status_at, failures)
                 self.filled.put((whole, buf))
         except BaseException as exc:  # noqa: BLE001 - raised by next() on the walking thread
             self.filled.put((None, exc))
