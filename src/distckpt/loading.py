@@ -141,7 +141,8 @@ def _answer_peers(reader: StorageReader, exc: BaseException) -> None:
     if not isinstance(shares, Shares) or shares.walked:
         return
     try:
-        exchange(shares, Failing(f"{type(exc).__name__}: {exc}"), ByteBudget(knobs.memory_budget_bytes()).hold)
+        budget = ByteBudget(knobs.memory_budget_bytes())
+        exchange(shares, Failing(f"{type(exc).__name__}: {exc}"), budget.hold, budget.limit)
     except Exception:  # noqa: BLE001 - this rank reports its own failure; a peer lost shows on the others
         pass
 

@@ -388,3 +388,43 @@ def load_url(rank, world_size, url, kind="plain"):
     out = _result(run)
     out["rows_zero"] = bool(torch.count_nonzero(_local(sd["rows"])[0]) == 0)
     return out
+
+
+def load_one_receiver_dies(rank, world_size, path, n, victim, how="kill"):
+    """As :func:`load_one` (rows ``n``); rank ``victim`` dies (or hangs) at its first shared-read receive."""
+    from distckpt.engine import shared_reads
+    if rank == victim:
+        def receive(self, buf, src, everyone):
+            if how == "hang":
+                time.sleep(float(os.environ["DISTCKPT_TIMEOUT_S"]) * 2)
+            os.kill(os.getpid(), 9)
+        shared_reads.Peers.receive = receive
+    sd = {"a": torch.zeros(n, 33)}
+    return _result(lambda: distckpt.load(sd, checkpoint_id=path) and None)
+
+
+def save_wide(rank, world_size, path, rows=8, cols=10_000):
+    """Rows of ``cols`` float32s: one row larger than a small bucket."""
+    if rank == 0:
+        distckpt.save({"w": torch.arange(rows * cols, dtype=torch.float32).reshape(rows, cols),
+                       "v": torch.arange(rows * cols, dtype=torch.float32).reshape(rows, cols) * 2},
+                      checkpoint_id=path, no_dist=True)
+    return True
+
+
+def load_wide_counting(rank, world_size, path, rows=8, cols=10_000):
+    """Load the wide state; report the most bytes the load's budget let one rank hold at once, against its limit."""
+    from distckpt.engine import budget as budget_mod
+    most = {"held": 0, "one": 0}
+    real = budget_mod.ByteBudget.acquire
+
+    def acquire(self, n):
+        real(self, n)
+        most["held"] = max(most["held"], self.held)
+        most["one"] = max(most["one"], n)
+    budget_mod.ByteBudget.acquire = acquire
+    sd = {"w": torch.zeros(rows, cols), "v": torch.zeros(rows, cols)}
+    out = _result(lambda: distckpt.load(sd, checkpoint_id=path) and None)
+    out.update(most)
+    out["exact"] = torch.equal(sd["w"], torch.arange(rows * cols, dtype=torch.float32).reshape(rows, cols))
+    return out

@@ -177,3 +177,16 @@ def test_a_forged_coordinator_payload_is_a_typed_error():
     for raw in [b"", b"\0" * 23, struct.pack("<QQQQ", 2 ** 60, 1, 1, 0), struct.pack("<QQQQ", 1, 0, 1, 0) + b"\0" * 48]:
         with pytest.raises(CorruptCheckpointError):
             decode_table(raw)
+
+
+# ------------------------------------------------------------ memory
+
+
+def test_rows_larger_than_the_bucket_keep_the_exchange_within_the_memory_budget(tmp_path):
+    """Rows of 40 kB under a 100 kB budget (the bucket, a quarter of it, holds no row): each message is one row, and
+    a rank holds the one it receives and one it reads ahead, within the budget (it held two ahead: 121 kB)."""
+    path = str(tmp_path / "ck")
+    workers.save_wide(0, 1, path)
+    results = run_ranks(workers.load_wide_counting, 2, path, env={"DISTCKPT_MEMORY_BUDGET_BYTES": "100000"})
+    for r in results:
+        assert r["error"] is None and r["exact"] and 0 < r["held"] <= 100_000, r

@@ -124,7 +124,8 @@ def read_items(store: BlobStore, md: Metadata, plan: LoadPlan, planner: LoadPlan
         read.open_files()
     except Exception as exc:
         if shares is not None:
-            exchange(shares, Failing(f"{type(exc).__name__}: {exc}"), ByteBudget(knobs.memory_budget_bytes()).hold)
+            budget = ByteBudget(knobs.memory_budget_bytes())
+            exchange(shares, Failing(f"{type(exc).__name__}: {exc}"), budget.hold, budget.limit)
         raise
     try:
         if shares is not None:
@@ -245,7 +246,7 @@ class Read:
         needed, once every message has gone."""
         endpoint = SharedChunks(self, shares)
         try:
-            exchange(shares, endpoint, self.budget.hold)
+            exchange(shares, endpoint, self.budget.hold, self.budget.limit)
         except BaseException:
             endpoint.abandon()  # chunks copied in part, never checked whole: zeroed
             raise

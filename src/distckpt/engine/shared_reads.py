@@ -435,10 +435,11 @@ class Failing(Endpoint):
         pass
 
 
-def exchange(shares: Shares, endpoint: Endpoint, hold: Callable[[int], Any]) -> None:
+def exchange(shares: Shares, endpoint: Endpoint, hold: Callable[[int], Any], limit: Optional[int] = None) -> None:
     """Walk this rank's messages in order (see the module docstring). A thread reads this rank's next messages to
     send ahead of the walk, into one of two buffers, so that reading overlaps the exchange of other ranks'
-    messages. ``hold(n)`` is a context that keeps ``n`` bytes of buffer within the memory budget. A transport
+    messages. ``hold(n)`` is a context that keeps ``n`` bytes of buffer within the memory budget (``limit``
+    bytes: where two buffers to send ahead do not fit beside the one received into, one does). A transport
     failure (a dead peer, the timeout) raises :class:`PeerLost` at once: the ranks are no longer in step. Any other
     error of this rank's endpoint is sent as the failure of the pieces it concerned, and raised once every message
     has gone: the other ranks still wait for them."""
@@ -449,6 +450,8 @@ def exchange(shares: Shares, endpoint: Endpoint, hold: Callable[[int], Any]) -> 
     received = [m.layout()[1] for m in shares.messages if m.src != shares.rank]
     send_size = max((m.layout()[1] for m in sends), default=0)
     spare = 2 if len(sends) > 1 else len(sends)
+    if spare == 2 and limit is not None and max(received, default=0) + 2 * send_size > limit:
+        spare = 1  # rows larger than the bucket: reading ahead must not take the budget past its limit
     errors: list[BaseException] = []
     with hold(max(received, default=0) + spare * send_size):
         ahead = _ReadAhead(sends, endpoint, send_size, spare, errors)
