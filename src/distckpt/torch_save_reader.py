@@ -26,6 +26,7 @@ from torch.futures import Future
 from . import knobs
 from .backends.fs_objects import open_regular
 from .backends.torch_save_file import TorchSaveReader, is_torch_save_file
+from .engine.chunk_reads import fresh_buffer
 from .errors import CheckpointError, DTypeMismatchError, MissingKeyError, ShapeMismatchError
 from .format.dtypes import dtype_from_name, dtype_name, itemsize
 from .layouts.torch_save import flatten_refs, read_archive
@@ -259,7 +260,7 @@ class _Source:
         need = sum(-(-n // _ALIGN) * _ALIGN for n in sizes.values())
         if len(self.arena) < need:
             self.arena = bytearray(0)
-            self.arena = bytearray(need)
+            self.arena = fresh_buffer(need)
         free = [memoryview(self.arena)]
 
         def read_into(n: int, offset: int) -> memoryview:

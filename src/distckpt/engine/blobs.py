@@ -125,7 +125,7 @@ class BytesReader(BlobReader):
 
     def readinto(self, buf: memoryview, offset: int) -> int:
         view = memoryview(buf).cast("B")
-        part = self._data[offset: offset + len(view)]
+        part = memoryview(self._data)[offset: offset + len(view)]  # a view: slicing bytes would copy them first
         view[: len(part)] = part
         return len(part)
 

@@ -3,6 +3,9 @@ rows a read item wants copied out of a slab of it. Shared by the read engine and
 
 from __future__ import annotations
 
+import mmap
+from typing import Union
+
 import torch
 
 from ..errors import CorruptCheckpointError
@@ -12,7 +15,7 @@ from ..planner import ReadItem
 from .blobs import BlobReader
 from .device_copy import PendingCopies, to_device
 
-__all__ = ["ChunkShapes", "check_checksum", "copy_rows", "read_exact", "read_into", "rows_meet"]
+__all__ = ["ChunkShapes", "check_checksum", "copy_rows", "fresh_buffer", "read_exact", "read_into", "rows_meet"]
 
 
 def rows_meet(item: ReadItem, a: int, b: int, shape: tuple) -> bool:
@@ -94,9 +97,23 @@ def read_into(blob: BlobReader, view: memoryview, offset: int, here: str, file: 
                                      f"{offset}; it is truncated")
 
 
-def read_exact(blob: BlobReader, n: int, offset: int, here: str, file: str) -> bytearray:
-    """``n`` bytes at ``offset``, in the buffer they were read into: a copy into ``bytes`` would hold the chunk
-    twice at once, beyond the memory budget it was read under."""
-    buf = bytearray(n)
+MAPPED_BYTES = 1 << 20
+
+
+def fresh_buffer(n: int) -> Union[bytearray, mmap.mmap]:
+    """A writable buffer of ``n`` bytes that gives its memory back when the last view of it goes.
+
+    From :data:`MAPPED_BYTES` up, an anonymous mapping of its own. glibc's malloc raises its mmap threshold to the
+    size of the last large block freed (up to 32 MiB) and then serves smaller blocks from its arenas, one per
+    thread, each keeping up to twice that size of freed memory: buffers of chunk size made and dropped on 4 threads
+    kept 24 MiB resident after the last was freed, and DCP items read under a 32 MiB budget peaked at 1.25x it
+    (bench/load_memory.py); a mapping is unmapped when freed."""
+    return mmap.mmap(-1, n) if n >= MAPPED_BYTES else bytearray(n)
+
+
+def read_exact(blob: BlobReader, n: int, offset: int, here: str, file: str) -> Union[bytearray, mmap.mmap]:
+    """``n`` bytes at ``offset``, in the buffer they were read into (:func:`fresh_buffer`): a copy into ``bytes``
+    would hold the chunk twice at once, beyond the memory budget it was read under."""
+    buf = fresh_buffer(n)
     read_into(blob, memoryview(buf), offset, here, file)
     return buf
