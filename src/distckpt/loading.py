@@ -9,10 +9,11 @@ from typing import Any, NamedTuple, Optional, Union
 from ._sequence import prepare, storage_by_position
 from .backends.registry import pick_storage
 from .capabilities import SHARED_READS, SHARED_VERIFICATION, declares, keeps_plans, supports
-from .distributed import RAW, Coordinator, Wire
 from . import knobs
+from .distributed import RAW, Coordinator, Wire
 from .engine.budget import ByteBudget
 from .engine.shared_reads import Failing, PeerLost, Peers, Shares, exchange
+from .errors import CheckpointError, CorruptCheckpointError
 from .format.codec import dumps, loads
 from .gc_pause import gc_paused
 from .metadata import STATE_DICT_TYPE, Metadata
@@ -171,7 +172,7 @@ def _plan_shared_reads(local_step, reader: StorageReader, planner: LoadPlanner, 
         failure = exc
     if not coord.vote("load planning", failure, share):
         return plan
-    payload = coord.reduce_scatter("load planning", lambda: table, reader.assign_readers, RAW, RAW)
+    payload = coord.reduce_scatter("load planning", lambda: table, _in_one_mode(reader.assign_readers), RAW, RAW)
     reader.accept_readers(chunks, payload, Peers(coord.group, coord.rank, coord.world_size, coord.device, coord.timeout_s))
     return plan
 
@@ -189,9 +190,21 @@ def _plan_with_shared_verification(local_step, reader: StorageReader, coord: Coo
     if not coord.vote("load planning", failure, bool(chunks)):
         return plan
 
-    mask = coord.reduce_scatter("load planning", lambda: table, reader.assign_verifiers, RAW, RAW)
+    mask = coord.reduce_scatter("load planning", lambda: table, _in_one_mode(reader.assign_verifiers), RAW, RAW)
     reader.accept_verifiers(chunks, mask)
     return plan
+
+
+def _in_one_mode(assign):
+    """The coordinator's step over the ranks' chunk tables, its refusal of a table it cannot read said as what it
+    means: the ranks' own code wrote them, so the ranks plan in two ways, not the checkpoint is damaged."""
+    def run(tables: list[bytes]) -> list[bytes]:
+        try:
+            return assign(tables)
+        except CorruptCheckpointError as exc:
+            raise CheckpointError(f"{exc}: the ranks of this load plan their reads in different ways; give every rank "
+                                  "the same DISTCKPT_SHARED_READS, and readers of the same shared_reads=") from exc
+    return run
 
 
 def read_metadata(checkpoint_id: Union[str, os.PathLike], storage_reader: Optional[StorageReader] = None) -> Metadata:

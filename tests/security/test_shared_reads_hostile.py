@@ -100,6 +100,17 @@ def test_parameters_that_require_grad_and_inference_tensors_load_as_direct_reads
     assert {"send", "receive"} <= set(results[0]["roles"].values()), results  # each rank sends and receives
 
 
+def test_ranks_with_shared_reads_off_on_one_rank_are_told_so_not_that_the_checkpoint_is_corrupt(tmp_path):
+    """One rank's reader has shared_reads=False: its table is another protocol's. Every rank raises at once, naming
+    the setting (it was a CorruptCheckpointError: 'chunk table from a rank has the wrong length')."""
+    path = str(tmp_path / "ck")
+    workers.save_plain(0, 1, path)
+    for odd in (1, 0):  # the coordinator shares reads, or it is the odd one
+        results = run_ranks(workers.load_plain, 2, path, "shared_off_on", {"rank": odd})
+        for r in results:
+            assert r["error"] and "DISTCKPT_SHARED_READS" in r["text"] and "Corrupt" not in r["text"], r
+
+
 # ------------------------------------------------------------ ranks that fail or hang
 
 
