@@ -9,10 +9,9 @@ from typing import Any, NamedTuple, Optional, Union
 from ._sequence import prepare, storage_by_position
 from .backends.registry import pick_storage
 from .capabilities import SHARED_READS, SHARED_VERIFICATION, declares, keeps_plans, supports
-from . import knobs
 from .distributed import RAW, Coordinator, Wire
-from .engine.budget import ByteBudget
-from .engine.shared_reads import Failing, PeerLost, Peers, Shares, exchange
+from .engine.read import answer_failed
+from .engine.shared_reads import PeerLost, Peers, Shares
 from .errors import CheckpointError, CorruptCheckpointError
 from .format.codec import dumps, loads
 from .gc_pause import gc_paused
@@ -139,13 +138,8 @@ def _answer_peers(reader: StorageReader, exc: BaseException) -> None:
     """A rank that failed before walking its shared reads (its planner's finish_plan, a reader's check before the
     read engine) still walks them, sending its failure for each chunk it owes, so that no rank waits for it."""
     shares = getattr(reader, "shares", None)
-    if not isinstance(shares, Shares) or shares.walked:
-        return
-    try:
-        budget = ByteBudget(knobs.memory_budget_bytes())
-        exchange(shares, Failing(f"{type(exc).__name__}: {exc}"), budget.hold, budget.limit)
-    except Exception:  # noqa: BLE001 - this rank reports its own failure; a peer lost shows on the others
-        pass
+    if isinstance(shares, Shares) and not shares.walked:
+        answer_failed(shares, exc)
 
 
 def _plans_stay(planner: LoadPlanner, reader: StorageReader) -> bool:

@@ -281,7 +281,8 @@ def load_kind(rank, world_size, path, kind, reader="fs", repeat=1, env_by_rank=N
     want = _full(kind)
 
     def run():
-        r = distckpt.FileSystemReader(path) if reader == "fs" else distckpt.DCPReader(path)
+        r = (distckpt.FileSystemReader(path, verify_checksums=reader != "fs-noverify") if reader.startswith("fs")
+             else distckpt.DCPReader(path))
         bad, messages = [], []
         for _ in range(repeat):
             sd = _dist_state(kind, world_size, False)

@@ -32,7 +32,7 @@ from .budget import ByteBudget
 from .chunk_reads import ChunkShapes, check_checksum, copy_rows, read_exact, read_into, rows_meet
 from .device_copy import PendingCopies, caller_streams, host_buffer, uses_pinned
 from .shared_delivery import SharedChunks
-from .shared_reads import RECEIVE, Failing, Shares, exchange
+from .shared_reads import RECEIVE, Failing, PeerLost, Shares, exchange
 from .tasks import run_lanes
 from .tensor_bytes import memory_at, writable_bytes
 from .windows import WINDOW_BYTES, windows
@@ -124,8 +124,7 @@ def read_items(store: BlobStore, md: Metadata, plan: LoadPlan, planner: LoadPlan
         read.open_files()
     except Exception as exc:
         if shares is not None:
-            budget = ByteBudget(knobs.memory_budget_bytes())
-            exchange(shares, Failing(f"{type(exc).__name__}: {exc}"), budget.hold, budget.limit)
+            answer_failed(shares, exc)
         raise
     try:
         if shares is not None:
@@ -133,6 +132,17 @@ def read_items(store: BlobStore, md: Metadata, plan: LoadPlan, planner: LoadPlan
         read.execute(threads, is_coordinator)
     finally:
         read.close()
+
+
+def answer_failed(shares: Shares, exc: BaseException) -> None:
+    """This rank failed (``exc``) before walking its shared reads: walk them, sending its failure for every chunk it
+    owes, so that no rank waits for it. Where a peer is lost on the way, raise :class:`PeerLost` saying both."""
+    budget = ByteBudget(knobs.memory_budget_bytes())
+    try:
+        exchange(shares, Failing(f"{type(exc).__name__}: {exc}"), budget.hold, budget.limit)
+    except PeerLost as lost:
+        raise PeerLost(f"{type(exc).__name__}: {exc}; then, telling the ranks that wait for this rank's shared reads: "
+                       f"{lost}") from exc
 
 
 # A chunk read straight into its destination: (fqn, chunk offsets, destination tensor, the destination's bytes,
