@@ -429,3 +429,24 @@ def load_wide_counting(rank, world_size, path, rows=8, cols=10_000):
     out.update(most)
     out["exact"] = torch.equal(sd["w"], torch.arange(rows * cols, dtype=torch.float32).reshape(rows, cols))
     return out
+
+
+def torch_save_reshaped(rank, world_size, path):
+    """A torch.save file whose two keys view one storage with two shapes: one offset, one length, two row sizes."""
+    if rank == 0:
+        w = torch.arange(50 * 16, dtype=torch.float32).reshape(50, 16)
+        torch.save({"x": w, "y": w.view(25, 32)}, path)
+    return True
+
+
+def load_torch_save_reshaped(rank, world_size, path, keys_by_rank):
+    w = torch.arange(50 * 16, dtype=torch.float32).reshape(50, 16)
+    want = {k: v for k, v in {"x": w, "y": w.view(25, 32)}.items() if k in keys_by_rank[rank]}
+    sd = {k: torch.zeros_like(v) for k, v in want.items()}
+
+    def run():
+        reader = distckpt.TorchSaveReader(path)
+        distckpt.load(sd, storage_reader=reader)
+        return {"bad": sorted(k for k, v in want.items() if not torch.equal(sd[k], v)),
+                "messages": len(reader.shares.messages) if reader.shares else 0}
+    return _result(run)

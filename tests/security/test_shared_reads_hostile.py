@@ -61,6 +61,17 @@ def test_views_of_one_storage_at_one_offset_with_other_lengths_load_on_different
     assert all(isinstance(r, dict) and r["error"] is None and r["bad"] == [] for r in results), results
 
 
+def test_views_of_one_storage_in_two_shapes_load_whatever_row_each_rank_cuts_them_by(tmp_path):
+    """``x`` (50 x 16) and ``y`` (25 x 32) view one storage: one offset, one length, rows of 64 and 128 bytes. Rank 0
+    holds y, rank 1 both; in a small bucket the chunk travels whole, not cut by one rank's rows (rank 0 failed:
+    "shape '[1, 32]' is invalid for input of size 48"; rank 1's x stayed zeros)."""
+    path = str(tmp_path / "reshaped.pt")
+    workers.torch_save_reshaped(0, 1, path)
+    results = run_ranks(workers.load_torch_save_reshaped, 2, path, [["y"], ["x", "y"]],
+                        env={"DISTCKPT_SHARED_READ_BUCKET_BYTES": "200"})
+    assert all(r["error"] is None and r["bad"] == [] and r["messages"] for r in results), results
+
+
 def test_ranks_loading_different_saves_each_get_their_own_bytes(tmp_path):
     """Node-local copies: each rank loads its own path. Two different saves of the same shapes name the same files
     and offsets; a rank must never be sent the other save's bytes (each got the other's tensor, silently)."""
