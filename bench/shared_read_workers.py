@@ -111,7 +111,9 @@ def _load(peer, dest, path, rank, world_size):
 
 def load_rounds(rank, world_size, total, location, repeat):
     """Every peer loads the replicated state at every rank, ``repeat`` rounds in shuffled order, page caches
-    emptied before each; per (peer, round): the slowest rank's time and the bytes all ranks read from storage."""
+    emptied before each; per (peer, round): the slowest rank's time and the bytes all ranks read from storage.
+    Each rank is a node of its own (DISTCKPT_NODE_ID), reading its own copy, as nodes of a cluster would."""
+    os.environ["DISTCKPT_NODE_ID"] = f"node{rank}"
     want = gpt_like(total, seed=0)
     like = {k: (v.shape, v.dtype) for k, v in want.items()}
     expected = {k: crc32c(memoryview(v.numpy()).cast("B")) for k, v in want.items()}

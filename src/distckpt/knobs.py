@@ -362,11 +362,17 @@ def hf_copy_block_bytes() -> int:
     return _int("DISTCKPT_HF_COPY_BLOCK_BYTES", 64 << 20, minimum=1)
 
 
-def shared_reads() -> bool:
-    """Whether a load over a process group reads each stored chunk that several ranks need once, on one of
-    them, and sends it to the others (DISTCKPT_SHARED_READS, default on; engine/shared_reads.py). Off, every
-    rank reads what it needs itself. A reader's ``shared_reads=`` overrides it; every rank must agree."""
-    return _bool("DISTCKPT_SHARED_READS", True)
+def shared_reads() -> str:
+    """When a load over a process group reads a stored chunk that several ranks need once, on one of them, which
+    sends it to the others (DISTCKPT_SHARED_READS; engine/shared_reads.py): "auto" (the default) where the ranks
+    that need it are on more than one node, or the store has no page cache on the node (an object store): ranks
+    of one node reading one file fetch it from storage once anyway, and copying it between them costs more than
+    reading it from memory; "on" (1, true, yes) wherever several ranks need it; "off" (0, false, no) never.
+    A reader's ``shared_reads=`` overrides it; every rank must agree."""
+    raw = os.environ.get("DISTCKPT_SHARED_READS", "").strip().lower()
+    if raw in ("", "auto"):
+        return "auto"
+    return "on" if _bool("DISTCKPT_SHARED_READS", True) else "off"
 
 
 def shared_read_bucket_bytes() -> int:

@@ -23,6 +23,12 @@ def _replicated(scale: int = 8) -> dict:
     return sd
 
 
+def _own_node(rank: int) -> None:
+    """Each rank a node of its own (DISTCKPT_NODE_ID): ranks of one node reading one file on disk leave it to the
+    page cache (shared reads "auto"); as nodes apart, they share their reads, as they would on a cluster."""
+    os.environ["DISTCKPT_NODE_ID"] = f"node{rank}"
+
+
 def _zeros_like(sd: dict) -> dict:
     out = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else v for k, v in sd.items()}
     out["step"], out["meta"] = 0, {"name": "", "lr": [0.0, 0.0]}
@@ -68,8 +74,11 @@ def save_state(rank, world_size, path, kind):
     return True
 
 
-def load_state(rank, world_size, path, kind, shared=None):
-    """Load ``kind`` (saved at any world size); return whether it is bit-exact and the bytes this rank read."""
+def load_state(rank, world_size, path, kind, shared=None, one_node=False):
+    """Load ``kind`` (saved at any world size); return whether it is bit-exact and the bytes this rank read
+    (``one_node``: every rank on this machine's node, else each a node of its own)."""
+    if not one_node:
+        _own_node(rank)
     want = {}
     if kind in ("replicated", "mixed"):
         want.update(_replicated())
@@ -99,6 +108,7 @@ def _equal(a, b) -> bool:
 
 
 def load_corrupted(rank, world_size, path):
+    _own_node(rank)
     sd = _zeros_like(_replicated())
     try:
         distckpt.load(sd, checkpoint_id=path)
@@ -110,6 +120,7 @@ def load_corrupted(rank, world_size, path):
 
 def load_with_dying_reader(rank, world_size, path, victim):
     """Rank ``victim`` dies (SIGKILL) after its first shared-read message; the others must raise, not hang."""
+    _own_node(rank)
     if rank == victim:
         real = shared_reads.Peers.send
         sent = {"n": 0}
@@ -134,6 +145,7 @@ def save_big_replicated(rank, world_size, path):
 
 
 def load_expecting_failure(rank, world_size, path):
+    _own_node(rank)
     sd = _zeros_like(_replicated())
     try:
         distckpt.load(sd, checkpoint_id=path)

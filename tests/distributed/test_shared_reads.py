@@ -14,8 +14,8 @@ from distckpt.testing import run_ranks
 from . import shared_read_workers as workers
 
 
-def _load(path, kind, ranks, shared=None, env=None):
-    results = run_ranks(workers.load_state, ranks, path, kind, shared, env=env)
+def _load(path, kind, ranks, shared=None, env=None, one_node=False):
+    results = run_ranks(workers.load_state, ranks, path, kind, shared, one_node, env=env)
     assert all(r["exact"] for r in results), results
     return sum(r["read"] for r in results), results[0]["data"], results
 
@@ -28,6 +28,17 @@ def test_a_replicated_state_at_four_ranks_is_read_once(tmp_path):
     assert all(r["read"] < 0.6 * data for r in results), [r["read"] for r in results]  # the reads are spread
     alone, _, _ = _load(path, "replicated", 4, shared=False)  # the switch: every rank reads what it needs
     assert alone >= 3.9 * data, (alone, data)
+
+
+def test_ranks_of_one_node_leave_a_file_to_the_page_cache_unless_told_to_share(tmp_path):
+    """On one node, ranks reading one file on disk fetch it from the device once between them (the page cache):
+    "auto" sends nothing between them; DISTCKPT_SHARED_READS=1 shares anyway (the store's count then drops)."""
+    path = str(tmp_path / "ck")
+    run_ranks(workers.save_state, 2, path, "replicated")
+    read, data, results = _load(path, "replicated", 3, one_node=True)
+    assert all(r["messages"] == 0 for r in results) and read >= 2.9 * data, (read, data, results)
+    read, data, results = _load(path, "replicated", 3, one_node=True, env={"DISTCKPT_SHARED_READS": "1"})
+    assert all(r["messages"] > 0 for r in results) and read <= 1.02 * data, (read, data, results)
 
 
 def test_an_fsdp_sharded_state_stays_within_two_percent(tmp_path):

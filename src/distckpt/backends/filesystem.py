@@ -11,7 +11,7 @@ import uuid
 from typing import Any, Iterable, Optional, Union
 
 from .. import faults, knobs
-from ..engine.blobs import LEASES, MAPS, RUNS, BlobReader, BlobStore, BlobWriter
+from ..engine.blobs import LEASES, MAPS, PAGE_CACHE, RUNS, BlobReader, BlobStore, BlobWriter
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StorageIOError
 from ..format.stream_transforms import StreamTransforms
 from ..layouts.dcp import is_dcp_directory
@@ -189,7 +189,7 @@ def _fsync_parent(path: str) -> None:
 class FsStore(BlobStore):
     """Blobs as files in one directory."""
 
-    capabilities = frozenset({RUNS, LEASES, MAPS})
+    capabilities = frozenset({RUNS, LEASES, MAPS, PAGE_CACHE})
 
     def __init__(self, root: Union[str, os.PathLike]):
         self.root = os.fspath(root)

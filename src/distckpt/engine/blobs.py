@@ -142,6 +142,11 @@ MAPS = "maps"
 reader that would copy each byte into fresh memory can view the blob's own pages instead)."""
 
 
+PAGE_CACHE = "page-cache"
+"""A store whose reads go through the node's page cache (a file system): the ranks of one node that read the
+same bytes fetch them from storage once between them (shared reads leave them to it)."""
+
+
 class BlobStore(abc.ABC):
     """One checkpoint's directory (or prefix) of blobs.
 

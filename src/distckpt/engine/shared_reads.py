@@ -20,6 +20,10 @@ checksum mismatch, a truncated file, any error of that rank) travels as a failed
 message; each receiver zeroes what it copied of that chunk and the load fails on every rank that needed it.
 A sender that dies leaves its receivers with a broken connection or, at worst, the checkpoint timeout.
 
+Where every rank reads through its node's page cache (a file system) and no rank asks for "on", a chunk only
+ranks of one node need is left to that cache ("auto", knobs.shared_reads): they fetch it from storage once
+between them anyway, and copying it from one to the others would cost more than reading it from memory.
+
 Messages go to the ranks that need them only: point to point, so that a chunk shared by the two ranks of one
 replica pair crosses the network once whatever the size of the job; a message for every other rank of the group
 (a fully replicated state) is the backend's broadcast, a ring or tree on NCCL rather than one copy per receiver.
@@ -32,7 +36,7 @@ import queue
 import struct
 import threading
 from datetime import timedelta
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional, Union
 
 import numpy as np
 import torch
@@ -44,6 +48,7 @@ from ..format.records import FileStorageData
 from ..item_columns import BYTES, ReadColumns
 from ..metadata import Metadata
 from ..planner import LoadItemType, LoadPlan
+from .blobs import PAGE_CACHE, BlobStore
 from .chunk_reads import ChunkShapes
 from .shared_verification import partial_chunks
 
@@ -57,7 +62,7 @@ __all__ = ["SharedReads", "Peers", "PeerLost", "Shares", "Message", "planned_chu
 
 SEND, RECEIVE = 1, 2
 # chunk count, the bucket size this rank proposes, whether it verifies checksums, the checkpoint it reads (fingerprint)
-_TABLE = struct.Struct("<QQQQ")
+_TABLE = struct.Struct("<QQQQQ")
 _COLUMNS = 6
 _ALIGN = 64  # pieces start at multiples of this in a message, so that any dtype views them in place
 ERROR_BYTES = 512  # a failed piece's message, in every message's tail
@@ -144,28 +149,40 @@ def fingerprint(md: Metadata) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
-def encode_table(md: Metadata, chunks: list[tuple], bucket: int, verify: bool) -> bytes:
+_VERIFY, _CACHED, _ALWAYS = 1, 2, 4  # flags of a table: verifies checksums, reads through a page cache, shares "on"
+
+
+def node_number(name: str) -> int:
+    """A node's name (knobs.node_id) as a number for a table's header."""
+    return int.from_bytes(hashlib.blake2b(name.encode("utf-8", "surrogatepass"), digest_size=7).digest(), "little")
+
+
+def encode_table(md: Metadata, chunks: list[tuple], bucket: int, verify: bool, cached: bool = False,
+                 always: bool = True, node: int = 0) -> bytes:
     """``chunks`` as six little-endian int64 columns (file number, offset, length, row bytes, the range needed:
-    first and end byte), after a header (count, bucket, whether this rank verifies checksums, the checkpoint's
-    :func:`fingerprint`)."""
+    first and end byte), after a header (count, bucket, flags: whether this rank verifies checksums, reads through
+    its node's page cache, shares whatever the nodes; the checkpoint's :func:`fingerprint`; this rank's node)."""
     file_no = {name: i for i, name in enumerate(md.storage_data.files)}
     table = np.array([(file_no[c[0]],) + tuple(c[1:]) for c in chunks], dtype="<i8")
-    return (_TABLE.pack(len(chunks), bucket, int(verify), fingerprint(md))
+    flags = (_VERIFY if verify else 0) | (_CACHED if cached else 0) | (_ALWAYS if always else 0)
+    return (_TABLE.pack(len(chunks), bucket, flags, fingerprint(md), node)
             + table.reshape(-1, _COLUMNS).T.copy().tobytes())
 
 
-def decode_table(raw: bytes) -> tuple[np.ndarray, int, bool, int]:
-    """The (6, n) table, the bucket size, the verify flag and the fingerprint :func:`encode_table` wrote."""
+def decode_table(raw: bytes) -> tuple[np.ndarray, int, bool, int, int, bool, bool]:
+    """The (6, n) table, the bucket size, the verify flag, the fingerprint, the node and the cached and always flags
+    :func:`encode_table` wrote."""
     if len(raw) < _TABLE.size:
         raise CorruptCheckpointError("chunk table from a rank is truncated")
-    n, bucket, verify, print_ = _TABLE.unpack_from(raw)
+    n, bucket, flags, print_, node = _TABLE.unpack_from(raw)
+    verify = flags & _VERIFY
     if len(raw) != _TABLE.size + 8 * _COLUMNS * n or bucket < 1:
         raise CorruptCheckpointError("chunk table from a rank has the wrong length")
     table = np.frombuffer(raw, dtype="<i8", offset=_TABLE.size).reshape(_COLUMNS, n)
     if n and (table[2].min() < 1 or table[3].min() < 1 or table[0].min() < 0 or table[1].min() < 0
               or (table[4] < 0).any() or (table[5] > table[2]).any() or (table[4] >= table[5]).any()):
         raise CorruptCheckpointError("chunk table from a rank has negative, empty or out-of-chunk entries")
-    return table, bucket, bool(verify), print_
+    return table, bucket, bool(verify), print_, node, bool(flags & _CACHED), bool(flags & _ALWAYS)
 
 
 def _overlap(spans: list[tuple[int, int]]) -> bool:
@@ -175,7 +192,7 @@ def _overlap(spans: list[tuple[int, int]]) -> bool:
 
 
 def _pick_readers(tables: list[np.ndarray], verify: bool, verifying: Optional[list[bool]] = None,
-                  kinds: Optional[list[int]] = None) -> tuple[dict, dict, dict]:
+                  kinds: Optional[list[int]] = None, nodes: Optional[list[int]] = None) -> tuple[dict, dict, dict]:
     """For every chunk: the ranks (with its row in their table) that need it, its length and row bytes; and for
     each chunk to share, the rank that reads it.
 
@@ -186,7 +203,9 @@ def _pick_readers(tables: list[np.ndarray], verify: bool, verifying: Optional[li
     ``kinds``: which checkpoint each rank reads (equal numbers, the same one); a chunk is shared only among the
     ranks reading one checkpoint, and only where they agree on its length (else each reads its own: views of one
     storage, or forged metadata). ``verifying``: whether each rank verifies checksums; a chunk that a rank
-    verifying them needs is read by such a rank, so that no rank is sent bytes checked less than it asked."""
+    verifying them needs is read by such a rank, so that no rank is sent bytes checked less than it asked.
+    ``nodes``: each rank's node, where ranks of one node need not share (their reads go through one page cache):
+    a chunk only ranks of one node need is read by each of them."""
     needers: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
     sizes: dict[tuple[int, int, int], tuple[int, int]] = {}
     spans: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
@@ -213,7 +232,8 @@ def _pick_readers(tables: list[np.ndarray], verify: bool, verifying: Optional[li
         if key in apart:
             for (r, j) in ranks:
                 load[r] += int(tables[r][2, j])
-        elif len(ranks) > 1 and (verify or _overlap(spans[key])):
+        elif (len(ranks) > 1 and (verify or _overlap(spans[key]))
+              and (nodes is None or len({nodes[r] for r, _ in ranks}) > 1)):
             shared.append(key)
         else:
             for (r, _), (first, end) in zip(ranks, spans[key]):
@@ -242,11 +262,11 @@ def _pick_readers(tables: list[np.ndarray], verify: bool, verifying: Optional[li
 
 
 def plan_shares(tables: list[np.ndarray], bucket: int, verify: bool = True, verifying: Optional[list[bool]] = None,
-                kinds: Optional[list[int]] = None) -> list[bytes]:
+                kinds: Optional[list[int]] = None, nodes: Optional[list[int]] = None) -> list[bytes]:
     """The coordinator's step: every rank's table of chunks -> one payload per rank (:meth:`Shares.decode`),
     the messages it sends or receives, in the one order every rank walks them (``verify``: whether the ranks
-    verify checksums; ``verifying``, ``kinds``: each rank's, see :func:`_pick_readers`)."""
-    needers, sizes, reader = _pick_readers(tables, verify, verifying, kinds)
+    verify checksums; ``verifying``, ``kinds``, ``nodes``: each rank's, see :func:`_pick_readers`)."""
+    needers, sizes, reader = _pick_readers(tables, verify, verifying, kinds, nodes)
     groups: dict[tuple[int, tuple[int, ...]], list[tuple[int, int]]] = {}
     for key, src in reader.items():
         receivers = tuple(sorted(r for r, _ in needers[key] if r != src))
@@ -559,29 +579,42 @@ class SharedReads:
     ``shares`` to the read engine."""
 
     metadata: Optional[Metadata] = None
-    shared_reads: Optional[bool] = None  # None: the DISTCKPT_SHARED_READS setting
+    shared_reads: Optional[Union[bool, str]] = None  # None: the DISTCKPT_SHARED_READS setting; "auto", True, False
     shares: Optional[Shares] = None
     verify_checksums: bool = True
+    store: Optional[BlobStore] = None  # the store of the data files (set_up_storage_reader)
 
     def shares_reads(self) -> bool:
         """Whether this reader takes part in shared reads (its ``shared_reads``, else DISTCKPT_SHARED_READS)."""
-        return knobs.shared_reads() if self.shared_reads is None else bool(self.shared_reads)
+        return self.shared_read_mode() != "off"
+
+    def shared_read_mode(self) -> str:
+        """"auto", "on" or "off": this reader's ``shared_reads`` (None: DISTCKPT_SHARED_READS; a bool: on or off)."""
+        if self.shared_reads is None:
+            return knobs.shared_reads()
+        if isinstance(self.shared_reads, str):
+            return self.shared_reads
+        return "on" if self.shared_reads else "off"
 
     def read_chunks(self, plan: LoadPlan, held_alone: set) -> tuple[list, bytes, bool]:
         """The chunks ``plan`` reads, their table for the coordinator, and whether another rank may need any of
         them (:func:`may_share`; ``held_alone``: the keys whose destination only this rank holds). Every rank,
         after its local plan."""
         chunks = planned_chunks(self.metadata, plan)
-        table = encode_table(self.metadata, chunks, knobs.shared_read_bucket_bytes(), self.verify_checksums)
+        cached = self.store is not None and PAGE_CACHE in self.store.capabilities
+        table = encode_table(self.metadata, chunks, knobs.shared_read_bucket_bytes(), self.verify_checksums, cached,
+                             self.shared_read_mode() == "on", node_number(knobs.node_id()))
         return chunks, table, bool(chunks) and may_share(self.metadata, plan, held_alone)
 
     def assign_readers(self, tables: list[bytes]) -> list[bytes]:
         """Every rank's table -> one payload per rank: the messages it sends and receives. Coordinator."""
         decoded = [decode_table(t) for t in tables]
         prints: dict[int, int] = {}
-        return plan_shares([t for t, _, _, _ in decoded], min(b for _, b, _, _ in decoded), any(v for _, _, v, _ in decoded),
-                           verifying=[v for _, _, v, _ in decoded], kinds=[prints.setdefault(p, len(prints))
-                                                                          for _, _, _, p in decoded])
+        # "auto": where every rank reads through a page cache, ranks of one node leave their common reads to it
+        by_node = all(d[5] for d in decoded) and not any(d[6] for d in decoded)
+        return plan_shares([d[0] for d in decoded], min(d[1] for d in decoded), any(d[2] for d in decoded),
+                           verifying=[d[2] for d in decoded], kinds=[prints.setdefault(d[3], len(prints)) for d in decoded],
+                           nodes=[d[4] for d in decoded] if by_node else None)
 
     def accept_readers(self, chunks: list, payload: bytes, peers: Peers) -> None:
         """Take this rank's part of the shared reads; the next ``read_data`` sends and receives it. Every rank."""
