@@ -137,7 +137,7 @@ def run_load(state_dict: STATE_DICT_TYPE, reader: Optional[StorageReader], plann
 def _answer_peers(reader: StorageReader, exc: BaseException) -> None:
     """A rank that failed before walking its shared reads (its planner's finish_plan, a reader's check before the
     read engine) still walks them, sending its failure for each chunk it owes, so that no rank waits for it."""
-    shares = getattr(reader, "shares", None)
+    shares = reader.shares if supports(reader, SHARED_READS) else None
     if isinstance(shares, Shares) and not shares.walked:
         answer_failed(shares, exc)
 

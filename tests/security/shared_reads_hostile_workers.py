@@ -121,8 +121,8 @@ def load_plain(rank, world_size, path, mode=None, opts=None):
                 raise ValueError("finish_plan of this rank fails")
         planner = Raising()
     if mode == "finish_plan_drops" and rank == opts.get("rank", 1):
-        from distckpt.planning import DefaultLoadPlanner
         from distckpt.planner import LoadPlan
+        from distckpt.planning import DefaultLoadPlanner
 
         class Dropping(DefaultLoadPlanner):
             def finish_plan(self, plan):
@@ -151,7 +151,6 @@ def load_plain(rank, world_size, path, mode=None, opts=None):
         planner = DefaultLoadPlanner(allow_dtype_conversion=True)
     if mode == "die_before" and rank == opts.get("rank", 1):
         from distckpt.engine import shared_reads
-        real = shared_reads.exchange
 
         def die(*a, **k):
             os._exit(17)
@@ -239,7 +238,8 @@ def _dist_state(kind: str, world_size: int, fill: bool) -> dict:
         return full
     if kind == "sharded":
         import torch.distributed as dist
-        from torch.distributed._shard.sharded_tensor import init_from_local_shards, Shard as STShard, ShardMetadata
+        from torch.distributed._shard.sharded_tensor import Shard as STShard
+        from torch.distributed._shard.sharded_tensor import ShardMetadata
         rank = dist.get_rank()
         rows = full["rows"]
         per = -(-rows.shape[0] // world_size)
@@ -315,8 +315,9 @@ def save_dcp(rank, world_size, path, kind):
 def load_group(rank, world_size, path, kind, members, coordinator):
     """Load over a subgroup ``members`` with ``coordinator`` (a global rank) as the coordinator; the ranks outside
     the group wait at a barrier."""
-    import torch.distributed as dist
     from datetime import timedelta
+
+    import torch.distributed as dist
     group = dist.new_group(members, timeout=timedelta(seconds=30))
     out = {"error": None}
     if rank in members:

@@ -44,7 +44,7 @@ import torch
 from .. import faults, knobs
 from ..errors import CheckpointError, CorruptCheckpointError
 from ..format.locations import ChunkLocations
-from ..format.records import FileStorageData
+from ..format.records import FileStorageData, ForeignStorageData
 from ..item_columns import BYTES, ReadColumns
 from ..metadata import Metadata
 from ..planner import LoadItemType, LoadPlan
@@ -140,9 +140,9 @@ def fingerprint(md: Metadata) -> int:
     only: a rank loading another save (a node-local copy of another step) is never sent its peers' bytes."""
     fsd: FileStorageData = md.storage_data
     h = hashlib.blake2b(digest_size=8)
-    parts = [str(fsd.save_id), type(fsd).__name__, str(getattr(fsd, "layout", ""))]
+    parts = [str(fsd.save_id), type(fsd).__name__, fsd.layout if isinstance(fsd, ForeignStorageData) else ""]
     if not fsd.save_id:
-        parts.append(str(getattr(md.storage_meta, "checkpoint_id", None)))
+        parts.append(str(md.storage_meta.checkpoint_id if md.storage_meta is not None else None))
     parts += [f"{name}\0{info.size}\0{info.header_crc32c}" for name, info in sorted(fsd.files.items())]
     for part in parts:
         h.update(part.encode("utf-8", "surrogatepass") + b"\1")
