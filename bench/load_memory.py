@@ -11,12 +11,12 @@ row reports the largest peak above that level over the ranks, beside the budget 
 each rank holds. Every load is checked value for value. Rows over the budget are marked; DCP's own load is the
 peer, with no budget of its own.
 
-Rows: distckpt's checkpoint saved at 2 ranks (Shard(0)) and loaded at 3 as Shard(1) and as Shard(0); the same
-state saved by DCP, loaded by distckpt (its DCP layout) and by DCP itself; a Hugging Face directory and a
-``torch.save`` file of it, loaded at 3 ranks as Shard(1) by each rank reading its rows and by distckpt's and DCP's
-BroadcastingTorchSaveReader (rank 0 reads, then broadcasts); a fully replicated state saved at 1 rank and loaded at
-4 (the shared-read path where distckpt has one, and with DISTCKPT_SHARED_READS=0); distckpt's checkpoint on S3
-(moto's server on loopback) at ``--s3-gib``, 2 -> 3.
+Rows: distckpt's checkpoint saved at 2 ranks (Shard(0)) and loaded at 3 as Shard(1) and as Shard(0); a fully
+replicated state saved at 1 rank and loaded at 4; the same state saved by DCP, loaded by distckpt (its DCP layout)
+and by DCP itself; a Hugging Face directory and a ``torch.save`` file of it, loaded at 3 ranks as Shard(1) by each
+rank reading its rows and by distckpt's and DCP's BroadcastingTorchSaveReader (rank 0 reads, then broadcasts);
+distckpt's checkpoint on S3 (moto's server on loopback) at ``--s3-gib``, 2 -> 3. Shared reads are set on
+(DISTCKPT_SHARED_READS=1) or off in each row: by default ranks of one node reading a file system do not share.
 """
 
 from __future__ import annotations
@@ -34,24 +34,26 @@ from distckpt.testing import run_ranks
 
 from . import load_memory_workers as w
 
-OFF = {"DISTCKPT_SHARED_READS": "0"}
+# shared reads on and off, each row set explicitly: by default ("auto") ranks of one node reading a file system
+# do not share, and these rows stand for ranks spread over nodes as much as for one
+ON, OFF = {"DISTCKPT_SHARED_READS": "1"}, {"DISTCKPT_SHARED_READS": "0"}
 # (row, layout saved, ranks saving, reader, ranks loading, destinations, extra environment of the load)
 ROWS = (
-    ("reshard 2->3 Shard(1)", "distckpt", 2, "distckpt", 3, "shard1", {}),
+    ("reshard 2->3 Shard(1)", "distckpt", 2, "distckpt", 3, "shard1", ON),
     ("  same, DISTCKPT_SHARED_READS=0", "distckpt", 2, "distckpt", 3, "shard1", OFF),
-    ("reshard 2->3 Shard(0)", "distckpt", 2, "distckpt", 3, "shard0", {}),
-    ("broadcast 1->4 replicated", "replicated", 1, "distckpt", 4, "full", {}),
+    ("reshard 2->3 Shard(0)", "distckpt", 2, "distckpt", 3, "shard0", ON),
+    ("broadcast 1->4 replicated", "replicated", 1, "distckpt", 4, "full", ON),
     ("  same, DISTCKPT_SHARED_READS=0", "replicated", 1, "distckpt", 4, "full", OFF),
-    ("DCP dir 2->3 Shard(1)", "dcp", 2, "distckpt", 3, "shard1", {}),
+    ("DCP dir 2->3 Shard(1)", "dcp", 2, "distckpt", 3, "shard1", ON),
     ("  same, DISTCKPT_SHARED_READS=0", "dcp", 2, "distckpt", 3, "shard1", OFF),
     ("  DCP's own load (peer)", "dcp", 2, "dcp", 3, "shard1", {}),
-    ("HF dir ->3 Shard(1)", "hf", 2, "distckpt", 3, "shard1", {}),
+    ("HF dir ->3 Shard(1)", "hf", 2, "distckpt", 3, "shard1", ON),
     ("  same, DISTCKPT_SHARED_READS=0", "hf", 2, "distckpt", 3, "shard1", OFF),
-    ("torch.save file ->3 Shard(1)", "torch.save", 1, "distckpt", 3, "shard1", {}),
+    ("torch.save file ->3 Shard(1)", "torch.save", 1, "distckpt", 3, "shard1", ON),
     ("  BroadcastingTorchSaveReader", "torch.save", 1, "distckpt-bcast", 3, "shard1", {}),
     # DCP's reader broadcasts torch.empty_like(destination): of a DTensor sharded unevenly it hangs, so plain ones
     ("  DCP's BroadcastingTorchSaveReader", "torch.save", 1, "dcp-bcast", 3, "full", {}),
-    ("S3 reshard 2->3 Shard(1)", "s3", 2, "distckpt", 3, "shard1", {}),
+    ("S3 reshard 2->3 Shard(1)", "s3", 2, "distckpt", 3, "shard1", ON),
     ("  same, DISTCKPT_SHARED_READS=0", "s3", 2, "distckpt", 3, "shard1", OFF),
 )
 LAYOUTS = ("distckpt", "replicated", "dcp", "hf", "torch.save", "s3")
