@@ -201,7 +201,12 @@ class Read:
         if shares is not None:
             self.take_shared(shares.roles)
         self.lock = threading.Lock()
-        self.budget = ByteBudget(knobs.memory_budget_bytes())
+        # half the budget for the threads' slab buffers, kept across chunks (slab_buffer); half for whole chunks
+        # (decodes), rows too large for a thread's share of the first half, and the buffers of shared reads
+        limit = knobs.memory_budget_bytes()
+        self.budget = ByteBudget(max(1, limit // 2))
+        self.slab_limit = max(1, limit - self.budget.limit)
+        self.threads = 1
         self.per_thread = threading.local()
         self.blobs: dict[str, BlobReader] = {}
         self.extra: list[BlobReader] = []
@@ -256,7 +261,8 @@ class Read:
         needed, once every message has gone."""
         endpoint = SharedChunks(self, shares)
         try:
-            exchange(shares, endpoint, self.budget.hold, self.budget.limit)
+            whole = ByteBudget(knobs.memory_budget_bytes())  # before execute: no slab is kept yet
+            exchange(shares, endpoint, whole.hold, whole.limit)
         except BaseException:
             endpoint.abandon()  # chunks copied in part, never checked whole: zeroed
             raise
@@ -418,6 +424,7 @@ class Read:
 
     def execute(self, threads: int, is_coordinator: bool, progress: Optional[Progress] = None) -> None:
         """Run every task in lanes: each file front to back on one thread at a time (see run_lanes)."""
+        self.threads = max(1, threads)
         tasks = self.tasks()
         places = [(arg[0][_FILE], arg[0][_BEGIN]) if fn == self.run_direct else (self.infos[arg].file, self.infos[arg].offset)
                   for fn, arg in tasks]
@@ -468,10 +475,17 @@ class Read:
         """
         name = "pinned" if pinned else "buf"
         buf = getattr(self.per_thread, name, None)
-        if buf is None or buf.numel() < n:
-            buf = host_buffer(n, pinned)
+        if buf is None or buf.numel() < n:  # at its full size at once: grown step by step, the allocator (glibc's
+            # arenas, torch's pinned cache, which also rounds up to a power of two) would keep every step
+            buf = host_buffer(max(n, self.slab_bytes()), pinned)
             setattr(self.per_thread, name, buf)
         return buf[:n]
+
+    def slab_bytes(self) -> int:
+        """The size of each thread's kept slab buffer: its share of half the budget, at most DISTCKPT_READ_SLAB_BYTES,
+        a power of two (as torch's pinned host allocator would round it up to)."""
+        share = min(knobs.read_slab_bytes(), max(1, self.slab_limit // self.threads))
+        return 1 << (share.bit_length() - 1)
 
     # ------------------------------------------------------------ the steps
 
@@ -570,7 +584,8 @@ class Read:
             stored = read_exact(self.reader(info.file), info.length, info.offset, self.here(index), info.file)
             check_checksum(check, crc32c(stored), info, self.here(index), dests)
             raw = self.codecs[index].decode(memoryview(stored), nbytes, self.here(index))
-            chunk = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
+            raw = raw if isinstance(raw, memoryview) and not raw.readonly else bytearray(raw)  # the read buffer: no copy
+            chunk = torch.frombuffer(raw, dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
             chunk = chunk.view(dtype).reshape(shape)
             pending = PendingCopies(self.streams) if any(uses_pinned(d.device) for d in dests) else None
             for item, dest in zip(items, dests):
@@ -584,7 +599,8 @@ class Read:
         item needs are read."""
         items, info, shape = self.by_chunk[index], self.infos[index], self.chunk_shapes[index]
         rows, row_bytes = (shape[0], info.length // shape[0]) if shape else (1, info.length)
-        slab_rows = max(1, min(rows, min(knobs.read_slab_bytes(), self.budget.limit) // max(1, row_bytes)))
+        slab_rows = max(1, min(rows, self.slab_bytes() // max(1, row_bytes)))
+        kept = slab_rows * row_bytes <= self.slab_bytes()  # else a row larger than a thread's share: a buffer alone
         to_gpu = any(uses_pinned(dest.device) for dest in dests)
         pending = PendingCopies(self.streams) if to_gpu else None
         first, end = 0, rows
@@ -592,8 +608,8 @@ class Read:
             first = min(item.storage_offsets[0] for item in items)
             end = max(item.storage_offsets[0] + item.lengths[0] for item in items)
         crc = 0
-        with self.budget.hold(slab_rows * row_bytes):
-            buf = self.slab_buffer(slab_rows * row_bytes, to_gpu)
+        with self.budget.hold(0 if kept else slab_rows * row_bytes):
+            buf = self.slab_buffer(slab_rows * row_bytes, to_gpu) if kept else host_buffer(slab_rows * row_bytes, to_gpu)
             for a in range(first, end, slab_rows):
                 b = min(end, a + slab_rows)
                 wanted = [(item, dest) for item, dest in zip(items, dests) if rows_meet(item, a, b, shape)]

@@ -124,7 +124,8 @@ class SharedChunks(Endpoint):
         if not codec.identity:
             nbytes = volume(shape) * itemsize(dtype)
             raw = codec.decode(view, nbytes, read.here(index))
-            chunk = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
+            raw = raw if isinstance(raw, memoryview) and not raw.readonly else bytearray(raw)  # the read buffer: no copy
+            chunk = torch.frombuffer(raw, dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
             slab, a, b = chunk.view(dtype).reshape(shape), 0, shape[0] if shape else 1
         else:
             raw = torch.frombuffer(view, dtype=torch.uint8) if len(view) else torch.empty(0, dtype=torch.uint8)
