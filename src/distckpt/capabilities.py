@@ -50,7 +50,8 @@ verifies whole, this rank reads only in part without checking their checksums. T
 
 SHARED_READS = "shared-reads"
 """A StorageReader that reads each stored chunk several ranks of a load need once, on one of them, which sends it
-to the others. Where its ``shares_reads()`` is true, the load sequence calls its ``read_chunks(plan)`` (every rank),
+to the others. Where its ``shares_reads()`` is true, the load sequence calls its ``may_share_reads(plan, held_alone)``
+(every rank, for one vote), and where any rank may share, ``read_chunks(plan)`` (every rank),
 ``assign_readers(tables)`` (the coordinator) and ``accept_readers(chunks, payload, peers)`` (every rank), the steps
 of :class:`distckpt.engine.shared_reads.SharedReads`, which such a reader inherits; its ``read_data`` then takes
 part in the exchange of every rank (failed or not)."""

@@ -157,17 +157,24 @@ def _plan_shared_reads(local_step, reader: StorageReader, planner: LoadPlanner, 
     whether any rank failed and whether any may read a chunk another rank needs too (a replicated destination, a
     chunk read partly); only then do the ranks exchange their chunk lists."""
     failure: Optional[BaseException] = None
-    plan, chunks, table, share = None, [], b"", False
+    plan, share = None, False
     try:
         plan = local_step()
         alone = planner.keys_held_alone() if isinstance(planner, DefaultLoadPlanner) else set()
-        chunks, table, share = reader.read_chunks(plan, alone)
+        share = reader.may_share_reads(plan, alone)
     except Exception as exc:  # noqa: BLE001 - reported to every rank by the vote
         failure = exc
     if not coord.vote("load planning", failure, share):
         return plan
-    payload = coord.reduce_scatter("load planning", lambda: table, _in_one_mode(reader.assign_readers), RAW, RAW)
-    reader.accept_readers(chunks, payload, Peers(coord.group, coord.rank, coord.world_size, coord.device, coord.timeout_s))
+    listed: list = []
+
+    def table() -> bytes:
+        chunks, raw = reader.read_chunks(plan)
+        listed.extend(chunks)
+        return raw
+
+    payload = coord.reduce_scatter("load planning", table, _in_one_mode(reader.assign_readers), RAW, RAW)
+    reader.accept_readers(listed, payload, Peers(coord.group, coord.rank, coord.world_size, coord.device, coord.timeout_s))
     return plan
 
 

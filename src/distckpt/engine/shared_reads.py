@@ -281,15 +281,19 @@ class SharedReads:
             return self.shared_reads
         return "on" if self.shared_reads else "off"
 
-    def read_chunks(self, plan: LoadPlan, held_alone: set) -> tuple[list, bytes, bool]:
-        """The chunks ``plan`` reads, their table for the coordinator, and whether another rank may need any of
-        them (:func:`may_share`; ``held_alone``: the keys whose destination only this rank holds). Every rank,
-        after its local plan."""
+    def may_share_reads(self, plan: LoadPlan, held_alone: set) -> bool:
+        """Whether another rank may need a chunk ``plan`` reads (:func:`may_share`; ``held_alone``: the keys whose
+        destination only this rank holds). Every rank, after its local plan; only where some rank may do the ranks
+        build and exchange their chunk tables."""
+        return may_share(self.metadata, plan, held_alone)
+
+    def read_chunks(self, plan: LoadPlan) -> tuple[list, bytes]:
+        """The chunks ``plan`` reads, and their table for the coordinator. Every rank."""
         chunks = planned_chunks(self.metadata, plan)
         cached = self.store is not None and PAGE_CACHE in self.store.capabilities
         table = encode_table(self.metadata, chunks, knobs.shared_read_bucket_bytes(), self.verify_checksums, cached,
                              self.shared_read_mode() == "on", node_number(knobs.node_id()))
-        return chunks, table, bool(chunks) and may_share(self.metadata, plan, held_alone)
+        return chunks, table
 
     def assign_readers(self, tables: list[bytes]) -> list[bytes]:
         """Every rank's table -> one payload per rank: the messages it sends and receives. Coordinator."""
