@@ -52,7 +52,8 @@ def test_wrapping_readers_keep_plans_local_and_an_undeclared_global_step_moves_t
         assert r["logging"]["reads"] == 1
         assert r["default"]["whole"] > 0, r  # whole chunks went straight from the planner's columns, with shared verification on
         assert r["logging"]["moved"] == r["default"]["moved"] == r["declared"]["moved"], r
-        assert r["changing"]["moved"] > 4 * r["default"]["moved"], r
+        # plans moved against the lists of chunks read that shared reads exchange (48 bytes a chunk and its plan back)
+        assert r["changing"]["moved"] > 2 * r["default"]["moved"], r
 
 
 def test_a_save_through_zstd_plans_travels_and_commits_on_columns_at_three_ranks(tmp_path):
