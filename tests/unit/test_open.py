@@ -13,6 +13,7 @@ import distckpt
 from distckpt import CorruptCheckpointError
 from distckpt.backends import BlobStorageReader, BlobStore
 from distckpt.backends.filesystem import FsStore
+from distckpt.engine.blobs import BlobReader
 from distckpt.errors import CheckpointClosedError, CheckpointIndexError, MissingKeyError
 from distckpt.metadata import MetadataIndex
 from distckpt.planning.slices import row_blocks, row_runs, select
@@ -55,7 +56,9 @@ class CountingStore(BlobStore):
         return self.inner.incomplete_saves()
 
 
-class _CountingReader:
+class _CountingReader(BlobReader):
+    """Logs every read; ``readv`` and ``pread`` are BlobReader's, through ``readinto``."""
+
     def __init__(self, inner, name, log):
         self.inner, self.name, self.log, self.size = inner, name, log, inner.size
         self.small_reads_are_cheap = inner.small_reads_are_cheap
@@ -64,20 +67,6 @@ class _CountingReader:
         got = self.inner.readinto(buf, offset)
         self.log.append((self.name, offset, got))
         return got
-
-    def readv(self, views, offset):
-        total = 0
-        for v in views:
-            got = self.readinto(v, offset + total)
-            total += got
-            if got < len(v):
-                break
-        return total
-
-    def pread(self, n, offset):
-        buf = bytearray(n)
-        got = self.readinto(memoryview(buf), offset)
-        return bytes(buf[:got])
 
     def readv_cached(self, views, offset):
         return None
