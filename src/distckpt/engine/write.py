@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional
 
@@ -14,7 +15,7 @@ from ..errors import CheckpointError
 from ..format.checksum import crc32c
 from ..format.chunk_codec import IDENTITY, ChunkCodec
 from ..format.datafile import VALUE_FORM, Entry, build_header, entry_name, stored_form
-from ..format.dtypes import itemsize
+from ..format.dtypes import element_width, itemsize
 from ..format.records import FileInfo, FileResult, StorageInfo
 from ..item_columns import BYTES, ColumnResults, ResultColumns, WriteColumns
 from ..planner import SavePlan, SavePlanner, WriteItemType
@@ -58,54 +59,114 @@ def write_file(store: BlobStore, name: str, save_id: str, rank: int, plan: SaveP
     return _RankWrite(store, save_id, rank, plan, planner, threads, sync, is_coordinator, codec_of).run(name)
 
 
-def _entries(plan: SavePlan, planner: SavePlanner, codecs: list[ChunkCodec]) -> tuple[list[Entry], list[Optional[bytes]]]:
+def _entries(plan: SavePlan, planner: SavePlanner, codecs: list[ChunkCodec],
+             threads: int) -> tuple[list[Entry], list[Optional[bytes]]]:
     """Each item's data-file entry, and the bytes of each item stored as a byte entry (None for tensors
-    written from their memory)."""
-    entries, payloads = [], []
-    for item, codec in zip(plan.items, codecs):
+    written from their memory); ``codecs`` becomes what each item is recorded as stored through."""
+    encoding = _Encoding(codecs, threads)
+    for i, (item, codec) in enumerate(zip(plan.items, codecs)):
         fqn, offsets = item.index.fqn, tuple(item.index.offset or ())
         if item.type == WriteItemType.BYTE_IO:
-            entries.append(_value_entry(fqn, planner.resolve_data(item).getvalue(), codec, payloads))
+            encoding.value(i, fqn, planner.resolve_data(item).getvalue(), codec)
         elif not codec.identity:
             tensor = planner.resolve_data(item)
             if not isinstance(tensor, torch.Tensor):
                 raise CheckpointError(f"resolve_data for tensor item {fqn!r} returned {type(tensor).__name__}")
-            entries.append(_value_entry(entry_name(fqn, offsets), _encoded(tensor, item.tensor_data.properties.dtype, codec),
-                                        IDENTITY, payloads))
+            td = item.tensor_data
+            encoding.tensor(i, entry_name(fqn, offsets), tensor, td.properties.dtype, tuple(td.chunk.sizes), codec)
         else:
             td = item.tensor_data
             nbytes = volume(td.chunk.sizes) * itemsize(td.properties.dtype)
-            entries.append(Entry(entry_name(fqn, offsets), *stored_form(td.properties.dtype, tuple(td.chunk.sizes), nbytes), nbytes))
-            payloads.append(None)
-    return entries, payloads
+            encoding.plain(i, Entry(entry_name(fqn, offsets), *stored_form(td.properties.dtype, tuple(td.chunk.sizes), nbytes), nbytes))
+    return encoding.finish()
 
 
-def _column_entries(cols: WriteColumns, codecs: list[ChunkCodec]) -> tuple[list[Entry], list[Optional[bytes]]]:
+def _column_entries(cols: WriteColumns, codecs: list[ChunkCodec], threads: int) -> tuple[list[Entry], list[Optional[bytes]]]:
     """:func:`_entries` of a plan's columns."""
-    entries, payloads = [], []
-    for fqn, code, dtype, offsets, sizes, nbytes, data, codec in zip(cols.fqn, cols.code, cols.dtype, cols.offsets, cols.sizes,
-                                                                     cols.nbytes, cols.data, codecs):
+    encoding = _Encoding(codecs, threads)
+    for i, (fqn, code, dtype, offsets, sizes, nbytes, data, codec) in enumerate(zip(
+            cols.fqn, cols.code, cols.dtype, cols.offsets, cols.sizes, cols.nbytes, cols.data, codecs)):
         if code == BYTES:
-            entries.append(_value_entry(fqn, data, codec, payloads))
+            encoding.value(i, fqn, data, codec)
         elif not codec.identity:
-            entries.append(_value_entry(entry_name(fqn, offsets), _encoded(data, dtype, codec), IDENTITY, payloads))
+            encoding.tensor(i, entry_name(fqn, offsets), data, dtype, tuple(sizes), codec)
         else:
-            entries.append(Entry(entry_name(fqn, offsets), *stored_form(dtype, sizes, nbytes), nbytes))
-            payloads.append(None)
-    return entries, payloads
+            encoding.plain(i, Entry(entry_name(fqn, offsets), *stored_form(dtype, sizes, nbytes), nbytes))
+    return encoding.finish()
 
 
-def _value_entry(name: str, raw: bytes, codec: ChunkCodec, payloads: list) -> Entry:
-    """A byte entry holding ``raw`` through ``codec``; its bytes go to ``payloads``."""
-    raw = raw if codec.identity else codec.encode(memoryview(raw))
-    payloads.append(raw)
-    return Entry(name, VALUE_FORM, (len(raw),), len(raw))
+class _Encoding:
+    """The entries of a rank's items, those stored through a codec encoded by ``threads`` workers.
+
+    Codecs release the GIL (zstd, numpy's copies), so items encode in parallel; device-to-host copies stay in
+    the calling thread, on the caller's stream. At most two items a worker wait for a worker, which bounds
+    the host copies held at once; the encoded bytes are held until written, since a file's header needs
+    every stored length first. An item that a compression does not shrink is stored as it is."""
+
+    def __init__(self, codecs: list[ChunkCodec], threads: int) -> None:
+        self.codecs, self.threads = codecs, max(1, threads)
+        self.entries: list[Optional[Entry]] = [None] * len(codecs)
+        self.payloads: list[Optional[bytes]] = [None] * len(codecs)
+        self.pool: Optional[ThreadPoolExecutor] = None
+        self.pending: deque = deque()
+
+    def plain(self, i: int, entry: Entry) -> None:
+        self.entries[i] = entry
+
+    def value(self, i: int, name: str, raw: bytes, codec: ChunkCodec) -> None:
+        if codec.identity:
+            self.payloads[i] = raw
+            self.entries[i] = Entry(name, VALUE_FORM, (len(raw),), len(raw))
+        else:
+            self.submit(i, name, memoryview(raw), raw, 1, None, codec)
+
+    def tensor(self, i: int, name: str, tensor: torch.Tensor, dtype: torch.dtype, sizes: tuple, codec: ChunkCodec) -> None:
+        data, owner = host_bytes(tensor.detach().to("cpu", dtype).contiguous())
+        self.submit(i, name, data, owner, element_width(dtype), (dtype, sizes), codec)
+
+    def submit(self, i: int, name: str, data: memoryview, owner: object, width: int, form: Optional[tuple],
+               codec: ChunkCodec) -> None:
+        if self.threads == 1:
+            self.done(i, name, data, owner, form, *_encode(codec, data, width))
+            return
+        if self.pool is None:
+            self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="distckpt-encode")
+        while len(self.pending) >= 2 * self.threads:
+            self.collect()
+        self.pending.append((i, name, data, owner, form, self.pool.submit(_encode, codec, data, width)))
+
+    def collect(self) -> None:
+        i, name, data, owner, form, future = self.pending.popleft()
+        self.done(i, name, data, owner, form, *future.result())
+
+    def done(self, i: int, name: str, data: memoryview, owner: object, form: Optional[tuple], stored: bytes,
+             recorded: ChunkCodec) -> None:
+        if len(stored) >= len(data) and self.codecs[i].skippable:  # not shrunk: stored as it is (a tensor in its own form)
+            stored, recorded = bytes(data), IDENTITY
+        self.codecs[i] = recorded
+        self.payloads[i] = stored
+        if recorded.identity and form is not None:
+            self.entries[i] = Entry(name, *stored_form(form[0], form[1], len(stored)), len(stored))
+        else:
+            self.entries[i] = Entry(name, VALUE_FORM, (len(stored),), len(stored))
+
+    def finish(self) -> tuple[list[Entry], list[Optional[bytes]]]:
+        try:
+            while self.pending:
+                self.collect()
+        finally:
+            if self.pool is not None:
+                for *_, future in self.pending:
+                    future.cancel()
+                self.pool.shutdown(wait=True)
+        return self.entries, self.payloads  # type: ignore[return-value]
 
 
-def _encoded(tensor: torch.Tensor, dtype: torch.dtype, codec: ChunkCodec) -> bytes:
-    """A tensor chunk's bytes, in its stored dtype, through ``codec``."""
-    data, _owner = host_bytes(tensor.detach().to("cpu", dtype).contiguous())
-    return codec.encode(data)
+def _encode(codec: ChunkCodec, data: memoryview, width: int) -> tuple[bytes, ChunkCodec]:
+    """The stored bytes of one item through ``codec``, and the codec to record it as stored through (with the
+    CRC-32C of its bytes, where the codec records one)."""
+    stored = codec.encode_item(data, width)
+    return stored, codec.expecting(crc32c(data)) if codec.decoded_crc else codec
 
 
 def _file_entries(entries: list[Entry], members: list[int]) -> list[Entry]:
@@ -130,10 +191,10 @@ class _RankWrite:
         self.columns = items if isinstance(items, WriteColumns) and items.intact and resolves_in_bulk(planner) else None
         if self.columns is not None:
             self.codecs = [codec_of(fqn) for fqn in self.columns.fqn]
-            self.entries, self.payloads = _column_entries(self.columns, self.codecs)
+            self.entries, self.payloads = _column_entries(self.columns, self.codecs, threads)
         else:
             self.codecs = [codec_of(item.index.fqn) for item in items]
-            self.entries, self.payloads = _entries(plan, planner, self.codecs)
+            self.entries, self.payloads = _entries(plan, planner, self.codecs, threads)
         n = len(self.entries)
         self.crcs, self.offsets, self.item_file = [0] * n, [0] * n, [""] * n
         total = sum(e.nbytes for e in self.entries)

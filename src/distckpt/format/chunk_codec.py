@@ -25,10 +25,25 @@ from typing import Optional
 
 from .. import knobs
 from ..errors import CorruptCheckpointError
+from .checksum import crc32c, format_crc
 
-__all__ = ["ChunkCodec", "IDENTITY", "CODEC_SEPARATOR", "register_codec", "registered_codec", "value_limit", "too_large"]
+__all__ = ["ChunkCodec", "IDENTITY", "CODEC_SEPARATOR", "DECODED_CRC", "register_codec", "registered_codec", "value_limit",
+           "too_large", "split_recorded"]
 
 CODEC_SEPARATOR = "|"  # a codec recorded as a chain of transforms is named by their names, joined by this
+# in memory (StorageInfo.codec, the wire's result columns), a codec whose record holds the CRC-32C of the decoded bytes
+# (format 4.0) is named "<codec>#crc32c=<8 hex digits>"; the document records the two apart (format/codec.py)
+DECODED_CRC = "#crc32c="
+
+
+def split_recorded(name: str) -> tuple[str, Optional[int]]:
+    """A recorded codec name's codec and the CRC-32C of the decoded bytes it names, if any."""
+    base, mark, crc = name.partition(DECODED_CRC)
+    if not mark:
+        return name, None
+    if len(crc) != 8 or not all(c in "0123456789abcdef" for c in crc):
+        raise CorruptCheckpointError(f"malformed decoded checksum in codec {name!r:.200}")
+    return base, int(crc, 16)
 
 
 def value_limit(limit: Optional[int] = None) -> int:
@@ -75,6 +90,11 @@ class ChunkCodec(abc.ABC):
 
     name: str
     identity: bool = False  # stored bytes are the chunk's bytes: direct reads and slab streaming apply
+    # the writer records the CRC-32C of each item's decoded bytes beside the codec (format 4.0), and readers require it
+    decoded_crc: bool = False
+    # a compression: an item it does not shrink may be stored as it is instead (never so for a transform that must
+    # apply, such as an encryption)
+    skippable: bool = False
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
@@ -100,6 +120,38 @@ class ChunkCodec(abc.ABC):
         """How many bytes ``stored`` decodes to, checked as :meth:`decode` checks them, keeping none of them
         (``verify`` calls this). A codec that decodes in pieces overrides it to run in bounded memory."""
         return len(self.decode(stored, nbytes, where, limit=limit))
+
+    def encode_item(self, data: memoryview, width: int) -> bytes:
+        """:meth:`encode` of an item whose elements are ``width`` bytes each (1 for a value): a codec that
+        groups bytes by their place in an element overrides it."""
+        return self.encode(data)
+
+    def expecting(self, crc: int) -> "ChunkCodec":
+        """This codec, named and checked with the CRC-32C ``crc`` of the decoded bytes: what a record that
+        holds the decoded checksum decodes through."""
+        return _DecodedChecked(self, crc)
+
+
+class _DecodedChecked(ChunkCodec):
+    """A codec whose decoded bytes must have the CRC-32C its record holds."""
+
+    identity = False
+
+    def __init__(self, inner: ChunkCodec, crc: int) -> None:
+        self.inner, self.crc = inner, crc
+        self.name = f"{inner.name}{DECODED_CRC}{format_crc(crc)}"
+
+    def encode(self, data: memoryview) -> bytes:
+        return self.inner.encode(data)
+
+    def decode(self, stored: memoryview, nbytes: int, where: str, limit: Optional[int] = None) -> memoryview:
+        out = self.inner.decode(stored, nbytes, where, limit=limit)
+        got = crc32c(out)
+        if got != self.crc:
+            raise CorruptCheckpointError(f"{where}: the stored bytes decode through {self.inner.name} to bytes whose CRC-32C "
+                                         f"is {format_crc(got)}, not the {format_crc(self.crc)} its codec record holds; "
+                                         "the checkpoint is damaged or its metadata forged")
+        return out
 
 
 class _Identity(ChunkCodec):
@@ -127,5 +179,7 @@ def register_codec(codec: ChunkCodec) -> None:
 
 
 def registered_codec(name: str) -> Optional[ChunkCodec]:
-    """The codec registered as ``name``, if any."""
-    return _CODECS.get(name)
+    """The codec registered as ``name``, if any (bound to the decoded checksum a recorded name holds)."""
+    base, crc = split_recorded(name)
+    codec = _CODECS.get(base)
+    return codec if codec is None or crc is None else codec.expecting(crc)

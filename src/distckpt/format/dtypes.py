@@ -57,3 +57,9 @@ def safetensors_code(dtype: torch.dtype) -> str:
 
 def itemsize(dtype: torch.dtype) -> int:
     return dtype.itemsize
+
+
+def element_width(dtype: torch.dtype) -> int:
+    """The bytes of one real number of ``dtype``: a complex number is two of its component type, whose bytes
+    are alike (what byte-grouping codecs group by)."""
+    return dtype.itemsize // 2 if dtype.is_complex else dtype.itemsize

@@ -23,8 +23,9 @@ import mmap
 from typing import IO, Any, Optional, Sequence
 
 from ..errors import CheckpointError, CorruptCheckpointError
+from . import bytegroup  # noqa: F401 - registers the byte-grouped zstd codec, which codec_for finds by name
 from .chunk_codec import CODEC_SEPARATOR as SEPARATOR
-from .chunk_codec import ChunkCodec, registered_codec, too_large, value_limit
+from .chunk_codec import ChunkCodec, registered_codec, split_recorded, too_large, value_limit
 
 __all__ = ["Extension", "StreamTransformExtension", "ZStandard", "ExtensionRegistry", "StreamTransforms",
            "codec_for"]
@@ -291,10 +292,25 @@ def _read_into(stream: Any, view: memoryview) -> int:
 
 def codec_for(name: str, registry: Any, where: str) -> ChunkCodec:
     """The codec recorded as ``name``: a registered one, or else a chain of stream transforms (descriptors
-    joined by ``|``) whose extensions ``registry`` builds (default: :class:`ExtensionRegistry`)."""
-    codec = registered_codec(name)
+    joined by ``|``) whose extensions ``registry`` builds (default: :class:`ExtensionRegistry`); bound to the
+    CRC-32C of the decoded bytes where the record holds one (format 4.0), which a codec that declares
+    ``decoded_crc`` requires."""
+    try:
+        base, crc = split_recorded(name)
+    except CorruptCheckpointError as exc:
+        raise CorruptCheckpointError(f"{where}: {exc}") from None
+    codec = registered_codec(base)
     if codec is not None:
-        return codec
+        if codec.decoded_crc and crc is None:
+            raise CorruptCheckpointError(f"{where}: stored through {base}, whose codec record must hold the CRC-32C of the "
+                                         "decoded bytes (crc32c), and this one does not; the metadata is damaged or forged")
+        return codec if crc is None else codec.expecting(crc)
+    if crc is not None:
+        return _stream_codec(base, registry, where).expecting(crc)
+    return _stream_codec(name, registry, where)
+
+
+def _stream_codec(name: str, registry: Any, where: str) -> ChunkCodec:
     registry = registry if registry is not None else ExtensionRegistry()
     try:
         extensions = registry.from_descriptor_list(name.split(SEPARATOR))
