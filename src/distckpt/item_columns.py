@@ -378,7 +378,7 @@ class ResultColumns:
         out = [WriteResult(it.index, ln, StorageInfo(self.files[f][0], off, ln, c, name))
                for it, f, off, ln, c, name in zip(plan_items, self.file_no.tolist(), self.offset.tolist(), self.length.tolist(),
                                                   self.crc.tolist(), codec_names)]
-        out += [FileResult.of(name, FileInfo(size, rank, hcrc)) for name, size, rank, hcrc in self.files]
+        out += [FileResult.of(row[0], FileInfo(*row[1:])) for row in self.files]
         return out
 
 

@@ -24,6 +24,7 @@ from ..capabilities import COLUMNAR_COMMIT, OVERWRITE, SHARED_READS, SHARED_VERI
 from ..engine.blobs import BlobStore
 from ..engine.commit import columns_document, objects_document, publish
 from ..engine.read import read_items
+from ..engine.references import data_files
 from ..engine.shared_reads import SharedReads
 from ..engine.shared_verification import SharedVerification
 from ..engine.write import identity_codec, write_file
@@ -305,13 +306,13 @@ class BlobStorageReader(_Located, SharedReads, SharedVerification, StorageReader
         """The store holding the data files of the checkpoint ``metadata`` describes."""
         if not isinstance(metadata.storage_data, FileStorageData):
             raise CorruptCheckpointError(f"checkpoint {self._checkpoint_id()!r}: metadata has no data-file table")
-        return self._store().data_store(metadata.storage_data.save_id)
+        return data_files(self._store(), metadata.storage_data)
 
     def data_file_sizes(self, metadata: Metadata) -> dict[str, int]:
         """The data files of the checkpoint ``metadata`` describes, with their sizes as stored now."""
         if not isinstance(metadata.storage_data, FileStorageData):
             raise CorruptCheckpointError(f"checkpoint {self._checkpoint_id()!r}: metadata has no data-file table")
-        found = self._store().data_store(metadata.storage_data.save_id).sizes()
+        found = data_files(self._store(), metadata.storage_data).sizes()
         return {name: found[name] for name in metadata.storage_data.files if name in found}
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -320,7 +321,7 @@ class BlobStorageReader(_Located, SharedReads, SharedVerification, StorageReader
                                          "written by a distckpt storage layer")
         self.metadata = metadata
         self.is_coordinator = is_coordinator
-        self.store = self._store().data_store(metadata.storage_data.save_id)
+        self.store = data_files(self._store(), metadata.storage_data)
         self.verified_elsewhere = set()
         self.shares = None
 

@@ -11,13 +11,14 @@ import uuid
 from typing import Any, Iterable, Optional, Union
 
 from .. import faults, knobs
-from ..engine.blobs import LEASES, MAPS, PAGE_CACHE, RUNS, BlobReader, BlobStore, BlobWriter
+from ..engine.blobs import LEASES, MAPS, PAGE_CACHE, REFERENCES, RUNS, BlobReader, BlobStore, BlobWriter
+from ..engine.references import SaveFiles
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StorageIOError
 from ..format.stream_transforms import StreamTransforms
 from ..layouts.dcp import is_dcp_directory
 from .blob_storage import BlobStorageReader, BlobStorageWriter
 from .direct_io import DirectWriter, bounce_buffer_bytes, bounce_buffer_count, direct_io_wanted, pwrite_all
-from .fs_objects import create_exclusive, is_real_dir, open_dir, open_regular, remove_tree
+from .fs_objects import create_exclusive, is_real_dir, open_dir, open_regular, prune_dir, remove_tree
 from .leases import save_is_dead
 from .rename import exchange, rename_noreplace
 from .replaced import carry_foreign, check_target, dcp_checkpoint_files, holds_committed_metadata
@@ -28,6 +29,7 @@ log = logging.getLogger("distckpt")
 
 TMP_MARK = ".distckpt-tmp-"
 LEASE_MARK = ".distckpt-lease-"
+RETIRED_MARK = ".distckpt-retired-"  # a deleted step's data files that kept steps still reference, under its save id
 TRASH = "trash-"
 # Hidden siblings are named ".distckpt-tmp-<name in hex>-<tag>" (and "-lease-"): the checkpoint's own name
 # never appears in them, so no tool's pattern for its steps ("step-(\d+)") matches a save in progress.
@@ -189,10 +191,11 @@ def _fsync_parent(path: str) -> None:
 class FsStore(BlobStore):
     """Blobs as files in one directory."""
 
-    capabilities = frozenset({RUNS, LEASES, MAPS, PAGE_CACHE})
+    capabilities = frozenset({RUNS, LEASES, MAPS, PAGE_CACHE, REFERENCES})
 
-    def __init__(self, root: Union[str, os.PathLike]):
+    def __init__(self, root: Union[str, os.PathLike], follow_root: bool = True):
         self.root = os.fspath(root)
+        self.follow_root = follow_root  # False: a link where the directory should be is refused (a sibling found by name)
         self._direct: Optional[bool] = None  # data files written with O_DIRECT: asked once, on the first file
         self._device: Optional[int] = None  # where the way to write is learned (write_paths.py)
 
@@ -234,7 +237,8 @@ class FsStore(BlobStore):
     def open(self, name: str) -> BlobReader:
         path = self._p(name)
         try:
-            dir_fd = os.open(self.root, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+            dir_fd = os.open(self.root, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
+                             | (0 if self.follow_root else os.O_NOFOLLOW))
         except FileNotFoundError:
             raise CheckpointNotFoundError(f"{self.root} does not exist; the checkpoint is incomplete or was removed") from None
         except OSError as exc:
@@ -294,9 +298,9 @@ class FsStore(BlobStore):
 
     # ---- commit: a hidden sibling directory, renamed into place
 
-    def _sibling(self, tag: str) -> str:
+    def _sibling(self, tag: str, mark: str = TMP_MARK) -> str:
         parent, base = os.path.split(os.path.abspath(self.root))
-        return os.path.join(parent, hidden_name(base, TMP_MARK, tag))
+        return os.path.join(parent, hidden_name(base, mark, tag))
 
     def staging(self, save_id: str) -> "FsStore":
         return FsStore(self._sibling(save_id))
@@ -423,7 +427,26 @@ class FsStore(BlobStore):
             raise _io_error("deleting", self.root, exc) from exc
         remove_tree(hidden)
 
-    def remove_incomplete_below(self, prefix: str = "") -> list[str]:
+    def referenced(self, checkpoint: str, save_id: str) -> BlobStore:
+        parent = os.path.dirname(os.path.abspath(self.root))
+        places = [FsStore(os.path.join(parent, checkpoint), follow_root=False),
+                  FsStore(os.path.join(parent, hidden_name(checkpoint, RETIRED_MARK, save_id)), follow_root=False)]
+        return SaveFiles(places, save_id, f"{os.path.join(parent, checkpoint)} (save {save_id})")
+
+    def retire(self, save_id: str, keep: set) -> None:
+        if not is_real_dir(self.root):
+            return  # gone, or a link: never followed, never deleted
+        retired = self._sibling(save_id, RETIRED_MARK)
+        try:
+            faults.point("rename", self.root)
+            os.rename(self.root, retired)  # atomic: the step disappears whole; what it keeps is found under its save id
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise _io_error("deleting", self.root, exc) from exc
+        prune_dir(retired, set(keep))
+
+    def remove_incomplete_below(self, prefix: str = "", keep: Optional[dict] = None) -> list[str]:
         removed = []
         try:
             names = sorted(os.listdir(self.root))
@@ -436,7 +459,10 @@ class FsStore(BlobStore):
                 continue
             base, mark, tag = parsed
             path = os.path.join(self.root, name)
-            if mark == TMP_MARK:
+            if mark == RETIRED_MARK:
+                if keep is not None and prune_dir(path, set(keep.get((base, tag), ()))):
+                    removed.append(path)
+            elif mark == TMP_MARK:
                 if not tag.startswith(TRASH):  # a deletion left half done: anyone may finish it
                     if not save_is_dead(self.child(base), tag, _age(path, now)):
                         continue
@@ -451,7 +477,7 @@ class FsStore(BlobStore):
 
 
 def hidden_name(base: str, mark: str, tag: str) -> str:
-    """The name of a hidden sibling of checkpoint ``base``: its staging area or lease (``mark``) for ``tag``."""
+    """The name of a hidden sibling of checkpoint ``base``: its staging area, lease or retired files (``mark``) for ``tag``."""
     encoded = base.encode("utf-8").hex()
     if len(base.encode("utf-8")) > _HEX_NAME_MAX:
         return f".{base}{mark}{tag}"
@@ -460,7 +486,7 @@ def hidden_name(base: str, mark: str, tag: str) -> str:
 
 def parse_hidden(name: str) -> Optional[tuple[str, str, str]]:
     """(checkpoint name, mark, tag) of a hidden sibling's name, in either form; None for any other name."""
-    for mark in (TMP_MARK, LEASE_MARK):
+    for mark in (TMP_MARK, LEASE_MARK, RETIRED_MARK):
         if name.startswith(mark):
             encoded, sep, tag = name[len(mark):].partition("-")
             try:

@@ -163,6 +163,42 @@ def clear_dir(fd: int, path: str, left: list[str]) -> None:
             left.append(where)
 
 
+def prune_dir(path: str, keep: set) -> bool:
+    """Remove the regular files of the real directory ``path`` not named in ``keep``, through its descriptor, and the
+    directory itself once nothing is left in it; anything else in it (a link, a directory) stays. Returns whether the
+    directory is gone."""
+    try:
+        fd = open_dir(path)
+    except FileNotFoundError:
+        return True
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            return False  # a link or a file where a directory of ours was: not ours
+        raise
+    try:
+        for entry in os.scandir(fd):
+            if entry.name in keep:
+                continue
+            try:
+                mode = os.lstat(entry.name, dir_fd=fd).st_mode
+            except FileNotFoundError:
+                continue
+            if stat.S_ISREG(mode):
+                faults.point("unlink", os.path.join(path, entry.name))
+                try:
+                    os.unlink(entry.name, dir_fd=fd)
+                except FileNotFoundError:
+                    pass
+        empty = not any(True for _ in os.scandir(fd))
+    finally:
+        os.close(fd)
+    if empty:
+        left: list[str] = []
+        rmdir_at(path, None, left)
+        return not left
+    return False
+
+
 def rmdir_at(name: str, dir_fd: Optional[int], left: list[str], where: str = "") -> None:
     """Remove the empty directory ``name`` of ``dir_fd``; one that is not empty (something left in it) is added to ``left``."""
     try:

@@ -10,7 +10,8 @@ import threading
 from typing import Iterable, Optional, Union
 
 from .. import faults
-from ..engine.blobs import LEASES, RUNS, BlobReader, BlobStore, BlobWriter, BytesReader
+from ..engine.blobs import LEASES, REFERENCES, RUNS, BlobReader, BlobStore, BlobWriter, BytesReader
+from ..engine.references import SaveFiles
 from ..errors import CheckpointError, CheckpointNotFoundError
 from ..format import METADATA_FILE
 from .blob_storage import BlobStorageReader, BlobStorageWriter
@@ -24,6 +25,7 @@ _CHECKPOINTS: dict[str, dict[str, bytearray]] = {}
 _LEASES: dict[tuple[str, str], bytes] = {}  # (checkpoint, save id) -> lease record
 SCHEME = "memory://"
 _TMP = "#tmp-"
+_RETIRED = "#retired-"  # a deleted checkpoint's data files that kept checkpoints reference, under its save id
 
 
 def clear_memory_store() -> None:
@@ -54,7 +56,7 @@ class _MemWriter(BlobWriter):
 class MemoryStore(BlobStore):
     """Blobs in this process's memory, under one name."""
 
-    capabilities = frozenset({RUNS, LEASES})
+    capabilities = frozenset({RUNS, LEASES, REFERENCES})
 
     def __init__(self, name: str):
         self.name = name
@@ -113,16 +115,38 @@ class MemoryStore(BlobStore):
         start = len(self.name) + 1
         with _LOCK:
             return sorted({n[start:].split("/", 1)[0] for n in _CHECKPOINTS
-                           if n.startswith(self.name + "/") and _TMP not in n[start:]})
+                           if n.startswith(self.name + "/") and _TMP not in n[start:] and _RETIRED not in n[start:]})
+
+    def referenced(self, checkpoint: str, save_id: str) -> BlobStore:
+        parent = self.name.rsplit("/", 1)[0] if "/" in self.name else ""
+        live = f"{parent}/{checkpoint}" if parent else checkpoint
+        return SaveFiles([MemoryStore(live), MemoryStore(f"{live}{_RETIRED}{save_id}")], save_id, f"{SCHEME}{live} (save {save_id})")
+
+    def retire(self, save_id: str, keep: set) -> None:
+        faults.point("rename", self.describe())
+        with _LOCK:
+            blobs = _CHECKPOINTS.pop(self.name, None)
+            if blobs is not None:
+                _CHECKPOINTS[f"{self.name}{_RETIRED}{save_id}"] = {n: b for n, b in blobs.items() if n in keep}
 
     def remove(self) -> None:
         with _LOCK:
             _CHECKPOINTS.pop(self.name, None)
 
-    def remove_incomplete_below(self, prefix: str = "") -> list[str]:
-        with _LOCK:
-            stale = [n for n in _CHECKPOINTS if n.startswith(f"{self.name}/{prefix}") and _TMP in n[len(self.name) + 1:]]
+    def remove_incomplete_below(self, prefix: str = "", keep: Optional[dict] = None) -> list[str]:
         removed = []
+        with _LOCK:
+            for n in [n for n in _CHECKPOINTS if n.startswith(f"{self.name}/{prefix}") and _RETIRED in n[len(self.name) + 1:]]:
+                base, save_id = n[len(self.name) + 1:].split(_RETIRED, 1)
+                if keep is not None:
+                    wanted = keep.get((base, save_id), ())
+                    left = {k: v for k, v in _CHECKPOINTS[n].items() if k in wanted}
+                    if left:
+                        _CHECKPOINTS[n] = left
+                    else:
+                        del _CHECKPOINTS[n]
+                        removed.append(SCHEME + n)
+            stale = [n for n in _CHECKPOINTS if n.startswith(f"{self.name}/{prefix}") and _TMP in n[len(self.name) + 1:]]
         for n in stale:
             base, save_id = n.split(_TMP, 1)
             if save_is_dead(MemoryStore(base), save_id, None):

@@ -32,6 +32,7 @@ from typing import Any, Iterable, Optional, Union
 from .. import faults, knobs
 from ..engine import blobs
 from ..engine.blobs import BlobReader, BlobStore, BlobWriter
+from ..engine.references import SaveFiles
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StorageIOError
 from ..format import METADATA_FILE
 from ..format.codec import stored_save_id
@@ -59,6 +60,7 @@ SCHEME = "s3://"
 SAVES = "saves"
 SAVE_ID_TAG = "distckpt-save-id"  # user metadata of the committed metadata object: the save it commits
 LEASES = "leases"
+RETIRED = "retired"  # <prefix>/retired/<save id>: the save's objects left are a deleted step's, kept for references
 _SAVE_ID = re.compile(r"[0-9A-Za-z_-]{1,64}\Z")
 
 
@@ -79,7 +81,7 @@ def parse_s3_url(checkpoint_id: Union[str, os.PathLike]) -> tuple[str, str]:
 class S3Store(BlobStore):
     """One checkpoint prefix (or one save's data prefix) in a bucket."""
 
-    capabilities = frozenset({blobs.RUNS, blobs.LEASES})
+    capabilities = frozenset({blobs.RUNS, blobs.LEASES, blobs.REFERENCES})
 
     def __init__(self, bucket: str, prefix: str, *, endpoint_url: Optional[str] = None, region_name: Optional[str] = None,
                  part_size: Optional[int] = None, upload_concurrency: Optional[int] = None, client: Any = None,
@@ -273,7 +275,9 @@ class S3Store(BlobStore):
         self._delete_prefix(prefix)
 
     def _delete_prefix(self, prefix: str, exact: bool = False) -> None:
-        keys = [prefix] if exact else list(self._keys(prefix))
+        self._delete_keys([prefix] if exact else list(self._keys(prefix)), prefix)
+
+    def _delete_keys(self, keys: list[str], prefix: str) -> None:
         for start in range(0, len(keys), 1000):
             batch = keys[start: start + 1000]
             for key in batch:
@@ -349,7 +353,22 @@ class S3Store(BlobStore):
         if lease is not None:
             lease.release()
 
-    def remove_incomplete_below(self, prefix: str = "") -> list[str]:
+    def referenced(self, checkpoint: str, save_id: str) -> BlobStore:
+        parent = self.prefix.rsplit("/", 1)[0] if "/" in self.prefix else ""
+        sibling = self._sub(f"{parent}/{checkpoint}" if parent else checkpoint)
+        # a retired step keeps its referenced objects where its save put them: the save id is in every key
+        return SaveFiles([sibling.staging(save_id)], save_id, f"{sibling.describe()} (save {save_id})", exact=True)
+
+    def retire(self, save_id: str, keep: set) -> None:
+        """Uncommit (the metadata object goes first), then delete the save's objects that no kept step references.
+        A marker (``retired/<save id>``) tells cleanup that what is left is kept on purpose, not a dead save's."""
+        self._put(f"{RETIRED}/{_checked_save_id(save_id, self.describe())}", b"")
+        self._delete_prefix(self.key(METADATA_FILE), exact=True)
+        data = self.staging(save_id)
+        start = len(data.prefix) + 1
+        self._delete_keys([k for k in self._keys(data.prefix + "/") if k[start:] not in keep], data.prefix + "/")
+
+    def remove_incomplete_below(self, prefix: str = "", keep: Optional[dict] = None) -> list[str]:
         removed = []
         for name in (n for n in self.children() if n.startswith(prefix)):
             child = self.child(name)
@@ -357,7 +376,15 @@ class S3Store(BlobStore):
                 staging = child.staging(save_id)
                 if not save_is_dead(child, save_id, staging._age()):
                     continue
+                kept = None if keep is None else keep.get((name, save_id))
+                if kept or (keep is None and child.exists(f"{RETIRED}/{save_id}")):
+                    if kept:  # a retired step's objects that kept steps still reference stay
+                        start = len(staging.prefix) + 1
+                        child._delete_keys([k for k in child._keys(staging.prefix + "/") if k[start:] not in kept],
+                                           staging.prefix + "/")
+                    continue
                 child.discard(staging)
+                child._delete_prefix(child.key(f"{RETIRED}/{save_id}"), exact=True)
                 child.drop_lease(save_id)
                 removed.append(staging.describe())
             committed = child._committed_save_id()

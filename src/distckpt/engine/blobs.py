@@ -142,6 +142,10 @@ MAPS = "maps"
 reader that would copy each byte into fresh memory can view the blob's own pages instead)."""
 
 
+REFERENCES = "references"
+"""A store whose checkpoints may reference data files of their siblings (a run of incremental saves):
+``referenced``, ``retire``, and ``remove_incomplete_below`` that keeps what it is told to keep."""
+
 PAGE_CACHE = "page-cache"
 """A store whose reads go through the node's page cache (a file system): the ranks of one node that read the
 same bytes fetch them from storage once between them (shared reads leave them to it)."""
@@ -253,11 +257,28 @@ class BlobStore(abc.ABC):
         """Delete this committed checkpoint: invisible to readers at once, then its contents."""
         raise CheckpointError(f"{type(self).__name__} cannot delete checkpoints (no remove())")
 
-    def remove_incomplete_below(self, prefix: str = "") -> list[str]:
+    def remove_incomplete_below(self, prefix: str = "", keep: Optional[dict] = None) -> list[str]:
         """Remove what uncommitted saves left of the checkpoints directly under this location whose
         names start with ``prefix``, where those saves are proven dead (see :mod:`.leases`); describe
-        what was removed. A save still running, here or on another host, is never touched."""
+        what was removed. A save still running, here or on another host, is never touched.
+
+        ``keep`` (stores with :data:`REFERENCES`) maps (checkpoint, save id) to the names of its data files
+        that committed checkpoints reference: those stay, and what retired checkpoints (:meth:`retire`) hold
+        beyond them goes. Without it, retired checkpoints are left alone."""
         raise CheckpointError(f"{type(self).__name__} cannot clean up a run of checkpoints")
+
+    # ---- references between the checkpoints of a run (REFERENCES)
+
+    def referenced(self, checkpoint: str, save_id: str) -> "BlobStore":
+        """Where the data files of save ``save_id`` of ``checkpoint``, a sibling of this checkpoint under the same
+        parent, are read from: committed there, or kept by :meth:`retire` after it was deleted."""
+        raise CheckpointError(f"{type(self).__name__} cannot read data files of other checkpoints (no referenced()); "
+                              "this checkpoint references some: load it from the storage it was saved to")
+
+    def retire(self, save_id: str, keep: set) -> None:
+        """Delete this committed checkpoint (save ``save_id``) but keep its data files named in ``keep``, which
+        other checkpoints reference, where :meth:`referenced` finds them. It disappears whole first."""
+        raise CheckpointError(f"{type(self).__name__} cannot keep files of a deleted checkpoint (no retire())")
 
     # ---- leases: which saves in flight are alive (see leases.py); kept beside the staging stores.
     # A store that keeps none (these defaults) has its leftovers removed only by their age, and

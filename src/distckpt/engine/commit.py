@@ -39,6 +39,7 @@ from ..metadata import Metadata, StorageMeta, TensorStorageMetadata
 from ..planning.columnar import ColumnarPlan
 from ..storage import WriteResult
 from .blobs import BlobStore
+from .references import check_references
 
 __all__ = ["columns_document", "objects_document", "publish"]
 
@@ -82,7 +83,7 @@ class _Stored:
                 raise CorruptCheckpointError(f"rank {r} reported {len(res.file_no)} written items, its plan had {int(plan.keep[r].sum())}; "
                                              "nothing was committed")
             for f in res.files:
-                if f[0] in files:
+                if f[0] in files and (len(f) < 5 or files[f[0]] != f):  # a file of an earlier save may be referenced twice
                     raise CorruptCheckpointError(f"data file {f[0]!r} was written by two ranks; nothing was committed")
                 files[f[0]] = f
             rank_files.append(res.files)
@@ -134,7 +135,7 @@ def columns_document(plan: ColumnarPlan, results: list[ResultColumns], save_id: 
         members.append(f"{quote(fqn)}:{tensor_row(gsize, props, chunks)}")
     storage = file_table(save_id, [stored.files[n] for n in stored.names])
     return metadata_document(members, storage, plan.planner_json(), StorageMeta(checkpoint_id=checkpoint_id, save_id=save_id),
-                             coded, table=table)
+                             coded, table=table, v4=any(len(f) > 4 for f in stored.files.values()))
 
 
 def publish(store: BlobStore, save_id: str, document: bytes, replaces: bool, sync: bool, checkpoint_id: str) -> None:
@@ -151,5 +152,6 @@ def publish(store: BlobStore, save_id: str, document: bytes, replaces: bool, syn
                 f"{staging.describe(name)} is {'missing' if name not in found else f'{found[name]} bytes, not {size}'} "
                 f"just before commit of checkpoint {checkpoint_id!r}; something else removed or changed this "
                 "save's files. Nothing was committed: save again.")
+    check_references(store, document, f"checkpoint {checkpoint_id!r}")
     staging.put_atomic(METADATA_FILE, document, sync)
     store.commit(staging, replaces, sync)

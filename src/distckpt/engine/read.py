@@ -64,7 +64,7 @@ def open_and_validate(store: BlobStore, fsd: FileStorageData, names, where: str,
                 if spans is not None:
                     spans[name] = None
                 continue
-            header = _check_header(blob, info, fsd.save_id, here, expected.get(name) if expected else None)
+            header = _check_header(blob, info, info.save_id or fsd.save_id, here, expected.get(name) if expected else None)
             if spans is not None:
                 spans[name] = None if header is None else header_spans(header)
     except BaseException:

@@ -31,7 +31,7 @@ from ..metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from . import BASE_FORMAT_VERSION_STR, CODEC_FORMAT_VERSION_STR, FORMAT_NAME, FORMAT_VERSION_STR
+from . import BASE_FORMAT_VERSION_STR, CODEC_FORMAT_VERSION_STR, FORMAT_NAME, FORMAT_VERSION_STR, REFERENCE_FORMAT_VERSION_STR
 from .checksum import crc32c, format_crc
 from .chunk_codec import CODEC_SEPARATOR, IDENTITY
 from .datafile import loads_json, quote
@@ -192,7 +192,22 @@ def stored_file_sizes(document: bytes) -> dict[str, int]:
         if not (type(row) is list and len(row) >= 2 and type(row[0]) is str and type(row[1]) is int and 0 <= row[1] <= _MAX_INT):
             raise CorruptCheckpointError(f"metadata document: malformed data-file entry {row!r:.200} (want [name, size, ...]); "
                                          f"{_RESTORE}")
-    return {row[0]: row[1] for row in rows}
+    return {row[0]: row[1] for row in rows if len(row) < 5}
+
+
+def referenced_files(document: bytes) -> dict[str, tuple[int, str]]:
+    """The data files of other checkpoints a metadata document references (format 4.0): table name to (size, save
+    id), each checked as :func:`stored_file_sizes` checks its rows; a commit checks they are still stored."""
+    table = _file_table(document)
+    rows = [] if table is None else table.get("files")
+    stored_file_sizes(document)
+    out = {}
+    for row in rows:
+        if len(row) >= 5:
+            if type(row[4]) is not str:
+                raise CorruptCheckpointError(f"metadata document: malformed reference {row!r:.200}; {_RESTORE}")
+            out[row[0]] = (row[1], row[4])
+    return out
 
 
 def stored_save_id(document: bytes) -> Optional[str]:
@@ -202,7 +217,7 @@ def stored_save_id(document: bytes) -> Optional[str]:
     return save_id if isinstance(save_id, str) else None
 
 
-SUPPORTED_MAJORS = (1, 2, 3)
+SUPPORTED_MAJORS = (1, 2, 3, 4)
 
 
 _PROPS_TEXT: dict[tuple, str] = {}  # a few distinct property lists: dtypes x requires_grad
@@ -260,8 +275,15 @@ def codec_record(codec: str, length: int, tensor: bool) -> dict:
 
 
 def file_table(save_id: str, files: list) -> dict:
-    """``storage_data`` of a document with inline locations: the save id and [name, size, rank, header crc] per file."""
+    """``storage_data`` of a document with inline locations: the save id and [name, size, rank, header crc] per file,
+    and the id of the save that stored it for a file of another checkpoint (format 4.0)."""
     return {"$files": {"save_id": save_id, "files": files}}
+
+
+def file_row(name: str, info: FileInfo) -> list:
+    """A data file's row of the file table."""
+    row = [name, info.size, info.rank, info.header_crc32c]
+    return row if info.save_id is None else row + [info.save_id]
 
 
 def encode_metadata(md: Metadata) -> bytes:
@@ -313,11 +335,12 @@ def encode_metadata(md: Metadata) -> bytes:
         else:
             sdm[fqn] = bytes_row(None)
     if fsd is not None:
-        storage = file_table(fsd.save_id, [[n, fsd.files[n].size, fsd.files[n].rank, fsd.files[n].header_crc32c] for n in names])
+        storage = file_table(fsd.save_id, [file_row(n, fsd.files[n]) for n in names])
+        referencing = any(info.save_id is not None for info in fsd.files.values())
     else:
         storage = opaque_to(md.storage_data, "metadata storage_data", False)
     return metadata_document(sdm, storage, opaque_to(md.planner_data, "metadata planner_data", False), md.storage_meta,
-                             bool(coded), table)
+                             bool(coded), table, v4=fsd is not None and referencing)
 
 
 _VERSION_AT_START = re.compile(rb'\{"format":"distckpt","format_version":"(\d{1,4}\.\d{1,4})"')
@@ -329,16 +352,18 @@ def written_version(document: bytes) -> str:
 
 
 def metadata_document(sdm: Union[dict[str, str], list[str]], storage: Any, planner: Any, sm: Optional[StorageMeta],
-                      coded: bool = False, table: Optional[TableWriter] = None) -> bytes:
+                      coded: bool = False, table: Optional[TableWriter] = None, v4: bool = False) -> bytes:
     """Serialise the already-encoded members of a metadata document (``sdm``: key to the JSON text of its
     row, or the members' texts ``"key":row`` in order; ``table``: the whole tensors, listed before them) and
-    append its checksum. The version written is the lowest that records what the document holds: 3.0 with a
-    table of whole tensors, else 2.1 where an item is stored through a codec (``coded``), else 2.0."""
+    append its checksum. The version written is the lowest that records what the document holds: 4.0 where it
+    needs it (``v4``: a data file of another checkpoint), 3.0 with a table of whole tensors, else 2.1 where an
+    item is stored through a codec (``coded``), else 2.0."""
     rows = ",".join(sdm if isinstance(sdm, list) else (f"{quote(fqn)}:{row}" for fqn, row in sdm.items()))
     meta = None if sm is None else {
         "checkpoint_id": None if sm.checkpoint_id is None else str(sm.checkpoint_id),
         "save_id": sm.save_id, "load_id": sm.load_id, "modules": list(sm.modules)}
-    version = FORMAT_VERSION_STR if table else CODEC_FORMAT_VERSION_STR if coded else BASE_FORMAT_VERSION_STR
+    version = (REFERENCE_FORMAT_VERSION_STR if v4 else FORMAT_VERSION_STR if table else CODEC_FORMAT_VERSION_STR if coded
+               else BASE_FORMAT_VERSION_STR)
     prefix = b"".join((b'{"format":', dumps(FORMAT_NAME), b',"format_version":', dumps(version),
                        b"," + table.member(dumps) if table else b"",
                        b',"state_dict_metadata":{', rows.encode("utf-8"), b'},"storage_data":', dumps(storage),
@@ -492,6 +517,9 @@ def _parse_metadata(raw: bytes, where: str) -> Metadata:
     storage_raw = body.get("storage_data")
     inline = major >= 2 and isinstance(storage_raw, dict) and set(storage_raw) == {"$files"}
     fsd = decode_file_table(storage_raw["$files"], where) if inline else None
+    if fsd is not None and major < 4 and any(info.save_id is not None for info in fsd.files.values()):
+        raise CorruptCheckpointError(f"{where}: a format-{version} document lists a data file of another checkpoint, which "
+                                     "only format 4.0 records; the metadata is damaged or hostile")
     locations = fsd.items if fsd is not None else None
     table = _tensor_table(body, major, fsd, len(sdm_raw), where)
     sdm: dict = {}

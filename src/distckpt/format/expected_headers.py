@@ -58,7 +58,7 @@ def expected_leads(md: Metadata, names: Iterable[str]) -> dict[str, bytes]:
         columns = describe.columns(part)
         if columns is None:
             continue
-        lead = expected_lead(columns, fsd.save_id, info.rank)
+        lead = expected_lead(columns, info.save_id or fsd.save_id, info.rank)
         ends = np.cumsum(length[part])
         if int(begin[part[0]]) != len(lead) or not np.array_equal(begin[part[1:]], len(lead) + ends[:-1]):
             continue  # not back to back from the data section's start: not the writer's layout

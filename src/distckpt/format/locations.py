@@ -24,8 +24,8 @@ from ..metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorStor
 from .chunk_codec import CODEC_SEPARATOR
 from .dtypes import itemsize
 from .fields import MAX_INT, ints
-from .names import check_file_name
-from .records import FileInfo, FileStorageData, StorageInfo
+from .names import SAVE_ID, check_file_name
+from .records import REFERENCE_SEPARATOR, FileInfo, FileStorageData, StorageInfo, split_reference
 
 
 def checked_chunk(chunk: ChunkStorageMetadata, size: torch.Size, here: str) -> ChunkStorageMetadata:
@@ -468,15 +468,30 @@ def decode_file_table(data: Any, where: str) -> FileStorageData:
         raise CorruptCheckpointError(f"{where}: malformed storage data")
     files = {}
     for info in files_raw:
-        if not (isinstance(info, list) and len(info) == 4):
+        if not (isinstance(info, list) and len(info) in (4, 5)):
             raise CorruptCheckpointError(f"{where}: malformed data-file entry {info!r:.200}")
-        name = check_file_name(info[0], where)
+        name = check_file_name(info[0], where) if len(info) == 4 else check_reference(info[0], info[4], save_id, where)
         if not (all(type(x) is int and 0 <= x <= MAX_INT for x in info[1:3]) and is_crc(info[3])):
             raise CorruptCheckpointError(f"{where}: malformed entry for data file {name!r}")
         if name in files:
             raise CorruptCheckpointError(f"{where}: data file {name!r} is listed twice")
-        files[name] = FileInfo(info[1], info[2], info[3])
+        files[name] = FileInfo(info[1], info[2], info[3], None if len(info) == 4 else info[4])
     return FileStorageData(save_id, files, ChunkLocations(list(files.items())))
+
+
+def check_reference(key: Any, save_id: Any, own_save_id: str, where: str) -> str:
+    """A referenced data file's table entry (format 4.0): ``<checkpoint>/<file name>``, both plain names (a sibling
+    checkpoint of the same run, never a path that leaves it), and the id of the save that stored it."""
+    parts = split_reference(key) if isinstance(key, str) else None
+    if parts is None or REFERENCE_SEPARATOR in parts[1]:
+        raise CorruptCheckpointError(f"{where}: referenced data file {key!r:.200} is not <checkpoint>/<file name>; the "
+                                     "metadata is damaged or hostile")
+    check_file_name(parts[0], f"{where}: reference {key!r:.200}")
+    check_file_name(parts[1], f"{where}: reference {key!r:.200}")
+    if not (isinstance(save_id, str) and SAVE_ID.match(save_id)) or save_id == own_save_id:
+        raise CorruptCheckpointError(f"{where}: referenced data file {key!r:.200} names save {save_id!r:.80}, which is not the "
+                                     "id of another save (1 to 64 of [0-9A-Za-z_-]); the metadata is damaged or hostile")
+    return key
 
 
 def is_crc(value: Any) -> bool:

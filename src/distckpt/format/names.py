@@ -7,6 +7,7 @@ import re
 from ..errors import CorruptCheckpointError
 
 _SAFE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}\Z")
+SAVE_ID = re.compile(r"[0-9A-Za-z_-]{1,64}\Z")  # a save id: a plain name, used as a key prefix on object stores
 
 
 def check_file_name(name: object, where: str) -> str:

@@ -8,7 +8,8 @@ from typing import Any, Optional
 from ..metadata import MetadataIndex
 from ..storage import WriteResult
 
-__all__ = ["StorageInfo", "FileInfo", "FileResult", "FileStorageData", "ForeignStorageData"]
+__all__ = ["StorageInfo", "FileInfo", "referenced_name", "split_reference", "REFERENCE_SEPARATOR",
+           "FileResult", "FileStorageData", "ForeignStorageData"]
 
 
 @dataclass(frozen=True)
@@ -25,11 +26,31 @@ class StorageInfo:
 @dataclass(frozen=True)
 class FileInfo:
     """A data file of a checkpoint: its exact size, the rank that wrote it, and the
-    CRC-32C of its leading bytes (length prefix and header)."""
+    CRC-32C of its leading bytes (length prefix and header).
+
+    ``save_id`` is set on a file another checkpoint of the same run stored (format 4.0, an incremental
+    save's reference): the save that wrote it, whose id its header records. Such a file's name in the
+    table is ``<checkpoint>/<file name>`` (:func:`referenced_name`), the sibling checkpoint that holds it.
+    """
 
     size: int
     rank: int
     header_crc32c: int
+    save_id: Optional[str] = None
+
+
+REFERENCE_SEPARATOR = "/"
+
+
+def referenced_name(checkpoint: str, name: str) -> str:
+    """The file table's name of data file ``name`` of sibling checkpoint ``checkpoint``."""
+    return f"{checkpoint}{REFERENCE_SEPARATOR}{name}"
+
+
+def split_reference(key: str) -> Optional[tuple[str, str]]:
+    """(checkpoint, file name) of a referenced file's table name; None for a file of the checkpoint itself."""
+    checkpoint, sep, name = key.partition(REFERENCE_SEPARATOR)
+    return (checkpoint, name) if sep else None
 
 
 @dataclass(frozen=True)

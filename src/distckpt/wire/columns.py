@@ -216,8 +216,10 @@ def decode_result_columns(raw: bytes, where: str = "write results") -> ResultCol
 
 
 def _file_row(row: Any) -> bool:
-    """[name, size, rank, header crc], as the write engine reports a data file."""
-    return type(row) is list and len(row) == 4 and type(row[0]) is str and all(type(x) is int and x >= 0 for x in row[1:])
+    """[name, size, rank, header crc], as the write engine reports a data file; and the id of the save that stored it,
+    for a file of an earlier checkpoint an incremental save references."""
+    return (type(row) is list and len(row) in (4, 5) and type(row[0]) is str and all(type(x) is int and x >= 0 for x in row[1:4])
+            and (len(row) == 4 or type(row[4]) is str))
 
 
 def _results_frame(files: list, columns: list[np.ndarray], codecs: list[str]) -> bytes:
@@ -242,7 +244,7 @@ def encode_result_columns(results: list[WriteResult], plan: SavePlan) -> Optiona
             return None
         name = r.file
         names[name] = len(files)
-        files.append([name, sd.size, sd.rank, sd.header_crc32c])
+        files.append([name, sd.size, sd.rank, sd.header_crc32c] + ([] if sd.save_id is None else [sd.save_id]))
     codecs: dict[str, int] = {}
     cols = np.zeros((5, n), dtype=np.int64)
     for i, (r, it) in enumerate(zip(results, plan.items)):
