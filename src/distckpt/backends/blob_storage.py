@@ -30,6 +30,7 @@ from ..engine.shared_verification import SharedVerification
 from ..engine.write import identity_codec, write_file
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ..format import METADATA_FILE
+from ..format.bytegroup import compression_codec
 from ..format.chunk_codec import ChunkCodec
 from ..format.codec import EncodedMetadata, lazy_metadata, parse_metadata
 from ..format.records import FileStorageData
@@ -111,6 +112,9 @@ class BlobStorageWriter(_Located, StorageWriter):
         sync_files: make data and metadata durable before the commit (default: the DISTCKPT_FSYNC knob).
         thread_count: writer threads per rank (default: the DISTCKPT_IO_THREADS knob).
         overwrite: replace a committed checkpoint; the old one stays intact until the new one commits.
+        compression: ``"zstd"`` stores every item byte-grouped and zstd-compressed, each chunk on its own (format
+            4.0, docs/format.md "Compressed chunks"); None (the default) stores items as they are.
+        compression_level: the zstd level (default 1).
 
     It declares ``COLUMNAR_COMMIT`` (:mod:`distckpt.capabilities`): subclasses that wrap its methods keep
     the columnar save path, as long as ``prepare_global_plan`` and ``finish`` still end in these; and
@@ -120,14 +124,16 @@ class BlobStorageWriter(_Located, StorageWriter):
     capabilities = frozenset({COLUMNAR_COMMIT, OVERWRITE})
 
     def __init__(self, store: Location = None, *, sync_files: Optional[bool] = None, thread_count: Optional[int] = None,
-                 overwrite: Optional[bool] = None):
+                 overwrite: Optional[bool] = None, compression: Optional[str] = None,
+                 compression_level: Optional[int] = None):
         self._locate(store)
         self.sync_files = sync_files
         self.thread_count = thread_count
         self.overwrite = overwrite
         self.rank = 0
         self.is_coordinator = True
-        self.chunk_codec: Optional[ChunkCodec] = None  # how every item is stored, if not as it is (format/chunk_codec.py)
+        # how every item is stored, if not as it is (format/chunk_codec.py)
+        self.chunk_codec: Optional[ChunkCodec] = compression_codec(compression, compression_level)
         self.store: Optional[BlobStore] = None  # this save's store, from set_up_storage_writer
         self.save_id: Optional[str] = None
         self.committed_save_id: Optional[str] = None

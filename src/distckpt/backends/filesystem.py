@@ -604,6 +604,8 @@ class FileSystemWriter(_AtPath, BlobStorageWriter):
             loads decode them through a buffer instead of reading in place; the
             metadata records them (format 2.1), so a reader needs no option unless
             an extension is not one distckpt knows (then ``_extension_registry=``).
+        compression, compression_level: byte-grouped zstd of every chunk, as
+            :class:`~distckpt.backends.blob_storage.BlobStorageWriter` says.
 
     The save writes into a hidden sibling directory ``.distckpt-tmp-<name in hex>-<save id>``
     and the coordinator renames it into place after fsync: a reader sees the
@@ -614,14 +616,18 @@ class FileSystemWriter(_AtPath, BlobStorageWriter):
                  thread_count: int | None = None, overwrite: Optional[bool] = None, *,
                  single_file_per_rank: bool = True, per_thread_copy_ahead: int = 0,
                  cache_staged_state_dict: bool = False, serialization_format: Any = None,
-                 _extensions: Optional[Iterable[Any]] = None):
-        super().__init__(path, sync_files=sync_files, thread_count=thread_count, overwrite=overwrite)
+                 _extensions: Optional[Iterable[Any]] = None, compression: Optional[str] = None,
+                 compression_level: Optional[int] = None):
+        super().__init__(path, sync_files=sync_files, thread_count=thread_count, overwrite=overwrite,
+                         compression=compression, compression_level=compression_level)
         extensions = list(_extensions or ())
         for ext in extensions:
             if not all(callable(getattr(ext, m, None)) for m in ("transform_to", "transform_from", "get_descriptor")):
                 raise CheckpointError(
                     f"FileSystemWriter({str(path)!r}): extension {type(ext).__name__} is not a stream transform "
                     "(it needs transform_to, transform_from and get_descriptor, as distckpt.StreamTransformExtension)")
+        if extensions and compression is not None:
+            raise CheckpointError(f"FileSystemWriter({str(path)!r}): pass compression= or _extensions=, not both")
         if extensions:
             self.chunk_codec = StreamTransforms(extensions)
 

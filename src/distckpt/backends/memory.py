@@ -209,8 +209,10 @@ class _Named:
 class MemoryWriter(_Named, BlobStorageWriter):
     """Writes a checkpoint into this process's memory under ``memory://<name>``."""
 
-    def __init__(self, name: Union[str, None] = None, thread_count: int | None = None, overwrite: Optional[bool] = None):
-        super().__init__(name, sync_files=False, thread_count=thread_count, overwrite=overwrite)
+    def __init__(self, name: Union[str, None] = None, thread_count: int | None = None, overwrite: Optional[bool] = None,
+                 compression: Optional[str] = None, compression_level: Optional[int] = None):
+        super().__init__(name, sync_files=False, thread_count=thread_count, overwrite=overwrite, compression=compression,
+                         compression_level=compression_level)
 
     def open_store(self, checkpoint_id: str) -> BlobStore:
         return memory_store(checkpoint_id)

@@ -517,13 +517,16 @@ class S3Writer(_AtUrl, BlobStorageWriter):
             ``part_size * (upload_concurrency + 1)``.
         overwrite: replace a committed checkpoint at ``url``; the old one stays intact
             until the new metadata replaces it, then its objects are deleted.
+        compression, compression_level: byte-grouped zstd of every chunk, as
+            :class:`~distckpt.backends.blob_storage.BlobStorageWriter` says.
     """
 
     def __init__(self, url: Union[str, os.PathLike, None] = None, *, endpoint_url: Optional[str] = None,
                  region_name: Optional[str] = None, client: Any = None, thread_count: Optional[int] = None,
                  part_size: Optional[int] = None, upload_concurrency: Optional[int] = None,
-                 overwrite: Optional[bool] = None):
-        super().__init__(url, sync_files=True, thread_count=thread_count, overwrite=overwrite)
+                 overwrite: Optional[bool] = None, compression: Optional[str] = None, compression_level: Optional[int] = None):
+        super().__init__(url, sync_files=True, thread_count=thread_count, overwrite=overwrite, compression=compression,
+                         compression_level=compression_level)
         self._init_s3(endpoint_url, region_name, client, part_size, upload_concurrency)
 
     def set_up_storage_writer(self, *args: Any, **kwargs: Any) -> None:

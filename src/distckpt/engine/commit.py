@@ -19,7 +19,7 @@ import numpy as np
 
 from ..errors import CorruptCheckpointError
 from ..format import METADATA_FILE
-from ..format.chunk_codec import IDENTITY
+from ..format.chunk_codec import DECODED_CRC, IDENTITY
 from ..format.codec import (
     bytes_row,
     codec_record,
@@ -135,7 +135,8 @@ def columns_document(plan: ColumnarPlan, results: list[ResultColumns], save_id: 
         members.append(f"{quote(fqn)}:{tensor_row(gsize, props, chunks)}")
     storage = file_table(save_id, [stored.files[n] for n in stored.names])
     return metadata_document(members, storage, plan.planner_json(), StorageMeta(checkpoint_id=checkpoint_id, save_id=save_id),
-                             coded, table=table, v4=any(len(f) > 4 for f in stored.files.values()))
+                             coded, table=table, v4=any(len(f) > 4 for f in stored.files.values())
+                             or any(DECODED_CRC in name for name in stored.codecs))
 
 
 def publish(store: BlobStore, save_id: str, document: bytes, replaces: bool, sync: bool, checkpoint_id: str) -> None:

@@ -25,10 +25,10 @@ from typing import Optional
 import numpy as np
 import zstandard
 
-from ..errors import CorruptCheckpointError
+from ..errors import CheckpointError, CorruptCheckpointError
 from .chunk_codec import ChunkCodec, register_codec, too_large, value_limit
 
-__all__ = ["ByteGroupZstd", "NAME", "MAGIC", "HEADER", "encode_planes", "decoded_planes"]
+__all__ = ["ByteGroupZstd", "NAME", "MAGIC", "HEADER", "COMPRESSIONS", "compression_codec", "encode_planes", "decoded_planes"]
 
 NAME = "bytegroup.zstd/1"
 MAGIC = b"DCBG"
@@ -173,3 +173,21 @@ class ByteGroupZstd(ChunkCodec):
 
 
 register_codec(ByteGroupZstd())
+
+
+COMPRESSIONS = ("zstd",)
+
+
+def compression_codec(compression: Optional[str], level: Optional[int] = None) -> Optional[ChunkCodec]:
+    """The codec a writer's ``compression=`` and ``compression_level=`` name: None for none (the default),
+    byte-grouped zstd for ``"zstd"`` (level 1 unless given, zstd's -7 to 22)."""
+    if compression is None or compression == "none":
+        if level is not None:
+            raise CheckpointError(f"compression_level={level!r} without compression; pass compression='zstd' as well")
+        return None
+    if compression not in COMPRESSIONS:
+        raise CheckpointError(f"compression={compression!r} is not one distckpt writes; use one of {list(COMPRESSIONS)} or None")
+    level = 1 if level is None else level
+    if type(level) is not int or not -7 <= level <= 22:
+        raise CheckpointError(f"compression_level={level!r} is not a zstd level (an int from -7 to 22; 1 is the default)")
+    return ByteGroupZstd(level)

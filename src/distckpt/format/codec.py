@@ -33,7 +33,7 @@ from ..metadata import (
 )
 from . import BASE_FORMAT_VERSION_STR, CODEC_FORMAT_VERSION_STR, FORMAT_NAME, FORMAT_VERSION_STR, REFERENCE_FORMAT_VERSION_STR
 from .checksum import crc32c, format_crc
-from .chunk_codec import CODEC_SEPARATOR, IDENTITY
+from .chunk_codec import CODEC_SEPARATOR, DECODED_CRC, IDENTITY, split_recorded
 from .datafile import loads_json, quote
 from .dtypes import itemsize
 from .fields import MAX_INT as _MAX_INT
@@ -270,8 +270,13 @@ def bytes_row(at: Optional[tuple]) -> str:
 
 def codec_record(codec: str, length: int, tensor: bool) -> dict:
     """The record a chunk or value stored through ``codec`` carries (format 2.1): the codec's parts, and for a
-    tensor chunk the stored length (a value's is its location's)."""
-    return {"codec": codec.split(CODEC_SEPARATOR), "length": length} if tensor else {"codec": codec.split(CODEC_SEPARATOR)}
+    tensor chunk the stored length (a value's is its location's); format 4.0: the CRC-32C of the decoded bytes, where
+    the in-memory name carries one (:data:`~.chunk_codec.DECODED_CRC`)."""
+    name, crc = split_recorded(codec)
+    record: dict = {"codec": name.split(CODEC_SEPARATOR), "length": length} if tensor else {"codec": name.split(CODEC_SEPARATOR)}
+    if crc is not None:  # the CRC-32C of the decoded bytes (format 4.0)
+        record["crc32c"] = crc
+    return record
 
 
 def file_table(save_id: str, files: list) -> dict:
@@ -340,7 +345,12 @@ def encode_metadata(md: Metadata) -> bytes:
     else:
         storage = opaque_to(md.storage_data, "metadata storage_data", False)
     return metadata_document(sdm, storage, opaque_to(md.planner_data, "metadata planner_data", False), md.storage_meta,
-                             bool(coded), table, v4=fsd is not None and referencing)
+                             bool(coded), table, v4=fsd is not None and (referencing or _checks_decoded(fsd, coded)))
+
+
+def _checks_decoded(fsd: FileStorageData, coded: list) -> bool:
+    """Whether a codec record of the items ``coded`` holds the CRC-32C of decoded bytes (format 4.0)."""
+    return any(DECODED_CRC in fsd.items[index].codec for index in coded)
 
 
 _VERSION_AT_START = re.compile(rb'\{"format":"distckpt","format_version":"(\d{1,4}\.\d{1,4})"')

@@ -21,7 +21,8 @@ import torch
 
 from ..errors import CorruptCheckpointError
 from ..metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
-from .chunk_codec import CODEC_SEPARATOR
+from .checksum import format_crc
+from .chunk_codec import CODEC_SEPARATOR, DECODED_CRC
 from .dtypes import itemsize
 from .fields import MAX_INT, ints
 from .names import SAVE_ID, check_file_name
@@ -368,16 +369,22 @@ def inline_chunk(c: Any, fqn: str, size: torch.Size, width: int, locations: Chun
 
 
 def stored_codec(data: Any, tensor: bool, here: str) -> tuple[str, Optional[int]]:
-    """The codec record of an item (format 2.1): its codec's name and, for a tensor chunk, its stored length."""
+    """The codec record of an item (format 2.1): its codec's name and, for a tensor chunk, its stored length; format 4.0:
+    the name bound to the CRC-32C of the decoded bytes, where the record holds one."""
     want = {"codec", "length"} if tensor else {"codec"}
-    names = data.get("codec") if type(data) is dict and set(data) == want else None
+    names = data.get("codec") if type(data) is dict and set(data) in (want, want | {"crc32c"}) else None
     if not (type(names) is list and 0 < len(names) <= 16
             and all(type(n) is str and 0 < len(n) <= 200 and CODEC_SEPARATOR not in n for n in names)):
         raise CorruptCheckpointError(f"{here}: malformed codec record {data!r:.200}")
     length = data.get("length")
     if tensor and not (type(length) is int and 0 <= length <= MAX_INT):
         raise CorruptCheckpointError(f"{here}: malformed stored length {length!r:.40}")
-    return CODEC_SEPARATOR.join(names), length
+    name = CODEC_SEPARATOR.join(names)
+    if "crc32c" in data:  # the CRC-32C of the decoded bytes (format 4.0): carried in the name, as the writer names it
+        if not is_crc(data["crc32c"]):
+            raise CorruptCheckpointError(f"{here}: malformed decoded checksum {data['crc32c']!r:.40} in codec record")
+        name = f"{name}{DECODED_CRC}{format_crc(data['crc32c'])}"
+    return name, length
 
 
 _new = object.__new__
