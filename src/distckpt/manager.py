@@ -14,11 +14,13 @@ from . import backends
 from .async_saving import async_save
 from .backends.blob_storage import BlobStorageWriter
 from .distributed import Coordinator
-from .engine.blobs import RUNS, BlobStore
+from .engine.blobs import REFERENCES, RUNS, BlobStore
+from .engine.reuse import Reuse
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, InvalidStepError
 from .format.json_text import parse_json
 from .loading import load
 from .metadata import STATE_DICT_TYPE, Metadata
+from .run_references import RunFiles
 from .saving import save
 
 __all__ = ["CheckpointManager"]
@@ -61,6 +63,13 @@ class CheckpointManager:
             ``endpoint_url``, ``region_name``, ``part_size``...; for a
             directory, ``thread_count`` or ``sync_files``. The run's listing,
             cleanup and retention use them too.
+        incremental: write only what changed: a chunk whose bytes equal (by SHA-256) what this manager's previous
+            committed save stored for it is not written again; the new step references the stored bytes
+            (format 4.0). Every step still loads on its own, and retention keeps the files kept steps reference.
+            The first save of a manager, and one after a failed save, writes everything.
+        full_every: with ``incremental``, every K-th save writes every chunk (a step that references nothing).
+        compression: ``"zstd"``: every chunk stored byte-grouped and zstd-compressed (docs/format.md);
+            ``compression_level`` its level.
 
     Every rank constructs the manager and calls ``save``/``load`` together.
     Only committed checkpoints count: a save that crashed is invisible to
@@ -86,16 +95,26 @@ class CheckpointManager:
     def __init__(self, root: Union[str, os.PathLike], *, keep_last: Optional[int] = None, keep_every: Optional[int] = None,
                  process_group: Any = None, coordinator_rank: int = 0, cleanup: bool = True, read_only: bool = False,
                  storage_options: Optional[dict[str, Any]] = None, step_names: Optional[str] = None,
-                 no_dist: bool = False):
+                 no_dist: bool = False, incremental: bool = False, full_every: Optional[int] = None,
+                 compression: Optional[str] = None, compression_level: Optional[int] = None):
         if keep_last is not None and keep_last < 1:
             raise CheckpointError(f"keep_last must be at least 1, got {keep_last}")
         if keep_every is not None and keep_every < 1:
             raise CheckpointError(f"keep_every must be at least 1, got {keep_every}")
+        if full_every is not None and (not incremental or full_every < 1):
+            raise CheckpointError(f"full_every={full_every!r} needs incremental=True and is at least 1")
         self.root = os.fspath(root)
         self._url = "://" in self.root and not self.root.startswith("file://")
         self.storage_options = dict(storage_options or {})
+        if compression is not None or compression_level is not None:
+            self.storage_options.update(compression=compression, compression_level=compression_level)
         backends.check_options(self.root, self.storage_options)
+        self.incremental = incremental
+        self.full_every = full_every
+        self._previous: Optional[dict] = None  # this rank's fingerprints of its last committed save (engine/reuse.py)
+        self._since_full = 0
         self._store = _root_store(self.root, self.storage_options)
+        self._files = RunFiles(self._store)
         self.keep_last = keep_last
         self.keep_every = keep_every
         self.process_group = process_group
@@ -195,11 +214,32 @@ class CheckpointManager:
         kwargs.setdefault("storage_writer", self._writer())
         if self.no_dist:
             kwargs.setdefault("no_dist", True)
-        md = save(state_dict, checkpoint_id=path, process_group=self.process_group,
-                  coordinator_rank=self.coordinator_rank, **kwargs)
+        reuse = self._reuse(step, kwargs["storage_writer"])
+        try:
+            md = save(state_dict, checkpoint_id=path, process_group=self.process_group,
+                      coordinator_rank=self.coordinator_rank, **kwargs)
+        except BaseException:
+            self._previous = None  # whatever this save left, the next one writes every chunk
+            raise
+        self._committed(reuse)
         if self._coord.is_coordinator:
             self._retain_after_commit()
         return md
+
+    def _reuse(self, step: int, writer: Any) -> Optional[Reuse]:
+        """The incremental part of saving ``step`` through ``writer``: what the previous save stored, to reference."""
+        if not self.incremental or not isinstance(writer, BlobStorageWriter):
+            return None
+        full = self._previous is None or (self.full_every is not None and self._since_full + 1 >= self.full_every)
+        reuse = Reuse(self._name(step), {} if full else self._previous)
+        writer.reuse = reuse
+        self._previous = None  # until this save commits
+        return reuse
+
+    def _committed(self, reuse: Optional[Reuse]) -> None:
+        if reuse is not None:
+            self._since_full = 0 if not reuse.previous else self._since_full + 1
+            self._previous = reuse.fingerprints
 
     def _writable_path(self, step: int) -> str:
         if self.read_only:
@@ -218,9 +258,32 @@ class CheckpointManager:
         kwargs.setdefault("storage_writer", self._writer())
         if self.no_dist:
             kwargs.setdefault("no_dist", True)
-        return async_save(state_dict, checkpoint_id=self._writable_path(step), process_group=self.process_group,
-                          coordinator_rank=self.coordinator_rank,
-                          on_commit=(lambda _md: self._retain_after_commit()) if is_coordinator else None, **kwargs)
+        if self.incremental:
+            self._wait_for_previous_async()
+        reuse = self._reuse(step, kwargs["storage_writer"])
+
+        def on_commit(_md: Any) -> None:
+            self._committed(reuse)
+            if is_coordinator:
+                self._retain_after_commit()
+
+        try:
+            handle = async_save(state_dict, checkpoint_id=self._writable_path(step), process_group=self.process_group,
+                                coordinator_rank=self.coordinator_rank, on_commit=on_commit, **kwargs)
+        except BaseException:
+            self._previous = None
+            raise
+        self._in_flight = handle
+        return handle
+
+    def _wait_for_previous_async(self) -> None:
+        """An incremental save builds on the previous one: wait for it to commit (or fail: then this one is full)."""
+        handle, self._in_flight = getattr(self, "_in_flight", None), None
+        if handle is not None:
+            try:
+                handle.result()
+            except BaseException:  # noqa: BLE001 - reported on that save's handle; here it only means a full save
+                self._previous = None
 
     def load(self, state_dict: STATE_DICT_TYPE, step: Optional[int] = None, **kwargs: Any) -> int:
         """Load checkpoint ``step`` (default: the newest committed) into ``state_dict``; return the step."""
@@ -264,12 +327,14 @@ class CheckpointManager:
             raise CheckpointError(f"CheckpointManager({self.root!r}, read_only=True) does not delete checkpoints")
         steps = self.all_steps()
         keep = self.steps_to_keep(steps)
-        removed = []
-        for step in steps:
-            if step not in keep:
-                self._delete(step)
-                removed.append(step)
-        return removed
+        gone = [step for step in steps if step not in keep]
+        if not gone:
+            return []
+        kept = self._files.kept_files([self._name(step) for step in sorted(keep)])
+        for step in gone:
+            self._files.delete(self._name(step), kept)
+        self._sweep(kept)
+        return gone
 
     def delete(self, step: int) -> None:
         """Delete committed checkpoint ``step`` of this run (one already gone is no error). It disappears whole (a
@@ -279,7 +344,16 @@ class CheckpointManager:
         self._delete(step)
 
     def _delete(self, step: int) -> None:
-        self._store.child(self._name(step)).remove()
+        name = self._name(step)
+        others = [self._name(s) for s in self.all_steps() if s != step]
+        kept = self._files.kept_files(others)
+        self._files.delete(name, kept)
+        self._sweep(kept)
+
+    def _sweep(self, kept: Optional[dict]) -> None:
+        """Remove what retired steps hold that no kept step references (only with every kept step's table read)."""
+        if kept is not None and REFERENCES in self._store.capabilities:
+            self._store.remove_incomplete_below("step-", kept)
 
     def remove_stale_temporaries(self) -> list[str]:
         """Remove what crashed saves and deletions left behind under ``root``; return what was removed.
@@ -288,7 +362,10 @@ class CheckpointManager:
         """
         if self.read_only:
             raise CheckpointError(f"CheckpointManager({self.root!r}, read_only=True) does not clean up")
-        return self._store.remove_incomplete_below("step-")
+        if REFERENCES not in self._store.capabilities:
+            return self._store.remove_incomplete_below("step-")
+        kept = self._files.kept_files([self._name(step) for step in self.all_steps()])
+        return self._store.remove_incomplete_below("step-", kept)
 
 
 def _step_name(step: Any, names: str = "padded") -> str:

@@ -25,6 +25,7 @@ from ..engine.blobs import BlobStore
 from ..engine.commit import columns_document, objects_document, publish
 from ..engine.read import read_items
 from ..engine.references import data_files
+from ..engine.reuse import Reuse
 from ..engine.shared_reads import SharedReads
 from ..engine.shared_verification import SharedVerification
 from ..engine.write import identity_codec, write_file
@@ -137,6 +138,8 @@ class BlobStorageWriter(_Located, StorageWriter):
         self.store: Optional[BlobStore] = None  # this save's store, from set_up_storage_writer
         self.save_id: Optional[str] = None
         self.committed_save_id: Optional[str] = None
+        # an incremental save (engine/reuse.py): unchanged chunks are referenced in the previous step, not written
+        self.reuse: Optional[Reuse] = None
         self._lease: Optional[Lease] = None
 
     def _replaces(self) -> bool:
@@ -194,7 +197,7 @@ class BlobStorageWriter(_Located, StorageWriter):
         staging.prepare()
         results = write_file(staging, sd["file"], sd["save_id"], sd["rank"], plan, planner,
                              threads=self.thread_count or knobs.io_threads(), sync=self._sync(),
-                             is_coordinator=self.is_coordinator, codec_of=self._codec_of())
+                             is_coordinator=self.is_coordinator, codec_of=self._codec_of(), reuse=self.reuse)
         return done(results)
 
     def _codec_of(self):

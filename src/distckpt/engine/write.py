@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Optional
+from typing import Callable, Container, Optional
 
 import numpy as np
 import torch
@@ -25,6 +25,7 @@ from ..storage import WriteResult
 from .blobs import BlobStore, BlobWriter
 from .budget import ByteBudget
 from .device_copy import PendingCopies, caller_streams, to_host
+from .reuse import Reuse, Stored, chunk_key, digests
 from .tensor_bytes import flat_bytes, host_bytes, is_lazy_view, memory_at
 from .windows import windows
 
@@ -41,7 +42,7 @@ def identity_codec(fqn: str) -> ChunkCodec:
 
 def write_file(store: BlobStore, name: str, save_id: str, rank: int, plan: SavePlan, planner: SavePlanner,
                *, threads: int, sync: bool, is_coordinator: bool = True,
-               codec_of: Callable[[str], ChunkCodec] = identity_codec) -> list[WriteResult]:
+               codec_of: Callable[[str], ChunkCodec] = identity_codec, reuse: Optional[Reuse] = None) -> list[WriteResult]:
     """Write one rank's items into data files; return a WriteResult per item, plus a FileResult per file.
 
     Items keep plan order and are split into up to ``threads`` contiguous runs
@@ -55,18 +56,23 @@ def write_file(store: BlobStore, name: str, save_id: str, rank: int, plan: SaveP
     from a planner that declares :func:`~distckpt.capabilities.resolves_columns`, is written from the
     columns, through any codec: no item object is built, and the results come as :class:`ColumnResults`
     (the same WriteResults, built when read). Any other plan is written item by item.
+
+    With ``reuse`` (an incremental save, :mod:`.reuse`), an item whose bytes hash as its fingerprint from the
+    previous save is not written: its result points at the stored bytes, in a data file of another checkpoint.
     """
-    return _RankWrite(store, save_id, rank, plan, planner, threads, sync, is_coordinator, codec_of).run(name)
+    return _RankWrite(store, save_id, rank, plan, planner, threads, sync, is_coordinator, codec_of, reuse).run(name)
 
 
 def _entries(plan: SavePlan, planner: SavePlanner, codecs: list[ChunkCodec],
-             threads: int) -> tuple[list[Entry], list[Optional[bytes]]]:
+             threads: int, skip: Container[int] = ()) -> tuple[list[Entry], list[Optional[bytes]]]:
     """Each item's data-file entry, and the bytes of each item stored as a byte entry (None for tensors
     written from their memory); ``codecs`` becomes what each item is recorded as stored through."""
     encoding = _Encoding(codecs, threads)
     for i, (item, codec) in enumerate(zip(plan.items, codecs)):
         fqn, offsets = item.index.fqn, tuple(item.index.offset or ())
-        if item.type == WriteItemType.BYTE_IO:
+        if i in skip:
+            encoding.plain(i, _UNWRITTEN)
+        elif item.type == WriteItemType.BYTE_IO:
             encoding.value(i, fqn, planner.resolve_data(item).getvalue(), codec)
         elif not codec.identity:
             tensor = planner.resolve_data(item)
@@ -81,12 +87,15 @@ def _entries(plan: SavePlan, planner: SavePlanner, codecs: list[ChunkCodec],
     return encoding.finish()
 
 
-def _column_entries(cols: WriteColumns, codecs: list[ChunkCodec], threads: int) -> tuple[list[Entry], list[Optional[bytes]]]:
+def _column_entries(cols: WriteColumns, codecs: list[ChunkCodec], threads: int,
+                    skip: Container[int] = ()) -> tuple[list[Entry], list[Optional[bytes]]]:
     """:func:`_entries` of a plan's columns."""
     encoding = _Encoding(codecs, threads)
     for i, (fqn, code, dtype, offsets, sizes, nbytes, data, codec) in enumerate(zip(
             cols.fqn, cols.code, cols.dtype, cols.offsets, cols.sizes, cols.nbytes, cols.data, codecs)):
-        if code == BYTES:
+        if i in skip:
+            encoding.plain(i, _UNWRITTEN)
+        elif code == BYTES:
             encoding.value(i, fqn, data, codec)
         elif not codec.identity:
             encoding.tensor(i, entry_name(fqn, offsets), data, dtype, tuple(sizes), codec)
@@ -169,6 +178,9 @@ def _encode(codec: ChunkCodec, data: memoryview, width: int) -> tuple[bytes, Chu
     return stored, codec.expecting(crc32c(data)) if codec.decoded_crc else codec
 
 
+_UNWRITTEN = Entry("", VALUE_FORM, (0,), 0)  # an item an incremental save references instead of writing
+
+
 def _file_entries(entries: list[Entry], members: list[int]) -> list[Entry]:
     """The entries of one file: a key may itself look like "<key>@<offsets>", so names are made unique."""
     local, names = [], set()
@@ -185,20 +197,27 @@ class _RankWrite:
     """One rank's write: its entries, how they split into files, and where each item landed."""
 
     def __init__(self, store: BlobStore, save_id: str, rank: int, plan: SavePlan, planner: SavePlanner,
-                 threads: int, sync: bool, is_coordinator: bool, codec_of: Callable[[str], ChunkCodec]) -> None:
+                 threads: int, sync: bool, is_coordinator: bool, codec_of: Callable[[str], ChunkCodec],
+                 reuse: Optional[Reuse] = None) -> None:
         self.store, self.save_id, self.rank, self.plan, self.planner, self.sync = store, save_id, rank, plan, planner, sync
         items = plan.items
         self.columns = items if isinstance(items, WriteColumns) and items.intact and resolves_in_bulk(planner) else None
+        self.reuse, self.keys, self.digests, self.reused = reuse, [], [], {}
+        if reuse is not None:
+            self.find_unchanged(reuse, threads)
         if self.columns is not None:
             self.codecs = [codec_of(fqn) for fqn in self.columns.fqn]
-            self.entries, self.payloads = _column_entries(self.columns, self.codecs, threads)
+            self.entries, self.payloads = _column_entries(self.columns, self.codecs, threads, self.reused)
         else:
             self.codecs = [codec_of(item.index.fqn) for item in items]
-            self.entries, self.payloads = _entries(plan, planner, self.codecs, threads)
+            self.entries, self.payloads = _entries(plan, planner, self.codecs, threads, self.reused)
         n = len(self.entries)
         self.crcs, self.offsets, self.item_file = [0] * n, [0] * n, [""] * n
         total = sum(e.nbytes for e in self.entries)
-        self.groups = split_runs([e.nbytes for e in self.entries], max(1, min(threads, total // knobs.min_file_bytes())))
+        written = [i for i in range(n) if i not in self.reused]
+        runs = split_runs([self.entries[i].nbytes for i in written], max(1, min(threads, total // knobs.min_file_bytes())))
+        # a rank whose every item is unchanged writes no file at all
+        self.groups = [[written[j] for j in run] for run in runs] if written or not self.reused else []
         # the files' writers split half the memory budget for their buffers (direct I/O's bounce buffers, an object
         # store's parts); host copies of tensors get what the writers leave
         limit = knobs.memory_budget_bytes()
@@ -207,30 +226,81 @@ class _RankWrite:
         self.streams = caller_streams()  # device copies happen in worker threads, ordered on the caller's stream
         self.progress = Progress("save", total, is_coordinator)
 
+    def find_unchanged(self, reuse: Reuse, threads: int) -> None:
+        """Hash every item, and mark those whose fingerprint from the previous save matches (``self.reused``)."""
+        if self.columns is not None:
+            cols = self.columns
+            self.keys = [chunk_key(f, None if c == BYTES else o, None if c == BYTES else s, None if c == BYTES else d)
+                         for f, c, o, s, d in zip(cols.fqn, cols.code, cols.offsets, cols.sizes, cols.dtype)]
+            data = list(zip(cols.data, cols.dtype))
+        else:
+            data = []
+            for item in self.plan.items:
+                value = self.planner.resolve_data(item)
+                if item.type == WriteItemType.BYTE_IO:
+                    self.keys.append(chunk_key(item.index.fqn, None, None, None))
+                    data.append((value, None))
+                else:
+                    td = item.tensor_data
+                    self.keys.append(chunk_key(item.index.fqn, tuple(item.index.offset or ()), tuple(td.chunk.sizes),
+                                               td.properties.dtype))
+                    data.append((value, td.properties.dtype))
+        self.digests = digests(data, threads)
+        for i, (key, digest) in enumerate(zip(self.keys, self.digests)):
+            before = reuse.previous.get(key)
+            if before is not None and before.digest == digest:
+                self.reused[i] = before
+
     def run(self, name: str) -> list[WriteResult]:
         stem = name[: -len(".safetensors")] if name.endswith(".safetensors") else name
         names = [name] + [f"{stem}-{g}.safetensors" for g in range(1, len(self.groups))]
         if len(self.groups) == 1:
             files = [self.write_one_file(name, self.groups[0])]
         else:
-            with ThreadPoolExecutor(len(self.groups), thread_name_prefix="distckpt-write") as pool:
+            with ThreadPoolExecutor(max(1, len(self.groups)), thread_name_prefix="distckpt-write") as pool:
                 futures = [pool.submit(self.write_one_file, n, g) for n, g in zip(names, self.groups)]
                 files = [f.result() for f in futures]
         self.progress.close()
+        rows = [[file_name, size, self.rank, lead_crc] for file_name, size, lead_crc in files]
+        lengths = [e.nbytes for e in self.entries]
+        codec_names = [c.name for c in self.codecs]
+        for i, st in self.reused.items():  # unchanged since the previous save: where its bytes are stored already
+            self.item_file[i], self.offsets[i], lengths[i], self.crcs[i], codec_names[i] = (
+                st.table_name(), st.offset, st.length, st.crc32c, st.codec)
+        referenced = {st.table_name(): st.file_info() for st in self.reused.values()}
+        rows += [[n, info.size, info.rank, info.header_crc32c, info.save_id] for n, info in sorted(referenced.items())]
+        if self.reuse is not None:
+            self.remember(rows, lengths, codec_names)
         if self.columns is not None:
-            number = {file_name: i for i, (file_name, _, _) in enumerate(files)}
+            number = {row[0]: i for i, row in enumerate(rows)}
             codec_no: dict[str, int] = {}
-            codec = np.array([codec_no.setdefault(c.name, len(codec_no)) for c in self.codecs], dtype=np.int64)
+            codec = np.array([codec_no.setdefault(c, len(codec_no)) for c in codec_names], dtype=np.int64)
             return ColumnResults(ResultColumns(
-                [[file_name, size, self.rank, lead_crc] for file_name, size, lead_crc in files],
-                np.array([number[f] for f in self.item_file], dtype=np.int64), np.array(self.offsets, dtype=np.int64),
-                np.array([e.nbytes for e in self.entries], dtype=np.int64), np.array(self.crcs, dtype=np.int64),
+                rows, np.array([number[f] for f in self.item_file], dtype=np.int64), np.array(self.offsets, dtype=np.int64),
+                np.array(lengths, dtype=np.int64), np.array(self.crcs, dtype=np.int64),
                 list(codec_no) or [IDENTITY.name], codec), self.columns)
         results: list[WriteResult] = [
-            WriteResult(item.index, e.nbytes, StorageInfo(f, off, e.nbytes, c, codec.name))
-            for item, e, off, c, f, codec in zip(self.plan.items, self.entries, self.offsets, self.crcs, self.item_file, self.codecs)]
-        results += [FileResult.of(file_name, FileInfo(size, self.rank, lead_crc)) for file_name, size, lead_crc in files]
+            WriteResult(item.index, ln, StorageInfo(f, off, ln, c, codec))
+            for item, ln, off, c, f, codec in zip(self.plan.items, lengths, self.offsets, self.crcs, self.item_file, codec_names)]
+        results += [FileResult.of(row[0], FileInfo(*row[1:])) for row in rows]
         return results
+
+    def remember(self, rows: list, lengths: list[int], codec_names: list[str]) -> None:
+        """This save's fingerprints, for the next save of the run once this one commits."""
+        reuse = self.reuse
+        own = {row[0]: FileInfo(row[1], row[2], row[3]) for row in rows if len(row) == 4}
+        fingerprints = {}
+        for i, key in enumerate(self.keys):
+            st = self.reused.get(i)
+            if st is None:
+                name = self.item_file[i]
+                st = Stored(reuse.checkpoint, name, self.save_id, own[name], self.offsets[i], lengths[i], self.crcs[i],
+                            codec_names[i], self.digests[i])
+                reuse.written_bytes += lengths[i]
+            else:
+                reuse.referenced_bytes += lengths[i]
+            fingerprints[key] = st
+        reuse.fingerprints = fingerprints
 
     def write_one_file(self, file_name: str, members: list[int]) -> tuple[str, int, int]:
         """Write the items ``members`` into ``file_name``; return its name, size and header checksum."""
