@@ -27,3 +27,18 @@ def sharded_full() -> dict:
         "col": torch.arange(30, dtype=torch.int64).reshape(3, 10),
         "rep": torch.full((3, 3), 9.0),
     }
+
+
+def compressed_state() -> dict:
+    """What the compressed 4.0 golden checkpoint holds: plain_state, and tensors large enough for byte-grouped zstd to
+    shrink (the plain ones are too small, and are stored as they are)."""
+    wave = torch.sin(torch.arange(8192, dtype=torch.float64) * 0.37) * 0.02
+    return {
+        **plain_state(),
+        "z_bf16": wave.to(torch.bfloat16).reshape(64, 128),
+        "z_f32": wave.to(torch.float32),
+        "z_f64": wave[:1024].clone(),
+        "z_c64": torch.complex(wave[:2048], wave[2048:4096]).to(torch.complex64),
+        "z_ids": torch.arange(4096, dtype=torch.int64) * 3,
+        "z_text": {"notes": "compressed " * 64},
+    }

@@ -4,7 +4,8 @@ Run once per released format version: python tests/golden/make_golden.py
 Existing directories are never overwritten. 3.0 is what a save writes by
 default; 2.1 is written when every tensor goes through a chunk codec, so its
 golden checkpoints are saved through ZStandard. (2.0, a save with neither a
-table of whole tensors nor a codec, was written by earlier releases.)
+table of whole tensors nor a codec, was written by earlier releases.) 4.0's
+``compressed`` is saved with compression="zstd".
 """
 
 import json
@@ -17,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 import distckpt  # noqa: E402
 from distckpt.format import CODEC_FORMAT_VERSION_STR, FORMAT_VERSION_STR  # noqa: E402
 from distckpt.testing import run_ranks  # noqa: E402
-from tests.golden.expected import plain_state, sharded_full  # noqa: E402
+from tests.golden.expected import compressed_state, plain_state, sharded_full  # noqa: E402
 
 
 def _writer(path, compressed):
@@ -54,6 +55,13 @@ def main():
             with open(os.path.join(path, "metadata.json"), "rb") as f:
                 assert json.loads(f.read())["format_version"] == version, path
         print(f"golden checkpoints in {root}")
+    compressed = os.path.join(HERE, "v4.0", "compressed")  # byte-grouped zstd chunks (docs/format.md, 3.5)
+    if not os.path.exists(compressed):
+        os.makedirs(os.path.dirname(compressed), exist_ok=True)
+        distckpt.save(compressed_state(), storage_writer=distckpt.FileSystemWriter(compressed, compression="zstd"))
+    with open(os.path.join(compressed, "metadata.json"), "rb") as f:
+        assert json.loads(f.read())["format_version"] == "4.0", compressed
+    print(f"golden checkpoint in {compressed}")
 
 
 if __name__ == "__main__":
