@@ -348,8 +348,12 @@ class S3Store(BlobStore):
             except CheckpointError:
                 pass  # a lease is there already, left by the save itself: it names a dead process just the same
         self._delete_prefix(self.key(METADATA_FILE), exact=True)
-        self._delete_prefix(f"{self.prefix}/{SAVES}/")
-        self._delete_prefix(self.prefix + "/")
+        # an earlier save of this name that retention retired keeps its objects: later steps reference them
+        start = len(self.prefix) + 1
+        retired = {k[start:].split("/", 1)[1] for k in self._keys(f"{self.prefix}/{RETIRED}/")}
+        kept = tuple(f"{SAVES}/{save_id}/" for save_id in retired) + (f"{RETIRED}/",)
+        self._delete_keys([k for k in self._keys(f"{self.prefix}/{SAVES}/") if not k[start:].startswith(kept)], self.prefix)
+        self._delete_keys([k for k in self._keys(self.prefix + "/") if not k[start:].startswith(kept)], self.prefix)
         if lease is not None:
             lease.release()
 
@@ -364,9 +368,16 @@ class S3Store(BlobStore):
         A marker (``retired/<save id>``) tells cleanup that what is left is kept on purpose, not a dead save's."""
         self._put(f"{RETIRED}/{_checked_save_id(save_id, self.describe())}", b"")
         self._delete_prefix(self.key(METADATA_FILE), exact=True)
+        self._prune_retired(save_id, keep)
+
+    def _prune_retired(self, save_id: str, keep: set) -> None:
+        """Delete the objects of retired save ``save_id`` not in ``keep``; the marker goes with the last of them."""
         data = self.staging(save_id)
         start = len(data.prefix) + 1
-        self._delete_keys([k for k in self._keys(data.prefix + "/") if k[start:] not in keep], data.prefix + "/")
+        found = list(self._keys(data.prefix + "/"))
+        self._delete_keys([k for k in found if k[start:] not in keep], data.prefix + "/")
+        if not any(k[start:] in keep for k in found):
+            self._delete_prefix(self.key(f"{RETIRED}/{save_id}"), exact=True)
 
     def remove_incomplete_below(self, prefix: str = "", keep: Optional[dict] = None) -> list[str]:
         removed = []
@@ -374,17 +385,13 @@ class S3Store(BlobStore):
             child = self.child(name)
             for save_id in child._uncommitted_save_ids():
                 staging = child.staging(save_id)
+                if child.exists(f"{RETIRED}/{save_id}"):  # a retired step's: no save is writing there
+                    if keep is not None:
+                        child._prune_retired(save_id, keep.get((name, save_id), set()))
+                    continue
                 if not save_is_dead(child, save_id, staging._age()):
                     continue
-                kept = None if keep is None else keep.get((name, save_id))
-                if kept or (keep is None and child.exists(f"{RETIRED}/{save_id}")):
-                    if kept:  # a retired step's objects that kept steps still reference stay
-                        start = len(staging.prefix) + 1
-                        child._delete_keys([k for k in child._keys(staging.prefix + "/") if k[start:] not in kept],
-                                           staging.prefix + "/")
-                    continue
                 child.discard(staging)
-                child._delete_prefix(child.key(f"{RETIRED}/{save_id}"), exact=True)
                 child.drop_lease(save_id)
                 removed.append(staging.describe())
             committed = child._committed_save_id()

@@ -1,0 +1,89 @@
+"""Incremental saves under the run model of test_manager.py: random saves, crashes at every fault point of a save and of
+its retention, disk-full errors and restarts; after each step every kept step loads bit-exact, and nothing is left
+behind but the files kept steps reference."""
+
+import json
+import os
+
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import initialize, invariant, rule
+
+import distckpt
+
+from .test_manager import ManagerMachine
+
+TENSORS = 6
+
+
+def incremental_state(step: int) -> dict:
+    """Tensor i changes every i+1 steps ("w", i = 0, at every step): most of a save is unchanged since the last."""
+    sd = {"w": torch.full((64,), float(step)), "step": step}
+    for i in range(1, TENSORS):
+        sd[f"t{i}"] = torch.arange(48, dtype=torch.float32) + float(step // (i + 1)) * 1000 + i
+    sd["half"] = torch.full((5, 3), float(step // 4), dtype=torch.bfloat16)
+    return sd
+
+
+def referenced_by_committed(root: str, steps: list) -> set:
+    """(checkpoint, save id, file) of every data file the committed ``steps``' tables reference."""
+    out = set()
+    for name in steps:
+        with open(os.path.join(root, name, "metadata.json"), "rb") as f:
+            files = json.loads(f.read())["storage_data"]["$files"]["files"]
+        out |= {(row[0].split("/")[0], row[4], row[0].split("/")[1]) for row in files if len(row) == 5}
+    return out
+
+
+class IncrementalMachine(ManagerMachine):
+    @initialize(keep_last=st.one_of(st.none(), st.integers(1, 3)), keep_every=st.one_of(st.none(), st.integers(2, 5)),
+                full_every=st.one_of(st.none(), st.integers(2, 4)))
+    def start(self, keep_last, keep_every, full_every):
+        self.keep_last, self.keep_every, self.full_every = keep_last, keep_every, full_every
+        self.mgr = self.manager()
+
+    def manager(self):
+        return distckpt.CheckpointManager(self.root, keep_last=self.keep_last, keep_every=self.keep_every,
+                                          incremental=True, full_every=self.full_every)
+
+    def _state(self, step):
+        return incremental_state(step)
+
+    @rule()
+    def restart(self):
+        self.mgr = self.manager()
+        assert not self.leftovers(), "stale temporaries or unreferenced retired files survived a restart"
+
+    @rule()
+    def explicit_retention(self):
+        self.mgr.apply_retention()
+
+    def leftovers(self) -> list:
+        names = [n for n in os.listdir(self.root) if n.startswith(".")]
+        steps = [self.mgr._name(s) for s in self.mgr.all_steps()]
+        wanted = referenced_by_committed(self.root, steps)
+        out = []
+        for n in names:
+            if "retired" not in n:
+                out.append(n)
+                continue
+            base = bytes.fromhex(n.split("-retired-", 1)[1].split("-", 1)[0]).decode()
+            save_id = n.rsplit("-", 1)[1]
+            out += [f"{n}/{f}" for f in os.listdir(os.path.join(self.root, n)) if (base, save_id, f) not in wanted]
+        return out
+
+    @invariant()
+    def every_kept_step_loads_bit_exact(self):
+        if not hasattr(self, "mgr"):
+            return
+        for step in self.mgr.all_steps():
+            want = self._state(step)
+            out = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else -1 for k, v in want.items()}
+            distckpt.load(out, checkpoint_id=self.mgr.path(step))
+            for k, v in want.items():
+                assert (torch.equal(out[k], v) if isinstance(v, torch.Tensor) else out[k] == v), (step, k)
+
+
+TestIncrementalMachine = IncrementalMachine.TestCase
+TestIncrementalMachine.settings = settings(max_examples=30, stateful_step_count=16, deadline=None)

@@ -1,0 +1,84 @@
+"""Incremental saves on a real S3-compatible server: the run model with crashes and restarts (the state machine of
+tests/crash/test_incremental_machine.py), and a retired step's referenced objects kept until nothing references them."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import torch
+from hypothesis import settings
+
+import distckpt
+
+from ..crash.test_incremental_machine import IncrementalMachine, incremental_state
+from .test_s3 import keys, pending_uploads
+
+_RUN: dict = {}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _run_bucket(client, bucket):
+    _RUN.update(client=client, bucket=bucket)
+
+
+def _referenced(mgr) -> set:
+    out = set()
+    for step in mgr.all_steps():
+        files = distckpt.read_metadata(mgr.path(step)).storage_data.files
+        out |= {(name.split("/")[0], info.save_id, name.split("/")[1]) for name, info in files.items() if info.save_id}
+    return out
+
+
+def stray_objects(root: str, mgr) -> list:
+    """Objects under ``root`` that are neither a committed checkpoint's nor a retired step's that a kept step
+    references (with its marker), and open uploads."""
+    client, bucket = _RUN["client"], _RUN["bucket"]
+    prefix = root.split("/", 3)[3]
+    live = {mgr._name(s): distckpt.read_metadata(mgr.path(s)).storage_meta.save_id for s in mgr.all_steps()}
+    wanted = _referenced(mgr)
+    kept_saves = {(step, save_id) for step, save_id, _ in wanted}
+    stray = []
+    for key in keys(client, bucket, prefix):
+        step, _, rest = key.partition("/")
+        if step in live and (rest == "metadata.json" or rest.startswith(f"saves/{live[step]}/")):
+            continue
+        parts = rest.split("/")
+        if len(parts) == 3 and parts[0] == "saves" and (step, parts[1], parts[2]) in wanted:
+            continue
+        if len(parts) == 2 and parts[0] == "retired" and (step, parts[1]) in kept_saves:
+            continue
+        stray.append(key)
+    return stray + [u["Key"] for u in pending_uploads(client, bucket, prefix)]
+
+
+class S3IncrementalMachine(IncrementalMachine):
+    def new_root(self):
+        return f"s3://{_RUN['bucket']}/inc-{uuid.uuid4().hex[:10]}"
+
+    def leftovers(self):
+        return stray_objects(self.root, self.mgr)
+
+    def remove_root(self):
+        pass
+
+
+TestS3IncrementalMachine = S3IncrementalMachine.TestCase
+TestS3IncrementalMachine.settings = settings(max_examples=10, stateful_step_count=12, deadline=None)
+
+
+def test_a_retired_steps_objects_stay_while_referenced_then_go(bucket):
+    root = f"s3://{bucket}/inc-retire-{uuid.uuid4().hex[:8]}"
+    mgr = distckpt.CheckpointManager(root, keep_last=1, incremental=True)
+    for step in (1, 2, 3):
+        mgr.save(step, incremental_state(step))
+    assert mgr.all_steps() == [3]
+    assert stray_objects(root, mgr) == []
+    assert any(name.startswith("step-0000000001/") for name in distckpt.read_metadata(mgr.path(3)).storage_data.files)
+    out = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else -1 for k, v in incremental_state(3).items()}
+    mgr.load(out, step=3)
+    assert all(torch.equal(out[k], v) if isinstance(v, torch.Tensor) else out[k] == v for k, v in incremental_state(3).items())
+    full = distckpt.CheckpointManager(root, keep_last=1)  # a manager that is not incremental: a full save, then retention
+    full.save(4, incremental_state(4))
+    assert full.all_steps() == [4]
+    assert [k for k in keys(_RUN["client"], bucket, root.split("/", 3)[3]) if not k.startswith("step-0000000004/")] == []
