@@ -116,7 +116,14 @@ def test_sigterm_after_a_failed_save_persists_the_newest_step_whole_everywhere(t
 
 def test_sigkill_anywhere_in_a_save_never_restores_a_mixed_step(tmp_path, durable_env):
     """The whole job is SIGKILLed at points spread over local writes, replication and persisting (every node keeps
-    its memory tier); the restore then takes a step whose every byte is that step's, on every rank."""
+    its memory tier); the restore then takes a step whose every byte is that step's, on every rank. Of four equal
+    stretches of the run, the first (early steps, local writes) and the last (replication and persisting); all four
+    and eight more under --run-slow."""
+    _sigkill_sweep(tmp_path, durable_env, kills=4, seed=23, stretches=(0, 3))
+
+
+@pytest.mark.slow
+def test_every_stretch_of_sigkills_never_restores_a_mixed_step(tmp_path, durable_env):
     _sigkill_sweep(tmp_path, durable_env, kills=4, seed=23)
 
 
@@ -125,18 +132,19 @@ def test_many_sigkills_never_restore_a_mixed_step(tmp_path, durable_env):
     _sigkill_sweep(tmp_path, durable_env, kills=12, seed=24)
 
 
-def _sigkill_sweep(tmp_path, durable_env, kills, seed):
+def _sigkill_sweep(tmp_path, durable_env, kills, seed, stretches=None):
     import random
     import time
 
     rng = random.Random(seed)
+    offsets = [rng.random() for _ in range(kills)]  # drawn for every stretch, so a subset kills at the same times
     with Cluster(str(tmp_path / "c"), nodes=2, ranks_per_node=2) as cluster:
         reference = cluster.run(TRAIN, env=durable_env, run="ref", steps=6, extra_mb=16, timeout_s=300)
-        for i in range(kills):
+        for i in stretches if stretches is not None else range(kills):
             run = f"sweep{i}"
             job = cluster.launch(TRAIN, env=durable_env, run=run, steps=6, persist_every=2, extra_mb=16)
             # past start-up, somewhere in the steps and their saves: one kill in each of ``kills`` equal stretches
-            time.sleep(6.0 + 8.0 * (i + rng.random()) / kills)
+            time.sleep(6.0 + 8.0 * (i + offsets[i]) / kills)
             job.stop()
             for p in job.procs.values():
                 p.wait(timeout=60)
