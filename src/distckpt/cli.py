@@ -139,7 +139,8 @@ def verify_cmd(checkpoint: str, quiet: bool) -> None:
     if quiet:
         return
     if report.checksums:
-        click.echo(f"ok: {report.keys} keys in {report.files} file(s), {_human(report.bytes_checked)} checked against their checksums")
+        click.echo(f"ok: {report.keys} keys in {report.files} file(s), {_human(report.bytes_checked)} checked against their checksums"
+                   f"{_stored_text(report.stored)}")
     else:
         click.echo(f"ok: {report.keys} keys in {report.files} file(s): a {report.written_by} checkpoint, whose metadata and the "
                    f"place of every key in its files were checked; {report.written_by} records no checksums, so its bytes "
@@ -147,6 +148,21 @@ def verify_cmd(checkpoint: str, quiet: bool) -> None:
 
 
 _FORMATS = ("dcp", "safetensors", "torch-save", "hf")
+
+
+def _stored_text(stored) -> str:
+    """What an incremental or compressed checkpoint stores where: empty for one that is neither."""
+    parts = []
+    if stored.referenced:
+        parts.append(f"{_human(stored.written)} written by this save, {_human(stored.referenced)} referenced in earlier steps")
+    if stored.decoded != stored.stored:
+        parts.append(f"compression ratio {stored.compression_ratio:.2f} ({_human(stored.decoded)} as loaded)")
+    return "; " + "; ".join(parts) if parts else ""
+
+
+def _stored_row(stored) -> dict:
+    return {"written": stored.written, "referenced": stored.referenced, "decoded": stored.decoded,
+            "compression_ratio": round(stored.compression_ratio, 4)}
 
 
 @main.command()
@@ -223,6 +239,8 @@ def steps(root: str, as_json: bool, clean: bool) -> None:
     if "://" not in root and not os.path.isdir(root):  # listing must not create the directory
         click.echo(f"error: {root!r} is not a directory", err=True)
         sys.exit(NOT_FOUND)
+    from .stored_bytes import stored_bytes
+
     try:
         mgr = distckpt.CheckpointManager(root, cleanup=False, read_only=not clean)
         removed = mgr.remove_stale_temporaries() if clean else []
@@ -235,7 +253,7 @@ def steps(root: str, as_json: bool, clean: bool) -> None:
                 continue
             files = getattr(md.storage_data, "files", {})
             rows.append({"step": step, "checkpoint": mgr.path(step), "bytes": sum(f.size for f in files.values()),
-                         "keys": len(md.state_dict_metadata)})
+                         "keys": len(md.state_dict_metadata), **_stored_row(stored_bytes(md))})
     except CheckpointError as exc:
         click.echo(f"error: {_shown(str(exc))}", err=True)
         sys.exit(_code(exc))
@@ -253,7 +271,12 @@ def steps(root: str, as_json: bool, clean: bool) -> None:
         if "damaged" in r:
             click.echo(f"step {r['step']:>10}  {'DAMAGED':>10}  {_shown(r['damaged'])}  {_shown(r['checkpoint'])}{newest}")
         else:
-            click.echo(f"step {r['step']:>10}  {_human(r['bytes']):>10}  {r['keys']} key(s)  {_shown(r['checkpoint'])}{newest}")
+            extra = ""
+            if r["referenced"]:
+                extra += f"  written {_human(r['written'])}, referenced {_human(r['referenced'])}"
+            if r["decoded"] != r["written"] + r["referenced"]:
+                extra += f"  compression {r['compression_ratio']:.2f}x"
+            click.echo(f"step {r['step']:>10}  {_human(r['bytes']):>10}  {r['keys']} key(s){extra}  {_shown(r['checkpoint'])}{newest}")
     sys.exit(1 if damaged else 0)
 
 

@@ -13,6 +13,7 @@ from .engine.check import check_stored
 from .errors import CheckpointError, CorruptCheckpointError
 from .format.records import FileStorageData
 from .progress import Progress
+from .stored_bytes import StoredBytes, stored_bytes
 
 __all__ = ["verify", "VerifyReport"]
 
@@ -28,6 +29,8 @@ class VerifyReport:
     keys: int = 0  # the checkpoint's keys, as ``inspect`` and ``load`` count them
     written_by: str = "distckpt"  # or the program whose checkpoint it is (a layout: "DCP", "Hugging Face safetensors", ...)
     checksums: bool = True  # False: the program recorded none, so only the structure could be checked
+    # stored bytes in the checkpoint's own files, in files of other steps it references, and decoded (stored_bytes.py)
+    stored: StoredBytes = field(default_factory=StoredBytes)
 
     @property
     def ok(self) -> bool:
@@ -37,7 +40,8 @@ class VerifyReport:
 def verify(checkpoint_id: Union[str, os.PathLike], storage_reader: Optional[BlobStorageReader] = None, *,
            raise_on_error: bool = True, progress: bool = False) -> VerifyReport:
     """Check a checkpoint: metadata checksum and structure, every data file's size, save id
-    and header checksum, and the CRC-32C of every chunk and value.
+    and header checksum, and the CRC-32C of every chunk and value. The data files of other steps that an
+    incremental save references are checked as its own are: there, whole, of the save that stored them.
 
     Returns a report; if anything is wrong and ``raise_on_error`` is set, raises
     CorruptCheckpointError listing every problem (a missing or uncommitted
@@ -59,7 +63,7 @@ def verify(checkpoint_id: Union[str, os.PathLike], storage_reader: Optional[Blob
     checked = check_stored(reader.data_store(md), md, where, threads=reader.thread_count or knobs.io_threads(), progress=bar,
                            extension_registry=reader.extension_registry)
     report = VerifyReport(str(checkpoint_id), checked.files, checked.items, checked.bytes_checked, checked.problems,
-                          keys=len(md.state_dict_metadata))
+                          keys=len(md.state_dict_metadata), stored=stored_bytes(md))
     if report.problems and raise_on_error:
         shown = "\n  ".join(report.problems[:20])
         more = f"\n  ... and {len(report.problems) - 20} more" if len(report.problems) > 20 else ""
