@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Container, Optional
+from typing import Any, Callable, Container, Optional
 
 import numpy as np
 import torch
@@ -63,10 +63,11 @@ def write_file(store: BlobStore, name: str, save_id: str, rank: int, plan: SaveP
     return _RankWrite(store, save_id, rank, plan, planner, threads, sync, is_coordinator, codec_of, reuse).run(name)
 
 
-def _entries(plan: SavePlan, planner: SavePlanner, codecs: list[ChunkCodec],
-             threads: int, skip: Container[int] = ()) -> tuple[list[Entry], list[Optional[bytes]]]:
+def _entries(plan: SavePlan, planner: SavePlanner, codecs: list[ChunkCodec], threads: int,
+             skip: Container[int] = ()) -> "_Encoding":
     """Each item's data-file entry, and the bytes of each item stored as a byte entry (None for tensors
-    written from their memory); ``codecs`` becomes what each item is recorded as stored through."""
+    written from their memory); ``codecs`` becomes what each item is recorded as stored through. A tensor
+    stored through a codec is encoded later, by the thread that writes its file (:meth:`_RankWrite.encode`)."""
     encoding = _Encoding(codecs, threads)
     for i, (item, codec) in enumerate(zip(plan.items, codecs)):
         fqn, offsets = item.index.fqn, tuple(item.index.offset or ())
@@ -75,11 +76,8 @@ def _entries(plan: SavePlan, planner: SavePlanner, codecs: list[ChunkCodec],
         elif item.type == WriteItemType.BYTE_IO:
             encoding.value(i, fqn, planner.resolve_data(item).getvalue(), codec)
         elif not codec.identity:
-            tensor = planner.resolve_data(item)
-            if not isinstance(tensor, torch.Tensor):
-                raise CheckpointError(f"resolve_data for tensor item {fqn!r} returned {type(tensor).__name__}")
             td = item.tensor_data
-            encoding.tensor(i, entry_name(fqn, offsets), tensor, td.properties.dtype, tuple(td.chunk.sizes), codec)
+            encoding.later(i, entry_name(fqn, offsets), td.properties.dtype, tuple(td.chunk.sizes))
         else:
             td = item.tensor_data
             nbytes = volume(td.chunk.sizes) * itemsize(td.properties.dtype)
@@ -87,8 +85,7 @@ def _entries(plan: SavePlan, planner: SavePlanner, codecs: list[ChunkCodec],
     return encoding.finish()
 
 
-def _column_entries(cols: WriteColumns, codecs: list[ChunkCodec], threads: int,
-                    skip: Container[int] = ()) -> tuple[list[Entry], list[Optional[bytes]]]:
+def _column_entries(cols: WriteColumns, codecs: list[ChunkCodec], threads: int, skip: Container[int] = ()) -> "_Encoding":
     """:func:`_entries` of a plan's columns."""
     encoding = _Encoding(codecs, threads)
     for i, (fqn, code, dtype, offsets, sizes, nbytes, data, codec) in enumerate(zip(
@@ -98,26 +95,27 @@ def _column_entries(cols: WriteColumns, codecs: list[ChunkCodec], threads: int,
         elif code == BYTES:
             encoding.value(i, fqn, data, codec)
         elif not codec.identity:
-            encoding.tensor(i, entry_name(fqn, offsets), data, dtype, tuple(sizes), codec)
+            encoding.later(i, entry_name(fqn, offsets), dtype, tuple(sizes))
         else:
             encoding.plain(i, Entry(entry_name(fqn, offsets), *stored_form(dtype, sizes, nbytes), nbytes))
     return encoding.finish()
 
 
 class _Encoding:
-    """The entries of a rank's items, those stored through a codec encoded by ``threads`` workers.
+    """The entries of a rank's items; those stored through a codec are encoded by a pool of ``threads`` workers.
 
-    Codecs release the GIL (zstd, numpy's copies), so items encode in parallel; device-to-host copies stay in
-    the calling thread, on the caller's stream. At most two items a worker wait for a worker, which bounds
-    the host copies held at once; the encoded bytes are held until written, since a file's header needs
-    every stored length first. An item that a compression does not shrink is stored as it is."""
+    Codecs release the GIL (zstd, numpy's copies), so items encode in parallel. Values are encoded at once
+    (their stored length is needed to split the rank's items into files); a tensor is encoded when its file
+    is written (:meth:`_RankWrite.encode`), so one file's encoding overlaps another's writing, and only the
+    encoded bytes of the files being written are held. At most two items a worker wait for a worker, which
+    bounds the host copies held at once. An item that a compression does not shrink is stored as it is."""
 
     def __init__(self, codecs: list[ChunkCodec], threads: int) -> None:
         self.codecs, self.threads = codecs, max(1, threads)
         self.entries: list[Optional[Entry]] = [None] * len(codecs)
         self.payloads: list[Optional[bytes]] = [None] * len(codecs)
+        self.later_: dict[int, tuple[torch.dtype, tuple]] = {}  # tensor items encoded when their file is written
         self.pool: Optional[ThreadPoolExecutor] = None
-        self.pending: deque = deque()
 
     def plain(self, i: int, entry: Entry) -> None:
         self.entries[i] = entry
@@ -127,48 +125,46 @@ class _Encoding:
             self.payloads[i] = raw
             self.entries[i] = Entry(name, VALUE_FORM, (len(raw),), len(raw))
         else:
-            self.submit(i, name, memoryview(raw), raw, 1, None, codec)
+            stored, recorded = _encode(codec, memoryview(raw), 1)
+            self.done(i, name, raw, None, stored, recorded)
 
-    def tensor(self, i: int, name: str, tensor: torch.Tensor, dtype: torch.dtype, sizes: tuple, codec: ChunkCodec) -> None:
-        data, owner = host_bytes(tensor.detach().to("cpu", dtype).contiguous())
-        self.submit(i, name, data, owner, element_width(dtype), (dtype, sizes), codec)
+    def later(self, i: int, name: str, dtype: torch.dtype, sizes: tuple) -> None:
+        """A tensor encoded later: until then its entry holds the size of its bytes, which no stored form exceeds
+        by much (a compression that does not shrink an item stores it as it is)."""
+        nbytes = volume(sizes) * itemsize(dtype)
+        self.entries[i] = Entry(name, VALUE_FORM, (nbytes,), nbytes)
+        self.later_[i] = (dtype, sizes)
 
-    def submit(self, i: int, name: str, data: memoryview, owner: object, width: int, form: Optional[tuple],
-               codec: ChunkCodec) -> None:
+    def start(self, i: int, data: memoryview) -> Any:
+        """Encode the bytes ``data`` of the tensor item ``i`` in the pool; :meth:`finish_one` with the result."""
+        codec, width = self.codecs[i], element_width(self.later_[i][0])
         if self.threads == 1:
-            self.done(i, name, data, owner, form, *_encode(codec, data, width))
-            return
+            return _encode(codec, data, width)
         if self.pool is None:
             self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="distckpt-encode")
-        while len(self.pending) >= 2 * self.threads:
-            self.collect()
-        self.pending.append((i, name, data, owner, form, self.pool.submit(_encode, codec, data, width)))
+        return self.pool.submit(_encode, codec, data, width)
 
-    def collect(self) -> None:
-        i, name, data, owner, form, future = self.pending.popleft()
-        self.done(i, name, data, owner, form, *future.result())
+    def finish_one(self, i: int, data: memoryview, job: Any) -> None:
+        stored, recorded = job if isinstance(job, tuple) else job.result()
+        self.done(i, self.entries[i].name, data, self.later_[i], stored, recorded)
 
-    def done(self, i: int, name: str, data: memoryview, owner: object, form: Optional[tuple], stored: bytes,
-             recorded: ChunkCodec) -> None:
-        if len(stored) >= len(data) and self.codecs[i].skippable:  # not shrunk: stored as it is (a tensor in its own form)
-            stored, recorded = bytes(data), IDENTITY
+    def done(self, i: int, name: str, data: Any, form: Optional[tuple], stored: Any, recorded: ChunkCodec) -> None:
+        if len(stored) >= len(data) and self.codecs[i].skippable:  # not shrunk: stored as it is
+            stored, recorded = (None if form is not None else data), IDENTITY  # a tensor written from its memory
         self.codecs[i] = recorded
         self.payloads[i] = stored
         if recorded.identity and form is not None:
-            self.entries[i] = Entry(name, *stored_form(form[0], form[1], len(stored)), len(stored))
+            n = volume(form[1]) * itemsize(form[0])
+            self.entries[i] = Entry(name, *stored_form(form[0], form[1], n), n)
         else:
             self.entries[i] = Entry(name, VALUE_FORM, (len(stored),), len(stored))
 
-    def finish(self) -> tuple[list[Entry], list[Optional[bytes]]]:
-        try:
-            while self.pending:
-                self.collect()
-        finally:
-            if self.pool is not None:
-                for *_, future in self.pending:
-                    future.cancel()
-                self.pool.shutdown(wait=True)
-        return self.entries, self.payloads  # type: ignore[return-value]
+    def finish(self) -> "_Encoding":
+        return self
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _encode(codec: ChunkCodec, data: memoryview, width: int) -> tuple[bytes, ChunkCodec]:
@@ -207,22 +203,27 @@ class _RankWrite:
             self.find_unchanged(reuse, threads)
         if self.columns is not None:
             self.codecs = [codec_of(fqn) for fqn in self.columns.fqn]
-            self.entries, self.payloads = _column_entries(self.columns, self.codecs, threads, self.reused)
+            self.encoding = _column_entries(self.columns, self.codecs, threads, self.reused)
         else:
             self.codecs = [codec_of(item.index.fqn) for item in items]
-            self.entries, self.payloads = _entries(plan, planner, self.codecs, threads, self.reused)
+            self.encoding = _entries(plan, planner, self.codecs, threads, self.reused)
+        self.entries, self.payloads = self.encoding.entries, self.encoding.payloads
         n = len(self.entries)
         self.crcs, self.offsets, self.item_file = [0] * n, [0] * n, [""] * n
         total = sum(e.nbytes for e in self.entries)
         written = [i for i in range(n) if i not in self.reused]
-        runs = split_runs([self.entries[i].nbytes for i in written], max(1, min(threads, total // knobs.min_file_bytes())))
+        parts = max(1, min(threads, total // knobs.min_file_bytes()))
+        if self.encoding.later_:  # files of about min_file_bytes each, written `threads` at a time: one encodes as another writes
+            parts = max(parts, min(len(written), sum(self.entries[i].nbytes for i in self.encoding.later_) // knobs.min_file_bytes()))
+        runs = split_runs([self.entries[i].nbytes for i in written], parts)
         # a rank whose every item is unchanged writes no file at all
         self.groups = [[written[j] for j in run] for run in runs] if written or not self.reused else []
         # the files' writers split half the memory budget for their buffers (direct I/O's bounce buffers, an object
         # store's parts); host copies of tensors get what the writers leave
         limit = knobs.memory_budget_bytes()
-        self.share = limit // (2 * len(self.groups))
-        self.budget = ByteBudget(limit - len(self.groups) * store.write_buffer_bytes(self.share))
+        self.at_once = max(1, min(threads, len(self.groups)))  # files written at the same time
+        self.share = limit // (2 * self.at_once)
+        self.budget = ByteBudget(limit - self.at_once * store.write_buffer_bytes(self.share))
         self.streams = caller_streams()  # device copies happen in worker threads, ordered on the caller's stream
         self.progress = Progress("save", total, is_coordinator)
 
@@ -254,12 +255,15 @@ class _RankWrite:
     def run(self, name: str) -> list[WriteResult]:
         stem = name[: -len(".safetensors")] if name.endswith(".safetensors") else name
         names = [name] + [f"{stem}-{g}.safetensors" for g in range(1, len(self.groups))]
-        if len(self.groups) == 1:
-            files = [self.write_one_file(name, self.groups[0])]
-        else:
-            with ThreadPoolExecutor(max(1, len(self.groups)), thread_name_prefix="distckpt-write") as pool:
-                futures = [pool.submit(self.write_one_file, n, g) for n, g in zip(names, self.groups)]
-                files = [f.result() for f in futures]
+        try:
+            if len(self.groups) == 1:
+                files = [self.write_one_file(name, self.groups[0])]
+            else:
+                with ThreadPoolExecutor(self.at_once, thread_name_prefix="distckpt-write") as pool:
+                    futures = [pool.submit(self.write_one_file, n, g) for n, g in zip(names, self.groups)]
+                    files = [f.result() for f in futures]
+        finally:
+            self.encoding.close()
         self.progress.close()
         rows = [[file_name, size, self.rank, lead_crc] for file_name, size, lead_crc in files]
         lengths = [e.nbytes for e in self.entries]
@@ -304,6 +308,9 @@ class _RankWrite:
 
     def write_one_file(self, file_name: str, members: list[int]) -> tuple[str, int, int]:
         """Write the items ``members`` into ``file_name``; return its name, size and header checksum."""
+        later = [i for i in members if i in self.encoding.later_]
+        if later:
+            self.encode(later)
         # items whose size is a multiple of a cache line first: one odd-sized item (a 4-byte step
         # counter) would otherwise leave every item after it misaligned, and copies slower
         members = sorted(members, key=lambda i: self.entries[i].nbytes % _LINE != 0)
@@ -321,6 +328,42 @@ class _RankWrite:
             raise
         blob.close(self.sync)
         return file_name, len(lead) + sum(self.entries[i].nbytes for i in members), crc32c(lead)
+
+    def encode(self, items: list[int]) -> None:
+        """Encode the tensor items ``items`` through their codecs, from their host bytes (copied there as for
+        writing, within the memory budget), at most two items a worker in flight."""
+        flight: deque = deque()
+
+        def land() -> None:
+            i, data, _owner, copied, job = flight.popleft()
+            try:
+                self.encoding.finish_one(i, data, job)
+            finally:
+                if copied:
+                    self.budget.release(copied)
+
+        try:
+            for i in items:
+                pending = PendingCopies(self.streams)
+                data, owner, copied = self.item_bytes(i, pending)
+                try:
+                    pending.wait()
+                    job = self.encoding.start(i, data)
+                except BaseException:
+                    if copied:
+                        self.budget.release(copied)
+                    raise
+                flight.append((i, data, owner, copied, job))
+                while len(flight) >= 2 * self.encoding.threads:
+                    land()
+            while flight:
+                land()
+        finally:
+            for i, data, owner, copied, job in flight:  # after a failure: wait for what runs, then release its memory
+                if not isinstance(job, tuple):
+                    job.cancel() or job.exception()
+                if copied:
+                    self.budget.release(copied)
 
     def write_batch(self, blob: BlobWriter, batch: list[int]) -> None:
         """Write the adjacent items ``batch`` with vectored writes, checksumming each window just written."""
