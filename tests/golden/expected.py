@@ -42,3 +42,14 @@ def compressed_state() -> dict:
         "z_ids": torch.arange(4096, dtype=torch.int64) * 3,
         "z_text": {"notes": "compressed " * 64},
     }
+
+
+def run_state(step: int) -> dict:
+    """What step ``step`` of the 4.0 golden run of incremental saves (v4.0/run) holds: plain_state, whose tensors
+    never change, and ones that change every step or every other step."""
+    return {
+        **plain_state(),
+        "every": torch.full((3, 5), float(step)),
+        "other": torch.arange(12, dtype=torch.int32) + step // 2,
+        "values": {"step": step},
+    }

@@ -5,7 +5,8 @@ Existing directories are never overwritten. 3.0 is what a save writes by
 default; 2.1 is written when every tensor goes through a chunk codec, so its
 golden checkpoints are saved through ZStandard. (2.0, a save with neither a
 table of whole tensors nor a codec, was written by earlier releases.) 4.0's
-``compressed`` is saved with compression="zstd".
+``compressed`` is saved with compression="zstd"; ``run`` is a run of incremental saves (keep_last=1) whose
+newest step references files of retired ones.
 """
 
 import json
@@ -18,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 import distckpt  # noqa: E402
 from distckpt.format import CODEC_FORMAT_VERSION_STR, FORMAT_VERSION_STR  # noqa: E402
 from distckpt.testing import run_ranks  # noqa: E402
-from tests.golden.expected import compressed_state, plain_state, sharded_full  # noqa: E402
+from tests.golden.expected import compressed_state, plain_state, run_state, sharded_full  # noqa: E402
 
 
 def _writer(path, compressed):
@@ -62,6 +63,12 @@ def main():
     with open(os.path.join(compressed, "metadata.json"), "rb") as f:
         assert json.loads(f.read())["format_version"] == "4.0", compressed
     print(f"golden checkpoint in {compressed}")
+    run = os.path.join(HERE, "v4.0", "run")  # incremental saves referencing earlier steps, one of them retired
+    if not os.path.exists(run):
+        mgr = distckpt.CheckpointManager(run, keep_last=1, incremental=True, no_dist=True)
+        for step in (1, 2, 3):
+            mgr.save(step, run_state(step))
+    print(f"golden run in {run}")
 
 
 if __name__ == "__main__":

@@ -126,3 +126,24 @@ def test_compressed_golden_loads_exactly():
     assert _equal(want, out)
     with distckpt.open(path) as ckpt:
         assert torch.equal(ckpt["z_bf16"][3:7, 100:], want["z_bf16"][3:7, 100:])
+
+
+def test_golden_run_of_incremental_saves_loads_its_step_from_retired_files():
+    """v4.0/run: step 3 references data files of steps 1 and 2, which retention retired (keep_last=1)."""
+    from .expected import run_state
+
+    jsonschema = pytest.importorskip("jsonschema")
+    run = _golden("v4.0", "run")
+    mgr = distckpt.CheckpointManager(run, read_only=True)
+    assert mgr.all_steps() == [3]
+    path = mgr.path(3)
+    assert sorted(n.split("/")[0] for n in distckpt.read_metadata(path).storage_data.files if "/" in n) == [
+        "step-0000000001", "step-0000000002"]
+    assert distckpt.verify(path).ok
+    want = run_state(3)
+    out = _blank(want)
+    distckpt.load(out, checkpoint_id=path)
+    assert _equal(want, out)
+    schema = json.load(open(os.path.join(HERE, "..", "..", "docs", "metadata.schema.json")))
+    with open(os.path.join(path, "metadata.json")) as f:
+        jsonschema.validate(json.load(f), schema)
