@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Container, Optional
+from typing import Callable, Container, Optional
 
 import numpy as np
 import torch
@@ -15,7 +15,7 @@ from ..errors import CheckpointError
 from ..format.checksum import crc32c
 from ..format.chunk_codec import IDENTITY, ChunkCodec
 from ..format.datafile import VALUE_FORM, Entry, build_header, entry_name, stored_form
-from ..format.dtypes import element_width, itemsize
+from ..format.dtypes import itemsize
 from ..format.records import FileInfo, FileResult, StorageInfo
 from ..item_columns import BYTES, ColumnResults, ResultColumns, WriteColumns
 from ..planner import SavePlan, SavePlanner, WriteItemType
@@ -25,6 +25,7 @@ from ..storage import WriteResult
 from .blobs import BlobStore, BlobWriter
 from .budget import ByteBudget
 from .device_copy import PendingCopies, caller_streams, to_host
+from .encoding import Encoding
 from .reuse import Reuse, Stored, chunk_key, digests
 from .tensor_bytes import flat_bytes, host_bytes, is_lazy_view, memory_at
 from .windows import windows
@@ -64,11 +65,11 @@ def write_file(store: BlobStore, name: str, save_id: str, rank: int, plan: SaveP
 
 
 def _entries(plan: SavePlan, planner: SavePlanner, codecs: list[ChunkCodec], threads: int,
-             skip: Container[int] = ()) -> "_Encoding":
+             skip: Container[int] = ()) -> Encoding:
     """Each item's data-file entry, and the bytes of each item stored as a byte entry (None for tensors
     written from their memory); ``codecs`` becomes what each item is recorded as stored through. A tensor
     stored through a codec is encoded later, by the thread that writes its file (:meth:`_RankWrite.encode`)."""
-    encoding = _Encoding(codecs, threads)
+    encoding = Encoding(codecs, threads)
     for i, (item, codec) in enumerate(zip(plan.items, codecs)):
         fqn, offsets = item.index.fqn, tuple(item.index.offset or ())
         if i in skip:
@@ -82,12 +83,12 @@ def _entries(plan: SavePlan, planner: SavePlanner, codecs: list[ChunkCodec], thr
             td = item.tensor_data
             nbytes = volume(td.chunk.sizes) * itemsize(td.properties.dtype)
             encoding.plain(i, Entry(entry_name(fqn, offsets), *stored_form(td.properties.dtype, tuple(td.chunk.sizes), nbytes), nbytes))
-    return encoding.finish()
+    return encoding
 
 
-def _column_entries(cols: WriteColumns, codecs: list[ChunkCodec], threads: int, skip: Container[int] = ()) -> "_Encoding":
+def _column_entries(cols: WriteColumns, codecs: list[ChunkCodec], threads: int, skip: Container[int] = ()) -> Encoding:
     """:func:`_entries` of a plan's columns."""
-    encoding = _Encoding(codecs, threads)
+    encoding = Encoding(codecs, threads)
     for i, (fqn, code, dtype, offsets, sizes, nbytes, data, codec) in enumerate(zip(
             cols.fqn, cols.code, cols.dtype, cols.offsets, cols.sizes, cols.nbytes, cols.data, codecs)):
         if i in skip:
@@ -98,80 +99,7 @@ def _column_entries(cols: WriteColumns, codecs: list[ChunkCodec], threads: int, 
             encoding.later(i, entry_name(fqn, offsets), dtype, tuple(sizes))
         else:
             encoding.plain(i, Entry(entry_name(fqn, offsets), *stored_form(dtype, sizes, nbytes), nbytes))
-    return encoding.finish()
-
-
-class _Encoding:
-    """The entries of a rank's items; those stored through a codec are encoded by a pool of ``threads`` workers.
-
-    Codecs release the GIL (zstd, numpy's copies), so items encode in parallel. Values are encoded at once
-    (their stored length is needed to split the rank's items into files); a tensor is encoded when its file
-    is written (:meth:`_RankWrite.encode`), so one file's encoding overlaps another's writing, and only the
-    encoded bytes of the files being written are held. At most two items a worker wait for a worker, which
-    bounds the host copies held at once. An item that a compression does not shrink is stored as it is."""
-
-    def __init__(self, codecs: list[ChunkCodec], threads: int) -> None:
-        self.codecs, self.threads = codecs, max(1, threads)
-        self.entries: list[Optional[Entry]] = [None] * len(codecs)
-        self.payloads: list[Optional[bytes]] = [None] * len(codecs)
-        self.later_: dict[int, tuple[torch.dtype, tuple]] = {}  # tensor items encoded when their file is written
-        self.pool: Optional[ThreadPoolExecutor] = None
-
-    def plain(self, i: int, entry: Entry) -> None:
-        self.entries[i] = entry
-
-    def value(self, i: int, name: str, raw: bytes, codec: ChunkCodec) -> None:
-        if codec.identity:
-            self.payloads[i] = raw
-            self.entries[i] = Entry(name, VALUE_FORM, (len(raw),), len(raw))
-        else:
-            stored, recorded = _encode(codec, memoryview(raw), 1)
-            self.done(i, name, raw, None, stored, recorded)
-
-    def later(self, i: int, name: str, dtype: torch.dtype, sizes: tuple) -> None:
-        """A tensor encoded later: until then its entry holds the size of its bytes, which no stored form exceeds
-        by much (a compression that does not shrink an item stores it as it is)."""
-        nbytes = volume(sizes) * itemsize(dtype)
-        self.entries[i] = Entry(name, VALUE_FORM, (nbytes,), nbytes)
-        self.later_[i] = (dtype, sizes)
-
-    def start(self, i: int, data: memoryview) -> Any:
-        """Encode the bytes ``data`` of the tensor item ``i`` in the pool; :meth:`finish_one` with the result."""
-        codec, width = self.codecs[i], element_width(self.later_[i][0])
-        if self.threads == 1:
-            return _encode(codec, data, width)
-        if self.pool is None:
-            self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="distckpt-encode")
-        return self.pool.submit(_encode, codec, data, width)
-
-    def finish_one(self, i: int, data: memoryview, job: Any) -> None:
-        stored, recorded = job if isinstance(job, tuple) else job.result()
-        self.done(i, self.entries[i].name, data, self.later_[i], stored, recorded)
-
-    def done(self, i: int, name: str, data: Any, form: Optional[tuple], stored: Any, recorded: ChunkCodec) -> None:
-        if len(stored) >= len(data) and self.codecs[i].skippable:  # not shrunk: stored as it is
-            stored, recorded = (None if form is not None else data), IDENTITY  # a tensor written from its memory
-        self.codecs[i] = recorded
-        self.payloads[i] = stored
-        if recorded.identity and form is not None:
-            n = volume(form[1]) * itemsize(form[0])
-            self.entries[i] = Entry(name, *stored_form(form[0], form[1], n), n)
-        else:
-            self.entries[i] = Entry(name, VALUE_FORM, (len(stored),), len(stored))
-
-    def finish(self) -> "_Encoding":
-        return self
-
-    def close(self) -> None:
-        if self.pool is not None:
-            self.pool.shutdown(wait=True, cancel_futures=True)
-
-
-def _encode(codec: ChunkCodec, data: memoryview, width: int) -> tuple[bytes, ChunkCodec]:
-    """The stored bytes of one item through ``codec``, and the codec to record it as stored through (with the
-    CRC-32C of its bytes, where the codec records one)."""
-    stored = codec.encode_item(data, width)
-    return stored, codec.expecting(crc32c(data)) if codec.decoded_crc else codec
+    return encoding
 
 
 _UNWRITTEN = Entry("", VALUE_FORM, (0,), 0)  # an item an incremental save references instead of writing
