@@ -280,6 +280,24 @@ def steps(root: str, as_json: bool, clean: bool) -> None:
     sys.exit(1 if damaged else 0)
 
 
+@main.command(name="compact")
+@click.argument("checkpoint")
+def compact_cmd(checkpoint: str) -> None:
+    """Make CHECKPOINT, a step of an incremental run, self-contained: copy in the data files it references in
+    earlier steps, then commit it referencing none (the run's next retention removes what nothing references)."""
+    from .compaction import compact
+
+    try:
+        report = compact(checkpoint)
+    except CheckpointError as exc:
+        _say_lines("error: ", str(exc))
+        sys.exit(_code(exc))
+    if report.files:
+        click.echo(f"copied {report.files} referenced file(s), {_human(report.bytes_copied)}, into {_shown(checkpoint)}")
+    else:
+        click.echo(f"{_shown(checkpoint)} references no other checkpoint: nothing to do")
+
+
 @main.command()
 @click.argument("checkpoint")
 @click.argument("key")

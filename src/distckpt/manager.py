@@ -13,10 +13,12 @@ from typing import Any, Optional, Union
 from . import backends
 from .async_saving import async_save
 from .backends.blob_storage import BlobStorageWriter
+from .compaction import CompactReport, compact
 from .distributed import Coordinator
 from .engine.blobs import REFERENCES, RUNS, BlobStore
 from .engine.reuse import Reuse
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, InvalidStepError
+from .format import METADATA_FILE
 from .format.json_text import parse_json
 from .loading import load
 from .metadata import STATE_DICT_TYPE, Metadata
@@ -112,6 +114,7 @@ class CheckpointManager:
         self.incremental = incremental
         self.full_every = full_every
         self._previous: Optional[dict] = None  # this rank's fingerprints of its last committed save (engine/reuse.py)
+        self._base: Optional[tuple] = None
         self._since_full = 0
         self._store = _root_store(self.root, self.storage_options)
         self._files = RunFiles(self._store)
@@ -230,7 +233,8 @@ class CheckpointManager:
         """The incremental part of saving ``step`` through ``writer``: what the previous save stored, to reference."""
         if not self.incremental or not isinstance(writer, BlobStorageWriter):
             return None
-        full = self._previous is None or (self.full_every is not None and self._since_full + 1 >= self.full_every)
+        full = (self._previous is None or (self.full_every is not None and self._since_full + 1 >= self.full_every)
+                or self._base is None or self._metadata_identity(self._base[0]) != self._base[1])
         reuse = Reuse(self._name(step), {} if full else self._previous)
         writer.reuse = reuse
         self._previous = None  # until this save commits
@@ -240,6 +244,19 @@ class CheckpointManager:
         if reuse is not None:
             self._since_full = 0 if not reuse.previous else self._since_full + 1
             self._previous = reuse.fingerprints
+            # the step the fingerprints come from, as committed: compacted, deleted or replaced since, and the files they
+            # name may be gone, so the next save writes every chunk
+            self._base = (reuse.checkpoint, self._metadata_identity(reuse.checkpoint))
+
+    def _metadata_identity(self, name: str) -> Any:
+        try:
+            blob = self._store.child(name).open(METADATA_FILE)
+        except (OSError, CheckpointError):
+            return None
+        try:
+            return blob.identity() or "unknown"
+        finally:
+            blob.close()
 
     def _writable_path(self, step: int) -> str:
         if self.read_only:
@@ -342,6 +359,21 @@ class CheckpointManager:
         if self.read_only:
             raise CheckpointError(f"CheckpointManager({self.root!r}, read_only=True) does not delete checkpoints")
         self._delete(step)
+
+    def compact(self, step: int) -> "CompactReport":
+        """Make committed step ``step`` self-contained: copy in the data files it references in earlier steps (see
+        :mod:`distckpt.compaction`). The coordinator copies; other ranks return at once with nothing copied. This
+        manager's next incremental save then writes every chunk (the files its fingerprints name may be swept)."""
+        if self.read_only:
+            raise CheckpointError(f"CheckpointManager({self.root!r}, read_only=True) does not compact checkpoints")
+        if step not in self.all_steps():
+            raise CheckpointNotFoundError(f"no committed checkpoint of step {step} under {self.root!r}")
+        self._previous = None
+        if not self._coord.is_coordinator:
+            return CompactReport(self.path(step), 0, 0)
+        report = compact(self.path(step), **self.storage_options)
+        self._retain_after_commit()
+        return report
 
     def _delete(self, step: int) -> None:
         name = self._name(step)

@@ -161,3 +161,46 @@ def test_async_incremental_saves_reference_the_previous_commit(tmp_path):
     out = _empty_like(_state(3))
     mgr.load(out, step=3)
     _assert_same(out, _state(3))
+
+
+def test_compact_copies_referenced_files_in_and_the_step_survives_the_rest_of_the_run(tmp_path):
+    from click.testing import CliRunner
+
+    from distckpt.cli import main as cli
+
+    root = str(tmp_path / "run")
+    mgr = CheckpointManager(root, keep_last=1, incremental=True, no_dist=True)
+    for step in (1, 2, 3):
+        mgr.save(step, _state(step))
+    assert [n for n in os.listdir(root) if "retired" in n]
+    result = CliRunner().invoke(cli, ["compact", mgr.path(3)])
+    assert result.exit_code == 0 and "copied 1 referenced file(s)" in result.output, result.output
+    assert not any(len(row) == 5 for row in _files(mgr.path(3)))
+    assert distckpt.verify(mgr.path(3)).ok
+    CheckpointManager(root, keep_last=1, incremental=True, no_dist=True)  # its cleanup sweeps what nothing references
+    assert [n for n in os.listdir(root) if n.startswith(".")] == []
+    out = _empty_like(_state(3))
+    mgr.load(out, step=3)
+    _assert_same(out, _state(3))
+    assert "nothing to do" in CliRunner().invoke(cli, ["compact", mgr.path(3)]).output
+    mgr.save(4, _state(4))  # after compaction the manager's next save writes every chunk
+    assert not any(len(row) == 5 for row in _files(mgr.path(4)))
+
+
+def test_steps_and_verify_report_written_referenced_and_compression(tmp_path):
+    from click.testing import CliRunner
+
+    from distckpt.cli import main as cli
+
+    root = str(tmp_path / "run")
+    mgr = CheckpointManager(root, keep_last=3, incremental=True, compression="zstd", no_dist=True)
+    for step in (1, 2):
+        mgr.save(step, {"w": torch.zeros(4096), "b": torch.full((64,), float(step))})
+    rows = json.loads(CliRunner().invoke(cli, ["steps", root, "--json"]).output)["steps"]
+    assert rows[0]["referenced"] == 0 and rows[1]["referenced"] > 0 and rows[1]["written"] < rows[0]["written"]
+    assert rows[0]["compression_ratio"] > 5  # zeros compress
+    text = CliRunner().invoke(cli, ["steps", root]).output
+    assert "referenced" in text and "compression" in text
+    report = distckpt.verify(mgr.path(2))
+    assert report.stored.referenced == rows[1]["referenced"] and report.stored.decoded == 4096 * 4 + 64 * 4
+    assert "referenced in earlier steps" in CliRunner().invoke(cli, ["verify", mgr.path(2)]).output
