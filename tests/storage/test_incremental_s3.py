@@ -82,3 +82,17 @@ def test_a_retired_steps_objects_stay_while_referenced_then_go(bucket):
     full.save(4, incremental_state(4))
     assert full.all_steps() == [4]
     assert [k for k in keys(_RUN["client"], bucket, root.split("/", 3)[3]) if not k.startswith("step-0000000004/")] == []
+
+
+def test_overwriting_a_referenced_step_on_s3_keeps_what_later_steps_reference(bucket):
+    root = f"s3://{bucket}/inc-over-{uuid.uuid4().hex[:8]}"
+    mgr = distckpt.CheckpointManager(root, incremental=True)
+    mgr.save(1, incremental_state(1))
+    mgr.save(2, incremental_state(2))
+    replaced = {k: v + 1 if isinstance(v, torch.Tensor) else v for k, v in incremental_state(1).items()}
+    distckpt.save(replaced, checkpoint_id=mgr.path(1), overwrite=True)
+    for step, want in ((1, replaced), (2, incremental_state(2))):
+        out = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else -1 for k, v in want.items()}
+        distckpt.load(out, checkpoint_id=mgr.path(step))
+        assert all(torch.equal(out[k], v) if isinstance(v, torch.Tensor) else out[k] == v for k, v in want.items()), step
+    assert stray_objects(root, mgr) == []

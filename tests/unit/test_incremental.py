@@ -204,3 +204,22 @@ def test_steps_and_verify_report_written_referenced_and_compression(tmp_path):
     report = distckpt.verify(mgr.path(2))
     assert report.stored.referenced == rows[1]["referenced"] and report.stored.decoded == 4096 * 4 + 64 * 4
     assert "referenced in earlier steps" in CliRunner().invoke(cli, ["verify", mgr.path(2)]).output
+
+
+@pytest.mark.parametrize("where", ["disk", "memory"])
+def test_overwriting_a_referenced_step_keeps_the_files_later_steps_reference(tmp_path, where):
+    clear_memory_store()
+    root = str(tmp_path / "run") if where == "disk" else "memory://overwrite-run"
+    mgr = CheckpointManager(root, incremental=True, no_dist=True)
+    mgr.save(1, _state(1))
+    mgr.save(2, _state(2))
+    replaced = _state(1, seed=5)
+    distckpt.save(replaced, checkpoint_id=mgr.path(1), overwrite=True, no_dist=True)
+    for step, want in ((1, replaced), (2, _state(2))):
+        out = _empty_like(want)
+        distckpt.load(out, checkpoint_id=mgr.path(step), no_dist=True)
+        _assert_same(out, want)
+    assert distckpt.verify(mgr.path(2)).ok
+    if where == "disk":
+        assert [n for n in os.listdir(root) if "retired" in n]
+    clear_memory_store()

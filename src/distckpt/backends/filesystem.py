@@ -12,8 +12,11 @@ from typing import Any, Iterable, Optional, Union
 
 from .. import faults, knobs
 from ..engine.blobs import LEASES, MAPS, PAGE_CACHE, REFERENCES, RUNS, BlobReader, BlobStore, BlobWriter
-from ..engine.references import SaveFiles
+from ..engine.references import SaveFiles, referenced_by_siblings
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StorageIOError
+from ..format import METADATA_FILE
+from ..format.codec import stored_save_id
+from ..format.names import SAVE_ID
 from ..format.stream_transforms import StreamTransforms
 from ..layouts.dcp import is_dcp_directory
 from .blob_storage import BlobStorageReader, BlobStorageWriter
@@ -332,7 +335,7 @@ class FsStore(BlobStore):
                 if sync:
                     _fsync_parent(final)
                 if carry_foreign(staging.root, final):  # the replaced checkpoint, distckpt's or DCP's
-                    remove_tree(staging.root)
+                    self._drop_replaced(staging.root)
             else:
                 rename_noreplace(staging.root, final)
             if sync:
@@ -344,6 +347,20 @@ class FsStore(BlobStore):
                     f"checkpoint {final!r} was committed by another save while this one was writing; "
                     "this save was discarded and the committed checkpoint left as it is") from None
             raise _io_error("committing", final, exc) from exc
+
+    def _drop_replaced(self, old: str) -> None:
+        """Remove the checkpoint this one replaced (now at ``old``), or retire it where later steps of its run reference
+        its files (format 4.0): they stay where ``referenced`` finds them."""
+        save_id = _committed_save_id(old)
+        parent, base = os.path.split(os.path.abspath(self.root))
+        keep = set() if save_id is None else referenced_by_siblings(FsStore(parent), base, save_id)
+        if keep == set():
+            remove_tree(old)
+            return
+        retired = self._sibling(save_id, RETIRED_MARK)
+        os.rename(old, retired)
+        if keep is not None:  # None: a sibling's metadata could not be read; everything stays until cleanup knows
+            prune_dir(retired, keep)
 
     def discard(self, staging: BlobStore) -> None:
         assert isinstance(staging, FsStore)
@@ -474,6 +491,21 @@ class FsStore(BlobStore):
                 if not os.path.lexists(staging) and save_is_dead(self.child(base), tag, None):
                     self.child(base).drop_lease(tag)
         return removed
+
+
+def _committed_save_id(directory: str) -> Optional[str]:
+    """The save id the metadata document in ``directory`` names, or None (none there, unreadable, not a save id)."""
+    try:
+        fd = open_regular(os.path.join(directory, METADATA_FILE))
+    except (OSError, CheckpointError):
+        return None
+    try:
+        save_id = stored_save_id(os.pread(fd, min(os.fstat(fd).st_size, knobs.max_metadata_bytes()), 0))
+    except (OSError, CheckpointError):
+        return None
+    finally:
+        os.close(fd)
+    return save_id if save_id is not None and SAVE_ID.match(save_id) else None
 
 
 def hidden_name(base: str, mark: str, tag: str) -> str:

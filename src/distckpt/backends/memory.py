@@ -11,9 +11,11 @@ from typing import Iterable, Optional, Union
 
 from .. import faults
 from ..engine.blobs import LEASES, REFERENCES, RUNS, BlobReader, BlobStore, BlobWriter, BytesReader
-from ..engine.references import SaveFiles
+from ..engine.references import SaveFiles, referenced_by_siblings
 from ..errors import CheckpointError, CheckpointNotFoundError
 from ..format import METADATA_FILE
+from ..format.codec import stored_save_id
+from ..format.names import SAVE_ID
 from .blob_storage import BlobStorageReader, BlobStorageWriter
 from .leases import save_is_dead
 from .schemes import register_store
@@ -99,7 +101,26 @@ class MemoryStore(BlobStore):
             if not overwrite and METADATA_FILE in _CHECKPOINTS.get(self.name, {}):
                 _CHECKPOINTS.pop(staging.name, None)
                 raise CheckpointError(f"checkpoint {self.describe()!r} was committed by another save while this one was writing")
+            old = _CHECKPOINTS.get(self.name, {})
             _CHECKPOINTS[self.name] = _CHECKPOINTS.pop(staging.name, {})
+        self._drop_replaced(old)
+
+    def _drop_replaced(self, old: dict) -> None:
+        """Keep what later steps of the run reference of the checkpoint a commit replaced (format 4.0), as retire does."""
+        document = old.get(METADATA_FILE)
+        save_id = None
+        if document is not None:
+            try:
+                save_id = stored_save_id(bytes(document))
+            except CheckpointError:
+                save_id = None
+        if save_id is None or "/" not in self.name or not SAVE_ID.match(save_id):
+            return
+        parent, base = self.name.rsplit("/", 1)
+        keep = referenced_by_siblings(MemoryStore(parent), base, save_id)
+        if keep != set():
+            with _LOCK:
+                _CHECKPOINTS[f"{self.name}{_RETIRED}{save_id}"] = {n: b for n, b in old.items() if keep is None or n in keep}
 
     def discard(self, staging: BlobStore) -> None:
         with _LOCK:

@@ -32,7 +32,7 @@ from typing import Any, Iterable, Optional, Union
 from .. import faults, knobs
 from ..engine import blobs
 from ..engine.blobs import BlobReader, BlobStore, BlobWriter
-from ..engine.references import SaveFiles
+from ..engine.references import SaveFiles, referenced_by_siblings
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StorageIOError
 from ..format import METADATA_FILE
 from ..format.codec import stored_save_id
@@ -238,7 +238,21 @@ class S3Store(BlobStore):
             raise s3_error("committing", where, exc) from exc
         self._delete_prefix(staging.key(METADATA_FILE), exact=True)
         if old_save is not None and old_save != staging.prefix.rsplit("/", 1)[-1]:
-            self._delete_prefix(self.staging(old_save).prefix + "/")
+            self._drop_replaced(old_save)
+
+    def _drop_replaced(self, save_id: str) -> None:
+        """Delete the objects of the save this commit replaced, or retire them where later steps of its run reference
+        some (format 4.0): those stay where ``referenced`` finds them."""
+        keep: Optional[set] = set()
+        if "/" in self.prefix:
+            parent, name = self.prefix.rsplit("/", 1)
+            keep = referenced_by_siblings(self._sub(parent), name, save_id)
+        if keep == set():
+            self._delete_prefix(self.staging(save_id).prefix + "/")
+            return
+        self._put(f"{RETIRED}/{_checked_save_id(save_id, self.describe())}", b"")
+        if keep is not None:
+            self._prune_retired(save_id, keep)
 
     def _committed_save_id(self) -> Optional[str]:
         """The save id the commit recorded on the metadata object, or None (no checkpoint).

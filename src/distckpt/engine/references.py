@@ -13,12 +13,14 @@ from __future__ import annotations
 
 from typing import Iterable, Optional
 
+from .. import knobs
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from ..format import METADATA_FILE
 from ..format.codec import referenced_files
 from ..format.records import FileStorageData, split_reference
 from .blobs import MAPS, RUNS, BlobReader, BlobStore, BlobWriter
 
-__all__ = ["ReferencingStore", "SaveFiles", "data_files", "check_references"]
+__all__ = ["ReferencingStore", "SaveFiles", "data_files", "check_references", "referenced_by_siblings"]
 
 _PEEK = 512  # bytes: a distckpt data file names its save in the first member of its header
 
@@ -148,3 +150,37 @@ def check_references(location: BlobStore, document: bytes, where: str) -> None:
                                              "was committed. Save again.")
         finally:
             blob.close()
+
+
+_REFERENCING = b'"format_version":"4.'  # only a format-4 document references files of other checkpoints
+
+
+def referenced_by_siblings(parent: BlobStore, name: str, save_id: str) -> Optional[set]:
+    """The data files of save ``save_id`` of checkpoint ``name`` that committed checkpoints beside it (under
+    ``parent``) reference: what replacing or deleting that save must keep. None where a sibling's metadata cannot
+    be read whole (it might reference anything)."""
+    keep: set = set()
+    prefix = f"{name}/"
+    for sibling in parent.children():
+        if sibling == name:
+            continue
+        try:
+            blob = parent.child(sibling).open(METADATA_FILE)
+        except (OSError, CheckpointError):
+            continue  # not committed: references nothing
+        try:
+            if _REFERENCING not in blob.pread(min(blob.size, 64), 0):
+                continue
+            if blob.size > knobs.max_metadata_bytes():
+                return None
+            document = blob.pread(blob.size, 0)
+        except (OSError, CheckpointError):
+            return None
+        finally:
+            blob.close()
+        try:
+            found = referenced_files(document)
+        except CheckpointError:
+            return None
+        keep |= {key[len(prefix):] for key, (_, sid) in found.items() if sid == save_id and key.startswith(prefix)}
+    return keep
