@@ -64,7 +64,7 @@ def encode_planes(data: memoryview, width: int, level: Optional[int] = None, fra
     if not 1 <= width <= MAX_WIDTH or len(view) % width:
         raise ValueError(f"{len(view)} bytes are not elements of {width} bytes")
     count = len(view) // width
-    grid = view.reshape(count, width)
+    planes = _Planes(view, width)
     frames = -(-count // frame)
     table = HEADER.size + 4 * width * frames
     out = np.empty(table + len(view), dtype=np.uint8)
@@ -73,16 +73,14 @@ def encode_planes(data: memoryview, width: int, level: Optional[int] = None, fra
     lengths: list[int] = []
     at = table
     for first in range(0, count, frame):
-        rows = grid[first: first + frame]
-        n = len(rows)
+        n = min(frame, count - first)
         for p in range(width):
-            column = rows[:, p] if width > 1 else rows.reshape(-1)
             if p in raw_planes:
-                out[at: at + n] = column
+                planes.take(first, n, p, out[at: at + n])
                 lengths.append(n)
                 at += n
                 continue
-            plane = np.ascontiguousarray(column)
+            plane = planes.take(first, n, p)
             piece = compressor.compress(plane)
             if first == 0 and len(piece) >= _RAW_AT * n:
                 raw_planes.add(p)
@@ -102,12 +100,12 @@ def decoded_planes(stored: memoryview, nbytes: int, where: str, limit: Optional[
     (``nbytes`` -1); every size checked before the output is allocated."""
     layout = _Layout(stored, nbytes, where, limit, name)
     out = np.empty(layout.length, dtype=np.uint8)
-    grid = out.reshape(layout.count, layout.width)
+    planes = _Planes(out, layout.width)
     decompressor = zstandard.ZstdDecompressor()
     at = layout.table_end
     for f, first in enumerate(range(0, layout.count, layout.frame)):
-        rows = grid[first: first + layout.frame]
-        n = len(rows)
+        n = min(layout.frame, layout.count - first)
+        pieces = []
         for p in range(layout.width):
             size = layout.lengths[f * layout.width + p]
             piece = stored[at: at + size]
@@ -121,12 +119,49 @@ def decoded_planes(stored: memoryview, nbytes: int, where: str, limit: Optional[
                 if len(piece) != n:
                     raise CorruptCheckpointError(f"{where}: frame {f} of byte plane {p} decodes to {len(piece)} bytes, "
                                                  f"not {n}")
-            column = np.frombuffer(piece, dtype=np.uint8)
-            if layout.width == 1:
-                rows.reshape(-1)[:] = column
-            else:
-                rows[:, p] = column
+            pieces.append(np.frombuffer(piece, dtype=np.uint8))
+        planes.put(first, n, pieces)
     return memoryview(out)
+
+
+class _Planes:
+    """Byte planes of little-endian elements of ``width`` bytes, taken from or put into ``data`` (uint8) a frame
+    at a time: as shifts of 2-, 4- and 8-byte words, several times faster than strided byte copies."""
+
+    def __init__(self, data: np.ndarray, width: int) -> None:
+        self.data, self.width = data, width
+        self.words = width in (2, 4, 8) and data.ctypes.data % width == 0
+
+    def take(self, first: int, n: int, p: int, out: Optional[np.ndarray] = None) -> np.ndarray:
+        """Plane ``p`` of elements ``first`` to ``first + n``, into ``out`` if given."""
+        w = self.width
+        out = np.empty(n, dtype=np.uint8) if out is None else out
+        part = self.data[first * w: (first + n) * w]
+        if w == 1:
+            out[:] = part
+        elif self.words:
+            words = part.view(f"<u{w}")
+            np.copyto(out, words if p == 0 else np.right_shift(words, 8 * p), casting="unsafe")
+        else:
+            out[:] = part.reshape(n, w)[:, p]
+        return out
+
+    def put(self, first: int, n: int, pieces: list) -> None:
+        """Elements ``first`` to ``first + n`` from their planes' ``pieces``."""
+        w = self.width
+        part = self.data[first * w: (first + n) * w]
+        if w == 1:
+            part[:] = pieces[0]
+        elif self.words:
+            words = part.view(f"<u{w}")
+            np.copyto(words, pieces[-1])
+            for piece in reversed(pieces[:-1]):
+                np.left_shift(words, 8, out=words)
+                np.bitwise_or(words, piece, out=words)
+        else:
+            grid = part.reshape(n, w)
+            for p, piece in enumerate(pieces):
+                grid[:, p] = piece
 
 
 class _Layout:
