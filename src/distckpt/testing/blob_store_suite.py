@@ -18,10 +18,11 @@ and the crash model (:mod:`.crash_model`) under processes killed mid-save.
 from __future__ import annotations
 
 import uuid
+from typing import Optional
 
 import pytest
 
-from ..engine.blobs import LEASES, MAPS, RUNS, BlobStore
+from ..engine.blobs import LEASES, MAPS, REFERENCES, RUNS, BlobStore
 from ..errors import CheckpointError, CheckpointNotFoundError
 from ..format import METADATA_FILE
 from ..format.codec import encode_metadata
@@ -58,9 +59,10 @@ class BlobStoreSuite:
         if capability not in store.capabilities:
             pytest.skip(f"{type(store).__name__} does not declare {capability!r}")
 
-    def commit_one(self, store: BlobStore, payload: bytes = b"payload", overwrite: bool = False) -> str:
+    def commit_one(self, store: BlobStore, payload: bytes = b"payload", overwrite: bool = False,
+                   save_id: Optional[str] = None) -> str:
         """A save as the storage layer makes one: a data blob and the metadata in staging, then commit."""
-        save_id = _save_id()
+        save_id = save_id or _save_id()
         staging = store.staging(save_id)
         staging.prepare()
         _write(staging, "data-00000.safetensors", payload)
@@ -161,6 +163,29 @@ class BlobStoreSuite:
         parent.child("step-1").remove()
         assert not parent.child("step-1").is_committed()
         assert parent.remove_incomplete_below("step-") == []
+
+    def test_references_between_the_checkpoints_of_a_run(self, tmp_path):
+        """A retired checkpoint's kept blobs stay readable through a sibling's ``referenced``, until cleanup is told
+        nothing references them."""
+        parent = self.store(tmp_path, "run")
+        self.needs(parent, REFERENCES)
+        save_id = _save_id()
+        payload = f'{{"save_id":"{save_id}"}} and the chunk bytes'.encode()  # a data file names its save first
+        step = parent.child("step-1")
+        step.prepare()
+        self.commit_one(step, payload, save_id=save_id)
+        sibling = parent.child("step-2")
+        assert sibling.referenced("step-1", save_id).open("data-00000.safetensors").pread(len(payload), 0) == payload
+        step.retire(save_id, {"data-00000.safetensors"})
+        assert not parent.child("step-1").is_committed()
+        assert sibling.referenced("step-1", save_id).open("data-00000.safetensors").pread(len(payload), 0) == payload
+        parent.remove_incomplete_below("step-", {("step-1", save_id): {"data-00000.safetensors"}})
+        assert sibling.referenced("step-1", save_id).open("data-00000.safetensors").pread(len(payload), 0) == payload
+        parent.remove_incomplete_below("step-")  # told nothing: a retired checkpoint is left alone
+        assert sibling.referenced("step-1", save_id).open("data-00000.safetensors").size == len(payload)
+        parent.remove_incomplete_below("step-", {})
+        with pytest.raises(CheckpointNotFoundError):
+            sibling.referenced("step-1", save_id).open("data-00000.safetensors")
 
     def test_mapped_blobs(self, tmp_path):
         store = self.store(tmp_path)
