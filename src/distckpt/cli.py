@@ -239,8 +239,6 @@ def steps(root: str, as_json: bool, clean: bool) -> None:
     if "://" not in root and not os.path.isdir(root):  # listing must not create the directory
         click.echo(f"error: {root!r} is not a directory", err=True)
         sys.exit(NOT_FOUND)
-    from .stored_bytes import stored_bytes
-
     try:
         mgr = distckpt.CheckpointManager(root, cleanup=False, read_only=not clean)
         removed = mgr.remove_stale_temporaries() if clean else []
@@ -253,7 +251,7 @@ def steps(root: str, as_json: bool, clean: bool) -> None:
                 continue
             files = getattr(md.storage_data, "files", {})
             rows.append({"step": step, "checkpoint": mgr.path(step), "bytes": sum(f.size for f in files.values()),
-                         "keys": len(md.state_dict_metadata), **_stored_row(stored_bytes(md))})
+                         "keys": len(md.state_dict_metadata), **_stored_row(distckpt.stored_bytes.stored_bytes(md))})
     except CheckpointError as exc:
         click.echo(f"error: {_shown(str(exc))}", err=True)
         sys.exit(_code(exc))
@@ -285,10 +283,8 @@ def steps(root: str, as_json: bool, clean: bool) -> None:
 def compact_cmd(checkpoint: str) -> None:
     """Make CHECKPOINT, a step of an incremental run, self-contained: copy in the data files it references in
     earlier steps, then commit it referencing none (the run's next retention removes what nothing references)."""
-    from .compaction import compact
-
     try:
-        report = compact(checkpoint)
+        report = distckpt.compaction.compact(checkpoint)
     except CheckpointError as exc:
         _say_lines("error: ", str(exc))
         sys.exit(_code(exc))

@@ -17,8 +17,9 @@ ROOMS = {
     **dict.fromkeys(["metadata", "planner", "storage", "stateful", "errors", "knobs", "capabilities",
                      "gc_pause", "progress", "faults", "process_state"], "protocol"),
     **dict.fromkeys(["saving", "loading", "async_saving", "staging", "distributed", "verification", "streaming",
-                     "_sequence", "torch_classes", "torch_save_reader"], "sequences"),
-    **dict.fromkeys(["manager", "cli", "convert", "optim", "tiers", "opening", "diffing", "__init__"], "top"),
+                     "_sequence", "torch_classes", "torch_save_reader", "stored_bytes"], "sequences"),
+    **dict.fromkeys(["manager", "cli", "convert", "optim", "tiers", "opening", "diffing", "compaction", "run_references",
+                     "__init__"], "top"),
     # DCP's module names, each a face over the rooms (torch.distributed.checkpoint.<name>); nothing imports them
     **dict.fromkeys(["api", "filesystem", "default_planner", "planner_helpers", "state_dict_loader", "state_dict_saver",
                      "_extension", "_dedup_save_plans", "utils", "format_utils"], "dcp_names"),
