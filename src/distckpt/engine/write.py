@@ -149,7 +149,8 @@ class _RankWrite:
         # the files' writers split half the memory budget for their buffers (direct I/O's bounce buffers, an object
         # store's parts); host copies of tensors get what the writers leave
         limit = knobs.memory_budget_bytes()
-        self.at_once = max(1, min(threads, len(self.groups)))  # files written at the same time
+        # files written at the same time; one more where files are encoded first, so that one writes while others encode
+        self.at_once = max(1, min(threads + bool(self.encoding.later_), len(self.groups)))
         self.share = limit // (2 * self.at_once)
         self.budget = ByteBudget(limit - self.at_once * store.write_buffer_bytes(self.share))
         self.streams = caller_streams()  # device copies happen in worker threads, ordered on the caller's stream

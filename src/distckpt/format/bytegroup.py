@@ -38,6 +38,7 @@ MAX_WIDTH = 16  # complex128 is grouped as its float64 halves; nothing wider is 
 FRAME_ELEMENTS = 1 << 20  # elements per frame: each piece is 1 MiB, large enough for zstd's ratio, small for memory
 MAX_RATIO = 32768  # zstd's greatest expansion: a 3-byte block header and one byte give a 128 KiB RLE block
 _RAW_AT = 0.97  # a plane whose first piece zstd shrinks by less than 3% is stored as it is
+_SAMPLE = 64 << 10  # bytes of a plane's first piece compressed to judge it, where the piece is larger
 
 
 def _compressor(level: Optional[int]) -> zstandard.ZstdCompressor:
@@ -81,6 +82,12 @@ def encode_planes(data: memoryview, width: int, level: Optional[int] = None, fra
                 at += n
                 continue
             plane = planes.take(first, n, p)
+            if first == 0 and n > 2 * _SAMPLE and len(compressor.compress(plane[:_SAMPLE])) >= _RAW_AT * _SAMPLE:
+                raw_planes.add(p)  # judged by a sample: zstd on a near-random plane only spends the writer's CPU
+                out[at: at + n] = plane
+                lengths.append(n)
+                at += n
+                continue
             piece = compressor.compress(plane)
             if first == 0 and len(piece) >= _RAW_AT * n:
                 raw_planes.add(p)
@@ -131,6 +138,7 @@ class _Planes:
     def __init__(self, data: np.ndarray, width: int) -> None:
         self.data, self.width = data, width
         self.words = width in (2, 4, 8) and data.ctypes.data % width == 0
+        self.scratch: Optional[np.ndarray] = None  # shifted words, reused frame after frame
 
     def take(self, first: int, n: int, p: int, out: Optional[np.ndarray] = None) -> np.ndarray:
         """Plane ``p`` of elements ``first`` to ``first + n``, into ``out`` if given."""
@@ -141,7 +149,11 @@ class _Planes:
             out[:] = part
         elif self.words:
             words = part.view(f"<u{w}")
-            np.copyto(out, words if p == 0 else np.right_shift(words, 8 * p), casting="unsafe")
+            if p:
+                if self.scratch is None or len(self.scratch) < n:
+                    self.scratch = np.empty(n, dtype=words.dtype)
+                words = np.right_shift(words, 8 * p, out=self.scratch[:n])
+            np.copyto(out, words, casting="unsafe")
         else:
             out[:] = part.reshape(n, w)[:, p]
         return out
