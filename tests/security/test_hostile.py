@@ -230,9 +230,9 @@ def test_unknown_major_version_is_rejected_with_supported_version(good, tmp_path
     path, sd = good
     ck = copy(path, str(tmp_path / "ck"))
     body = read_body(ck)
-    body["format_version"] = "4.0"
+    body["format_version"] = "5.0"
     write_body(ck, body)
-    with pytest.raises(FormatVersionError, match=r"4\.0.*reads format versions 1\.x, 2\.x, 3\.x"):
+    with pytest.raises(FormatVersionError, match=r"5\.0.*reads format versions 1\.x, 2\.x, 3\.x, 4\.x"):
         distckpt.read_metadata(ck)
 
 
