@@ -245,6 +245,9 @@ class FsStore(BlobStore):
         except FileNotFoundError:
             raise CheckpointNotFoundError(f"{self.root} does not exist; the checkpoint is incomplete or was removed") from None
         except OSError as exc:
+            if not self.follow_root and exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                raise CheckpointNotFoundError(f"{self.root} is a link or not a directory: a step found by name is never "
+                                              "followed through a link") from None
             raise _io_error("opening", self.root, exc) from exc
         try:
             return FileReader(path, open_regular(name, dir_fd=dir_fd))  # relative to the checkpoint's directory
