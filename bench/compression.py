@@ -147,8 +147,12 @@ def _device(mbps: float, directory: str, size: int, kind: str):
         return
     from .throttle import throttled_reads, throttled_writes
 
-    with (throttled_writes if kind == "write" else throttled_reads)(mbps, directory, size) as path:
-        yield path
+    directory = tempfile.mkdtemp(dir=directory, prefix=f"distckpt-bench-zstd-{kind}-")  # one loop device in each
+    try:
+        with (throttled_writes if kind == "write" else throttled_reads)(mbps, directory, size) as path:
+            yield path
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def _copy_tree(src: str, dst: str) -> None:
