@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Container, Optional
@@ -126,14 +127,15 @@ class _RankWrite:
         self.store, self.save_id, self.rank, self.plan, self.planner, self.sync = store, save_id, rank, plan, planner, sync
         items = plan.items
         self.columns = items if isinstance(items, WriteColumns) and items.intact and resolves_in_bulk(planner) else None
+        self.codecs = [codec_of(fqn) for fqn in (self.columns.fqn if self.columns is not None else
+                                                 (item.index.fqn for item in items))]
         self.reuse, self.keys, self.digests, self.reused = reuse, [], [], {}
+        self.hashers: dict = {}  # item -> the SHA-256 of its bytes, taken as they are written (from cache, as the CRC)
         if reuse is not None:
             self.find_unchanged(reuse, threads)
         if self.columns is not None:
-            self.codecs = [codec_of(fqn) for fqn in self.columns.fqn]
             self.encoding = _column_entries(self.columns, self.codecs, threads, self.reused)
         else:
-            self.codecs = [codec_of(item.index.fqn) for item in items]
             self.encoding = _entries(plan, planner, self.codecs, threads, self.reused)
         self.entries, self.payloads = self.encoding.entries, self.encoding.payloads
         n = len(self.entries)
@@ -157,29 +159,38 @@ class _RankWrite:
         self.progress = Progress("save", total, is_coordinator)
 
     def find_unchanged(self, reuse: Reuse, threads: int) -> None:
-        """Hash every item, and mark those whose fingerprint from the previous save matches (``self.reused``)."""
+        """Mark the items whose fingerprint from the previous save matches (``self.reused``): those it kept one for
+        are hashed now; the others as they are written (``self.hashers``), where their bytes pass through the cache.
+        A value, or an item stored through a codec, is hashed now too: its stored bytes are not the ones hashed."""
+        plain = []
         if self.columns is not None:
             cols = self.columns
             self.keys = [chunk_key(f, None if c == BYTES else o, None if c == BYTES else s, None if c == BYTES else d)
                          for f, c, o, s, d in zip(cols.fqn, cols.code, cols.offsets, cols.sizes, cols.dtype)]
             data = list(zip(cols.data, cols.dtype))
+            plain = [c != BYTES and codec.identity for c, codec in zip(cols.code, self.codecs)]
         else:
             data = []
-            for item in self.plan.items:
+            for item, codec in zip(self.plan.items, self.codecs):
                 value = self.planner.resolve_data(item)
                 if item.type == WriteItemType.BYTE_IO:
                     self.keys.append(chunk_key(item.index.fqn, None, None, None))
                     data.append((value, None))
+                    plain.append(False)
                 else:
                     td = item.tensor_data
                     self.keys.append(chunk_key(item.index.fqn, tuple(item.index.offset or ()), tuple(td.chunk.sizes),
                                                td.properties.dtype))
                     data.append((value, td.properties.dtype))
-        self.digests = digests(data, threads)
-        for i, (key, digest) in enumerate(zip(self.keys, self.digests)):
-            before = reuse.previous.get(key)
+                    plain.append(codec.identity)
+        now = [i for i, key in enumerate(self.keys) if key in reuse.previous or not plain[i]]
+        self.digests = [None] * len(self.keys)
+        for i, digest in zip(now, digests([data[i] for i in now], threads)):
+            self.digests[i] = digest
+            before = reuse.previous.get(self.keys[i])
             if before is not None and before.digest == digest:
                 self.reused[i] = before
+        self.hashers = {i: hashlib.sha256() for i, digest in enumerate(self.digests) if digest is None}
 
     def run(self, name: str) -> list[WriteResult]:
         stem = name[: -len(".safetensors")] if name.endswith(".safetensors") else name
@@ -227,8 +238,9 @@ class _RankWrite:
             st = self.reused.get(i)
             if st is None:
                 name = self.item_file[i]
+                digest = self.digests[i] if self.digests[i] is not None else self.hashers[i].digest()
                 st = Stored(reuse.checkpoint, name, self.save_id, own[name], self.offsets[i], lengths[i], self.crcs[i],
-                            codec_names[i], self.digests[i])
+                            codec_names[i], digest)
                 reuse.written_bytes += lengths[i]
             else:
                 reuse.referenced_bytes += lengths[i]
@@ -310,6 +322,9 @@ class _RankWrite:
                 blob.pwritev([piece for _, piece in pieces], position)
                 for j, piece in pieces:
                     self.crcs[batch[j]] = crc32c(piece, self.crcs[batch[j]])
+                    hasher = self.hashers.get(batch[j])
+                    if hasher is not None:
+                        hasher.update(piece)
                 position += sum(len(piece) for _, piece in pieces)
             self.progress.advance(sum(len(v) for v in views))
         finally:
