@@ -93,7 +93,8 @@ def inspect(checkpoint: str, as_json: bool) -> None:
                          "shape": list(entry.size), "chunks": len(entry.chunks)})
         else:
             rows.append({"key": fqn, "kind": "value"})
-    files = {name: {"size": info.size, "rank": info.rank} for name, info in getattr(fsd, "files", {}).items()}
+    files = {name: {"size": info.size, "rank": info.rank, **({"save_id": info.save_id} if getattr(info, "save_id", None) else {})}
+             for name, info in getattr(fsd, "files", {}).items()}
     if as_json:
         click.echo(json.dumps({"checkpoint": checkpoint, "written_by": layout or "distckpt",
                                "format_version": md.version,
@@ -118,7 +119,8 @@ def inspect(checkpoint: str, as_json: bool) -> None:
         else:
             click.echo(f"  {key:<{width}}  value")
     for name, f in sorted(files.items()):
-        click.echo(f"  file {_shown(name)}: {_human(f['size'])} from rank {f['rank']}")
+        of = f", of save {_shown(f['save_id'])} (an earlier step's file this one references)" if "save_id" in f else ""
+        click.echo(f"  file {_shown(name)}: {_human(f['size'])} from rank {f['rank']}{of}")
 
 
 @main.command(name="verify")

@@ -223,3 +223,24 @@ def test_overwriting_a_referenced_step_keeps_the_files_later_steps_reference(tmp
     if where == "disk":
         assert [n for n in os.listdir(root) if "retired" in n]
     clear_memory_store()
+
+
+def test_open_diff_inspect_and_convert_read_a_referencing_step(tmp_path):
+    from click.testing import CliRunner
+
+    from distckpt.cli import main as cli
+
+    root = str(tmp_path / "run")
+    mgr = CheckpointManager(root, keep_last=1, incremental=True, no_dist=True)
+    for step in (1, 2, 3):
+        mgr.save(step, _state(step))
+    with distckpt.open(mgr.path(3)) as ck:
+        assert torch.equal(ck["frozen.3"][5:9], _state(3)["frozen.3"][5:9]) and ck["step"] == 3
+    assert CliRunner().invoke(cli, ["diff", mgr.path(3), mgr.path(3)]).exit_code == 0
+    text = CliRunner().invoke(cli, ["inspect", mgr.path(3)]).output
+    assert "step-0000000001/data-00000.safetensors" in text and "references" in text
+    dcp = str(tmp_path / "dcp")
+    assert CliRunner().invoke(cli, ["convert", "--to", "dcp", mgr.path(3), dcp]).exit_code == 0
+    out = _empty_like(_state(3))
+    distckpt.load(out, checkpoint_id=dcp, no_dist=True)
+    _assert_same(out, _state(3))
