@@ -583,6 +583,10 @@ class Read:
         with self.budget.hold(info.length + nbytes):
             stored = read_exact(self.reader(info.file), info.length, info.offset, self.here(index), info.file)
             check_checksum(check, crc32c(stored), info, self.here(index), dests)
+            whole = _whole_destination(items, dests, shape, dtype)
+            if whole is not None:  # one destination, the whole chunk, in host memory: decoded straight into it
+                self.codecs[index].decode_into(memoryview(stored), whole, self.here(index))
+                return
             raw = self.codecs[index].decode(memoryview(stored), nbytes, self.here(index))
             raw = raw if isinstance(raw, memoryview) and not raw.readonly else bytearray(raw)  # the read buffer: no copy
             chunk = torch.frombuffer(raw, dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
@@ -691,3 +695,13 @@ def _item_bytes(md: Metadata, items: list, info: StorageInfo) -> int:
         return info.length
     size = itemsize(md.state_dict_metadata[items[0].storage_index.fqn].properties.dtype)
     return sum(volume(item.lengths) * size for item in items)
+
+
+def _whole_destination(items: list, dests: list, shape: tuple, dtype: torch.dtype) -> Optional[memoryview]:
+    """The bytes of the one destination of a chunk, where it is the whole chunk in host memory, of its dtype."""
+    if len(items) != 1 or not shape or tuple(items[0].lengths) != tuple(shape):
+        return None
+    dest = dests[0]
+    if dest.dtype != dtype or tuple(dest.shape) != tuple(shape) or not dest.numel():
+        return None
+    return writable_bytes(dest)

@@ -102,11 +102,12 @@ def encode_planes(data: memoryview, width: int, level: Optional[int] = None, fra
     return memoryview(out[:at])
 
 
-def decoded_planes(stored: memoryview, nbytes: int, where: str, limit: Optional[int] = None, *, name: str = NAME) -> memoryview:
+def decoded_planes(stored: memoryview, nbytes: int, where: str, limit: Optional[int] = None, *, name: str = NAME,
+                   into: Optional[np.ndarray] = None) -> memoryview:
     """The bytes ``stored`` decodes to: exactly ``nbytes`` for a chunk, at most the value limit for a value
-    (``nbytes`` -1); every size checked before the output is allocated."""
+    (``nbytes`` -1); every size checked before the output is allocated (or, with ``into``, written)."""
     layout = _Layout(stored, nbytes, where, limit, name)
-    out = np.empty(layout.length, dtype=np.uint8)
+    out = np.empty(layout.length, dtype=np.uint8) if into is None else into
     planes = _Planes(out, layout.width)
     decompressor = zstandard.ZstdDecompressor()
     at = layout.table_end
@@ -249,6 +250,9 @@ class ByteGroupZstd(ChunkCodec):
 
     def decode(self, stored: memoryview, nbytes: int, where: str, limit: Optional[int] = None) -> memoryview:
         return decoded_planes(stored, nbytes, where, limit, name=self.name)
+
+    def decode_into(self, stored: memoryview, out: memoryview, where: str) -> None:
+        decoded_planes(stored, len(out), where, name=self.name, into=np.frombuffer(out, dtype=np.uint8))
 
 
 register_codec(ByteGroupZstd())

@@ -121,6 +121,15 @@ class ChunkCodec(abc.ABC):
         (``verify`` calls this). A codec that decodes in pieces overrides it to run in bounded memory."""
         return len(self.decode(stored, nbytes, where, limit=limit))
 
+    def decode_into(self, stored: memoryview, out: memoryview, where: str) -> None:
+        """:meth:`decode` of a chunk straight into ``out``, exactly its bytes (writable): a load whose one
+        destination is the whole chunk saves a buffer and a copy. A codec that can, overrides it."""
+        raw = memoryview(self.decode(stored, len(out), where)).cast("B")
+        if len(raw) != len(out):
+            raise CorruptCheckpointError(f"{where}: the stored bytes decode through {self.name} to {len(raw)} bytes, not "
+                                         f"the {len(out)} of the chunk")
+        out[:] = raw
+
     def encode_item(self, data: memoryview, width: int) -> bytes:
         """:meth:`encode` of an item whose elements are ``width`` bytes each (1 for a value): a codec that
         groups bytes by their place in an element overrides it."""
@@ -146,12 +155,19 @@ class _DecodedChecked(ChunkCodec):
 
     def decode(self, stored: memoryview, nbytes: int, where: str, limit: Optional[int] = None) -> memoryview:
         out = self.inner.decode(stored, nbytes, where, limit=limit)
+        self.check(out, where)
+        return out
+
+    def decode_into(self, stored: memoryview, out: memoryview, where: str) -> None:
+        self.inner.decode_into(stored, out, where)
+        self.check(out, where)
+
+    def check(self, out: memoryview, where: str) -> None:
         got = crc32c(out)
         if got != self.crc:
             raise CorruptCheckpointError(f"{where}: the stored bytes decode through {self.inner.name} to bytes whose CRC-32C "
                                          f"is {format_crc(got)}, not the {format_crc(self.crc)} its codec record holds; "
                                          "the checkpoint is damaged or its metadata forged")
-        return out
 
 
 class _Identity(ChunkCodec):
