@@ -25,7 +25,8 @@ in an order shuffled per step, so that no peer always runs on a disk another pee
 Bytes written by a save: the sizes of the regular files under the peer's root after the save that were not
 there before it (``os.scandir``, links not followed; a file is the same one while its inode, size and mtime are:
 a rename, as retention makes, writes nothing). Time: each save's wall time; a round's time per step is the best
-of the rounds (``--repeat``), as in bench/measure.py. Memory is touched first (``--warm-gib``).
+of the rounds (``--repeat``), as in bench/measure.py. Memory is touched first (``--warm-gib``). Held: the bytes
+of the files under the root after the last save (what retention keeps).
 
 After each round, every step a manager kept (``keep_last=2``: steps 9 and 10) is loaded into a blank state and
 compared bit for bit with a CPU clone of the state taken when that step was saved; so are DCP's last two
@@ -260,6 +261,8 @@ def one_round(work: str, total_bytes: int, saves: int, peers: tuple, order_seed:
             nbytes, wall = written(made[name].root, lambda: made[name].save(step, state))
             rows[name]["bytes"].append(nbytes)
             rows[name]["s"].append(wall)
+    for name in peers:
+        rows[name]["held_bytes"] = sum(files(made[name].root).values())
     state = run.state()
     for name in peers:
         if name == "raw":
@@ -296,7 +299,8 @@ def summarize(rounds: list[dict], saves: int) -> dict:
         peers[name] = {"bytes": per_round[0]["bytes"], "total_bytes": totals[0], "totals_per_round": totals,
                        "best_s_per_step": [round(s, 4) for s in best_s], "best_total_s": round(sum(best_s), 4),
                        "s_per_round": [round(sum(r["s"]), 4) for r in per_round],
-                       "over_floor_bound": totals[0] / bound, "checked_steps": per_round[0].get("checked_steps", [])}
+                       "over_floor_bound": totals[0] / bound, "checked_steps": per_round[0].get("checked_steps", []),
+                       "held_bytes": per_round[0]["held_bytes"]}
     results = {"state_bytes": full_state, "trainable_bytes": trainable, "trainable_share": trainable / full_state,
                "width": first["width"], "layers": first["layers"], "tensors": first["tensors"], "saves": saves,
                "bound_bytes": bound, "target": TARGET, "peers": peers}
@@ -314,7 +318,7 @@ def report(results: dict) -> list[str]:
              f"({100 * results['trainable_share']:.1f}% of the state), {results['saves']} saves; "
              f"bound = one full save + {results['saves'] - 1} x trainable = {results['bound_bytes'] / mib:.1f} MiB",
              f"{'peer':12s} {'written MiB':>12s} {'/ bound':>8s} {'step 1 MiB':>11s} {'later MiB':>10s} "
-             f"{'step 1 s':>9s} {'later s':>8s} {'10 saves s':>10s} {'s / raw':>8s}"]
+             f"{'step 1 s':>9s} {'later s':>8s} {'10 saves s':>10s} {'s / raw':>8s} {'held MiB':>9s}"]
     raw_s = results["peers"].get("raw", {}).get("best_total_s")
     for name, p in results["peers"].items():
         later_b = p["bytes"][1:]
@@ -323,8 +327,10 @@ def report(results: dict) -> list[str]:
         mean_s = sum(later_s) / len(later_s) if later_s else 0.0
         vs_raw = f"{p['best_total_s'] / raw_s:8.2f}" if raw_s else f"{'':8s}"
         lines.append(f"{name:12s} {p['total_bytes'] / mib:12.1f} {p['over_floor_bound']:8.3f} {p['bytes'][0] / mib:11.1f} "
-                     f"{mean_b / mib:10.2f} {p['best_s_per_step'][0]:9.3f} {mean_s:8.3f} {p['best_total_s']:10.3f} {vs_raw}")
-    lines.append("later: the mean of steps 2-10; times: each step's best of the rounds")
+                     f"{mean_b / mib:10.2f} {p['best_s_per_step'][0]:9.3f} {mean_s:8.3f} {p['best_total_s']:10.3f} {vs_raw} "
+                     f"{p['held_bytes'] / mib:9.1f}")
+    lines.append("later: the mean of steps 2-10; times: each step's best of the rounds; held: the bytes under the root "
+                 "after the last save")
     if "incremental_ratio" in results:
         verdict = "met" if results["met"] else "MISSED"
         lines.append(f"target (issue 49): incremental written / bound = {results['incremental_ratio']:.3f} <= {TARGET}: "
