@@ -4,9 +4,8 @@ from bench import run
 
 
 def test_bench_suite_runs_every_peer_at_a_tiny_size(tmp_path, capsys):
-    # nothing is timed against anything here: no memory touched first (the default touches 1 GiB)
     results = run.main(["--gib", "0.004", "--small", "100", "--tiny", "200", "--planning-ranks", "4", "--repeat", "1",
-                        "--warm-gib", "0", "--disk-dir", str(tmp_path),
+                        "--disk-dir", str(tmp_path),
                         "--json", str(tmp_path / "r.json")])
     out = capsys.readouterr().out
     for peer in ("distckpt", "dcp", "torch.save", "safetensors", "raw"):
@@ -41,8 +40,7 @@ def test_bench_suite_runs_every_peer_at_a_tiny_size(tmp_path, capsys):
 
 def test_bench_runs_chosen_tables_and_another_revision_beside_this_one(tmp_path, capsys):
     """--only picks tables; --before REV runs the reshard tables of REV (a git worktree) round by round with these."""
-    results = run.main(["--gib", "0.004", "--repeat", "1", "--only", "reshard", "--before", "HEAD", "--warm-gib", "0",
-                        "--disk-dir", str(tmp_path)])
+    results = run.main(["--gib", "0.004", "--repeat", "1", "--only", "reshard", "--before", "HEAD", "--disk-dir", str(tmp_path)])
     out = capsys.readouterr().out
     assert "reshard/2" in results and "tmpfs/1" not in results and "async" not in results and "small" not in results
     (before,) = [k for k in results["reshard/2"] if k.startswith("distckpt@")]
