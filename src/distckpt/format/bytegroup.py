@@ -184,7 +184,7 @@ class _Layout:
         if len(stored) < HEADER.size:
             raise CorruptCheckpointError(f"{where}: {len(stored)} stored bytes are too few for a {name} header")
         magic, version, width, reserved, length, frame = HEADER.unpack_from(stored)
-        if magic != MAGIC or version != LAYOUT_VERSION or reserved:
+        if magic != MAGIC or version != LAYOUT_VERSION or reserved or any(stored[HEADER.size - 4: HEADER.size]):
             raise CorruptCheckpointError(f"{where}: the stored bytes do not start with a {name} header "
                                          f"(magic {bytes(magic)!r}, layout {version})")
         if nbytes >= 0 and length != nbytes:
