@@ -371,3 +371,12 @@ def test_compressed_items_are_encoded_file_by_file(tmp_path, monkeypatch, thread
         want = v.view(torch.uint8).ne(0) if k == "mask" else v
         assert torch.equal(out[k].view(torch.uint8) if k == "mask" else out[k], want.view(torch.uint8) if k == "mask" else want), k
     assert distckpt.verify(path).ok
+
+
+@pytest.mark.parametrize("at, value", [(0, 0x44), (4, 2), (6, 1), (21, 1)])
+def test_a_header_with_other_magic_layout_or_nonzero_reserved_bytes_is_refused(at, value):
+    data = (torch.randn(4096) * 0.02).to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
+    stored = bytearray(encode_planes(memoryview(data), 2))
+    stored[at] = value if stored[at] != value else value + 1
+    with pytest.raises(CorruptCheckpointError, match="key 'k'.*header"):
+        ByteGroupZstd().decode(memoryview(stored), len(data), "key 'k'")
