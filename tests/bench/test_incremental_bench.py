@@ -36,3 +36,16 @@ def test_a_renamed_file_is_not_counted_as_written(tmp_path):
 
     nbytes, wall = incremental.written(str(tmp_path), save)
     assert nbytes == 7 and wall > 0
+
+
+def test_embedding_chunk_arithmetic_agrees_with_its_simulation(capsys):
+    from bench import embedding_chunks
+
+    out = embedding_chunks.main(["--rows", "65536", "--dim", "8"])
+    rows = {r["k"]: r for r in out["rows"]}
+    for k in (1, 16, 64, 256):
+        assert abs(rows[k]["simulated"] - rows[k]["written"][0.01]) < 0.02, k
+    assert rows[1]["chunks"] == 65536 and rows[max(rows)]["written"][0.01] > 0.999  # a shard: written whole
+    # retention holds whole files: without full saves the run keeps several tables; full_every=10 bounds it
+    assert rows[16]["held"][0] > rows[16]["held"][10] > 2
+    assert "rows/chunk" in capsys.readouterr().out
