@@ -62,9 +62,7 @@ def compact(checkpoint_id: Union[str, os.PathLike], **storage_options: Any) -> C
     copied = 0
     for key in referenced:
         checkpoint, file = split_reference(key)  # type: ignore[misc]
-        new_name = check_file_name(f"{checkpoint}-{file}", where)
-        if new_name in fsd.files:
-            raise CheckpointError(f"{where}: cannot copy {key!r} in as {new_name!r}, which the checkpoint has already")
+        new_name = _free_name(own, set(fsd.files) | set(files), checkpoint, file, where)
         info = fsd.files[key]
         lead = _relabelled_lead(source, key, info, fsd.save_id, f"{where}, file {key!r}")
         copied += _copy(source, own, key, new_name, lead, info.size)
@@ -75,6 +73,18 @@ def compact(checkpoint_id: Union[str, os.PathLike], **storage_options: Any) -> C
     md.storage_data = FileStorageData(fsd.save_id, files, items)
     location.put_atomic(METADATA_FILE, encode_metadata(md), True)
     return CompactReport(str(checkpoint_id), len(referenced), copied)
+
+
+def _free_name(own, taken: set, checkpoint: str, file: str, where: str) -> str:
+    """A name to copy ``checkpoint``'s ``file`` in as: one the table does not list and the step does not hold. A file
+    the step holds but does not list is what a compaction cut short left (nothing else writes into a committed step;
+    it goes when the step is retired or removed): created exclusively, its name cannot be written again."""
+    for attempt in range(100):
+        name = check_file_name(f"{checkpoint}-{file}" if not attempt else f"{checkpoint}-{attempt}-{file}", where)
+        if name not in taken and not own.exists(name):
+            return name
+    raise CheckpointError(f"{where}: cannot copy {checkpoint}/{file} in: 100 names for it are taken by files the "
+                          "checkpoint holds; load the step and save it again instead")
 
 
 def _relabelled_lead(source, key: str, info: FileInfo, save_id: str, here: str) -> bytes:

@@ -347,7 +347,7 @@ class CheckpointManager:
         gone = [step for step in steps if step not in keep]
         if not gone:
             return []
-        kept = self._files.kept_files([self._name(step) for step in sorted(keep)])
+        kept = self._files.kept_files([self._name(step) for step in sorted(keep)] + self._other_steps())
         for step in gone:
             self._files.delete(self._name(step), kept)
         self._sweep(kept)
@@ -378,7 +378,7 @@ class CheckpointManager:
     def _delete(self, step: int) -> None:
         name = self._name(step)
         others = [self._name(s) for s in self.all_steps() if s != step]
-        kept = self._files.kept_files(others)
+        kept = self._files.kept_files(others + self._other_steps())
         self._files.delete(name, kept)
         self._sweep(kept)
 
@@ -396,8 +396,15 @@ class CheckpointManager:
             raise CheckpointError(f"CheckpointManager({self.root!r}, read_only=True) does not clean up")
         if REFERENCES not in self._store.capabilities:
             return self._store.remove_incomplete_below("step-")
-        kept = self._files.kept_files([self._name(step) for step in self.all_steps()])
+        kept = self._files.kept_files([self._name(step) for step in self.all_steps()] + self._other_steps())
         return self._store.remove_incomplete_below("step-", kept)
+
+    def _other_steps(self) -> list[str]:
+        """Steps under ``root`` spelled the other way (``step-42`` beside ``step-0000000042``): not this manager's, but
+        they may reference files of retired steps that the cleanup of ``step-`` names would otherwise prune."""
+        own = _PLAIN_STEP if self.step_names == "plain" else _STEP
+        return [name for name in self._store.children()
+                if (_STEP.match(name) or _PLAIN_STEP.match(name)) and not own.match(name)]
 
 
 def _step_name(step: Any, names: str = "padded") -> str:
