@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Container, Optional
@@ -27,7 +26,7 @@ from .blobs import BlobStore, BlobWriter
 from .budget import ByteBudget
 from .device_copy import PendingCopies, caller_streams, to_host
 from .encoding import Encoding
-from .reuse import Reuse, Stored, chunk_key, digests
+from .reuse import Reuse, Stored, chunk_key, digests, new_hasher
 from .tensor_bytes import flat_bytes, host_bytes, is_lazy_view, memory_at
 from .windows import windows
 
@@ -130,7 +129,7 @@ class _RankWrite:
         self.codecs = [codec_of(fqn) for fqn in (self.columns.fqn if self.columns is not None else
                                                  (item.index.fqn for item in items))]
         self.reuse, self.keys, self.digests, self.reused = reuse, [], [], {}
-        self.hashers: dict = {}  # item -> the SHA-256 of its bytes, taken as they are written (from cache, as the CRC)
+        self.hashers: dict = {}  # item -> the content hash of its bytes, taken as they are written (from cache, as the CRC)
         if reuse is not None:
             self.find_unchanged(reuse, threads)
         if self.columns is not None:
@@ -190,7 +189,7 @@ class _RankWrite:
             before = reuse.previous.get(self.keys[i])
             if before is not None and before.digest == digest:
                 self.reused[i] = before
-        self.hashers = {i: hashlib.sha256() for i, digest in enumerate(self.digests) if digest is None}
+        self.hashers = {i: new_hasher() for i, digest in enumerate(self.digests) if digest is None}
 
     def run(self, name: str) -> list[WriteResult]:
         stem = name[: -len(".safetensors")] if name.endswith(".safetensors") else name
