@@ -65,7 +65,7 @@ class CheckpointManager:
             ``endpoint_url``, ``region_name``, ``part_size``...; for a
             directory, ``thread_count`` or ``sync_files``. The run's listing,
             cleanup and retention use them too.
-        incremental: write only what changed: a chunk whose bytes equal (by SHA-256) what this manager's previous
+        incremental: write only what changed: a chunk whose bytes equal (by a BLAKE3 hash) what this manager's previous
             committed save stored for it is not written again; the new step references the stored bytes
             (format 4.0). Every step still loads on its own, and retention keeps the files kept steps reference.
             The first save of a manager, and one after a failed save, writes everything.
