@@ -33,6 +33,7 @@ _RUN_ID = re.compile(r"[0-9a-f]{32}\Z")
 _PLAIN_STEP = re.compile(r"step-(0|[1-9]\d{0,18})\Z")
 STEP_NAMES = ("padded", "plain")
 MAX_STEP = 10**19 - 1
+_MARK_TRIES = 8  # reads of the run's tables before a sweep gives up (prunes nothing) on a run that keeps changing
 log = logging.getLogger("distckpt")
 
 
@@ -385,7 +386,7 @@ class CheckpointManager:
     def _sweep(self, kept: Optional[dict]) -> None:
         """Remove what retired steps hold that no kept step references (only with every kept step's table read)."""
         if kept is not None and REFERENCES in self._store.capabilities:
-            self._store.remove_incomplete_below("step-", kept)
+            self._store.remove_incomplete_below("step-", self._marked)
 
     def remove_stale_temporaries(self) -> list[str]:
         """Remove what crashed saves and deletions left behind under ``root``; return what was removed.
@@ -396,8 +397,23 @@ class CheckpointManager:
             raise CheckpointError(f"CheckpointManager({self.root!r}, read_only=True) does not clean up")
         if REFERENCES not in self._store.capabilities:
             return self._store.remove_incomplete_below("step-")
-        kept = self._files.kept_files([self._name(step) for step in self.all_steps()] + self._other_steps())
-        return self._store.remove_incomplete_below("step-", kept)
+        return self._store.remove_incomplete_below("step-", self._marked)
+
+    def _marked(self) -> Optional[dict]:
+        """The mark phase of a sweep: what the committed steps (of either spelling) reference. The store calls it once
+        it has listed the retired steps it may prune, and it is read again until no step came or went during the read:
+        another process may commit a step and retire the one before it meanwhile, and the new step references only
+        what a step read here references or holds (a step retired after the listing is not pruned)."""
+        for _ in range(_MARK_TRIES):
+            names = self._committed_steps()
+            kept = self._files.kept_files(names)
+            if kept is None or self._committed_steps() == names:
+                return kept
+        return None
+
+    def _committed_steps(self) -> list[str]:
+        return [name for name in self._store.children()
+                if (_STEP.match(name) or _PLAIN_STEP.match(name)) and self._store.child(name).is_committed()]
 
     def _other_steps(self) -> list[str]:
         """Steps under ``root`` spelled the other way (``step-42`` beside ``step-0000000042``): not this manager's, but

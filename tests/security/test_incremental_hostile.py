@@ -61,3 +61,37 @@ def test_cleanup_by_a_manager_spelling_steps_the_other_way_keeps_what_the_run_re
     assert trainer.all_steps() == [2] and other.all_steps() == [8]
     _loads(trainer, 2)
     _loads(other, 8)
+
+
+def _moving(step):
+    """``a`` never changes, ``b`` changes once (step 1 to 2): step 3 references a file of step 1 and one of step 2."""
+    return {"a": torch.arange(4096, dtype=torch.float32), "b": torch.full((512,), float(min(step, 2))),
+            "head": torch.full((64,), float(step))}
+
+
+def test_cleanup_racing_a_commit_and_its_retention_keeps_what_the_new_step_references(tmp_path):
+    """An evaluation job's cleanup (``distckpt steps --clean``, or a manager opened without read_only) reads the kept
+    steps' tables, then prunes the retired directories it lists. If the trainer commits step 3 and retires step 2 in
+    between, step 2's retired directory was not there for the mark but is there for the sweep, and the file step 3
+    references in it was deleted. The interleaving is scheduled by running the trainer's save right after the
+    evaluator's mark (the only way to stop a process between two reads)."""
+    root = str(tmp_path / "run")
+    trainer = CheckpointManager(root, keep_last=1, incremental=True, no_dist=True)
+    trainer.save(1, _moving(1))
+    trainer.save(2, _moving(2))  # step 1 retired, its file kept for "a"
+    evaluator = CheckpointManager(root, no_dist=True, cleanup=False)
+    mark = evaluator._files.kept_files
+
+    def mark_then_trainer_saves(names):
+        kept = mark(names)
+        if not trainer.all_steps() == [3]:
+            trainer.save(3, _moving(3))  # references step 2's file for "b"; retention retires step 2
+        return kept
+
+    evaluator._files.kept_files = mark_then_trainer_saves
+    evaluator.remove_stale_temporaries()
+    assert trainer.all_steps() == [3]
+    out = {k: torch.zeros_like(v) for k, v in _moving(3).items()}
+    trainer.load(out, step=3)
+    assert all(torch.equal(out[k], v) for k, v in _moving(3).items())
+    assert distckpt.verify(trainer.path(3)).ok

@@ -11,7 +11,7 @@ import uuid
 from typing import Any, Iterable, Optional, Union
 
 from .. import faults, knobs
-from ..engine.blobs import LEASES, MAPS, PAGE_CACHE, REFERENCES, RUNS, BlobReader, BlobStore, BlobWriter
+from ..engine.blobs import LEASES, MAPS, PAGE_CACHE, REFERENCES, RUNS, BlobReader, BlobStore, BlobWriter, Keep, keep_now
 from ..engine.references import SaveFiles, referenced_by_siblings
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StorageIOError
 from ..format import METADATA_FILE
@@ -466,12 +466,16 @@ class FsStore(BlobStore):
             raise _io_error("deleting", self.root, exc) from exc
         prune_dir(retired, set(keep))
 
-    def remove_incomplete_below(self, prefix: str = "", keep: Optional[dict] = None) -> list[str]:
+    def remove_incomplete_below(self, prefix: str = "", keep: Keep = None) -> list[str]:
         removed = []
         try:
             names = sorted(os.listdir(self.root))
         except FileNotFoundError:
             return removed
+        if any((parse_hidden(n) or ("", "", ""))[1] == RETIRED_MARK for n in names):
+            keep = keep_now(keep)  # the mark, read after the listing: a step retired since is not in it
+        else:
+            keep = None
         now = time.time()
         for name in names:
             parsed = parse_hidden(name)

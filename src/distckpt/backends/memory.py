@@ -10,7 +10,7 @@ import threading
 from typing import Iterable, Optional, Union
 
 from .. import faults
-from ..engine.blobs import LEASES, REFERENCES, RUNS, BlobReader, BlobStore, BlobWriter, BytesReader
+from ..engine.blobs import LEASES, REFERENCES, RUNS, BlobReader, BlobStore, BlobWriter, BytesReader, Keep, keep_now
 from ..engine.references import SaveFiles, referenced_by_siblings
 from ..errors import CheckpointError, CheckpointNotFoundError
 from ..format import METADATA_FILE
@@ -154,12 +154,15 @@ class MemoryStore(BlobStore):
         with _LOCK:
             _CHECKPOINTS.pop(self.name, None)
 
-    def remove_incomplete_below(self, prefix: str = "", keep: Optional[dict] = None) -> list[str]:
+    def remove_incomplete_below(self, prefix: str = "", keep: Keep = None) -> list[str]:
         removed = []
         with _LOCK:
-            for n in [n for n in _CHECKPOINTS if n.startswith(f"{self.name}/{prefix}") and _RETIRED in n[len(self.name) + 1:]]:
+            retired = [n for n in _CHECKPOINTS if n.startswith(f"{self.name}/{prefix}") and _RETIRED in n[len(self.name) + 1:]]
+        keep = keep_now(keep) if retired else None  # the mark, read after the listing: a step retired since is not in it
+        with _LOCK:
+            for n in retired:
                 base, save_id = n[len(self.name) + 1:].split(_RETIRED, 1)
-                if keep is not None:
+                if keep is not None and n in _CHECKPOINTS:
                     wanted = keep.get((base, save_id), ())
                     left = {k: v for k, v in _CHECKPOINTS[n].items() if k in wanted}
                     if left:

@@ -31,7 +31,7 @@ from typing import Any, Iterable, Optional, Union
 
 from .. import faults, knobs
 from ..engine import blobs
-from ..engine.blobs import BlobReader, BlobStore, BlobWriter
+from ..engine.blobs import BlobReader, BlobStore, BlobWriter, Keep, keep_now
 from ..engine.references import SaveFiles, referenced_by_siblings
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StorageIOError
 from ..format import METADATA_FILE
@@ -393,13 +393,17 @@ class S3Store(BlobStore):
         if not any(k[start:] in keep for k in found):
             self._delete_prefix(self.key(f"{RETIRED}/{save_id}"), exact=True)
 
-    def remove_incomplete_below(self, prefix: str = "", keep: Optional[dict] = None) -> list[str]:
+    def remove_incomplete_below(self, prefix: str = "", keep: Keep = None) -> list[str]:
         removed = []
-        for name in (n for n in self.children() if n.startswith(prefix)):
-            child = self.child(name)
-            for save_id in child._uncommitted_save_ids():
+        found = [(name, self.child(name)) for name in self.children() if name.startswith(prefix)]
+        found = [(name, child, child._uncommitted_save_ids()) for name, child in found]
+        # a retired step's: no save is writing there
+        retired = {(name, save_id) for name, child, ids in found for save_id in ids if child.exists(f"{RETIRED}/{save_id}")}
+        keep = keep_now(keep) if retired else None  # the mark, read after the listing: a step retired since is not in it
+        for name, child, ids in found:
+            for save_id in ids:
                 staging = child.staging(save_id)
-                if child.exists(f"{RETIRED}/{save_id}"):  # a retired step's: no save is writing there
+                if (name, save_id) in retired:
                     if keep is not None:
                         child._prune_retired(save_id, keep.get((name, save_id), set()))
                     continue

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import abc
 import threading
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Optional, Union
 
 from .. import faults
 from ..errors import CheckpointError
@@ -146,6 +146,16 @@ REFERENCES = "references"
 """A store whose checkpoints may reference data files of their siblings (a run of incremental saves):
 ``referenced``, ``retire``, and ``remove_incomplete_below`` that keeps what it is told to keep."""
 
+Keep = Optional[Union[dict, Callable[[], Optional[dict]]]]
+"""What ``remove_incomplete_below`` is told to keep: (checkpoint, save id) -> data file names, or a function that
+returns that map (None: keep everything), called once the retired checkpoints are listed."""
+
+
+def keep_now(keep: Keep) -> Optional[dict]:
+    """The map ``keep`` stands for, read now."""
+    return keep() if callable(keep) else keep
+
+
 PAGE_CACHE = "page-cache"
 """A store whose reads go through the node's page cache (a file system): the ranks of one node that read the
 same bytes fetch them from storage once between them (shared reads leave them to it)."""
@@ -257,14 +267,16 @@ class BlobStore(abc.ABC):
         """Delete this committed checkpoint: invisible to readers at once, then its contents."""
         raise CheckpointError(f"{type(self).__name__} cannot delete checkpoints (no remove())")
 
-    def remove_incomplete_below(self, prefix: str = "", keep: Optional[dict] = None) -> list[str]:
+    def remove_incomplete_below(self, prefix: str = "", keep: Keep = None) -> list[str]:
         """Remove what uncommitted saves left of the checkpoints directly under this location whose
         names start with ``prefix``, where those saves are proven dead (see :mod:`.leases`); describe
         what was removed. A save still running, here or on another host, is never touched.
 
         ``keep`` (stores with :data:`REFERENCES`) maps (checkpoint, save id) to the names of its data files
         that committed checkpoints reference: those stay, and what retired checkpoints (:meth:`retire`) hold
-        beyond them goes. Without it, retired checkpoints are left alone."""
+        beyond them goes. Without it, retired checkpoints are left alone. ``keep`` may be a function returning that
+        map (or None): it is called after the retired checkpoints are listed, so that one retired after its mark
+        phase read the run is not pruned by what that read did not see."""
         raise CheckpointError(f"{type(self).__name__} cannot clean up a run of checkpoints")
 
     # ---- references between the checkpoints of a run (REFERENCES)
