@@ -95,3 +95,54 @@ def test_cleanup_racing_a_commit_and_its_retention_keeps_what_the_new_step_refer
     trainer.load(out, step=3)
     assert all(torch.equal(out[k], v) for k, v in _moving(3).items())
     assert distckpt.verify(trainer.path(3)).ok
+
+
+_OVERWRITE_KILLED = """
+import os, signal, sys, torch, distckpt
+from distckpt import faults
+root, path = sys.argv[1], sys.argv[2]
+def after_swap(kind, what):  # the parent's fsync that follows the exchange of the new checkpoint with the old
+    if kind == "fsync" and what == root:
+        os.kill(os.getpid(), signal.SIGKILL)
+with faults.inject(faults.Fault("call", callback=after_swap)):
+    distckpt.save({"x": torch.ones(3)}, checkpoint_id=path, overwrite=True, no_dist=True)
+"""
+
+
+def test_an_overwrite_killed_between_its_swap_and_its_retire_keeps_what_later_steps_reference(tmp_path):
+    """Overwriting step 1, which step 2 references, swaps the new checkpoint in and then retires the old one. Killed in
+    between, the old checkpoint sits in the dead save's staging directory, and cleanup deleted it whole."""
+    root = str(tmp_path / "run")
+    mgr = CheckpointManager(root, incremental=True, no_dist=True)
+    mgr.save(1, _state(1))
+    mgr.save(2, _state(2))
+    env = {**os.environ, "DISTCKPT_FSYNC": "1"}
+    killed = subprocess.run([sys.executable, "-c", _OVERWRITE_KILLED, root, mgr.path(1)], env=env, capture_output=True)
+    assert killed.returncode == -9, killed.stderr
+    assert distckpt.read_metadata(mgr.path(1)).state_dict_metadata.keys() == {"x"}  # the overwrite committed
+    restarted = CheckpointManager(root, incremental=True, no_dist=True)  # cleans up: the killed save is dead
+    _loads(restarted, 2)
+    assert not [n for n in os.listdir(root) if n.startswith(".distckpt-tmp-")]
+
+
+def test_an_overwrite_failing_after_its_swap_keeps_what_later_steps_reference(tmp_path, monkeypatch):
+    """An I/O error after the exchange (the parent's fsync) fails the save, whose discard then removed its staging
+    directory: by then that held the checkpoint it replaced, which step 2 references."""
+    from distckpt import faults
+
+    root = str(tmp_path / "run")
+    mgr = CheckpointManager(root, incremental=True, no_dist=True)
+    mgr.save(1, _state(1))
+    mgr.save(2, _state(2))
+    monkeypatch.setenv("DISTCKPT_FSYNC", "1")
+
+    def after_swap(kind, what):
+        if kind == "fsync" and what == root:
+            raise OSError(5, "Input/output error (injected)")
+
+    try:
+        with faults.inject(faults.Fault("call", callback=after_swap)):
+            distckpt.save({"x": torch.ones(3)}, checkpoint_id=mgr.path(1), overwrite=True, no_dist=True)
+    except distckpt.CheckpointError:
+        pass
+    _loads(mgr, 2)

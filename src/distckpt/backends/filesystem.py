@@ -367,6 +367,9 @@ class FsStore(BlobStore):
 
     def discard(self, staging: BlobStore) -> None:
         assert isinstance(staging, FsStore)
+        if _holds_replaced(staging.root):
+            self._drop_replaced(staging.root)  # the overwrite swapped, then failed: what it replaced is there now
+            return
         remove_tree(staging.root)
 
     def sizes(self) -> dict[str, int]:
@@ -490,6 +493,11 @@ class FsStore(BlobStore):
                 if not tag.startswith(TRASH):  # a deletion left half done: anyone may finish it
                     if not save_is_dead(self.child(base), tag, _age(path, now)):
                         continue
+                    if _holds_replaced(path):  # an overwrite killed between its swap and its retire
+                        self.child(base)._drop_replaced(path)
+                        self.child(base).drop_lease(tag)
+                        removed.append(path)
+                        continue
                 if not remove_tree(path):
                     removed.append(path)
                     self.child(base).drop_lease(tag)
@@ -498,6 +506,15 @@ class FsStore(BlobStore):
                 if not os.path.lexists(staging) and save_is_dead(self.child(base), tag, None):
                     self.child(base).drop_lease(tag)
         return removed
+
+
+def _holds_replaced(staging: str) -> bool:
+    """Whether the staging directory ``staging`` of a save holds the committed checkpoint that save replaced (an
+    overwrite exchanges the two; its metadata names another save than the directory's name): it is then dropped as
+    the overwrite would have, kept where later steps of the run reference its files (format 4.0)."""
+    parsed = parse_hidden(os.path.basename(staging))
+    save_id = _committed_save_id(staging)
+    return parsed is not None and save_id is not None and save_id != parsed[2]
 
 
 def _committed_save_id(directory: str) -> Optional[str]:
