@@ -5,10 +5,13 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import distckpt
 from distckpt import CheckpointManager
+
+from ..storage.s3_server import new_bucket, s3_server
 
 
 def _state(step):
@@ -146,3 +149,41 @@ def test_an_overwrite_failing_after_its_swap_keeps_what_later_steps_reference(tm
     except distckpt.CheckpointError:
         pass
     _loads(mgr, 2)
+
+
+@pytest.fixture(scope="module")
+def s3_bucket():
+    import boto3
+
+    with s3_server() as url:
+        yield new_bucket(boto3.client("s3", endpoint_url=url, region_name="us-east-1"))
+
+
+_S3_OVERWRITE_KILLED = """
+import os, signal, sys, torch, distckpt
+from distckpt import faults
+def after_put(kind, what):  # the staging metadata's deletion, after the PUT that commits the new save
+    if kind == "unlink" and "/saves/" in what and what.endswith("/metadata.json"):
+        os.kill(os.getpid(), signal.SIGKILL)
+with faults.inject(faults.Fault("call", callback=after_put)):
+    distckpt.save({"x": torch.ones(3)}, checkpoint_id=sys.argv[1], overwrite=True)
+"""
+
+
+def test_an_s3_overwrite_killed_after_its_commit_keeps_what_later_steps_reference(s3_bucket, monkeypatch):
+    """On S3 an overwrite PUTs the new metadata and only then marks the replaced save retired. Killed in between, the
+    replaced save's objects were an uncommitted save's without a lease: cleanup deleted them once they were older
+    than DISTCKPT_LEASE_STALE_S, which a step saved earlier in a run always is."""
+    import time
+
+    root = f"s3://{s3_bucket}/over-killed"
+    mgr = CheckpointManager(root, incremental=True)
+    mgr.save(1, _state(1))
+    mgr.save(2, _state(2))
+    killed = subprocess.run([sys.executable, "-c", _S3_OVERWRITE_KILLED, mgr.path(1)], capture_output=True)
+    assert killed.returncode == -9, killed.stderr
+    assert distckpt.read_metadata(mgr.path(1)).state_dict_metadata.keys() == {"x"}  # the overwrite committed
+    monkeypatch.setenv("DISTCKPT_LEASE_STALE_S", "1")
+    time.sleep(2.5)  # step 1's objects are older than a lease's life now, as they are in any long run
+    restarted = CheckpointManager(root, incremental=True)  # cleans up
+    _loads(restarted, 2)

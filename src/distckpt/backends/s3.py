@@ -216,6 +216,10 @@ class S3Store(BlobStore):
         if document is None:
             raise CheckpointError(f"{staging.describe(METADATA_FILE)} is missing; the save cannot commit")
         old_save = self._committed_save_id() if overwrite else None
+        if old_save is not None and old_save != staging.prefix.rsplit("/", 1)[-1]:
+            # marked before it is replaced: a commit cut short before _drop_replaced leaves the replaced save's objects
+            # to cleanup as a retired step's (kept while later steps reference them), not as a dead save's to delete
+            self._put(f"{RETIRED}/{_checked_save_id(old_save, self.describe())}", b"")
         where = self.describe(METADATA_FILE)
         try:
             faults.point("rename", where)
@@ -249,8 +253,8 @@ class S3Store(BlobStore):
             keep = referenced_by_siblings(self._sub(parent), name, save_id)
         if keep == set():
             self._delete_prefix(self.staging(save_id).prefix + "/")
+            self._delete_prefix(self.key(f"{RETIRED}/{_checked_save_id(save_id, self.describe())}"), exact=True)
             return
-        self._put(f"{RETIRED}/{_checked_save_id(save_id, self.describe())}", b"")
         if keep is not None:
             self._prune_retired(save_id, keep)
 
