@@ -313,8 +313,8 @@ def test_a_chunk_whose_header_disagrees_with_its_size_is_refused(saved, tmp_path
 
 @pytest.mark.parametrize("width", [1, 2, 4, 8])
 def test_codec_bytes_round_trip_at_frame_edges(width):
-    data = os.urandom(width * 3) + bytes(width * 5000)
-    for frame in (1, 3, 4999, 5003, 1 << 20):
+    data = os.urandom(width * 3) + bytes(width * 10000)  # 10003 elements
+    for frame in (4096, 4099, 10002, 10003, 1 << 20):
         stored = encode_planes(memoryview(data), width, frame=frame)
         assert bytes(ByteGroupZstd().decode(memoryview(stored), len(data), "k")) == data
     with pytest.raises(CorruptCheckpointError, match="more than"):
@@ -380,3 +380,20 @@ def test_a_header_with_other_magic_layout_or_nonzero_reserved_bytes_is_refused(a
     stored[at] = value if stored[at] != value else value + 1
     with pytest.raises(CorruptCheckpointError, match="key 'k'.*header"):
         ByteGroupZstd().decode(memoryview(stored), len(data), "key 'k'")
+
+
+def test_frames_of_a_few_elements_are_refused_unless_one_frame_holds_all():
+    """A forged E of one element a frame would make the decoder take one step per stored byte or two."""
+    import struct
+
+    from distckpt.errors import CorruptCheckpointError
+    from distckpt.format.bytegroup import HEADER, MAGIC, ByteGroupZstd, encode_planes
+
+    data = memoryview(bytes(range(256)) * 64)  # 16384 bytes: 8192 two-byte elements
+    stored = bytearray(encode_planes(data, 2))
+    magic, version, width, reserved, length, frame = HEADER.unpack_from(stored)
+    assert magic == MAGIC and frame >= length // width  # one frame holds them all: allowed whatever E says
+    forged = bytearray(stored)
+    struct.pack_into("<I", forged, 16, 1)  # E = 1: 8192 frames of one element
+    with pytest.raises(CorruptCheckpointError):
+        ByteGroupZstd().decode(memoryview(forged), len(data), "forged")

@@ -35,6 +35,7 @@ MAGIC = b"DCBG"
 HEADER = struct.Struct("<4sBBHQI4x")  # magic, layout version, width, reserved, decoded length, elements per frame
 LAYOUT_VERSION = 1
 MAX_WIDTH = 16  # complex128 is grouped as its float64 halves; nothing wider is stored
+MIN_FRAME = 1 << 12  # the fewest elements a frame may hold, unless it is the only one (docs/format.md, 3.5)
 FRAME_ELEMENTS = 1 << 20  # elements per frame: each piece is 1 MiB, large enough for zstd's ratio, small for memory
 MAX_RATIO = 32768  # zstd's greatest expansion: a 3-byte block header and one byte give a 128 KiB RLE block
 _RAW_AT = 0.97  # a plane whose first piece zstd shrinks by less than 3% is stored as it is
@@ -194,7 +195,9 @@ class _Layout:
                                          f"not the {nbytes} of the item")
         if nbytes < 0 and length > value_limit(limit):
             raise too_large(where, name, value_limit(limit), limit)
-        if not 1 <= width <= MAX_WIDTH or length % width or frame < 1:
+        # frames of fewer than MIN_FRAME elements only where one frame holds them all: a forged tiny E would make
+        # the decode loop take a step per few stored bytes
+        if not 1 <= width <= MAX_WIDTH or length % width or frame < 1 or (frame < MIN_FRAME and frame < length // width):
             raise CorruptCheckpointError(f"{where}: malformed {name} header: element width {width}, decoded length "
                                          f"{length}, {frame} elements a frame")
         self.width, self.length, self.frame = width, length, frame
