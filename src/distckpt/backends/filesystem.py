@@ -6,23 +6,28 @@ import errno
 import logging
 import mmap
 import os
-import time
 import uuid
 from typing import Any, Iterable, Optional, Union
 
 from .. import faults, knobs
-from ..engine.blobs import LEASES, MAPS, PAGE_CACHE, REFERENCES, RUNS, BlobReader, BlobStore, BlobWriter, Keep, keep_now
-from ..engine.references import SaveFiles, referenced_by_siblings
-from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StorageIOError
-from ..format import METADATA_FILE
-from ..format.codec import stored_save_id
-from ..format.names import SAVE_ID
+from ..engine.blobs import LEASES, MAPS, PAGE_CACHE, REFERENCES, RUNS, BlobReader, BlobStore, BlobWriter
+from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ..format.stream_transforms import StreamTransforms
 from ..layouts.dcp import is_dcp_directory
 from .blob_storage import BlobStorageReader, BlobStorageWriter
 from .direct_io import DirectWriter, bounce_buffer_bytes, bounce_buffer_count, direct_io_wanted, pwrite_all
-from .fs_objects import create_exclusive, is_real_dir, open_dir, open_regular, prune_dir, remove_tree
-from .leases import save_is_dead
+from .fs_objects import create_exclusive, is_real_dir, open_dir, open_regular, remove_tree
+from .fs_runs import (  # noqa: F401 - the marks and names are this module's to other modules and tests
+    LEASE_MARK,
+    RETIRED_MARK,
+    TMP_MARK,
+    TRASH,
+    RunParts,
+    _holds_replaced,
+    _io_error,
+    hidden_name,
+    parse_hidden,
+)
 from .rename import exchange, rename_noreplace
 from .replaced import carry_foreign, check_target, dcp_checkpoint_files, holds_committed_metadata
 from .schemes import looks_like_scheme_typo, register_store, scheme_of
@@ -30,27 +35,9 @@ from .write_paths import PATHS, TimedWriter, device_of
 
 log = logging.getLogger("distckpt")
 
-TMP_MARK = ".distckpt-tmp-"
-LEASE_MARK = ".distckpt-lease-"
-RETIRED_MARK = ".distckpt-retired-"  # a deleted step's data files that kept steps still reference, under its save id
-TRASH = "trash-"
-# Hidden siblings are named ".distckpt-tmp-<name in hex>-<tag>" (and "-lease-"): the checkpoint's own name
-# never appears in them, so no tool's pattern for its steps ("step-(\d+)") matches a save in progress.
-# Names too long for that keep the older form ".<name>.distckpt-tmp-<tag>", which is also still recognised.
-_HEX_NAME_MAX = 100
-_LEASE_MAX_BYTES = 4096
 _IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024)
 
 __all__ = ["FileSystemWriter", "FileSystemReader", "FsStore"]
-
-
-def _io_error(action: str, path: str, exc: OSError) -> StorageIOError:
-    hint = ""
-    if exc.errno == errno.ENOSPC:
-        hint = "; free disk space or save elsewhere"
-    elif exc.errno in (errno.EACCES, errno.EPERM):
-        hint = "; check the directory's permissions"
-    return StorageIOError(f"{action} {path} failed: {exc.strerror or exc}{hint}", exc.errno)
 
 
 class _FdWriter(BlobWriter):
@@ -191,7 +178,7 @@ def _fsync_parent(path: str) -> None:
         os.close(fd)
 
 
-class FsStore(BlobStore):
+class FsStore(RunParts, BlobStore):
     """Blobs as files in one directory."""
 
     capabilities = frozenset({RUNS, LEASES, MAPS, PAGE_CACHE, REFERENCES})
@@ -304,10 +291,6 @@ class FsStore(BlobStore):
 
     # ---- commit: a hidden sibling directory, renamed into place
 
-    def _sibling(self, tag: str, mark: str = TMP_MARK) -> str:
-        parent, base = os.path.split(os.path.abspath(self.root))
-        return os.path.join(parent, hidden_name(base, mark, tag))
-
     def staging(self, save_id: str) -> "FsStore":
         return FsStore(self._sibling(save_id))
 
@@ -351,20 +334,6 @@ class FsStore(BlobStore):
                     "this save was discarded and the committed checkpoint left as it is") from None
             raise _io_error("committing", final, exc) from exc
 
-    def _drop_replaced(self, old: str) -> None:
-        """Remove the checkpoint this one replaced (now at ``old``), or retire it where later steps of its run reference
-        its files (format 4.0): they stay where ``referenced`` finds them."""
-        save_id = _committed_save_id(old)
-        parent, base = os.path.split(os.path.abspath(self.root))
-        keep = set() if save_id is None else referenced_by_siblings(FsStore(parent), base, save_id)
-        if keep == set():
-            remove_tree(old)
-            return
-        retired = self._sibling(save_id, RETIRED_MARK)
-        os.rename(old, retired)
-        if keep is not None:  # None: a sibling's metadata could not be read; everything stays until cleanup knows
-            prune_dir(retired, keep)
-
     def discard(self, staging: BlobStore) -> None:
         assert isinstance(staging, FsStore)
         if _holds_replaced(staging.root):
@@ -379,193 +348,14 @@ class FsStore(BlobStore):
         except FileNotFoundError:
             return {}
 
-    # ---- leases, as hidden files beside the staging directories
-
-    def _lease_path(self, save_id: str) -> str:
-        parent, base = os.path.split(os.path.abspath(self.root))
-        return os.path.join(parent, hidden_name(base, LEASE_MARK, save_id))
-
-    def put_lease(self, save_id: str, record: bytes) -> None:
-        path = self._lease_path(save_id)
-        try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)  # the checkpoint's parent, as the save would make it
-            fd = create_exclusive(path)
-            try:
-                pwrite_all(fd, [memoryview(record)], 0)
-            finally:
-                os.close(fd)
-        except OSError as exc:
-            raise _io_error("creating the lease", path, exc) from exc
-
-    def renew_lease(self, save_id: str) -> None:
-        os.utime(self._lease_path(save_id), follow_symlinks=False)
-
-    def read_lease(self, save_id: str) -> Optional[tuple[bytes, Optional[float]]]:
-        try:
-            fd = open_regular(self._lease_path(save_id))
-        except (CheckpointNotFoundError, FileNotFoundError):
-            return None
-        except (CheckpointError, OSError):
-            return b"", None  # not a lease distckpt wrote: nobody is proven dead by it
-        try:
-            return os.pread(fd, _LEASE_MAX_BYTES, 0), max(0.0, time.time() - os.fstat(fd).st_mtime)
-        finally:
-            os.close(fd)
-
-    def drop_lease(self, save_id: str) -> None:
-        try:
-            os.unlink(self._lease_path(save_id))
-        except FileNotFoundError:
-            pass
-
-    def incomplete_saves(self) -> list[str]:
-        parent, base = os.path.split(os.path.abspath(self.root))
-        try:
-            names = os.listdir(parent)
-        except FileNotFoundError:
-            return []
-        return sorted(os.path.join(parent, n) for n in names if (parse_hidden(n) or ("", "", ""))[:2] == (base, TMP_MARK))
-
-    def child(self, name: str) -> "FsStore":
-        return FsStore(os.path.join(self.root, name))
-
-    def children(self) -> list[str]:
-        """Real directories only: a link to a checkpoint elsewhere is not a checkpoint of this run."""
-        try:
-            return sorted(n for n in os.listdir(self.root) if not n.startswith(".") and is_real_dir(os.path.join(self.root, n)))
-        except FileNotFoundError:
-            return []
-
-    def remove(self) -> None:
-        """Delete this committed checkpoint; one already gone (another process deleted it) is no error."""
-        if not is_real_dir(self.root):
-            return  # gone, or a link: never followed, never deleted
-        hidden = self._sibling(TRASH + uuid.uuid4().hex)
-        try:
-            faults.point("rename", self.root)
-            os.rename(self.root, hidden)  # atomic: the checkpoint disappears whole
-        except FileNotFoundError:
-            return
-        except OSError as exc:
-            raise _io_error("deleting", self.root, exc) from exc
-        remove_tree(hidden)
-
-    def referenced(self, checkpoint: str, save_id: str) -> BlobStore:
-        parent = os.path.dirname(os.path.abspath(self.root))
-        places = [FsStore(os.path.join(parent, checkpoint), follow_root=False),
-                  FsStore(os.path.join(parent, hidden_name(checkpoint, RETIRED_MARK, save_id)), follow_root=False)]
-        return SaveFiles(places, save_id, f"{os.path.join(parent, checkpoint)} (save {save_id})")
-
-    def retire(self, save_id: str, keep: set) -> None:
-        if not is_real_dir(self.root):
-            return  # gone, or a link: never followed, never deleted
-        retired = self._sibling(save_id, RETIRED_MARK)
-        try:
-            faults.point("rename", self.root)
-            os.rename(self.root, retired)  # atomic: the step disappears whole; what it keeps is found under its save id
-        except FileNotFoundError:
-            return
-        except OSError as exc:
-            raise _io_error("deleting", self.root, exc) from exc
-        prune_dir(retired, set(keep))
-
-    def remove_incomplete_below(self, prefix: str = "", keep: Keep = None) -> list[str]:
-        removed = []
-        try:
-            names = sorted(os.listdir(self.root))
-        except FileNotFoundError:
-            return removed
-        if any((parse_hidden(n) or ("", "", ""))[1] == RETIRED_MARK for n in names):
-            keep = keep_now(keep)  # the mark, read after the listing: a step retired since is not in it
-        else:
-            keep = None
-        now = time.time()
-        for name in names:
-            parsed = parse_hidden(name)
-            if parsed is None or not parsed[0].startswith(prefix):
-                continue
-            base, mark, tag = parsed
-            path = os.path.join(self.root, name)
-            if mark == RETIRED_MARK:
-                if keep is not None and prune_dir(path, set(keep.get((base, tag), ()))):
-                    removed.append(path)
-            elif mark == TMP_MARK:
-                if not tag.startswith(TRASH):  # a deletion left half done: anyone may finish it
-                    if not save_is_dead(self.child(base), tag, _age(path, now)):
-                        continue
-                    if _holds_replaced(path):  # an overwrite killed between its swap and its retire
-                        self.child(base)._drop_replaced(path)
-                        self.child(base).drop_lease(tag)
-                        removed.append(path)
-                        continue
-                if not remove_tree(path):
-                    removed.append(path)
-                    self.child(base).drop_lease(tag)
-            else:  # a lease whose save's staging area is gone
-                staging = self.child(base)._sibling(tag)
-                if not os.path.lexists(staging) and save_is_dead(self.child(base), tag, None):
-                    self.child(base).drop_lease(tag)
-        return removed
 
 
-def _holds_replaced(staging: str) -> bool:
-    """Whether the staging directory ``staging`` of a save holds the committed checkpoint that save replaced (an
-    overwrite exchanges the two; its metadata names another save than the directory's name): it is then dropped as
-    the overwrite would have, kept where later steps of the run reference its files (format 4.0)."""
-    parsed = parse_hidden(os.path.basename(staging))
-    save_id = _committed_save_id(staging)
-    return parsed is not None and save_id is not None and save_id != parsed[2]
 
 
-def _committed_save_id(directory: str) -> Optional[str]:
-    """The save id the metadata document in ``directory`` names, or None (none there, unreadable, not a save id)."""
-    try:
-        fd = open_regular(os.path.join(directory, METADATA_FILE))
-    except (OSError, CheckpointError):
-        return None
-    try:
-        save_id = stored_save_id(os.pread(fd, min(os.fstat(fd).st_size, knobs.max_metadata_bytes()), 0))
-    except (OSError, CheckpointError):
-        return None
-    finally:
-        os.close(fd)
-    return save_id if save_id is not None and SAVE_ID.match(save_id) else None
 
 
-def hidden_name(base: str, mark: str, tag: str) -> str:
-    """The name of a hidden sibling of checkpoint ``base``: its staging area, lease or retired files (``mark``) for ``tag``."""
-    encoded = base.encode("utf-8").hex()
-    if len(base.encode("utf-8")) > _HEX_NAME_MAX:
-        return f".{base}{mark}{tag}"
-    return f"{mark}{encoded}-{tag}"
 
 
-def parse_hidden(name: str) -> Optional[tuple[str, str, str]]:
-    """(checkpoint name, mark, tag) of a hidden sibling's name, in either form; None for any other name."""
-    for mark in (TMP_MARK, LEASE_MARK, RETIRED_MARK):
-        if name.startswith(mark):
-            encoded, sep, tag = name[len(mark):].partition("-")
-            try:
-                base = bytes.fromhex(encoded).decode("utf-8")
-            except ValueError:
-                return None
-            return (base, mark, tag) if sep and tag and base else None
-        if name.startswith(".") and mark in name:
-            base, tag = name[1:].split(mark, 1)
-            return (base, mark, tag) if base and tag else None
-    return None
-
-
-def _age(path: str, now: float) -> Optional[float]:
-    """Seconds since anything in the directory ``path`` (one level) last changed; None if unknown."""
-    try:
-        newest = os.lstat(path).st_mtime
-        with os.scandir(path) as entries:
-            for e in entries:
-                newest = max(newest, e.stat(follow_symlinks=False).st_mtime)
-        return max(0.0, now - newest)
-    except OSError:
-        return None
 
 
 def _is_local_path(checkpoint_id: Union[str, os.PathLike]) -> bool:
