@@ -10,7 +10,7 @@ from ._sequence import prepare, storage_by_position
 from .backends.registry import pick_storage
 from .capabilities import SHARED_READS, SHARED_VERIFICATION, declares, keeps_plans, supports
 from .distributed import RAW, Coordinator, Wire
-from .engine.read import answer_failed
+from .engine.shared_delivery import answer_failed
 from .engine.shared_reads import PeerLost, Peers, Shares
 from .errors import CheckpointError, CorruptCheckpointError
 from .format.codec import dumps, loads

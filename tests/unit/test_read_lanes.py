@@ -13,7 +13,7 @@ import distckpt
 from bench.measure import drop_cache
 from distckpt.backends import filesystem
 from distckpt.engine import read as reading
-from distckpt.engine.read import split_lanes
+from distckpt.engine.tasks import split_lanes
 from distckpt.errors import CorruptCheckpointError
 from distckpt.testing.states import seeded
 

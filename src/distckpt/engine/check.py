@@ -19,7 +19,8 @@ from ..planning.resharding import volume
 from ..progress import Progress
 from .blobs import BlobStore
 from .chunk_reads import ChunkShapes, check_checksum, read_exact
-from .read import Read, open_and_validate
+from .data_files import open_and_validate
+from .read import Read
 
 __all__ = ["CheckResult", "check_stored"]
 

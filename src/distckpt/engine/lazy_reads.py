@@ -31,7 +31,7 @@ from ..planning.resharding import volume
 from ..planning.slices import Axis, Selection, chunk_part, row_runs
 from .blobs import BlobReader, BlobStore
 from .chunk_reads import check_checksum, read_into
-from .read import open_and_validate
+from .data_files import open_and_validate
 from .tensor_bytes import flat_bytes, writable_bytes
 
 __all__ = ["LazyReads", "GAP_BYTES", "named"]

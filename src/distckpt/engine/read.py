@@ -15,7 +15,7 @@ from .. import knobs
 from ..capabilities import resolves_in_bulk
 from ..errors import CheckpointError, CorruptCheckpointError, UnsupportedTensorError
 from ..format.checksum import crc32c
-from ..format.datafile import VALUE_FORM, HeaderInfo, check_header_entry, header_spans, pread_exact, read_header, stored_form
+from ..format.datafile import VALUE_FORM, check_header_entry, stored_form
 from ..format.dtypes import itemsize
 from ..format.expected_headers import expected_leads
 from ..format.locations import ChunkLocations
@@ -30,74 +30,13 @@ from ..progress import Progress
 from .blobs import BlobReader, BlobStore
 from .budget import ByteBudget
 from .chunk_reads import ChunkShapes, check_checksum, copy_rows, read_exact, read_into, rows_meet
+from .data_files import open_and_validate
 from .device_copy import PendingCopies, caller_streams, host_buffer, uses_pinned
-from .shared_delivery import SharedChunks
-from .shared_reads import RECEIVE, Failing, PeerLost, Shares, exchange
-from .tasks import run_lanes
+from .shared_delivery import SharedChunks, answer_failed
+from .shared_reads import RECEIVE, Shares, exchange
+from .tasks import run_lanes, split_lanes
 from .tensor_bytes import memory_at, writable_bytes
 from .windows import WINDOW_BYTES, windows
-
-
-def open_and_validate(store: BlobStore, fsd: FileStorageData, names, where: str,
-                      spans: Optional[dict] = None, expected: Optional[dict[str, bytes]] = None) -> dict[str, BlobReader]:
-    """Open the named data files and check size, header and save id of each, before anything is read
-    into place; with ``spans``, put each file's header entries there (see :func:`header_spans`), or None
-    for a file that begins with the bytes ``expected`` gives for it (format/expected_headers.py): its
-    header lists exactly what the metadata says."""
-    blobs: dict[str, BlobReader] = {}
-    try:
-        for name in sorted(names):
-            info = fsd.files.get(name)
-            if info is None:
-                raise CorruptCheckpointError(f"{where}: data file {name!r} is not listed in the metadata")
-            blob = store.open(name)
-            blobs[name] = blob
-            here = f"{where}, file {name!r}"
-            if blob.size != info.size:
-                raise CorruptCheckpointError(
-                    f"{here}: size is {blob.size} bytes, the metadata records {info.size}; the file is truncated or was replaced")
-            if isinstance(fsd, ForeignStorageData):  # another program's file: no header of ours to check
-                bound = fsd.identities.get(name)
-                if bound is not None and blob.identity() != bound:
-                    raise CorruptCheckpointError(f"{here}: was replaced after its layout was read (same name, another "
-                                                 "file); load again")
-                if spans is not None:
-                    spans[name] = None
-                continue
-            header = _check_header(blob, info, info.save_id or fsd.save_id, here, expected.get(name) if expected else None)
-            if spans is not None:
-                spans[name] = None if header is None else header_spans(header)
-    except BaseException:
-        for b in blobs.values():
-            b.close()
-        raise
-    return blobs
-
-
-def _check_header(blob: BlobReader, info, save_id: str, here: str, lead: Optional[bytes] = None) -> Optional[HeaderInfo]:
-    """Parse and check the header (every rule of docs/format.md, section 4), its save id and its CRC; None
-    where the file begins with ``lead``, the bytes the writer wrote for what the metadata says.
-
-    A CRC that matches the metadata's is not enough: metadata and header may have been forged
-    together, so the header is always parsed or compared, and the load cross-checks each chunk against it.
-    """
-    if lead is not None and blob.size >= len(lead) and pread_exact(blob.pread, len(lead), 0, here) == lead:
-        _check_lead_crc(crc32c(lead), info, len(lead), here)
-        return None
-    header = read_header(blob.pread, blob.size, here)  # raises if malformed
-    if header.save_id != save_id:
-        raise CorruptCheckpointError(
-            f"{here}: belongs to save {header.save_id}, but this checkpoint is save {save_id}; "
-            "a file from another checkpoint was copied in. Restore the original file.")
-    _check_lead_crc(header.lead_crc32c, info, header.data_start, here)
-    return header
-
-
-def _check_lead_crc(crc: int, info, data_start: int, here: str) -> None:
-    if crc != info.header_crc32c:
-        raise CorruptCheckpointError(
-            f"{here}: header checksum mismatch (offset 0 to {data_start}): stored {info.header_crc32c:08x}, "
-            f"computed {crc:08x}. The file is damaged; restore it from a copy.")
 
 
 def read_items(store: BlobStore, md: Metadata, plan: LoadPlan, planner: LoadPlanner, checkpoint_id: str,
@@ -132,17 +71,6 @@ def read_items(store: BlobStore, md: Metadata, plan: LoadPlan, planner: LoadPlan
         read.execute(threads, is_coordinator)
     finally:
         read.close()
-
-
-def answer_failed(shares: Shares, exc: BaseException) -> None:
-    """This rank failed (``exc``) before walking its shared reads: walk them, sending its failure for every chunk it
-    owes, so that no rank waits for it. Where a peer is lost on the way, raise :class:`PeerLost` saying both."""
-    budget = ByteBudget(knobs.memory_budget_bytes())
-    try:
-        exchange(shares, Failing(f"{type(exc).__name__}: {exc}"), budget.hold, budget.limit)
-    except PeerLost as lost:
-        raise PeerLost(f"{type(exc).__name__}: {exc}; then, telling the ranks that wait for this rank's shared reads: "
-                       f"{lost}") from exc
 
 
 # A chunk read straight into its destination: (fqn, chunk offsets, destination tensor, the destination's bytes,
@@ -651,34 +579,6 @@ class Read:
             if pending:  # the next slab reuses the buffer
                 pending.wait()
         return crc
-
-
-def split_lanes(files: list[str], sizes: list[int], threads: int) -> list[tuple[str, list[int]]]:
-    """Lanes over tasks given in file order: one per file, and where there are fewer files than
-    threads, the largest lanes halved (by bytes, keeping file order) until every thread has one.
-
-    Returns (file, task positions) per lane, in file order.
-    """
-    lanes: list[tuple[str, list[int]]] = []
-    for i, name in enumerate(files):
-        if lanes and lanes[-1][0] == name:
-            lanes[-1][1].append(i)
-        else:
-            lanes.append((name, [i]))
-    while len(lanes) < threads:
-        splittable = [j for j, (_, lane) in enumerate(lanes) if len(lane) > 1]
-        if not splittable:
-            break
-        j = max(splittable, key=lambda j: sum(sizes[i] for i in lanes[j][1]))
-        name, lane = lanes[j]
-        half, acc, cut = sum(sizes[i] for i in lane) / 2, 0, 1
-        for k, i in enumerate(lane[:-1], start=1):
-            acc += sizes[i]
-            cut = k
-            if acc >= half:
-                break
-        lanes[j:j + 1] = [(name, lane[:cut]), (name, lane[cut:])]
-    return lanes
 
 
 def _counted(fn, progress: Progress, n: int):

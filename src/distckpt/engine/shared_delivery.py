@@ -8,16 +8,18 @@ from typing import Any, Optional
 
 import torch
 
+from .. import knobs
 from ..errors import CheckpointError, CorruptCheckpointError
 from ..format.checksum import crc32c
 from ..format.dtypes import itemsize
 from ..metadata import MetadataIndex
 from ..planner import LoadItemType
 from ..planning.resharding import volume
+from .budget import ByteBudget
 from .chunk_reads import check_checksum, copy_rows, read_into, rows_meet
-from .shared_reads import Endpoint, Message
+from .shared_reads import Endpoint, Failing, Message, PeerLost, Shares, exchange
 
-__all__ = ["SharedChunks"]
+__all__ = ["SharedChunks", "answer_failed"]
 
 
 class SharedChunks(Endpoint):
@@ -174,3 +176,14 @@ class SharedChunks(Endpoint):
         if not indices:
             return f"{self.read.where}: file {key[0]!r} offset {key[1]}"
         return self.read.here(indices[0]) + "".join(f" (and key {i.fqn!r})" for i in indices[1:])
+
+
+def answer_failed(shares: Shares, exc: BaseException) -> None:
+    """This rank failed (``exc``) before walking its shared reads: walk them, sending its failure for every chunk it
+    owes, so that no rank waits for it. Where a peer is lost on the way, raise :class:`PeerLost` saying both."""
+    budget = ByteBudget(knobs.memory_budget_bytes())
+    try:
+        exchange(shares, Failing(f"{type(exc).__name__}: {exc}"), budget.hold, budget.limit)
+    except PeerLost as lost:
+        raise PeerLost(f"{type(exc).__name__}: {exc}; then, telling the ranks that wait for this rank's shared reads: "
+                       f"{lost}") from exc

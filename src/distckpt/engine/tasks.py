@@ -53,3 +53,31 @@ def run_lanes(lanes: list[list[Task]], threads: int, name: str, start: Optional[
         finally:
             for f in futures:
                 f.result()
+
+
+def split_lanes(files: list[str], sizes: list[int], threads: int) -> list[tuple[str, list[int]]]:
+    """Lanes over tasks given in file order: one per file, and where there are fewer files than
+    threads, the largest lanes halved (by bytes, keeping file order) until every thread has one.
+
+    Returns (file, task positions) per lane, in file order.
+    """
+    lanes: list[tuple[str, list[int]]] = []
+    for i, name in enumerate(files):
+        if lanes and lanes[-1][0] == name:
+            lanes[-1][1].append(i)
+        else:
+            lanes.append((name, [i]))
+    while len(lanes) < threads:
+        splittable = [j for j, (_, lane) in enumerate(lanes) if len(lane) > 1]
+        if not splittable:
+            break
+        j = max(splittable, key=lambda j: sum(sizes[i] for i in lanes[j][1]))
+        name, lane = lanes[j]
+        half, acc, cut = sum(sizes[i] for i in lane) / 2, 0, 1
+        for k, i in enumerate(lane[:-1], start=1):
+            acc += sizes[i]
+            cut = k
+            if acc >= half:
+                break
+        lanes[j:j + 1] = [(name, lane[:cut]), (name, lane[cut:])]
+    return lanes
