@@ -117,6 +117,7 @@ class CheckpointManager:
         self._previous: Optional[dict] = None  # this rank's fingerprints of its last committed save (engine/reuse.py)
         self._base: Optional[tuple] = None
         self._since_full = 0
+        self._in_flight: Any = None  # this manager's last async save
         self._store = _root_store(self.root, self.storage_options)
         self._files = RunFiles(self._store)
         self.keep_last = keep_last
@@ -296,7 +297,7 @@ class CheckpointManager:
 
     def _wait_for_previous_async(self) -> None:
         """An incremental save builds on the previous one: wait for it to commit (or fail: then this one is full)."""
-        handle, self._in_flight = getattr(self, "_in_flight", None), None
+        handle, self._in_flight = self._in_flight, None
         if handle is not None:
             try:
                 handle.result()
