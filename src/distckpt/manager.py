@@ -233,8 +233,8 @@ class CheckpointManager:
 
     def _reuse(self, step: int, writer: Any) -> Optional[Reuse]:
         """The incremental part of saving ``step`` through ``writer``: what the previous save stored, to reference."""
-        if not self.incremental or not isinstance(writer, BlobStorageWriter):
-            return None
+        if not self.incremental or not isinstance(writer, BlobStorageWriter) or REFERENCES not in self._store.capabilities:
+            return None  # a store that cannot keep files for other steps' references: every save is full
         full = (self._previous is None or (self.full_every is not None and self._since_full + 1 >= self.full_every)
                 or self._base is None or self._metadata_identity(self._base[0]) != self._base[1])
         reuse = Reuse(self._name(step), {} if full else self._previous)

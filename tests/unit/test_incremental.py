@@ -244,3 +244,18 @@ def test_open_diff_inspect_and_convert_read_a_referencing_step(tmp_path):
     out = _empty_like(_state(3))
     distckpt.load(out, checkpoint_id=dcp, no_dist=True)
     _assert_same(out, _state(3))
+
+
+def test_a_store_that_cannot_keep_references_gets_full_saves(tmp_path, monkeypatch):
+    from distckpt.backends.filesystem import FsStore
+    from distckpt.engine.blobs import REFERENCES
+
+    monkeypatch.setattr(FsStore, "capabilities", FsStore.capabilities - {REFERENCES})
+    root = str(tmp_path / "run")
+    mgr = CheckpointManager(root, keep_last=2, incremental=True, no_dist=True)
+    for step in (1, 2, 3):
+        mgr.save(step, _state(step))
+        assert not any(len(row) == 5 for row in _files(mgr.path(step)))
+    out = _empty_like(_state(3))
+    mgr.load(out, step=3)
+    _assert_same(out, _state(3))
