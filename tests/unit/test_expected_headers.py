@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import distckpt
+from distckpt.engine import data_files
 from distckpt.engine import read as reading
 from distckpt.errors import CorruptCheckpointError
 from distckpt.format import expected_headers
@@ -63,7 +64,7 @@ def test_every_kind_of_item_matches_and_loads_without_parsing_a_header(tmp_path,
     def no_parse(*args, **kwargs):
         raise AssertionError("the header was parsed although it is the one the metadata implies")
 
-    monkeypatch.setattr(reading, "read_header", no_parse)
+    monkeypatch.setattr(data_files, "read_header", no_parse)
     dest = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else None for k, v in sd.items()}
     dest["cfg"] = {"name": "", "sizes": [0, 0]}
     distckpt.load(dest, checkpoint_id=path)
@@ -103,8 +104,8 @@ def test_a_header_that_differs_from_the_implied_one_is_parsed_and_checked(tmp_pa
     sd = _every_kind()
     distckpt.save(sd, checkpoint_id=path)
     parsed = []
-    real = reading.read_header
-    monkeypatch.setattr(reading, "read_header", lambda *a: parsed.append(1) or real(*a))
+    real = data_files.read_header
+    monkeypatch.setattr(data_files, "read_header", lambda *a: parsed.append(1) or real(*a))
     real_leads = expected_headers.expected_leads
     # another writer's header (here: a reader that expects one byte more) is parsed, and the load still works
     monkeypatch.setattr(reading, "expected_leads", lambda md, names: {n: b + b" " for n, b in real_leads(md, names).items()})
