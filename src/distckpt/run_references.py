@@ -16,6 +16,7 @@ from typing import Optional
 
 from . import knobs
 from .engine.blobs import REFERENCES, BlobStore
+from .engine.references import REFERENCING
 from .errors import CheckpointError
 from .format import METADATA_FILE
 from .format.codec import referenced_files, stored_file_sizes, stored_save_id
@@ -34,9 +35,10 @@ class RunFiles:
         self.store = store
         self._tables: dict[str, tuple] = {}  # name -> (identity of its metadata, (save id, own files, references))
 
-    def table(self, name: str) -> Optional[tuple[str, set, dict]]:
+    def table(self, name: str, refs_only: bool = False) -> Optional[tuple[str, set, dict]]:
         """(save id, own data files, referenced files as (checkpoint, save id) -> names) of committed checkpoint
-        ``name``; None where it is gone or its metadata cannot be read."""
+        ``name``; None where it is gone or its metadata cannot be read. With ``refs_only``, a document that
+        references nothing may come back with only that known."""
         child = self.store.child(name)
         try:
             blob = child.open(METADATA_FILE)
@@ -47,6 +49,8 @@ class RunFiles:
             cached = self._tables.get(name)
             if identity is not None and cached is not None and cached[0] == identity:
                 return cached[1]
+            if refs_only and REFERENCING not in blob.pread(min(blob.size, 64), 0):
+                return ("", set(), {})  # before format 4 a document references nothing: its rows need no reading
             if blob.size > knobs.max_metadata_bytes():
                 return None
             document = blob.pread(blob.size, 0)
@@ -75,7 +79,7 @@ class RunFiles:
         of them cannot be read (it might reference anything)."""
         keep: dict = {}
         for name in names:
-            table = self.table(name)
+            table = self.table(name, refs_only=True)
             if table is None:
                 if self.store.child(name).is_committed():
                     return None
@@ -88,8 +92,8 @@ class RunFiles:
         """Delete committed checkpoint ``name``: removed whole, or retired keeping the files that ``keep`` (from
         :meth:`kept_files` of the steps that stay) names; with ``keep`` None, retired keeping all its files."""
         child = self.store.child(name)
-        if REFERENCES not in self.store.capabilities:
-            child.remove()
+        if REFERENCES not in self.store.capabilities or (keep is not None and not any(c == name for c, _ in keep)):
+            child.remove()  # nothing of it is referenced (its table need not be read)
             return
         table = self.table(name)
         if table is None:

@@ -20,7 +20,7 @@ from ..format.codec import referenced_files
 from ..format.records import FileStorageData, split_reference
 from .blobs import MAPS, RUNS, BlobReader, BlobStore, BlobWriter
 
-__all__ = ["ReferencingStore", "SaveFiles", "data_files", "check_references", "referenced_by_siblings"]
+__all__ = ["ReferencingStore", "SaveFiles", "data_files", "check_references", "referenced_by_siblings", "REFERENCING"]
 
 _PEEK = 512  # bytes: a distckpt data file names its save in the first member of its header
 
@@ -152,7 +152,7 @@ def check_references(location: BlobStore, document: bytes, where: str) -> None:
             blob.close()
 
 
-_REFERENCING = b'"format_version":"4.'  # only a format-4 document references files of other checkpoints
+REFERENCING = b'"format_version":"4.'  # how a document that may reference other checkpoints' files begins (format 4)
 
 
 def referenced_by_siblings(parent: BlobStore, name: str, save_id: str) -> Optional[set]:
@@ -169,7 +169,7 @@ def referenced_by_siblings(parent: BlobStore, name: str, save_id: str) -> Option
         except (OSError, CheckpointError):
             continue  # not committed: references nothing
         try:
-            if _REFERENCING not in blob.pread(min(blob.size, 64), 0):
+            if REFERENCING not in blob.pread(min(blob.size, 64), 0):
                 continue
             if blob.size > knobs.max_metadata_bytes():
                 return None
