@@ -35,9 +35,9 @@ _LAZY = {
     **dict.fromkeys(["StorageReader", "StorageWriter"], "storage"),
     **dict.fromkeys(["VerifyReport", "verify"], "verification"),
     # the rest of the error family, importable here as before; distckpt.errors is their home
-    **dict.fromkeys(["DTypeMismatchError", "FormatVersionError", "InvalidStepError", "MissingKeyError", "NotRegularFileError",
-                     "RelayoutError", "RemoteRankError", "ShapeMismatchError", "StagingMemoryError", "StorageIOError",
-                     "UnexpectedKeyError", "UnsafeValueError", "UnsupportedTensorError", "WrappedException"], "errors"),
+    **dict.fromkeys(["DTypeMismatchError", "FormatVersionError", "InvalidStepError", "MissingDependencyError", "MissingKeyError",
+                     "NotRegularFileError", "RelayoutError", "RemoteRankError", "ShapeMismatchError", "StagingMemoryError",
+                     "StorageIOError", "UnexpectedKeyError", "UnsafeValueError", "UnsupportedTensorError", "WrappedException"], "errors"),
 }
 _SUBMODULES = ("convert", "metadata", "planner", "storage")
 

@@ -34,6 +34,7 @@ __all__ = [
     "StateDictLookupError",
     "CheckpointIndexError",
     "CheckpointClosedError",
+    "MissingDependencyError",
 ]
 
 
@@ -224,3 +225,24 @@ class CheckpointIndexError(CheckpointError, IndexError):
 
 class CheckpointClosedError(CheckpointError, ValueError):
     """A checkpoint opened with :func:`distckpt.open` was used after ``close()`` (or after its ``with`` block)."""
+
+
+class MissingDependencyError(CheckpointError, ImportError):
+    """A feature needs a package that is not installed; the message names the extra that installs it
+    (``pip install 'distckpt[s3]'``). An ImportError too, so an integration module's import raises it."""
+
+    package: str | None = None  #: the missing package's import name
+    extra: str | None = None  #: the extra that installs it
+
+    def __init__(self, message: str, *, package: str | None = None, extra: str | None = None):
+        super().__init__(message)
+        if package is not None:  # set only when given, so an error rebuilt for every rank keeps the original's
+            self.package = package
+        if extra is not None:
+            self.extra = extra
+
+    @classmethod
+    def naming(cls, feature: str, package: str, extra: str) -> "MissingDependencyError":
+        return cls(f"{feature}: needs {package}, which is not installed: pip install 'distckpt[{extra}]'",
+                   package=package, extra=extra)
+

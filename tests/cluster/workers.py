@@ -152,3 +152,10 @@ def _full_digests(model, optim):
             if torch.is_tensor(v) and v.dim() > 0:
                 out[f"optim.{names[id(p)]}.{k}"] = digest(v.full_tensor())
     return out
+
+
+def sleep_forever(rank, world_size):
+    """A job that runs until it is killed (tests/cluster/test_cleanup.py)."""
+    import time
+
+    time.sleep(600)

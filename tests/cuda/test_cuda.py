@@ -205,3 +205,14 @@ def test_nccl_group_saves_and_loads_resharded(tmp_path, use_async):
     run_ranks(workers.save_sharded, 2, path, use_async, timeout_s=180, backend="nccl")
     for r in run_ranks(workers.load_resharded, 2, path, timeout_s=180, backend="nccl"):
         assert r == {"device": "cuda", "equal": True, "b": True, "step": 7}
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs one GPU per rank")
+def test_nccl_shared_reads_read_each_byte_once_and_deliver_on_the_device(tmp_path):
+    path = str(tmp_path / "c")
+    run_ranks(workers.save_replicated, 2, path, timeout_s=180, backend="nccl")
+    results = run_ranks(workers.load_replicated_shared, 2, path, timeout_s=180, backend="nccl")
+    assert all(r["equal"] and r["device"] == "cuda" for r in results), results
+    # every tensor byte read once in the group (what the files hold beyond it is headers, a few kB)
+    total = sum(r["read"] for r in results)
+    assert results[0]["bytes"] <= total <= 1.02 * results[0]["bytes"], results

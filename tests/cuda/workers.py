@@ -47,3 +47,37 @@ def load_resharded(rank: int, world_size: int, path: str) -> dict:
     want = full_matrix().chunk(world_size, dim=1)[rank]
     return {"device": local.device.type, "equal": torch.equal(local.cpu(), want),
             "b": torch.equal(sd["b"].cpu(), torch.arange(10, dtype=torch.bfloat16)), "step": sd["step"]}
+
+
+def replicated_state(device: str) -> dict:
+    """The same on every rank (what shared reads serve): a few MB of plain tensors and a value."""
+    g = torch.Generator().manual_seed(3)
+    sd = {f"layer{i}.w": torch.randn(512, 257, generator=g).to(device) for i in range(4)}
+    sd["emb"] = torch.randint(0, 1000, (4096, 16), generator=g).to(device)
+    sd["step"] = 5
+    return sd
+
+
+def save_replicated(rank: int, world_size: int, path: str) -> bool:
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    distckpt.save(replicated_state("cuda"), checkpoint_id=path)
+    return True
+
+
+def load_replicated_shared(rank: int, world_size: int, path: str) -> dict:
+    """Each rank a node of its own, so the ranks share their reads: each stored byte is read from the files once
+    in the group and sent to the others over the group's backend (NCCL: on the device)."""
+    import os
+
+    from distckpt.testing.read_counts import FileReads
+
+    os.environ["DISTCKPT_NODE_ID"] = f"node{rank}"
+    os.environ["DISTCKPT_SHARED_READS"] = "1"
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    want = replicated_state("cpu")
+    sd = {k: torch.zeros_like(v, device="cuda") if isinstance(v, torch.Tensor) else 0 for k, v in want.items()}
+    reads = FileReads()
+    distckpt.load(sd, checkpoint_id=path)
+    equal = all(torch.equal(sd[k].cpu(), v) if isinstance(v, torch.Tensor) else sd[k] == v for k, v in want.items())
+    return {"equal": equal, "device": sd["emb"].device.type, "read": reads.total,
+            "bytes": sum(v.numel() * v.element_size() for v in want.values() if isinstance(v, torch.Tensor))}

@@ -57,4 +57,5 @@ def test_s3_without_boto3_names_the_extra_to_install():
     lines = out.stdout.strip().splitlines()
     assert len(lines) == 2, (out.stdout, out.stderr)
     for line in lines:
-        assert line == "CheckpointError | s3:// checkpoints need boto3, which is not installed: pip install 'distckpt[s3]' | None", line
+        expected = "s3:// checkpoints: needs boto3, which is not installed: pip install 'distckpt[s3]'"
+        assert line == f"MissingDependencyError | {expected} | None", line

@@ -16,6 +16,7 @@ from typing import Any, Iterable, Optional
 from .. import faults, knobs, process_state
 from ..engine.blobs import BlobReader, BlobWriter
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StorageIOError
+from ..extras import import_or_explain
 
 MIN_PART_BYTES = 5 << 20  # S3's smallest part, except the last
 _MAX_PARTS = 10_000
@@ -50,16 +51,9 @@ def client_settings() -> dict[str, Any]:
                         "total_max_attempts": knobs.s3_max_attempts()}}
 
 
-_NEEDS_BOTO3 = "s3:// checkpoints need boto3, which is not installed: pip install 'distckpt[s3]'"
-
-
 def botocore_exceptions() -> Any:
-    """botocore's exceptions module, or the CheckpointError that names the extra to install."""
-    try:
-        from botocore import exceptions
-    except ImportError:
-        raise CheckpointError(_NEEDS_BOTO3) from None
-    return exceptions
+    """botocore's exceptions module, or the MissingDependencyError that names the extra to install."""
+    return import_or_explain("botocore.exceptions", "s3:// checkpoints", "s3", package="boto3")
 
 
 def client_for(endpoint_url: Optional[str], region_name: Optional[str]):
@@ -71,12 +65,9 @@ def client_for(endpoint_url: Optional[str], region_name: Optional[str]):
     with _CLIENTS_LOCK:
         client = _CLIENTS.get(key)
         if client is None:
-            try:
-                import boto3
-                from botocore.config import Config
-            except ImportError:
-                raise CheckpointError(_NEEDS_BOTO3) from None
-            config = Config(max_pool_connections=64, **settings)
+            boto3 = import_or_explain("boto3", "s3:// checkpoints", "s3")
+            botocore_config = import_or_explain("botocore.config", "s3:// checkpoints", "s3", package="boto3")
+            config = botocore_config.Config(max_pool_connections=64, **settings)
             client = _CLIENTS[key] = boto3.session.Session().client(
                 "s3", endpoint_url=endpoint_url, region_name=region_name, config=config)
         return client

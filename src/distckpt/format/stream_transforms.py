@@ -22,6 +22,8 @@ import io
 import mmap
 from typing import IO, Any, Optional, Sequence
 
+import zstandard as _zstd
+
 from ..errors import CheckpointError, CorruptCheckpointError
 from . import bytegroup  # noqa: F401 - registers the byte-grouped zstd codec, which codec_for finds by name
 from .chunk_codec import CODEC_SEPARATOR as SEPARATOR
@@ -60,18 +62,12 @@ class StreamTransformExtension(Extension):
         """A readable stream that yields the bytes ``input`` holds, transformed back."""
 
 
-try:
-    import zstandard as _zstd
-except ImportError:  # optional: pip install 'distckpt[zstd]'
-    _zstd = None
-
-
 class ZStandard(StreamTransformExtension):
-    """Zstandard compression of every item (needs the ``zstandard`` package: ``pip install 'distckpt[zstd]'``)."""
+    """Zstandard compression of every item."""
 
     @staticmethod
     def is_available() -> bool:
-        return _zstd is not None
+        return True
 
     @staticmethod
     def registry_name() -> str:
@@ -84,8 +80,6 @@ class ZStandard(StreamTransformExtension):
         return ZStandard()
 
     def __init__(self, level: int = 3) -> None:
-        if _zstd is None:
-            raise CheckpointError("ZStandard needs the zstandard package: pip install 'distckpt[zstd]'")
         self.level = level
 
     def get_descriptor(self) -> str:

@@ -33,15 +33,20 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
-from lightning.fabric.utilities.load import _METADATA_FILENAME
-from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
+
+from ..extras import import_or_explain
+
+import_or_explain("lightning", "distckpt.integrations.lightning", "lightning")  # before its imports: a typed error
+
+from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning.fabric.utilities.load import _METADATA_FILENAME
+from lightning.pytorch.strategies import ModelParallelStrategy
 
 from ..backends.filesystem import FsStore
 from ..convert import read_whole

@@ -31,6 +31,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse  # the type torchtitan checks for
+
+from ..extras import import_or_explain
+
+import_or_explain("torchtitan", "distckpt.integrations.torchtitan", "torchtitan")  # before its imports: a typed error
+
 from torchtitan.components.checkpoint import MODEL, AsyncMode
 from torchtitan.components.checkpoint import CheckpointManager as _TitanCheckpointManager
 

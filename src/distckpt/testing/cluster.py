@@ -27,6 +27,7 @@ import time
 import uuid
 from typing import Any, Optional
 
+from .cluster_cleanup import Record, sweep_stale
 from .multiprocess import free_port
 
 __all__ = ["Cluster", "Job", "NodeFailure", "cluster_mode"]
@@ -67,7 +68,9 @@ class _Node:
         if self.cluster.mode == "loopback":
             return
         host_if = f"{self.cluster.tag}h{self.index}"
+        self.cluster.record.add("netns", self.ns)
         _run("ip", "netns", "add", self.ns)
+        self.cluster.record.add("links", host_if)
         _run("ip", "link", "add", host_if, "type", "veth", "peer", "name", self.ifname)
         _run("ip", "link", "set", host_if, "master", self.cluster.bridge)
         _run("ip", "link", "set", host_if, "up")
@@ -85,6 +88,7 @@ class _Node:
         self.keeper = subprocess.Popen(["ip", "netns", "exec", self.ns, "unshare", "--mount", "--propagation", "private",
                                         "sh", "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                        start_new_session=True)
+        self.cluster.record.add_process(self.keeper.pid)
         line = self.keeper.stdout.readline().decode().strip() if self.keeper.stdout else ""
         if line != "ready":
             raise RuntimeError(f"node {self.index}: could not mount its tmpfs: {self.keeper.stderr.read().decode()}")
@@ -215,8 +219,14 @@ class Cluster:
         self.subnet = ""
         self._jobs = 0
         self.nodes: dict[int, _Node] = {}
+        sweep_stale()  # what clusters of killed runs left behind
+        # every namespace, link and process below is recorded before it is made; the janitor removes them if this
+        # process is killed before close()
+        self.record = Record.create(self.tag)
+        self._janitor = self.record.start_janitor()
         if self.mode == "netns":
             self.subnet = _free_subnet()
+            self.record.add("links", self.bridge)
             _run("ip", "link", "add", self.bridge, "type", "bridge")
             _run("ip", "addr", "add", f"{self.subnet}.1/24", "dev", self.bridge)
             _run("ip", "link", "set", self.bridge, "up")
@@ -276,6 +286,7 @@ class Cluster:
             with open(logs[i], "wb") as out:
                 procs[i] = subprocess.Popen(node.command(argv), env=node_env, stdout=out, stderr=subprocess.STDOUT,
                                             start_new_session=True)
+            self.record.add_process(procs[i].pid)
         return Job(self, name, procs, results, logs)
 
     def run(self, fn: str, timeout_s: float = 300, env: Optional[dict[str, str]] = None, **kwargs: Any) -> dict[int, Any]:
@@ -290,7 +301,9 @@ class Cluster:
             raise RuntimeError("start_store needs the netns mode (root, ip, tc)")
         ns, host_if, inner = f"{self.tag}-s3", f"{self.tag}hs", f"{self.tag}s"
         ip = f"{self.subnet}.9"
+        self.record.add("netns", ns)
         _run("ip", "netns", "add", ns)
+        self.record.add("links", host_if)
         _run("ip", "link", "add", host_if, "type", "veth", "peer", "name", inner)
         _run("ip", "link", "set", host_if, "master", self.bridge)
         _run("ip", "link", "set", host_if, "up")
@@ -308,6 +321,7 @@ class Cluster:
                   "s.start()\nprint('ready', flush=True)\nwhile True: time.sleep(3600)\n")
         self._store = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-c", script], stdout=subprocess.PIPE,
                                        stderr=subprocess.PIPE, start_new_session=True)
+        self.record.add_process(self._store.pid)
         line = self._store.stdout.readline().decode().strip() if self._store.stdout else ""
         if line != "ready":
             raise RuntimeError(f"the store did not start: {self._store.stderr.read().decode()[-2000:]}")
@@ -327,6 +341,11 @@ class Cluster:
             node.kill()
         if self.mode == "netns" and self.subnet:
             subprocess.run(["ip", "link", "del", self.bridge], stderr=subprocess.DEVNULL, timeout=30)
+        self.record.clean()  # what is left: the processes of jobs never waited for; then the record, which ends the janitor
+        try:
+            self._janitor.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._janitor.kill()
 
     def __enter__(self) -> "Cluster":
         return self

@@ -10,6 +10,10 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
+from ...extras import import_or_explain
+
+import_or_explain("torch_checkpointing", "distckpt.integrations.torch_checkpointing", "torch-checkpointing")
+
 from torch_checkpointing.storage.base_storage import ReadArgs, Storage, StorageConfig
 
 from ...backends.schemes import scheme_of
