@@ -22,7 +22,7 @@ import traceback
 from datetime import timedelta
 from typing import Any, Callable, Optional
 
-__all__ = ["run_ranks", "RankError", "RankFailure", "free_port"]
+__all__ = ["run_ranks", "RankError", "RankFailure", "free_port", "preload"]
 
 
 class RankError(AssertionError):
@@ -39,7 +39,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-_PRELOAD = ["torch", "torch.distributed", "distckpt"]
+# What every rank would import before its first save or load (``import distckpt`` alone imports nothing: the
+# package is lazy). Imported once in the fork server, so that each rank starts with it, shared copy-on-write.
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.device_mesh", "torch.distributed.tensor", "distckpt",
+            "distckpt.saving", "distckpt.loading", "distckpt.async_saving", "distckpt.manager"]
+
+
+def preload(*modules: str) -> None:
+    """Import ``modules`` too in the fork server that ranks start from (the modules of the functions they run,
+    say). Takes effect when the server starts: call it before the first :func:`run_ranks` of the process. None of
+    them may start a thread at import: the server forks."""
+    _PRELOAD.extend(m for m in modules if m not in _PRELOAD)
 
 
 def _context(start_method: Optional[str]) -> Any:
