@@ -1,5 +1,7 @@
 """A tiny run of the benchmark suite, so that it cannot rot."""
 
+import pytest
+
 from bench import run
 
 
@@ -38,6 +40,7 @@ def test_bench_suite_runs_every_peer_at_a_tiny_size(tmp_path, capsys):
     assert (tmp_path / "r.json").exists()
 
 
+@pytest.mark.slow  # docs/testing.md: the guard that stays
 def test_bench_runs_chosen_tables_and_another_revision_beside_this_one(tmp_path, capsys):
     """--only picks tables; --before REV runs the reshard tables of REV (a git worktree) round by round with these."""
     results = run.main(["--gib", "0.004", "--repeat", "1", "--only", "reshard", "--before", "HEAD", "--disk-dir", str(tmp_path)])
@@ -174,6 +177,7 @@ def test_tier_bench_runs_on_a_simulated_cluster(tmp_path, capsys):
     assert (tmp_path / "t.json").exists()
 
 
+@pytest.mark.slow  # docs/testing.md: the guard that stays
 def test_shared_store_tier_bench_runs_on_a_shaped_cluster(tmp_path, capsys):
     import os
 
@@ -195,6 +199,7 @@ def test_shared_store_tier_bench_runs_on_a_shaped_cluster(tmp_path, capsys):
     assert "dur/peer" in out and (tmp_path / "s.json").exists()
 
 
+@pytest.mark.slow  # docs/testing.md: the guard that stays
 def test_hugging_face_load_bench_runs_every_peer_at_a_tiny_size(tmp_path, capsys):
     from bench import hf_load
 

@@ -22,6 +22,7 @@ def test_save_and_reshard_across_two_nodes(tmp_path):
         assert _same(saved[0], resharded[rank]), rank
 
 
+@pytest.mark.slow  # docs/testing.md: the guard that stays
 def test_s3_across_two_nodes(tmp_path):
     pytest.importorskip("moto", reason="moto is not installed")
     import boto3

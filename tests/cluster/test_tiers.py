@@ -48,6 +48,7 @@ def test_a_lost_node_restores_from_its_peers_memory_bit_exact(tmp_path, durable_
         assert resumed[rank]["weights"] == reference[rank]["weights"]
 
 
+@pytest.mark.slow  # guard that stays: tests/tiers/test_tier_hostile.py (a damaged durable step, the older restored)
 def test_losing_a_node_and_its_replica_holder_falls_back_to_the_newest_durable_step(tmp_path, durable_env):
     with Cluster(str(tmp_path / "c"), nodes=3, ranks_per_node=1) as cluster:
         reference = cluster.run(TRAIN, env=durable_env, run="ref", steps=7, timeout_s=300)
@@ -69,6 +70,7 @@ def test_losing_a_node_and_its_replica_holder_falls_back_to_the_newest_durable_s
         assert resumed[rank]["weights"] == reference[rank]["weights"]
 
 
+@pytest.mark.slow  # guards that stay: tests/tiers/test_mapped_step.py (a damaged step is refused), test_tier_hostile.py
 def test_a_corrupt_replica_is_skipped_never_loaded(tmp_path, durable_env):
     with Cluster(str(tmp_path / "c"), nodes=2, ranks_per_node=2) as cluster:
         reference = cluster.run(TRAIN, env=durable_env, run="ref", steps=7, timeout_s=300)

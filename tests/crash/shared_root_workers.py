@@ -46,10 +46,12 @@ def paused_save(root: str, marker: str, resume: str, result: str) -> None:
 
 
 def save_loop(root: str, first: int, stride: int, until: float, result: str) -> None:
-    """Save steps first, first + stride, ... with keep_last=1 until the clock passes ``until``."""
-    problems, saved = [], 0
+    """Save steps first, first + stride, ... with keep_last=1 until the clock passes ``until`` (at least once: a
+    process that started late on a loaded machine still takes part)."""
+    problems, saved, attempts = [], 0, 0
     step = first
-    while time.time() < until:
+    while attempts == 0 or time.time() < until:
+        attempts += 1
         try:
             mgr = distckpt.CheckpointManager(root, keep_last=1)
             mgr.save(step, state(step))
@@ -62,9 +64,10 @@ def save_loop(root: str, first: int, stride: int, until: float, result: str) -> 
 
 
 def open_managers(root: str, until: float, result: str) -> None:
-    """Open managers on the root (each cleans up at start) and load the newest step, until ``until``."""
-    problems, opened = [], 0
-    while time.time() < until:
+    """Open managers on the root (each cleans up at start) and load the newest step, until ``until`` (at least once)."""
+    problems, opened, attempts = [], 0, 0
+    while attempts == 0 or time.time() < until:
+        attempts += 1
         try:
             mgr = distckpt.CheckpointManager(root)
             opened += 1

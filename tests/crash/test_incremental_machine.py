@@ -86,4 +86,4 @@ class IncrementalMachine(ManagerMachine):
 
 
 TestIncrementalMachine = IncrementalMachine.TestCase
-TestIncrementalMachine.settings = settings(max_examples=30, stateful_step_count=16, deadline=None)
+TestIncrementalMachine.settings = settings(settings.get_profile("machines"), stateful_step_count=16, deadline=None)

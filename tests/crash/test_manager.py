@@ -124,7 +124,7 @@ class ManagerMachine(RuleBasedStateMachine):
 
 
 TestManagerMachine = ManagerMachine.TestCase
-TestManagerMachine.settings = settings(max_examples=25, stateful_step_count=15, deadline=None)
+TestManagerMachine.settings = settings(settings.get_profile("machines"), stateful_step_count=15, deadline=None)
 
 
 def test_load_without_checkpoints_is_a_clear_error(tmp_path):

@@ -43,7 +43,7 @@ def test_damage_seen_only_by_the_verifier_fails_the_load_on_every_rank(tmp_path)
     assert all("checksum mismatch" in r["text"] for r in results), results
 
 
-@settings(max_examples=200, deadline=None)
+@settings(deadline=None)
 @given(st.lists(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 6)), max_size=8, unique=True), min_size=1, max_size=5))
 def test_every_listed_chunk_gets_exactly_one_verifier_among_its_readers(listed):
     tables = [np.array([[f for f, _ in chunks], [o * 100 for _, o in chunks], [(o + 1) * 10 for _, o in chunks]],

@@ -2,13 +2,15 @@
 FileSystemWriter/Reader and planners, run on distckpt after one line (route_dcp_calls): 2 ranks save model
 and optimizer, twice into the same folders (accelerate reuses them), and load them back bit-exact."""
 
+import importlib.util
 import os
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-pytest.importorskip("accelerate", reason="accelerate is not installed")
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("accelerate") is None,  # imported by the tests that use it
+                                reason="accelerate is not installed (pip install 'distckpt[accelerate]')")
 
 from distckpt.testing import run_ranks  # noqa: E402
 

@@ -2,6 +2,7 @@
 shards loads into FSDP2 models at 2 and 3 ranks with one distckpt.load (and through DCP's HuggingFaceStorageReader),
 each rank reading only its rows, and the sharded model computes what the single-process one does."""
 
+import importlib.util
 import json
 import os
 
@@ -13,7 +14,8 @@ from distckpt.testing import run_ranks
 
 from . import hf_workers as w
 
-pytest.importorskip("transformers")
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,  # imported by the tests that use it
+                                reason="transformers is not installed")
 
 
 @pytest.mark.parametrize("kind,world", [("llama", 2), ("gpt2", 3)])

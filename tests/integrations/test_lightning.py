@@ -2,25 +2,34 @@
 save_last writes last.ckpt again and again (replaced atomically), and a run resumed from it ends with the
 weights of an uninterrupted run."""
 
+import importlib.util
 import os
 
 import pytest
 import torch
 
-pytest.importorskip("lightning", reason="lightning is not installed")
-
-import lightning as L  # noqa: E402
-
-from distckpt.integrations.lightning import DistckptCheckpointIO  # noqa: E402
-
-from .lightning_steps import RegressionSteps  # noqa: E402
+# lightning is imported by the test that uses it, not when the suite is collected
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("lightning") is None,  # imported by the tests that use it
+                                reason="lightning is not installed")
 
 
-class _Model(RegressionSteps, L.LightningModule):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+def __getattr__(name):
+    """``_Model``, a LightningModule, made on first use (ddp_spawn's children find it here too, by name)."""
+    if name != "_Model":
+        raise AttributeError(name)
+    import lightning as L
+
+    from .lightning_steps import RegressionSteps
+
+    class _Model(RegressionSteps, L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+
+    _Model.__module__, _Model.__qualname__ = __name__, "_Model"
+    globals()["_Model"] = _Model
+    return _Model
 
 
 def _data():
@@ -30,7 +39,11 @@ def _data():
 
 
 def _fit(root, max_steps, resume):
-    model = _Model()
+    import lightning as L
+
+    from distckpt.integrations.lightning import DistckptCheckpointIO
+
+    model = (globals().get("_Model") or __getattr__("_Model"))()
     checkpoints = L.pytorch.callbacks.ModelCheckpoint(dirpath=os.path.join(root, "ckpt"), save_last=True,
                                                        every_n_train_steps=2, save_top_k=1)
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=max_steps, plugins=[DistckptCheckpointIO()],

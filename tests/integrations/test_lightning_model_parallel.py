@@ -5,12 +5,14 @@ plain data: saving twice into one folder replaces the checkpoint, and a run resu
 an uninterrupted run."""
 
 import collections
+import importlib.util
 import os
 
 import pytest
 import torch
 
-pytest.importorskip("lightning", reason="lightning is not installed")
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("lightning") is None,  # imported by the tests that use it
+                                reason="lightning is not installed (pip install 'distckpt[lightning]')")
 
 from distckpt.testing import run_ranks  # noqa: E402
 
@@ -170,6 +172,7 @@ def test_trainer_distckpt_strategy_keeps_lightning_metadata_in_the_checkpoint(tm
 
 
 @pytest.mark.filterwarnings("ignore")
+@pytest.mark.slow  # guards that stay: the strategy's own resume (above) and tests/integrations/test_dcp_routing.py
 def test_trainer_distckpt_strategy_resumes_a_run_saved_through_routing(tmp_path):
     files = _resume_scenario(tmp_path, "strategy", first="routing")  # read with the meta.pt beside it, then replaced
     assert "metadata.json" in files and "meta.pt" not in files, files

@@ -88,7 +88,7 @@ def _same(a, b):
             assert a[k] == b[k], k
 
 
-@pytest.mark.parametrize("use_async", [False, True])
+@pytest.mark.parametrize("use_async", [False, pytest.param(True, marks=pytest.mark.slow)])  # async: test_in_step.py guards it
 def test_fsdp2_and_adamw_state_dicts_save_at_two_ranks_and_resume_at_one_and_three(tmp_path, use_async):
     path = str(tmp_path / "ck")
     saved = run_ranks(_save, 2, path, use_async, timeout_s=180)

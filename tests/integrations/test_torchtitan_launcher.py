@@ -8,6 +8,7 @@ processes' path only) says which three of its lines stop it and what stands in f
 tiny_titan.py`` replaces flex attention (no backward on CPU) through torchtitan's own override mechanism. Nothing of
 the checkpoint path is shimmed."""
 
+import importlib.util
 import json
 import os
 import random
@@ -21,7 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip install 'distckpt[integrations]')")
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None,  # imported by the tests that use it
+                                reason="torchtitan is not installed (pip install 'distckpt[torchtitan]')")
 TORCHTITAN = "0.3.0"  # the CPU shims name this release's source lines
 if version("torchtitan") != TORCHTITAN:
     pytest.skip(f"written against torchtitan {TORCHTITAN}'s source (installed: {version('torchtitan')})", allow_module_level=True)

@@ -63,7 +63,7 @@ def _damage(root, targets, values, times, data):
             continue
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_metadata_parser_raises_only_typed_errors(good, data):
     path, _ = good
@@ -90,7 +90,7 @@ def _outcome(raw):
     return md.state_dict_metadata, dict(md.storage_data.items), md.planner_data
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_whole_tensor_rows_decode_as_the_general_path_does(good, data, monkeypatch):
     """Entries of one whole chunk take a fused decoder; on any entry, damaged or not, it must agree with the
@@ -137,14 +137,14 @@ def test_whole_tensor_rows_agree_on_every_field_at_its_bounds(good, monkeypatch)
                     assert _outcome(raw) == fused, (key, field, value)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(deadline=None)
 @given(st.binary(max_size=600))
 def test_metadata_parser_on_random_bytes(raw):
     with pytest.raises(CheckpointError):
         parse_metadata(raw, "fuzz")
 
 
-@settings(max_examples=300, deadline=None)
+@settings(deadline=None)
 @given(st.binary(max_size=400), st.integers(0, 2**64 - 1), st.booleans())
 def test_header_parser_raises_only_typed_errors(payload, declared, honest):
     n = len(payload) if honest else declared
@@ -160,7 +160,7 @@ def test_header_parser_raises_only_typed_errors(payload, declared, honest):
     assert peak < 50 * len(blob) + (1 << 20)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(deadline=None)
 @given(json_values, st.integers(0, 64))
 def test_header_parser_on_structured_json(header, pad):
     text = json.dumps({"__metadata__": {"format": "distckpt", "save_id": "x"}, "t": header}).encode() + b" " * pad
@@ -178,7 +178,7 @@ def _header_outcome(blob):
         return type(exc), str(exc)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_header_entries_decode_as_the_checks_one_by_one_do(data, monkeypatch):
     """Header entries that pass every check are taken in one fused test; on any entry, damaged or not, the
@@ -414,7 +414,7 @@ def test_fast_chunk_decoding_agrees_with_the_reference_on_every_single_hostile_f
     _fast_and_reference_agree([[[2, 1], [3, 4], 0, 8, 5], [[2, 1], [1, 1], 1, 0, 0]])  # the same chunk twice
 
 
-@settings(max_examples=300, deadline=None)
+@settings(deadline=None)
 @given(st.lists(_chunk_rows(), max_size=6))
 def test_fast_chunk_decoding_agrees_with_the_field_by_field_reference(chunks_raw):
     _fast_and_reference_agree(chunks_raw)

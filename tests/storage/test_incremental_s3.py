@@ -64,7 +64,7 @@ class S3IncrementalMachine(IncrementalMachine):
 
 
 TestS3IncrementalMachine = S3IncrementalMachine.TestCase
-TestS3IncrementalMachine.settings = settings(max_examples=10, stateful_step_count=12, deadline=None)
+TestS3IncrementalMachine.settings = settings(settings.get_profile("machines"), stateful_step_count=12, deadline=None)
 
 
 def test_a_retired_steps_objects_stay_while_referenced_then_go(bucket):

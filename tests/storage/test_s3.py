@@ -288,7 +288,7 @@ class S3ManagerMachine(ManagerMachine):
 
 
 TestS3ManagerMachine = S3ManagerMachine.TestCase
-TestS3ManagerMachine.settings = settings(max_examples=15, stateful_step_count=12, deadline=None)
+TestS3ManagerMachine.settings = settings(settings.get_profile("machines"), stateful_step_count=12, deadline=None)
 
 
 def test_manager_keeps_a_run_in_memory():
@@ -352,6 +352,7 @@ def test_async_save_to_s3_writes_the_staged_state(bucket):
 
 # ---- real SIGKILLs at every boundary of a 2-rank save to S3 (the sweep of tests/crash, on S3)
 
+@pytest.mark.slow  # guards that stay: TestS3ManagerMachine (crashes and restarts on S3), tests/crash (every boundary class)
 def test_kill_a_rank_at_chosen_boundaries_of_an_s3_save(bucket):
     """The shipped crash model (distckpt.testing.crash_model) against the object store, at the first boundary of
     each kind on each object of each rank, each rank's last, and the commit (a rename and the boundary after it: on

@@ -57,7 +57,7 @@ def _random(shape, dtype, seed):
     return torch.randint(-100, 100, shape, generator=g).to(dtype)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(deadline=None)
 @given(st.lists(st.tuples(st.lists(st.integers(0, 6), max_size=3), st.sampled_from(DTYPES)), min_size=1, max_size=6),
        st.booleans())
 def test_save_then_load_returns_the_same_bytes(specs, noncontiguous):

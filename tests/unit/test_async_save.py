@@ -123,7 +123,7 @@ _SHAPES = [(), (0,), (3,), (2, 5), (7, 1, 3)]
 _DTYPES = [torch.float32, torch.bfloat16, torch.bool, torch.int64, torch.uint8]
 
 
-@settings(max_examples=60, deadline=None)
+@settings(deadline=None)
 @given(st.lists(st.dictionaries(st.sampled_from(["a", "b", "c", "d"]),
                                 st.tuples(st.sampled_from(_SHAPES), st.sampled_from(_DTYPES)), min_size=1),
                 min_size=1, max_size=8))

@@ -26,7 +26,7 @@ def test_the_catalogue_check_value():
     assert crc32c(b"", 0x1234) == 0x1234
 
 
-@settings(max_examples=200, deadline=None)
+@settings(deadline=None)
 @given(st.binary(max_size=300), st.integers(0, 300))
 def test_matches_the_definition_and_continues_across_pieces(data, cut):
     cut = min(cut, len(data))
@@ -36,7 +36,7 @@ def test_matches_the_definition_and_continues_across_pieces(data, cut):
     assert _bitwise_crc32c(data[cut:], _bitwise_crc32c(data[:cut])) == want
 
 
-@settings(max_examples=60, deadline=None)
+@settings(deadline=None)
 @given(st.integers(0, 3 << 20), st.integers(0, 63), st.integers(0, 2**32 - 1), st.sampled_from(["uint8", "float32", "int64"]))
 def test_agrees_with_an_independent_library_on_large_unaligned_buffers(n, skew, seed, dtype):
     # the folding paths for long inputs and odd starting addresses, checked against the crc32c package

@@ -121,7 +121,7 @@ def _columnar(plans, save_id, coded=False):
     return cp, central, columns_document(cp, results, save_id, "/ck")
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10**6), world=st.integers(1, 6), coded=st.booleans())
 def test_column_planning_equals_object_planning(seed, world, coded):
     plans = random_plans(seed, world)

@@ -62,7 +62,7 @@ def in_place(monkeypatch) -> list:
     return _record(monkeypatch, DirectWriter, "_write_in_place")
 
 
-@settings(max_examples=40, deadline=None)
+@settings(deadline=None)
 @given(sizes=st.lists(st.integers(0, 3 * SMALL + 5), max_size=12), group=st.integers(1, 4), seed=st.integers(0, 2**16))
 def test_writes_in_file_order_land_exactly(sizes, group, seed):
     rng = random.Random(seed)
@@ -81,7 +81,7 @@ def test_writes_in_file_order_land_exactly(sizes, group, seed):
             assert f.read() == b"".join(pieces)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(deadline=None)
 @given(depth=st.integers(1, 5), sizes=st.lists(st.integers(0, 3 * SMALL + 5), max_size=12), seed=st.integers(0, 2**16),
        aligned=st.booleans())
 def test_several_writes_in_flight_land_exactly(depth, sizes, seed, aligned):

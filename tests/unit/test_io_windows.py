@@ -17,7 +17,7 @@ from distckpt.format.checksum import crc32c
 from distckpt.testing.states import seeded
 
 
-@settings(max_examples=200, deadline=None)
+@settings(deadline=None)
 @given(st.lists(st.integers(0, 50), max_size=8), st.integers(1, 40))
 def test_windows_cover_each_view_in_order_and_fill_every_window_but_the_last(sizes, size):
     views = [memoryview(bytes(range(n))) for n in sizes]

@@ -14,7 +14,7 @@ ORDER = ["protocol", "format", "columns", "wire", "planning", "engine", "layouts
 # every module at the package's root, and every subpackage that is not a room of its own, with its room
 ROOMS = {
     "item_columns": "columns",  # the one schema of plan items as columns: wire encodes it, planning plans on it
-    **dict.fromkeys(["metadata", "planner", "storage", "stateful", "errors", "knobs", "capabilities",
+    **dict.fromkeys(["metadata", "planner", "storage", "stateful", "errors", "extras", "knobs", "capabilities",
                      "gc_pause", "progress", "faults", "process_state"], "protocol"),
     **dict.fromkeys(["saving", "loading", "async_saving", "staging", "distributed", "verification", "streaming",
                      "_sequence", "torch_classes", "torch_save_reader", "stored_bytes"], "sequences"),

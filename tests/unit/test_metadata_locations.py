@@ -79,7 +79,7 @@ def test_decoded_locations_serve_loads_and_verification(tmp_path):
 _spans = st.lists(st.tuples(st.integers(0, 2), st.integers(0, 40), st.integers(0, 12)), min_size=0, max_size=12)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(deadline=None)
 @given(_spans, st.booleans())
 def test_the_column_overlap_check_refuses_what_the_reference_refuses(spans, as_values):
     """Values and chunks, in files: the numpy check and the one over a dict agree, and name both keys."""
@@ -146,7 +146,7 @@ def _boxes(draw):
     return size, boxes
 
 
-@settings(max_examples=400, deadline=None)
+@settings(deadline=None)
 @given(_boxes())
 def test_the_cover_check_of_few_chunks_agrees_with_counting_every_element(drawn):
     """check_cover compares a few chunks pairwise in Python, more on a grid in numpy: both must refuse

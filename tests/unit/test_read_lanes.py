@@ -18,7 +18,7 @@ from distckpt.errors import CorruptCheckpointError
 from distckpt.testing.states import seeded
 
 
-@settings(max_examples=300, deadline=None)
+@settings(deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 100)), max_size=30), st.integers(1, 6))
 def test_lanes_keep_each_file_in_order_and_give_every_thread_one_where_they_can(tasks, threads):
     tasks.sort(key=lambda t: t[0])  # tasks come in file order

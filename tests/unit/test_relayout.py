@@ -291,7 +291,7 @@ def _cuts(total, draw):
     return [b - a for a, b in zip(bounds, bounds[1:])]
 
 
-@settings(max_examples=60, deadline=None)
+@settings(deadline=None)
 @given(st.data())
 def test_blocks_of_any_sharding_cover_each_checkpoint_key_exactly(data):
     draw = data.draw

@@ -53,7 +53,7 @@ def case(draw):
     return shape, draw(sharding(ndim)), draw(sharding(ndim))
 
 
-@settings(max_examples=200, deadline=None)
+@settings(deadline=None)
 @given(case())
 def test_any_save_sharding_reassembles_into_any_load_sharding(c):
     shape, (smesh, splace), (lmesh, lplace) = c
@@ -109,7 +109,7 @@ def chunks_and_box(draw):
     return saved, draw(box)
 
 
-@settings(max_examples=400, deadline=None)
+@settings(deadline=None)
 @given(chunks_and_box())
 def test_the_chunk_index_finds_exactly_what_a_scan_finds(c):
     saved, (off, size) = c

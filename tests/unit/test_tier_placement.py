@@ -38,7 +38,7 @@ def test_copies_of_one_step_from_two_saves_never_mix():
     assert choose_restore(reports) == (1, "memory", {0: "own", 1: "own"})
 
 
-@settings(max_examples=200, deadline=None)
+@settings(deadline=None)
 @given(st.data())
 def test_every_chosen_source_holds_the_chosen_step_of_one_save(data):
     world = data.draw(st.integers(1, 4))

@@ -1,4 +1,4 @@
-"""Rank functions for test_issue45_hostile.py: loads whose ranks disagree, and DTensor shards loaded as saved."""
+"""Rank functions for test_load_votes_and_write_paths_hostile.py: loads whose ranks disagree, and DTensor shards loaded as saved."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Rank functions for test_issue46_hostile.py: columnar saves through a chunk codec whose ranks disagree in form."""
+"""Rank functions for test_stores_by_scheme_and_commit_hostile.py: columnar saves through a chunk codec whose ranks disagree in form."""
 
 from __future__ import annotations
 

@@ -39,7 +39,7 @@ from distckpt.wire.columns import KEEP_MAGIC, PLAN_MAGIC, RESULTS_MAGIC
 from distckpt.wire.frames import encode_frame, pack_json
 from distckpt.wire.save_messages import decode_plan, decode_reply, decode_results
 
-from . import issue46_workers as w
+from . import stores_by_scheme_workers as w
 
 # ------------------------------------------------------------------ a toy store, as docs/stores.md builds one
 

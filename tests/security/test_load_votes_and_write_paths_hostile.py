@@ -15,7 +15,7 @@ import distckpt
 from distckpt import faults
 from distckpt.testing import run_ranks
 
-from . import issue45_workers as w
+from . import load_votes_and_write_paths_workers as w
 
 # ------------------------------------------------------------------ collectives of a load
 
