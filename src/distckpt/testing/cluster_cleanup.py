@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from typing import Optional
 
 __all__ = ["Record", "sweep_stale", "records_dir"]
@@ -92,7 +93,7 @@ class Record:
         self.add("processes", [pid, start_time(pid)])
 
     def _write(self) -> None:
-        tmp = f"{self.path}.{os.getpid()}.tmp"
+        tmp = f"{self.path}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"  # never one a killed writer left
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "w") as f:
             json.dump(self.data, f)
