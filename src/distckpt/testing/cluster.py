@@ -27,7 +27,7 @@ import time
 import uuid
 from typing import Any, Optional
 
-from .cluster_cleanup import Record, sweep_stale
+from .cluster_cleanup import Record, descendants, sweep_stale
 from .multiprocess import free_port
 
 __all__ = ["Cluster", "Job", "NodeFailure", "cluster_mode"]
@@ -153,7 +153,7 @@ class Job:
         for n, p in self.procs.items():
             if node is None or n == node:
                 # torchrun starts its workers with setsid, outside its process group: kill the whole tree, listed first
-                for pid in [p.pid] + _children(p.pid):
+                for pid in [p.pid] + descendants(p.pid):
                     try:
                         os.kill(pid, sig)
                     except ProcessLookupError:
@@ -164,7 +164,7 @@ class Job:
         for n, p in self.procs.items():
             if node is not None and n != node:
                 continue
-            for pid in _children(p.pid):
+            for pid in descendants(p.pid):
                 try:
                     os.kill(pid, sig)
                 except ProcessLookupError:
@@ -185,19 +185,6 @@ class Job:
                               f"returned nothing (torchrun exit codes {[p.returncode for p in self.procs.values()]})",
                               results, self.logs())
         return results
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            kids = [int(x) for x in f.read().split()]
-    except OSError:
-        return out
-    for kid in kids:
-        out.append(kid)
-        out += _children(kid)
-    return out
 
 
 class Cluster:

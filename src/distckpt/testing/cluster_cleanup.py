@@ -24,7 +24,7 @@ import time
 import uuid
 from typing import Optional
 
-__all__ = ["Record", "sweep_stale", "records_dir"]
+__all__ = ["Record", "sweep_stale", "records_dir", "descendants"]
 
 _POLL_S = 0.5
 
@@ -130,7 +130,8 @@ class Record:
                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def _descendants(pid: int) -> list[int]:
+def descendants(pid: int) -> list[int]:
+    """The processes under ``pid``, children before their own children."""
     out = []
     try:
         with open(f"/proc/{pid}/task/{pid}/children") as f:
@@ -138,13 +139,13 @@ def _descendants(pid: int) -> list[int]:
     except OSError:
         return out
     for kid in kids:
-        out += [kid] + _descendants(kid)
+        out += [kid] + descendants(kid)
     return out
 
 
 def _kill(pid: int) -> None:
     """SIGKILL ``pid`` and its descendants, listed first (torchrun starts its workers in sessions of their own)."""
-    for each in [pid] + _descendants(pid):
+    for each in [pid] + descendants(pid):
         try:
             os.kill(each, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
