@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The package as users install it: build the sdist and the wheel, check what the sdist holds, install the wheel
 # with no extras into a fresh virtualenv and run scripts/install_smoke.py there, and check that the extras resolve.
-# Run by scripts/test.sh before the suite. pip takes what it installs from its cache and the wheels on this disk
+# Run by scripts/test.sh beside the suite. pip takes what it installs from its cache and the wheels on this disk
 # where they are there; it installs nothing beyond the package's declared dependencies.
+# --no-compile: byte-compiling torch's thousands of modules is CPU the suite beside it needs; Python compiles what
+# the smoke run imports.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo=$(pwd)
@@ -25,7 +27,7 @@ done
 echo "wheel check: ok: the sdist holds README.md, LICENSE, docs/ and the sources"
 
 "$PY" -m venv "$work/venv"
-"$work/venv/bin/python" -m pip install -q -c constraints.txt "$wheel" >"$work/install.log" 2>&1 \
+"$work/venv/bin/python" -m pip install -q --no-compile -c constraints.txt "$wheel" >"$work/install.log" 2>&1 \
   || { tail -40 "$work/install.log"; echo "wheel check: pip install of the wheel failed"; exit 1; }
 echo "wheel check: ok: the wheel installs with no extras"
 # from outside the checkout, so that the installed package is what imports
