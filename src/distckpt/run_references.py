@@ -14,14 +14,9 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
-from . import knobs
 from .engine.blobs import REFERENCES, BlobStore
-from .engine.references import REFERENCING
-from .errors import CheckpointError
-from .format import METADATA_FILE
-from .format.codec import referenced_files, stored_file_sizes, stored_save_id
-from .format.names import SAVE_ID
-from .format.records import split_reference
+from .engine.references import UNKNOWN, committed_files
+from .format.codec import StoredFiles
 
 __all__ = ["RunFiles"]
 
@@ -29,63 +24,35 @@ log = logging.getLogger("distckpt")
 
 
 class RunFiles:
-    """The file tables of the checkpoints directly under ``store`` (a run's root), read as committed."""
+    """The file tables of the checkpoints directly under ``store`` (a run's root), read as committed, by the loader's
+    parsers (:func:`~distckpt.engine.references.committed_files`), each parsed once per version of its metadata."""
 
     def __init__(self, store: BlobStore) -> None:
         self.store = store
-        self._tables: dict[str, tuple] = {}  # name -> (identity of its metadata, (save id, own files, references))
+        self._tables: dict[str, tuple] = {}  # name -> (identity of its metadata, its StoredFiles)
 
-    def table(self, name: str, refs_only: bool = False) -> Optional[tuple[str, set, dict]]:
-        """(save id, own data files, referenced files as (checkpoint, save id) -> names) of committed checkpoint
-        ``name``; None where it is gone or its metadata cannot be read. With ``refs_only``, a document that
-        references nothing may come back with only that known."""
-        child = self.store.child(name)
-        try:
-            blob = child.open(METADATA_FILE)
-        except (OSError, CheckpointError):
-            return None
-        try:
-            identity = blob.identity()
-            cached = self._tables.get(name)
-            if identity is not None and cached is not None and cached[0] == identity:
-                return cached[1]
-            if refs_only and REFERENCING not in blob.pread(min(blob.size, 64), 0):
-                return ("", set(), {})  # before format 4 a document references nothing: its rows need no reading
-            if blob.size > knobs.max_metadata_bytes():
-                return None
-            document = blob.pread(blob.size, 0)
-        except (OSError, CheckpointError):
-            return None
-        finally:
-            blob.close()
-        try:
-            save_id = stored_save_id(document)
-            own = set(stored_file_sizes(document))
-            refs: dict = {}
-            for key, (_, ref_save) in referenced_files(document).items():
-                checkpoint, file = split_reference(key) or ("", key)
-                refs.setdefault((checkpoint, ref_save), set()).add(file)
-        except CheckpointError:
-            return None
-        if save_id is None or not SAVE_ID.match(save_id):
-            return None
-        result = (save_id, own, refs)
-        if identity is not None:
-            self._tables[name] = (identity, result)
-        return result
+    def table(self, name: str) -> Optional[StoredFiles]:
+        """What committed checkpoint ``name`` stores and references; None where it is not committed (gone),
+        :data:`UNKNOWN` where its metadata cannot be read or parsed."""
+        identity, files = committed_files(self.store.child(name), self._tables.get(name))
+        if identity is not None and files is not None and files is not UNKNOWN:
+            self._tables[name] = (identity, files)
+        else:
+            self._tables.pop(name, None)
+        return files
 
     def kept_files(self, names: list[str]) -> Optional[dict]:
         """(checkpoint, save id) -> the names of its data files that checkpoints ``names`` reference; None where one
         of them cannot be read (it might reference anything)."""
         keep: dict = {}
         for name in names:
-            table = self.table(name, refs_only=True)
-            if table is None:
-                if self.store.child(name).is_committed():
-                    return None
+            files = self.table(name)
+            if files is None:
                 continue  # deleted meanwhile (another manager's retention): it references nothing any more
-            for key, files in table[2].items():
-                keep.setdefault(key, set()).update(files)
+            if files is UNKNOWN:
+                return None
+            for key, found in files.referenced_by_checkpoint().items():
+                keep.setdefault(key, set()).update(found)
         return keep
 
     def delete(self, name: str, keep: Optional[dict]) -> None:
@@ -95,17 +62,15 @@ class RunFiles:
         if REFERENCES not in self.store.capabilities or (keep is not None and not any(c == name for c, _ in keep)):
             child.remove()  # nothing of it is referenced (its table need not be read)
             return
-        table = self.table(name)
-        if table is None:
-            if keep is None or any(checkpoint == name for checkpoint, _ in keep):
-                log.warning("distckpt: left %s in place: its metadata cannot be read, and a kept step may reference its "
-                            "data files", child.describe())
-                return
-            child.remove()
+        files = self.table(name)
+        if files is None:
+            return  # gone meanwhile
+        if files is UNKNOWN:
+            log.warning("distckpt: left %s in place: its metadata cannot be read, and a kept step may reference its "
+                        "data files", child.describe())
             return
-        save_id, own, _ = table
-        needed = own if keep is None else keep.get((name, save_id), set())
+        needed = set(files.own) if keep is None else keep.get((name, files.save_id), set())
         if needed:
-            child.retire(save_id, set(needed))
+            child.retire(files.save_id, set(needed))
         else:
             child.remove()

@@ -7,9 +7,9 @@ under atheris (tests/fuzz/run.py) and, without it, over the committed corpus (te
 
 Targets, with the parsers they reach:
 
-- ``metadata``: distckpt's metadata document (format/codec.py ``parse_metadata``), and the readers of its
-  data-file table that run on a stored document without checking it first (``stored_file_sizes``,
-  ``stored_save_id``). A document whose bytes were changed fails its CRC-32C before anything else is read,
+- ``metadata``: distckpt's metadata document (format/codec.py ``parse_metadata``), and ``stored_files``, what
+  retention, cleanup and the commit check read of it: it must read the very table the loader reads.
+  A document whose bytes were changed fails its CRC-32C before anything else is read,
   so each input is parsed twice: as it is, and re-sealed with the checksum of what it now holds.
 - ``datafile``: a data file's header (format/datafile.py ``read_header``); the input is the whole file.
 - ``value``: a stored non-tensor value (format/values.py ``decode_value``), decoded, stored again and decoded
@@ -112,7 +112,8 @@ def resealed(data: bytes) -> bytes:
 
 
 def metadata(data: bytes) -> None:
-    from distckpt.format.codec import encode_metadata, parse_metadata, stored_file_sizes, stored_save_id
+    from distckpt.format.codec import encode_metadata, parse_metadata, stored_files
+    from distckpt.format.records import FileStorageData
 
     for document in (data, resealed(data)):
         try:
@@ -128,11 +129,19 @@ def metadata(data: bytes) -> None:
         again = parse_metadata(encode_metadata(md), WHERE)  # what was read can be written again, and reads the same
         _check(dict(again.state_dict_metadata) == dict(md.state_dict_metadata), "entries change when written again")
         _check(repr(again.planner_data) == repr(md.planner_data), "planner data changes when written again")  # NaN != NaN
-    for read in (stored_file_sizes, stored_save_id):
+    for document in (data, resealed(data)):
         try:
-            read(data)
+            files = stored_files(document, WHERE)  # what retention and the commit check read: the loader's parsers
         except CheckpointError:
-            pass
+            continue
+        try:
+            md = parse_metadata(document, WHERE)
+        except CheckpointError:
+            continue  # a good file table beside entries the loader refuses
+        fsd = md.storage_data
+        _check(files is None or (isinstance(fsd, FileStorageData) and fsd.save_id == files.save_id
+                                 and set(fsd.files) == set(files.own) | set(files.references)),
+               "the file table retention reads is not the loader's")
 
 
 def _check_metadata(md) -> None:

@@ -12,7 +12,7 @@ import torch
 
 from distckpt import CorruptCheckpointError, UnsafeValueError
 from distckpt.format.checksum import crc32c
-from distckpt.format.codec import encode_metadata, parse_metadata, stored_file_sizes, stored_save_id
+from distckpt.format.codec import encode_metadata, parse_metadata, stored_files
 from distckpt.format.datafile import read_header
 from distckpt.format.locations import _overlapping_pair, check_cover
 from distckpt.format.values import decode_value, encode_value
@@ -37,23 +37,23 @@ def _pread(blob: bytes):
     return lambda n, offset: blob[offset:offset + n]
 
 
+def _with_table(table: bytes, version: bytes = b"2.0") -> bytes:
+    return _sealed(b'{"format":"distckpt","format_version":"' + version + b'","state_dict_metadata":{},'
+                   b'"storage_data":{"$files":' + table + b'},"planner_data":null,"storage_meta":null')
+
+
 @pytest.mark.parametrize("table", [b'{"save_id":"s","files":[["data-00000.safetensors",1e999,0,0]]}',  # int(inf): OverflowError
                                    b'{"save_id":"s","files":[["data-00000.safetensors",1.5,0,0]]}',
                                    b'{"save_id":"s","files":{"a":1}}',
                                    b"[" * 100_000])  # RecursionError
 def test_stored_file_table_is_checked(table):
-    document = b'{"format":"distckpt","storage_data":{"$files":' + table
-    with pytest.raises(CorruptCheckpointError, match="data-file"):
-        stored_file_sizes(document)
-    if table.startswith(b"["):
-        with pytest.raises(CorruptCheckpointError, match="data-file table"):
-            stored_save_id(document)
+    with pytest.raises(CorruptCheckpointError):
+        stored_files(_with_table(table))
 
 
-def test_stored_file_sizes_of_a_good_document():
-    document = b'{"storage_data":{"$files":{"save_id":"s","files":[["data-00000.safetensors",4096,0,7]]}}'
-    assert stored_file_sizes(document) == {"data-00000.safetensors": 4096}
-    assert stored_save_id(document) == "s"
+def test_stored_files_of_a_good_document():
+    files = stored_files(_with_table(b'{"save_id":"s","files":[["data-00000.safetensors",4096,0,7]]}'))
+    assert (files.save_id, files.own, files.references) == ("s", {"data-00000.safetensors": 4096}, {})
 
 
 @pytest.mark.parametrize("rank", [b"1e999", b"-1e999", b"1.5", b'"1e999"', b'"-7"', b"null", b'"' + b"9" * 5000 + b'"'])

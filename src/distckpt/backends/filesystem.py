@@ -336,7 +336,7 @@ class FsStore(RunParts, BlobStore):
 
     def discard(self, staging: BlobStore) -> None:
         assert isinstance(staging, FsStore)
-        if _holds_replaced(staging.root):
+        if _holds_replaced(FsStore(staging.root, follow_root=False)):
             self._drop_replaced(staging.root)  # the overwrite swapped, then failed: what it replaced is there now
             return
         remove_tree(staging.root)

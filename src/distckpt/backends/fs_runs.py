@@ -13,13 +13,10 @@ import time
 import uuid
 from typing import Optional
 
-from .. import faults, knobs
+from .. import faults
 from ..engine.blobs import BlobStore, Keep, keep_now
-from ..engine.references import SaveFiles, referenced_by_siblings
+from ..engine.references import UNKNOWN, SaveFiles, committed_files, referenced_by_siblings
 from ..errors import CheckpointError, CheckpointNotFoundError, StorageIOError
-from ..format import METADATA_FILE
-from ..format.codec import stored_save_id
-from ..format.names import SAVE_ID
 from .direct_io import pwrite_all
 from .fs_objects import create_exclusive, is_real_dir, open_regular, prune_dir, remove_tree
 from .leases import save_is_dead
@@ -58,7 +55,7 @@ class RunParts:
     def _drop_replaced(self, old: str) -> None:
         """Remove the checkpoint this one replaced (now at ``old``), or retire it where later steps of its run reference
         its files (format 4.0): they stay where ``referenced`` finds them."""
-        save_id = _committed_save_id(old)
+        save_id = _committed_save_id(type(self)(old, follow_root=False))
         parent, base = os.path.split(os.path.abspath(self.root))
         keep = set() if save_id is None else referenced_by_siblings(type(self)(parent), base, save_id)
         if keep == set():
@@ -181,7 +178,7 @@ class RunParts:
                 if not tag.startswith(TRASH):  # a deletion left half done: anyone may finish it
                     if not save_is_dead(self.child(base), tag, _age(path, now)):
                         continue
-                    if _holds_replaced(path):  # an overwrite killed between its swap and its retire
+                    if _holds_replaced(type(self)(path, follow_root=False)):  # an overwrite killed between its swap and its retire
                         self.child(base)._drop_replaced(path)
                         self.child(base).drop_lease(tag)
                         removed.append(path)
@@ -196,28 +193,19 @@ class RunParts:
         return removed
 
 
-def _holds_replaced(staging: str) -> bool:
-    """Whether the staging directory ``staging`` of a save holds the committed checkpoint that save replaced (an
-    overwrite exchanges the two; its metadata names another save than the directory's name): it is then dropped as
-    the overwrite would have, kept where later steps of the run reference its files (format 4.0)."""
-    parsed = parse_hidden(os.path.basename(staging))
+def _holds_replaced(staging: "RunParts") -> bool:
+    """Whether the staging directory ``staging`` of a save holds the committed checkpoint that save
+    replaced (an overwrite exchanges the two; its metadata names another save than the directory's name): it is then
+    dropped as the overwrite would have, kept where later steps of the run reference its files (format 4.0)."""
+    parsed = parse_hidden(os.path.basename(staging.root))
     save_id = _committed_save_id(staging)
     return parsed is not None and save_id is not None and save_id != parsed[2]
 
 
-def _committed_save_id(directory: str) -> Optional[str]:
-    """The save id the metadata document in ``directory`` names, or None (none there, unreadable, not a save id)."""
-    try:
-        fd = open_regular(os.path.join(directory, METADATA_FILE))
-    except (OSError, CheckpointError):
-        return None
-    try:
-        save_id = stored_save_id(os.pread(fd, min(os.fstat(fd).st_size, knobs.max_metadata_bytes()), 0))
-    except (OSError, CheckpointError):
-        return None
-    finally:
-        os.close(fd)
-    return save_id if save_id is not None and SAVE_ID.match(save_id) else None
+def _committed_save_id(directory: BlobStore) -> Optional[str]:
+    """The save id the metadata document in ``directory`` names, or None (none there, unreadable, not distckpt's)."""
+    _, files = committed_files(directory)
+    return None if files is None or files is UNKNOWN else files.save_id
 
 
 def hidden_name(base: str, mark: str, tag: str) -> str:

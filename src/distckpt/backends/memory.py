@@ -14,8 +14,7 @@ from ..engine.blobs import LEASES, REFERENCES, RUNS, BlobReader, BlobStore, Blob
 from ..engine.references import SaveFiles, referenced_by_siblings
 from ..errors import CheckpointError, CheckpointNotFoundError
 from ..format import METADATA_FILE
-from ..format.codec import stored_save_id
-from ..format.names import SAVE_ID
+from ..format.codec import stored_files
 from .blob_storage import BlobStorageReader, BlobStorageWriter
 from .leases import save_is_dead
 from .schemes import register_store
@@ -108,14 +107,13 @@ class MemoryStore(BlobStore):
     def _drop_replaced(self, old: dict) -> None:
         """Keep what later steps of the run reference of the checkpoint a commit replaced (format 4.0), as retire does."""
         document = old.get(METADATA_FILE)
-        save_id = None
-        if document is not None:
-            try:
-                save_id = stored_save_id(bytes(document))
-            except CheckpointError:
-                save_id = None
-        if save_id is None or "/" not in self.name or not SAVE_ID.match(save_id):
+        try:
+            files = None if document is None else stored_files(bytes(document), f"{self.describe(METADATA_FILE)} (replaced)")
+        except CheckpointError:
+            files = None
+        if files is None or "/" not in self.name:
             return
+        save_id = files.save_id
         parent, base = self.name.rsplit("/", 1)
         keep = referenced_by_siblings(MemoryStore(parent), base, save_id)
         if keep != set():

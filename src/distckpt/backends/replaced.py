@@ -14,9 +14,10 @@ import re
 import stat
 from typing import Optional
 
+from .. import knobs
 from ..errors import CheckpointError
-from ..format import FORMAT_NAME, METADATA_FILE
-from ..format.codec import stored_file_sizes
+from ..format import METADATA_FILE
+from ..format.codec import StoredFiles, stored_files
 from .fs_objects import is_real_dir, open_dir, open_regular
 from .rename import rename_noreplace
 
@@ -38,15 +39,11 @@ def carry_foreign(old: str, new: str) -> bool:
             log.warning("distckpt: the replaced DCP checkpoint at %s cannot be listed; left in place", old)
             return False
     else:
-        try:
-            fd = open_regular(os.path.join(old, METADATA_FILE))
-            try:
-                listed = set(stored_file_sizes(os.pread(fd, os.fstat(fd).st_size, 0))) | {METADATA_FILE}
-            finally:
-                os.close(fd)
-        except (CheckpointError, OSError):
+        files = _committed_files(old)
+        if files is None:
             log.warning("distckpt: the replaced checkpoint's metadata at %s is unreadable; left in place", old)
             return False
+        listed = set(files.own) | {METADATA_FILE}
     kept = []
     for name in os.listdir(old):
         if name in listed:
@@ -103,16 +100,28 @@ def dcp_checkpoint_files(directory: str) -> Optional[list[str]]:
     return names
 
 
-def holds_committed_metadata(directory: str) -> bool:
-    """Whether ``directory`` holds a regular metadata.json of distckpt (its first bytes say so)."""
+def _committed_files(directory: str) -> Optional[StoredFiles]:
+    """The files the regular metadata.json of distckpt in ``directory`` lists, as the loader parses it; None where
+    there is none, or it is not distckpt's, damaged, or of a version this release does not read."""
     try:
         fd = open_regular(os.path.join(directory, METADATA_FILE))
     except (CheckpointError, OSError):
-        return False
+        return None
     try:
-        return os.pread(fd, 64, 0).startswith(b'{"format":"' + FORMAT_NAME.encode() + b'"')
+        size = os.fstat(fd).st_size
+        if size > knobs.max_metadata_bytes():
+            return None
+        return stored_files(os.pread(fd, size, 0), os.path.join(directory, METADATA_FILE))
+    except (CheckpointError, OSError):
+        return None
     finally:
         os.close(fd)
+
+
+def holds_committed_metadata(directory: str) -> bool:
+    """Whether ``directory`` holds a committed checkpoint of distckpt: a regular metadata.json that the loader's
+    parsers read as distckpt's, listing its data files."""
+    return _committed_files(directory) is not None
 
 
 def check_target(final: str, replaces: bool) -> None:

@@ -35,7 +35,7 @@ from ..engine.blobs import BlobReader, BlobStore, BlobWriter, Keep, keep_now
 from ..engine.references import SaveFiles, referenced_by_siblings
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StorageIOError
 from ..format import METADATA_FILE
-from ..format.codec import stored_save_id
+from ..format.codec import stored_files
 from .blob_storage import BlobStorageReader, BlobStorageWriter
 from .leases import Lease, save_is_dead
 from .s3_objects import (
@@ -262,7 +262,7 @@ class S3Store(BlobStore):
         """The save id the commit recorded on the metadata object, or None (no checkpoint).
 
         A metadata object without the record was committed by an earlier distckpt: its save id is read
-        from the document's data-file table (the last member), or None where the document is damaged.
+        from the document's data-file table, or None where the document is damaged.
         """
         try:
             head = self.client.head_object(Bucket=self.bucket, Key=self.key(METADATA_FILE))
@@ -275,10 +275,10 @@ class S3Store(BlobStore):
             return recorded if _SAVE_ID.match(recorded) else None
         document = self._get(METADATA_FILE)
         try:
-            save_id = None if document is None else stored_save_id(document)
+            files = None if document is None else stored_files(document, self.describe(METADATA_FILE))
         except CheckpointError:
             return None
-        return save_id if save_id is not None and _SAVE_ID.match(save_id) else None
+        return None if files is None else files.save_id
 
     def discard(self, staging: BlobStore) -> None:
         assert isinstance(staging, S3Store)

@@ -27,7 +27,7 @@ from ..format.codec import (
     file_table,
     metadata_document,
     quote,
-    stored_file_sizes,
+    stored_files,
     tensor_row,
     written_version,
 )
@@ -147,12 +147,16 @@ def publish(store: BlobStore, save_id: str, document: bytes, replaces: bool, syn
     """
     staging = store.staging(save_id)
     found = staging.sizes()
-    for name, size in stored_file_sizes(document).items():
+    listed = stored_files(document, f"the metadata of checkpoint {checkpoint_id!r}")
+    if listed is None or listed.save_id != save_id:
+        raise CorruptCheckpointError(f"the metadata built for checkpoint {checkpoint_id!r} does not list the data files of "
+                                     f"save {save_id}; nothing was committed")
+    for name, size in listed.own.items():
         if found.get(name) != size:
             raise CorruptCheckpointError(
                 f"{staging.describe(name)} is {'missing' if name not in found else f'{found[name]} bytes, not {size}'} "
                 f"just before commit of checkpoint {checkpoint_id!r}; something else removed or changed this "
                 "save's files. Nothing was committed: save again.")
-    check_references(store, document, f"checkpoint {checkpoint_id!r}")
+    check_references(store, listed, f"checkpoint {checkpoint_id!r}")
     staging.put_atomic(METADATA_FILE, document, sync)
     store.commit(staging, replaces, sync)

@@ -11,18 +11,18 @@ save), so :class:`SaveFiles` looks in each place and takes the file whose header
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional
 
 from .. import knobs
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ..format import METADATA_FILE
-from ..format.codec import referenced_files
+from ..format.codec import StoredFiles, stored_files
+from ..format.datafile import read_header
 from ..format.records import FileStorageData, split_reference
 from .blobs import MAPS, RUNS, BlobReader, BlobStore, BlobWriter
 
-__all__ = ["ReferencingStore", "SaveFiles", "data_files", "check_references", "referenced_by_siblings", "REFERENCING"]
-
-_PEEK = 512  # bytes: a distckpt data file names its save in the first member of its header
+__all__ = ["ReferencingStore", "SaveFiles", "data_files", "check_references", "committed_files", "referenced_by_siblings",
+           "UNKNOWN"]
 
 
 class _ReadOnly(BlobStore):
@@ -59,19 +59,29 @@ class SaveFiles(_ReadOnly):
         return f"{self.what}, file {name!r}" if name else self.what
 
     def open(self, name: str) -> BlobReader:
-        mark = f'"save_id":"{self.save_id}"'.encode()
+        other = None  # a file of that name found holding another save's data, or unreadable
         for _ in range(2):  # twice: a step retired between two looks has moved from the first place to another
             for place in self.places:
                 try:
                     blob = place.open(name)
                 except CheckpointNotFoundError:
                     continue
-                if self.exact or mark in blob.pread(min(blob.size, _PEEK), 0):
+                if self.exact:
                     return blob
+                try:
+                    if read_header(blob.pread, blob.size, place.describe(name)).save_id == self.save_id:
+                        return blob
+                    other = other or f"{place.describe(name)} holds another save's data"
+                except (OSError, CheckpointError) as exc:
+                    other = other or str(exc)
                 blob.close()
+        found = f" ({other})" if other else ""
         raise CheckpointNotFoundError(
-            f"{self.describe(name)} is gone: the step that stored it was deleted, or saved again, outside distckpt's retention "
-            "(which keeps every file a kept step references). This checkpoint cannot be loaded; load another step.")
+            f"{self.describe(name)} is gone{found}. The checkpoint being read is a step of an incremental run that "
+            "references this file of an earlier step: the step was copied or moved out of its run, or the earlier step "
+            "was deleted or saved again outside distckpt's retention (which keeps every file a kept step references). "
+            "Load it where its run is, or first make it self-contained there with `distckpt compact <step>` and copy it "
+            "after that.")
 
     def list(self) -> Iterable[str]:
         names: set = set()
@@ -133,10 +143,11 @@ def data_files(location: BlobStore, fsd: FileStorageData) -> BlobStore:
     return ReferencingStore(own, location, fsd)
 
 
-def check_references(location: BlobStore, document: bytes, where: str) -> None:
-    """Every data file of another checkpoint ``document`` references is stored, at its recorded size: what a commit
-    checks before it publishes a document with references (a file deleted since the save began is caught here)."""
-    for key, (size, save_id) in sorted(referenced_files(document).items()):
+def check_references(location: BlobStore, listed: StoredFiles, where: str) -> None:
+    """Every data file of another checkpoint that a document (its files ``listed``) references is stored, at its
+    recorded size: what a commit checks before it publishes a document with references (a file deleted since the
+    save began is caught here)."""
+    for key, (size, save_id) in sorted(listed.references.items()):
         checkpoint, name = split_reference(key) or ("", key)
         try:
             blob = location.referenced(checkpoint, save_id).open(name)
@@ -152,35 +163,50 @@ def check_references(location: BlobStore, document: bytes, where: str) -> None:
             blob.close()
 
 
-REFERENCING = b'"format_version":"4.'  # how a document that may reference other checkpoints' files begins (format 4)
+def committed_files(checkpoint: BlobStore, known: Optional[tuple] = None) -> tuple[Optional[Any], Optional[StoredFiles]]:
+    """(identity, files) of the committed metadata of ``checkpoint``, read by the loader's parsers
+    (:func:`~distckpt.format.codec.stored_files`). ``files`` is None where the checkpoint is not committed
+    (no metadata), and :data:`UNKNOWN` where its metadata cannot be read or parsed, or is of a version this
+    release does not read: it might reference anything, so whoever deletes keeps all it could. ``known`` is an
+    earlier answer, returned again while the metadata's identity (``BlobReader.identity``) is the same."""
+    try:
+        blob = checkpoint.open(METADATA_FILE)
+    except CheckpointNotFoundError:
+        return None, None
+    except (OSError, CheckpointError):
+        return None, UNKNOWN
+    try:
+        identity = blob.identity()
+        if known is not None and identity is not None and known[0] == identity:
+            return known
+        if blob.size > knobs.max_metadata_bytes():
+            return identity, UNKNOWN
+        document = blob.pread(blob.size, 0)
+    except (OSError, CheckpointError):
+        return None, UNKNOWN
+    finally:
+        blob.close()
+    try:
+        files = stored_files(document, checkpoint.describe(METADATA_FILE))
+    except CheckpointError:
+        return identity, UNKNOWN
+    return identity, (UNKNOWN if files is None else files)
+
+
+UNKNOWN = StoredFiles("", {}, {})  # a committed document whose references cannot be known: it keeps everything
 
 
 def referenced_by_siblings(parent: BlobStore, name: str, save_id: str) -> Optional[set]:
-    """The data files of save ``save_id`` of checkpoint ``name`` that committed checkpoints beside it (under
-    ``parent``) reference: what replacing or deleting that save must keep. None where a sibling's metadata cannot
-    be read whole (it might reference anything)."""
+    """The data files of save ``save_id`` of checkpoint ``name`` that committed checkpoints under ``parent``
+    reference: what replacing or deleting that save must keep. The checkpoint now committed at ``name`` counts too
+    (an overwrite's new document may reference the save it replaced; docs/format.md, section 6). None where a
+    committed document cannot be read whole (it might reference anything)."""
     keep: set = set()
-    prefix = f"{name}/"
     for sibling in parent.children():
-        if sibling == name:
-            continue
-        try:
-            blob = parent.child(sibling).open(METADATA_FILE)
-        except (OSError, CheckpointError):
+        _, files = committed_files(parent.child(sibling))
+        if files is None:
             continue  # not committed: references nothing
-        try:
-            if REFERENCING not in blob.pread(min(blob.size, 64), 0):
-                continue
-            if blob.size > knobs.max_metadata_bytes():
-                return None
-            document = blob.pread(blob.size, 0)
-        except (OSError, CheckpointError):
+        if files is UNKNOWN:
             return None
-        finally:
-            blob.close()
-        try:
-            found = referenced_files(document)
-        except CheckpointError:
-            return None
-        keep |= {key[len(prefix):] for key, (_, sid) in found.items() if sid == save_id and key.startswith(prefix)}
+        keep |= files.referenced_by_checkpoint().get((name, save_id), set())
     return keep

@@ -86,13 +86,21 @@ class Reuse:
     """One rank's incremental save: the fingerprints of its previous committed save (``previous``), and those
     of this one once written (``fingerprints``, kept for the next save only after this one commits).
 
-    ``checkpoint`` is the name this save's checkpoint has among its siblings (the step's folder or prefix)."""
+    ``checkpoint`` is the name this save's checkpoint has among its siblings (the step's folder or prefix).
+
+    A save never references a file stored under its own checkpoint's name (docs/format.md, section 6): such a file
+    belongs to the save this one replaces (an overwrite, or a step saved again after its deletion), and a table
+    keys references by ``<checkpoint>/<file>``, so one document can name one save of each checkpoint only."""
 
     checkpoint: str
     previous: dict = field(default_factory=dict)
     fingerprints: dict = field(default_factory=dict)
     written_bytes: int = 0
     referenced_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if any(st.checkpoint == self.checkpoint for st in self.previous.values()):
+            self.previous = {key: st for key, st in self.previous.items() if st.checkpoint != self.checkpoint}
 
 
 def digest_of(data: Any, dtype: Any) -> bytes:

@@ -39,9 +39,9 @@ from .dtypes import itemsize
 from .fields import MAX_INT as _MAX_INT
 from .fields import ints as _ints
 from .locations import add_item, check_cover, check_no_overlap, checked_chunk, cross_check, decode_file_table, inline_chunks, stored_codec
-from .names import check_file_name
+from .names import SAVE_ID, check_file_name
 from .properties import DECODED_PROPS, dec_props, enc_props
-from .records import FileInfo, FileStorageData, StorageInfo
+from .records import FileInfo, FileStorageData, StorageInfo, split_reference
 from .tensor_table import TableEntries, TableWriter, decode_table
 from .values import from_data, to_data
 
@@ -155,66 +155,46 @@ def _crc_field(value: Any, where: str) -> int:
 # ---------------------------------------------------------------- metadata document
 
 _TRAILER = re.compile(rb',"crc32c":"([0-9a-f]{8})"}\n\Z')
-_FILES_MEMBER = b'"storage_data":{"$files":'
 
 
-def _file_table(document: bytes) -> Optional[dict]:
-    """The data-file table of a format-2.x metadata document, read from its tail without decoding the
-    rest (a document of thousands of ranks is tens of MB); None where the storage data is not distckpt's."""
-    at = document.rfind(_FILES_MEMBER)
-    if at < 0:
-        return None
-    try:
-        table, _ = json.JSONDecoder().raw_decode(document[at + len(_FILES_MEMBER):].decode("utf-8"))
-    except (ValueError, RecursionError) as exc:  # RecursionError: arrays nested thousands deep
-        raise CorruptCheckpointError(f"metadata document: malformed data-file table ({exc}); {_RESTORE}") from None
-    if not isinstance(table, dict):
-        raise CorruptCheckpointError(f"metadata document: malformed data-file table; {_RESTORE}")
-    return table
+@dataclasses.dataclass(frozen=True)
+class StoredFiles:
+    """What a committed metadata document says about data files: the id of the save that wrote it, its own files
+    with their sizes, and the files of other checkpoints it references (format 4.0), ``<checkpoint>/<file>`` to
+    (size, id of the save that stored it)."""
+
+    save_id: str
+    own: dict
+    references: dict
+
+    def referenced_by_checkpoint(self) -> dict:
+        """(checkpoint, save id) -> the names of its files this document references."""
+        out: dict = {}
+        for key, (_, save_id) in self.references.items():
+            checkpoint, name = split_reference(key)
+            out.setdefault((checkpoint, save_id), set()).add(name)
+        return out
 
 
-_RESTORE = "the file is damaged or was not written by distckpt: restore it from a copy"
-
-
-def stored_file_sizes(document: bytes) -> dict[str, int]:
-    """The data files a metadata document lists, with their sizes (empty where it has no distckpt file table).
-
-    The document's checksum is not checked first (a commit reads the document it has just written; a
-    replaced checkpoint's document may be damaged), so every row is: [name, size, ...] with a string name
-    and an integer size, as decode_file_table would have them, or a CorruptCheckpointError."""
-    table = _file_table(document)
-    if table is None:
-        return {}
-    rows = table.get("files")
-    if type(rows) is not list:
-        raise CorruptCheckpointError(f"metadata document: the data-file table has no list of files; {_RESTORE}")
-    for row in rows:
-        if not (type(row) is list and len(row) >= 2 and type(row[0]) is str and type(row[1]) is int and 0 <= row[1] <= _MAX_INT):
-            raise CorruptCheckpointError(f"metadata document: malformed data-file entry {row!r:.200} (want [name, size, ...]); "
-                                         f"{_RESTORE}")
-    return {row[0]: row[1] for row in rows if len(row) < 5}
-
-
-def referenced_files(document: bytes) -> dict[str, tuple[int, str]]:
-    """The data files of other checkpoints a metadata document references (format 4.0): table name to (size, save
-    id), each checked as :func:`stored_file_sizes` checks its rows; a commit checks they are still stored."""
-    table = _file_table(document)
-    rows = [] if table is None else table.get("files")
-    stored_file_sizes(document)
-    out = {}
-    for row in rows:
-        if len(row) >= 5:
-            if type(row[4]) is not str:
-                raise CorruptCheckpointError(f"metadata document: malformed reference {row!r:.200}; {_RESTORE}")
-            out[row[0]] = (row[1], row[4])
-    return out
-
-
-def stored_save_id(document: bytes) -> Optional[str]:
-    """The save id a metadata document's data-file table names, or None where it has none."""
-    table = _file_table(document)
-    save_id = None if table is None else table.get("save_id")
-    return save_id if isinstance(save_id, str) else None
+def stored_files(document: bytes, where: str = "metadata document") -> Optional[StoredFiles]:
+    """The data files the metadata document ``document`` lists, decided by the loader's own parsers (the checksum,
+    the frame and version, the file table): a document written another way (members in another order, other
+    spacing) gets the same answer, and a table anywhere but in ``storage_data`` is never read. None where its
+    storage data is not distckpt's file table (another storage layer's document). Raises CorruptCheckpointError
+    (FormatVersionError for a version this release does not read): a caller deciding what to delete then keeps
+    everything the document might reference."""
+    body, version, major = _document_body(document, where)
+    storage_raw = body.get("storage_data")
+    fsd = _inline_file_table(storage_raw, version, major, where)
+    if fsd is None:
+        fsd = opaque_from(storage_raw, f"{where}: storage_data", False)
+        if not isinstance(fsd, FileStorageData):
+            return None
+    if not SAVE_ID.match(fsd.save_id):
+        raise CorruptCheckpointError(f"{where}: save id {fsd.save_id!r:.80} is not 1 to 64 of [0-9A-Za-z_-]")
+    own = {name: info.size for name, info in fsd.files.items() if info.save_id is None}
+    refs = {name: (info.size, info.save_id) for name, info in fsd.files.items() if info.save_id is not None}
+    return StoredFiles(fsd.save_id, own, refs)
 
 
 SUPPORTED_MAJORS = (1, 2, 3, 4)
@@ -525,11 +505,7 @@ def _parse_metadata(raw: bytes, where: str) -> Metadata:
     body, version, major = _document_body(raw, where)
     sdm_raw = body["state_dict_metadata"]
     storage_raw = body.get("storage_data")
-    inline = major >= 2 and isinstance(storage_raw, dict) and set(storage_raw) == {"$files"}
-    fsd = decode_file_table(storage_raw["$files"], where) if inline else None
-    if fsd is not None and major < 4 and any(info.save_id is not None for info in fsd.files.values()):
-        raise CorruptCheckpointError(f"{where}: a format-{version} document lists a data file of another checkpoint, which "
-                                     "only format 4.0 records; the metadata is damaged or hostile")
+    fsd = _inline_file_table(storage_raw, version, major, where)
     locations = fsd.items if fsd is not None else None
     table = _tensor_table(body, major, fsd, len(sdm_raw), where)
     sdm: dict = {}
@@ -545,6 +521,18 @@ def _parse_metadata(raw: bytes, where: str) -> Metadata:
     if table is not None:  # entries of the table's keys are built when asked for
         sdm = TableEntries(table, sdm)
     return _assemble(body, version, sdm, fsd, storage_raw, where)
+
+
+def _inline_file_table(storage_raw: Any, version: str, major: int, where: str) -> Optional[FileStorageData]:
+    """The data-file table of a format-2.x-or-later document (its ``storage_data`` is ``{"$files": ...}``), checked;
+    None for any other storage data (format 1.x keeps its table apart, another storage layer its own data)."""
+    if not (major >= 2 and isinstance(storage_raw, dict) and set(storage_raw) == {"$files"}):
+        return None
+    fsd = decode_file_table(storage_raw["$files"], where)
+    if major < 4 and any(info.save_id is not None for info in fsd.files.values()):
+        raise CorruptCheckpointError(f"{where}: a format-{version} document lists a data file of another checkpoint, which "
+                                     "only format 4.0 records; the metadata is damaged or hostile")
+    return fsd
 
 
 def _document_body(raw: bytes, where: str) -> tuple[dict, str, int]:

@@ -1,0 +1,112 @@
+"""Committed checkpoints written again another way: valid documents and headers whose bytes differ from what
+distckpt writes, for tests that a reader decides by parsing, never by matching bytes.
+
+Each function rewrites one committed checkpoint in place, through its store (any scheme), and leaves it valid:
+it loads bit-exact and verifies. ``reordered`` and ``spaced`` change the metadata document's layout;
+``lookalike_table`` adds a data-file table where only the document's own ``storage_data`` may be read
+(inside ``planner_data``); ``header_reordered`` moves the ``__metadata__`` member of a data file's header to
+its end, at the same length, and records the header's new checksum in every document of the run that lists
+the file.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from typing import Any, Callable
+
+from ..backends.schemes import store_for
+from ..engine.blobs import BlobStore
+from ..format import METADATA_FILE
+from ..format.checksum import crc32c
+from ..format.codec import stored_files
+from ..format.records import split_reference
+
+__all__ = ["reordered", "spaced", "lookalike_table", "header_reordered", "REWRITES"]
+
+_ORDER = ("storage_meta", "planner_data", "storage_data", "tensors", "state_dict_metadata", "format_version", "format")
+
+
+def _read(store: BlobStore, name: str = METADATA_FILE) -> bytes:
+    blob = store.open(name)
+    try:
+        return blob.pread(blob.size, 0)
+    finally:
+        blob.close()
+
+
+def _body(document: bytes) -> dict:
+    return json.loads(document[: document.rindex(b',"crc32c":')] + b"}")
+
+
+def _seal(text: bytes) -> bytes:
+    """A document of the JSON object ``text`` (which ends in ``}``) with its checksum member last, as the format asks."""
+    prefix = text.rstrip()[:-1].rstrip()
+    return prefix + b',"crc32c":"' + f"{crc32c(prefix):08x}".encode() + b'"}\n'
+
+
+def _rewrite(checkpoint_id: str, change: Callable[[dict], bytes]) -> None:
+    store = store_for(checkpoint_id)
+    store.put_atomic(METADATA_FILE, _seal(change(_body(_read(store)))), sync=False)
+
+
+def reordered(checkpoint_id: str) -> None:
+    """The document's members in another order (``format`` last but for the checksum), compact as distckpt writes."""
+    _rewrite(checkpoint_id, lambda body: json.dumps({k: body[k] for k in _ORDER if k in body},
+                                                    separators=(",", ":")).encode())
+
+
+def spaced(checkpoint_id: str) -> None:
+    """The document indented with ordinary JSON spacing."""
+    _rewrite(checkpoint_id, lambda body: json.dumps(body, indent=1).encode())
+
+
+def lookalike_table(checkpoint_id: str) -> None:
+    """``planner_data`` holding a data-file table of its own that lists no file, after the document's real one."""
+    def change(body: dict) -> bytes:
+        body["planner_data"] = {"storage_data": {"$files": {"save_id": "lookalike", "files": []}}}
+        return json.dumps(body, separators=(",", ":")).encode()
+
+    _rewrite(checkpoint_id, change)
+
+
+def header_reordered(checkpoint_id: str, run_checkpoints: list[str]) -> list[str]:
+    """Move ``__metadata__`` to the end of the header of every data file checkpoint ``checkpoint_id`` stores (its
+    length unchanged), and record each header's new checksum in the document of every checkpoint of
+    ``run_checkpoints`` that lists it (``checkpoint_id``'s own, and the steps that reference the file). Returns
+    the names of the files rewritten."""
+    store = store_for(checkpoint_id)
+    files = stored_files(_read(store))
+    assert files is not None, f"{checkpoint_id}: not a distckpt checkpoint"
+    data = store.data_store(files.save_id)
+    crcs = {}
+    for name in sorted(files.own):
+        raw = _read(data, name)
+        (n,) = struct.unpack("<Q", raw[:8])
+        header = json.loads(raw[8:8 + n])
+        meta = header.pop("__metadata__")
+        header["__metadata__"] = meta
+        text = json.dumps(header, separators=(",", ":")).encode()
+        assert len(text) <= n, "the header grew"
+        lead = raw[:8] + text + b" " * (n - len(text))
+        data.put_atomic(name, lead + raw[8 + n:], sync=False)
+        crcs[name] = crc32c(lead)
+    own_name = checkpoint_id.rstrip("/").rsplit("/", 1)[-1]
+
+    def change(body: dict) -> bytes:
+        for row in body["storage_data"]["$files"]["files"]:
+            key = row[0]
+            if len(row) == 4 and body["storage_data"]["$files"]["save_id"] == files.save_id and key in crcs:
+                row[3] = crcs[key]
+            elif len(row) == 5 and row[4] == files.save_id:
+                parts = split_reference(key)
+                if parts is not None and parts[0] == own_name and parts[1] in crcs:
+                    row[3] = crcs[parts[1]]
+        return json.dumps(body, separators=(",", ":")).encode()
+
+    for other in run_checkpoints:
+        _rewrite(other, change)
+    return sorted(crcs)
+
+
+REWRITES: dict[str, Any] = {"reordered": reordered, "spaced": spaced, "lookalike_table": lookalike_table}

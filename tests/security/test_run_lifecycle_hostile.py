@@ -1,0 +1,136 @@
+"""The run lifecycle (retention, overwrite, cleanup, the commit check, compaction) decides what a step references by
+parsing its document and its data files' headers as the loader does: a valid checkpoint written another way, an
+overwrite whose new document references the save it replaces, and a lookalike file table elsewhere in the document
+never cost a committed step. tests/storage/test_incremental_s3.py runs the same checks on S3."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import torch
+
+import distckpt
+from distckpt import backends
+from distckpt.backends import clear_memory_store
+from distckpt.testing import rewritten
+
+
+def state(step: int, salt: float = 0.0) -> dict:
+    """Most tensors unchanged from step to step: an incremental save references them in the step before."""
+    return {"frozen": torch.arange(4096, dtype=torch.float32) + salt, "emb": torch.ones(32, 16) * salt,
+            "head": torch.full((64,), float(step) + salt), "step": step}
+
+
+def assert_loads(path: str, want: dict) -> None:
+    out = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else -1 for k, v in want.items()}
+    distckpt.load(out, checkpoint_id=path, no_dist=True)
+    for k, v in want.items():
+        assert (torch.equal(out[k], v) if isinstance(v, torch.Tensor) else out[k] == v), (path, k)
+    assert distckpt.verify(path).ok, path
+
+
+def overwrite_a_step_of_an_incremental_run(root: str) -> None:
+    """A step saved again over itself, incrementally: the new save references the steps before (never the save it
+    replaces, docs/format.md section 6), and every step of the run loads before and after retention."""
+    mgr = distckpt.CheckpointManager(root, incremental=True, no_dist=True, keep_last=2)
+    mgr.save(4, state(4))
+    mgr.save(5, state(5))
+    again = state(5)
+    again["head"] = again["head"] + 1  # the rest unchanged: referenced, in step 4 and (not) in the save replaced
+    mgr.save(5, again, storage_writer=backends.writer_for(mgr.path(5), overwrite=True))
+    refs = {name for name, info in distckpt.read_metadata(mgr.path(5)).storage_data.files.items() if info.save_id}
+    assert refs and all(name.startswith(mgr._name(4) + "/") for name in refs), refs
+    assert_loads(mgr.path(5), again)
+    assert_loads(mgr.path(4), state(4))
+    mgr.save(6, state(6))  # retention (keep_last=2) now retires step 4, which steps 5 and 6 reference
+    assert mgr.all_steps() == [5, 6]
+    assert_loads(mgr.path(5), again)
+    assert_loads(mgr.path(6), state(6))
+    mgr.save(6, state(6, salt=1.0), storage_writer=backends.writer_for(mgr.path(6), overwrite=True))
+    assert_loads(mgr.path(5), again)
+    assert_loads(mgr.path(6), state(6, salt=1.0))
+
+
+def retention_after_a_rewrite(root: str, rewrite) -> None:
+    mgr = distckpt.CheckpointManager(root, incremental=True, no_dist=True)
+    mgr.save(1, state(1))
+    mgr.save(2, state(2))
+    rewrite(mgr.path(2))
+    assert_loads(mgr.path(2), state(2))
+    mgr.delete(1)
+    assert_loads(mgr.path(2), state(2))
+    mgr.save(3, state(3))
+    mgr.apply_retention()
+    assert_loads(mgr.path(2), state(2))
+    assert_loads(mgr.path(3), state(3))
+
+
+def many_keys(step: int) -> dict:
+    """A state whose data file's header runs to kilobytes: where its save id sits in it is anywhere."""
+    return {**state(step), **{f"layers.{i}.weight": torch.full((8,), float(i)) for i in range(40)}}
+
+
+def a_reserialised_header_is_still_its_save(root: str) -> None:
+    mgr = distckpt.CheckpointManager(root, incremental=True, no_dist=True)
+    mgr.save(1, many_keys(1))
+    mgr.save(2, many_keys(2))
+    assert rewritten.header_reordered(mgr.path(1), [mgr.path(1), mgr.path(2)])
+    assert_loads(mgr.path(2), many_keys(2))
+    mgr.delete(1)  # step 1 is retired; its file is found under its save id by parsing its header
+    assert_loads(mgr.path(2), many_keys(2))
+    report = distckpt.compaction.compact(mgr.path(2))
+    assert report.files >= 1
+    assert_loads(mgr.path(2), many_keys(2))
+
+
+@pytest.fixture(params=["disk", "memory"])
+def root(request, tmp_path):
+    clear_memory_store()
+    yield str(tmp_path / "run") if request.param == "disk" else f"memory://lifecycle-{uuid.uuid4().hex[:8]}"
+    clear_memory_store()
+
+
+def test_an_overwrite_in_an_incremental_run_keeps_every_step_loadable(root):
+    overwrite_a_step_of_an_incremental_run(root)
+
+
+@pytest.mark.parametrize("rewrite", sorted(rewritten.REWRITES))
+def test_retention_reads_a_document_written_another_way_as_the_loader_does(root, rewrite):
+    retention_after_a_rewrite(root, rewritten.REWRITES[rewrite])
+
+
+def test_a_referenced_file_whose_header_was_written_again_is_found_by_its_save(root):
+    a_reserialised_header_is_still_its_save(root)
+
+
+def test_a_document_of_an_unknown_major_version_keeps_every_file_it_could_reference(tmp_path):
+    from tests.security.helpers import read_body, write_body
+
+    mgr = distckpt.CheckpointManager(str(tmp_path / "run"), incremental=True, no_dist=True)
+    mgr.save(1, state(1))
+    mgr.save(2, state(2))
+    body = read_body(mgr.path(2), per_key=False)
+    body["format_version"] = "9.0"
+    write_body(mgr.path(2), body)
+    mgr.delete(1)
+    body["format_version"] = "4.0"
+    write_body(mgr.path(2), body)
+    assert_loads(mgr.path(2), state(2))
+
+
+def test_a_step_copied_out_of_its_run_names_compact_as_the_fix(tmp_path):
+    import shutil
+
+    mgr = distckpt.CheckpointManager(str(tmp_path / "run"), incremental=True, no_dist=True)
+    mgr.save(1, state(1))
+    mgr.save(2, state(2))
+    copy = str(tmp_path / "elsewhere" / "step-2")
+    shutil.copytree(mgr.path(2), copy)
+    with pytest.raises(distckpt.CheckpointNotFoundError, match=r"distckpt compact"):
+        distckpt.load({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state(0).items()}, checkpoint_id=copy,
+                      no_dist=True)
+    distckpt.compaction.compact(mgr.path(2))
+    shutil.rmtree(copy)
+    shutil.copytree(mgr.path(2), copy)
+    assert_loads(copy, state(2))
