@@ -45,6 +45,7 @@ class Wire(NamedTuple):
 
 
 RAW = Wire(lambda b: b, lambda b: b)  # values that are bytes already
+JSON = Wire(lambda value: json.dumps(value, sort_keys=True).encode(), lambda raw: json.loads(raw.decode("utf-8")))
 
 _OK, _ERR, _ABORT = 0, 1, 2
 

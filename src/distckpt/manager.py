@@ -14,6 +14,7 @@ from . import backends
 from .async_saving import async_save
 from .backends.blob_storage import BlobStorageWriter
 from .compaction import CompactReport, compact
+from .distributed import JSON as _JSON
 from .distributed import Coordinator
 from .engine.blobs import REFERENCES, RUNS, BlobStore
 from .engine.reuse import Reuse
@@ -219,6 +220,8 @@ class CheckpointManager:
         kwargs.setdefault("storage_writer", self._writer())
         if self.no_dist:
             kwargs.setdefault("no_dist", True)
+        if self.incremental:
+            self._wait_for_previous_async()  # its commit sets the base this save chooses from
         reuse = self._reuse(step, kwargs["storage_writer"])
         try:
             md = save(state_dict, checkpoint_id=path, process_group=self.process_group,
@@ -236,7 +239,8 @@ class CheckpointManager:
         if not self.incremental or not isinstance(writer, BlobStorageWriter) or REFERENCES not in self._store.capabilities:
             return None  # a store that cannot keep files for other steps' references: every save is full
         full = (self._previous is None or (self.full_every is not None and self._since_full + 1 >= self.full_every)
-                or self._base is None or self._metadata_identity(self._base[0]) != self._base[1])
+                or self._base is None or self._base[1] is None  # the base's commit could not be seen: unknown
+                or self._metadata_identity(self._base[0]) != self._base[1])
         reuse = Reuse(self._name(step), {} if full else self._previous)
         writer.reuse = reuse
         self._previous = None  # until this save commits
@@ -368,14 +372,21 @@ class CheckpointManager:
         manager's next incremental save then writes every chunk (the files its fingerprints name may be swept)."""
         if self.read_only:
             raise CheckpointError(f"CheckpointManager({self.root!r}, read_only=True) does not compact checkpoints")
-        if step not in self.all_steps():
-            raise CheckpointNotFoundError(f"no committed checkpoint of step {step} under {self.root!r}")
+        self._wait_for_previous_async()
         self._previous = None
-        if not self._coord.is_coordinator:
-            return CompactReport(self.path(step), 0, 0)
-        report = compact(self.path(step), **self.storage_options)
-        self._retain_after_commit()
-        return report
+
+        def on_coordinator(_: list) -> list:
+            if step not in self.all_steps():
+                raise CheckpointNotFoundError(f"no committed checkpoint of step {step} under {self.root!r}")
+            report = compact(self.path(step), **self.storage_options)
+            self._retain_after_commit()
+            return [report.checkpoint_id, report.files, report.bytes_copied]
+
+        # a phase of the group: a failure on the coordinator raises on every rank, and every rank returns once the
+        # copy and its commit are done
+        self._coord.begin("compact", self.path(step))
+        checkpoint_id, files, copied = self._coord.all_reduce("compact", lambda: None, on_coordinator, _JSON, _JSON)
+        return CompactReport(checkpoint_id, files, copied)
 
     def _delete(self, step: int) -> None:
         name = self._name(step)

@@ -42,3 +42,24 @@ def load_step(rank, world_size, path, step):
     distckpt.load(out, checkpoint_id=path)
     return all(torch.equal(out[k].to_local(), v.to_local()) if isinstance(v, torch.Tensor) else out[k] == v
                for k, v in want.items())
+
+
+def compact_on_every_rank(rank, world_size, root, break_it):
+    """Two incremental steps, then ``compact(2)`` on every rank; with ``break_it`` the coordinator's copy fails (the
+    file step 2 references is gone). Returns what each rank's call returned or raised."""
+    import time
+
+    mgr = distckpt.CheckpointManager(root, incremental=True)
+    mgr.save(1, sharded_state(1, world_size))
+    mgr.save(2, sharded_state(2, world_size))
+    if break_it and rank == 0:
+        os.remove(os.path.join(mgr.path(1), "data-00001.safetensors"))
+    begun = time.monotonic()
+    try:
+        report = mgr.compact(2)
+        outcome = {"files": report.files, "bytes": report.bytes_copied}
+    except distckpt.CheckpointError as exc:
+        outcome = {"error": type(exc).__name__, "message": str(exc)}
+    outcome["seconds"] = time.monotonic() - begun
+    outcome["self_contained"] = not any(info.save_id for info in distckpt.read_metadata(mgr.path(2)).storage_data.files.values())
+    return outcome

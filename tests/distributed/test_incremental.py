@@ -22,3 +22,12 @@ def test_two_ranks_reference_unchanged_shards_and_steps_reshard_after_retention(
     out = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else -1 for k, v in workers.full_state(4).items()}
     distckpt.load(out, checkpoint_id=distckpt.CheckpointManager(root, read_only=True).path(4), no_dist=True)
     assert all(torch.equal(out[k], v) if isinstance(v, torch.Tensor) else out[k] == v for k, v in workers.full_state(4).items())
+
+
+def test_compact_is_a_phase_of_the_group_its_report_and_its_failure_reach_every_rank(tmp_path):
+    done = run_ranks(workers.compact_on_every_rank, 2, str(tmp_path / "ok"), False)
+    assert done[0]["files"] == done[1]["files"] == 2 and done[0]["bytes"] == done[1]["bytes"] > 0, done
+    assert all(r["self_contained"] for r in done)  # each rank returned after the commit, not before the copy ended
+    failed = run_ranks(workers.compact_on_every_rank, 2, str(tmp_path / "broken"), True)
+    assert all(r.get("error") and "data-00001.safetensors" in r["message"] for r in failed), failed
+    assert not any(r["self_contained"] for r in failed)

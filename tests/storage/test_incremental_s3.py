@@ -96,3 +96,16 @@ def test_overwriting_a_referenced_step_on_s3_keeps_what_later_steps_reference(bu
         distckpt.load(out, checkpoint_id=mgr.path(step))
         assert all(torch.equal(out[k], v) if isinstance(v, torch.Tensor) else out[k] == v for k, v in want.items()), step
     assert stray_objects(root, mgr) == []
+
+
+def test_the_lifecycle_reads_documents_and_headers_as_parsed_on_s3(bucket):
+    """tests/security/test_run_lifecycle_hostile.py's checks, on S3: an overwrite in an incremental run, retention after
+    each way of writing a document again, and a referenced file whose header was written again."""
+    from distckpt.testing import rewritten
+
+    from ..security import test_run_lifecycle_hostile as lifecycle
+
+    lifecycle.overwrite_a_step_of_an_incremental_run(f"s3://{bucket}/life-over-{uuid.uuid4().hex[:8]}")
+    for name, rewrite in sorted(rewritten.REWRITES.items()):
+        lifecycle.retention_after_a_rewrite(f"s3://{bucket}/life-{name}-{uuid.uuid4().hex[:8]}", rewrite)
+    lifecycle.a_reserialised_header_is_still_its_save(f"s3://{bucket}/life-header-{uuid.uuid4().hex[:8]}")

@@ -163,6 +163,18 @@ def test_async_incremental_saves_reference_the_previous_commit(tmp_path):
     _assert_same(out, _state(3))
 
 
+def test_a_save_while_an_async_save_is_in_flight_builds_on_its_commit_and_retention_keeps_what_it_references(tmp_path):
+    mgr = CheckpointManager(str(tmp_path / "run"), keep_last=1, incremental=True, no_dist=True)
+    for step in range(1, 13, 2):
+        handle = mgr.async_save(step, _state(step))
+        mgr.save(step + 1, _state(step + 1))  # the async save may still be writing: this one waits for its commit
+        handle.result()
+        assert mgr.all_steps() == [step + 1]
+        out = _empty_like(_state(step + 1))
+        mgr.load(out, step=step + 1)
+        _assert_same(out, _state(step + 1))
+
+
 def test_compact_copies_referenced_files_in_and_the_step_survives_the_rest_of_the_run(tmp_path):
     from click.testing import CliRunner
 

@@ -21,7 +21,8 @@ import torch.distributed as dist
 from .. import faults, knobs
 from ..backends import FileSystemReader, FileSystemWriter
 from ..backends.fs_objects import is_real_dir, private_dir
-from ..distributed import Coordinator, Wire, new_gloo_group
+from ..distributed import JSON as _JSON
+from ..distributed import Coordinator, new_gloo_group
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, RankFailuresError
 from ..format.json_text import parse_json
 from ..format.records import FileStorageData
@@ -40,7 +41,6 @@ log = logging.getLogger("distckpt.tiers")
 _TIMINGS_KEPT = 64
 _OWNER = re.compile(r"rank-(0|[1-9]\d{0,8})\Z")
 _RUN = re.compile(r"[0-9a-f]{32}\Z")
-_JSON = Wire(lambda value: json.dumps(value, sort_keys=True).encode(), lambda raw: json.loads(raw.decode("utf-8")))
 
 
 @dataclass
