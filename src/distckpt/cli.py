@@ -100,7 +100,8 @@ def inspect(checkpoint: str, as_json: bool) -> None:
                                "format_version": md.version,
                                "save_id": getattr(fsd, "save_id", None), "keys": rows, "files": files}, indent=1))
         return
-    total = sum(f["size"] for f in files.values())
+    total = sum(f["size"] for f in files.values() if "save_id" not in f)
+    referenced_files = [f for f in files.values() if "save_id" in f]
     if layout == "DCP":
         click.echo(f"DCP checkpoint {_shown(checkpoint)} (written by torch.distributed.checkpoint, version {md.version}), "
                    f"{len(rows)} keys: distckpt.load reads it directly (resharding as for its own), and "
@@ -109,8 +110,13 @@ def inspect(checkpoint: str, as_json: bool) -> None:
         click.echo(f"{layout} checkpoint {_shown(checkpoint)}, {len(rows)} keys, {len(files)} file(s), {_human(total)}: "
                    "distckpt.load reads it directly into any sharding")
     else:
+        also = ""
+        if referenced_files:
+            stored = distckpt.stored_bytes.stored_bytes(md)
+            also = (f"; {_human(stored.referenced)} of its items are in {len(referenced_files)} file(s) of earlier steps "
+                    f"({_human(sum(f['size'] for f in referenced_files))} whole), which it references")
         click.echo(f"checkpoint {_shown(checkpoint)}: format {md.version}, save {_shown(str(getattr(fsd, 'save_id', '?')))}, "
-                   f"{len(rows)} keys, {len(files)} data file(s), {_human(total)}")
+                   f"{len(rows)} keys, {len(files) - len(referenced_files)} data file(s) of its own, {_human(total)}{also}")
     keys = [_shown(r["key"]) for r in rows]
     width = max([len(k) for k in keys] + [3])
     for key, r in zip(keys, rows):
@@ -244,22 +250,33 @@ def steps(root: str, as_json: bool, clean: bool) -> None:
     try:
         mgr = distckpt.CheckpointManager(root, cleanup=False, read_only=not clean)
         removed = mgr.remove_stale_temporaries() if clean else []
+        from .format.records import split_reference
+
         rows = []
+        held: dict = {}  # (checkpoint, save id, file) -> size: each data file the run's steps store or reference, once
         for step in mgr.all_steps():
             try:
                 md = distckpt.read_metadata(mgr.path(step))
             except CheckpointError as exc:  # one damaged step hides none of the others
                 rows.append({"step": step, "checkpoint": mgr.path(step), "damaged": str(exc)})
                 continue
-            files = getattr(md.storage_data, "files", {})
-            rows.append({"step": step, "checkpoint": mgr.path(step), "bytes": sum(f.size for f in files.values()),
+            fsd = md.storage_data
+            files = getattr(fsd, "files", {})
+            own = {name: f.size for name, f in files.items() if getattr(f, "save_id", None) is None}
+            for name, f in files.items():
+                parts = split_reference(name) if getattr(f, "save_id", None) else None
+                key = (parts[0], f.save_id, parts[1]) if parts else (mgr._name(step), getattr(fsd, "save_id", None), name)
+                held[key] = f.size
+            rows.append({"step": step, "checkpoint": mgr.path(step), "bytes": sum(own.values()),
+                         "files_referenced": sum(f.size for n, f in files.items() if n not in own),
                          "keys": len(md.state_dict_metadata), **_stored_row(distckpt.stored_bytes.stored_bytes(md))})
     except CheckpointError as exc:
         click.echo(f"error: {_shown(str(exc))}", err=True)
         sys.exit(_code(exc))
     damaged = any("damaged" in r for r in rows)
+    run_bytes = sum(held.values())
     if as_json:
-        click.echo(json.dumps({"root": root, "steps": rows, "removed": removed}, indent=1))
+        click.echo(json.dumps({"root": root, "steps": rows, "removed": removed, "run_bytes": run_bytes}, indent=1))
         sys.exit(1 if damaged else 0)
     for path in removed:
         click.echo(f"removed leftover {_shown(path)}")
@@ -277,6 +294,9 @@ def steps(root: str, as_json: bool, clean: bool) -> None:
             if r["decoded"] != r["written"] + r["referenced"]:
                 extra += f"  compression {r['compression_ratio']:.2f}x"
             click.echo(f"step {r['step']:>10}  {_human(r['bytes']):>10}  {r['keys']} key(s){extra}  {_shown(r['checkpoint'])}{newest}")
+    if any(r.get("files_referenced") for r in rows):
+        click.echo(f"each step's size is its own data files; the run's {len(rows)} step(s) hold {_human(run_bytes)} of data "
+                   "files on the store, with the files of deleted steps they still reference")
     sys.exit(1 if damaged else 0)
 
 

@@ -10,8 +10,8 @@ from . import backends, knobs
 from .backends.blob_storage import BlobStorageReader
 from .backends.foreign import LayoutReader
 from .engine.check import check_stored
-from .errors import CheckpointError, CorruptCheckpointError
-from .format.records import FileStorageData
+from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from .format.records import FileStorageData, split_reference
 from .progress import Progress
 from .stored_bytes import StoredBytes, stored_bytes
 
@@ -59,6 +59,11 @@ def verify(checkpoint_id: Union[str, os.PathLike], storage_reader: Optional[Blob
     fsd = md.storage_data
     if not isinstance(fsd, FileStorageData):
         raise CorruptCheckpointError(f"{where}: metadata has no data-file table")
+    unresolved = _unresolved_references(reader.data_store(md), fsd, where)
+    if unresolved is not None:
+        if raise_on_error:
+            raise CheckpointNotFoundError(unresolved)
+        return VerifyReport(str(checkpoint_id), 0, 0, 0, [unresolved], keys=len(md.state_dict_metadata), stored=stored_bytes(md))
     bar = Progress("verify", sum(si.length for si in fsd.items.values()), mode="bar") if progress else None
     checked = check_stored(reader.data_store(md), md, where, threads=reader.thread_count or knobs.io_threads(), progress=bar,
                            extension_registry=reader.extension_registry)
@@ -69,6 +74,29 @@ def verify(checkpoint_id: Union[str, os.PathLike], storage_reader: Optional[Blob
         more = f"\n  ... and {len(report.problems) - 20} more" if len(report.problems) > 20 else ""
         raise CorruptCheckpointError(f"{where} failed verification ({len(report.problems)} problem(s)):\n  {shown}{more}")
     return report
+
+
+def _unresolved_references(store, fsd: FileStorageData, where: str) -> Optional[str]:
+    """A step of an incremental run whose referenced files are not where its run would hold them (copied or moved out
+    of its run, or the steps deleted by hand) is incomplete, not damaged: what to say of it, naming the steps it
+    needs and the fix; None where every reference resolves."""
+    missing: dict = {}
+    for name, info in sorted(fsd.files.items()):
+        if info.save_id is None:
+            continue
+        try:
+            store.open(name).close()
+        except CheckpointNotFoundError:
+            checkpoint, _ = split_reference(name)
+            missing.setdefault(checkpoint, []).append(name)
+    if missing:
+        steps = ", ".join(sorted(missing))
+        return (
+            f"{where} is incomplete: it is a step of an incremental run that references {sum(map(len, missing.values()))} "
+            f"data file(s) of {steps}, which are not beside it (it was copied or moved out of its run, or those steps were "
+            "deleted outside distckpt's retention). Verify it where its run is; to copy it, first make it self-contained "
+            "there with `distckpt compact <step>`.")
+    return None
 
 
 def _verify_structure(reader: LayoutReader, checkpoint_id: Union[str, os.PathLike]) -> VerifyReport:

@@ -130,6 +130,15 @@ def test_a_step_copied_out_of_its_run_names_compact_as_the_fix(tmp_path):
     with pytest.raises(distckpt.CheckpointNotFoundError, match=r"distckpt compact"):
         distckpt.load({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state(0).items()}, checkpoint_id=copy,
                       no_dist=True)
+    with pytest.raises(distckpt.CheckpointNotFoundError, match=r"incomplete.*step-0000000001.*distckpt compact"):
+        distckpt.verify(copy)
+    assert "distckpt compact" in distckpt.verify(copy, raise_on_error=False).problems[0]
+    from click.testing import CliRunner
+
+    from distckpt.cli import main as cli
+
+    listed = CliRunner().invoke(cli, ["verify", copy])
+    assert listed.exit_code == 3 and "incomplete" in listed.output and "damaged" not in listed.output, listed.output
     distckpt.compaction.compact(mgr.path(2))
     shutil.rmtree(copy)
     shutil.copytree(mgr.path(2), copy)

@@ -218,6 +218,24 @@ def test_steps_and_verify_report_written_referenced_and_compression(tmp_path):
     assert "referenced in earlier steps" in CliRunner().invoke(cli, ["verify", mgr.path(2)]).output
 
 
+def test_steps_and_inspect_count_each_step_s_own_files_and_the_run_s_bytes_once(tmp_path):
+    from click.testing import CliRunner
+
+    from distckpt.cli import main as cli
+
+    root = str(tmp_path / "run")
+    mgr = CheckpointManager(root, keep_last=3, incremental=True, no_dist=True)
+    for step in range(1, 9):
+        mgr.save(step, {"frozen": torch.arange(1 << 16, dtype=torch.float32), "head": torch.full((4096,), float(step))})
+    listing = json.loads(CliRunner().invoke(cli, ["steps", root, "--json"]).output)
+    on_disk = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs if f.endswith(".safetensors"))
+    assert listing["run_bytes"] == on_disk  # the retired first step's file, counted once, and each step's own
+    assert [r["bytes"] for r in listing["steps"]] == [_own_bytes(mgr.path(s)) for s in (6, 7, 8)]
+    assert sum(r["bytes"] for r in listing["steps"]) < on_disk < sum(r["bytes"] + r["files_referenced"] for r in listing["steps"])
+    text = CliRunner().invoke(cli, ["inspect", mgr.path(8)]).output
+    assert "1 data file(s) of its own" in text and "which it references" in text
+
+
 @pytest.mark.parametrize("where", ["disk", "memory"])
 def test_overwriting_a_referenced_step_keeps_the_files_later_steps_reference(tmp_path, where):
     clear_memory_store()
