@@ -250,8 +250,6 @@ def steps(root: str, as_json: bool, clean: bool) -> None:
     try:
         mgr = distckpt.CheckpointManager(root, cleanup=False, read_only=not clean)
         removed = mgr.remove_stale_temporaries() if clean else []
-        from .format.records import split_reference
-
         rows = []
         held: dict = {}  # (checkpoint, save id, file) -> size: each data file the run's steps store or reference, once
         for step in mgr.all_steps():
@@ -264,8 +262,11 @@ def steps(root: str, as_json: bool, clean: bool) -> None:
             files = getattr(fsd, "files", {})
             own = {name: f.size for name, f in files.items() if getattr(f, "save_id", None) is None}
             for name, f in files.items():
-                parts = split_reference(name) if getattr(f, "save_id", None) else None
-                key = (parts[0], f.save_id, parts[1]) if parts else (mgr._name(step), getattr(fsd, "save_id", None), name)
+                if getattr(f, "save_id", None):  # "<checkpoint>/<file>", as the metadata's parser checked it
+                    checkpoint, _, file = name.partition("/")
+                    key = (checkpoint, f.save_id, file)
+                else:
+                    key = (mgr._name(step), getattr(fsd, "save_id", None), name)
                 held[key] = f.size
             rows.append({"step": step, "checkpoint": mgr.path(step), "bytes": sum(own.values()),
                          "files_referenced": sum(f.size for n, f in files.items() if n not in own),

@@ -26,6 +26,7 @@ from ..engine.blobs import LEASES, MAPS, REFERENCES, RUNS, BlobStore
 from ..errors import CheckpointError, CheckpointNotFoundError
 from ..format import METADATA_FILE
 from ..format.codec import encode_metadata
+from ..format.datafile import build_header
 from ..format.records import FileInfo, FileStorageData
 from ..metadata import Metadata, StorageMeta
 
@@ -170,7 +171,7 @@ class BlobStoreSuite:
         parent = self.store(tmp_path, "run")
         self.needs(parent, REFERENCES)
         save_id = _save_id()
-        payload = f'{{"save_id":"{save_id}"}} and the chunk bytes'.encode()  # a data file names its save first
+        payload = build_header([], save_id, 0)[0] + b"the chunk bytes"  # a data file whose header names its save
         step = parent.child("step-1")
         step.prepare()
         self.commit_one(step, payload, save_id=save_id)
