@@ -10,6 +10,9 @@ fi
 stamp=.venv/.distckpt-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ constraints.txt -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-  .venv/bin/python -m pip install -q -c constraints.txt -e ".[test,bench]"
+  .venv/bin/python -m pip install -q --no-compile -c constraints.txt -e ".[test,bench]"
+  # byte-compiled on every core (pip compiles on one): the suite's hundreds of processes import from here, and
+  # PYTHONDONTWRITEBYTECODE, where set, keeps each of them from writing what it compiled
+  .venv/bin/python -m compileall -q -j 0 .venv/lib >/dev/null 2>&1 || true
   touch "$stamp"
 fi

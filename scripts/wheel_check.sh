@@ -3,8 +3,8 @@
 # with no extras into a fresh virtualenv and run scripts/install_smoke.py there, and check that the extras resolve.
 # Run by scripts/test.sh beside the suite. pip takes what it installs from its cache and the wheels on this disk
 # where they are there; it installs nothing beyond the package's declared dependencies.
-# --no-compile: byte-compiling torch's thousands of modules is CPU the suite beside it needs; Python compiles what
-# the smoke run imports.
+# --no-compile: byte-compiling torch's thousands of modules is CPU the suite beside it needs; the smoke run compiles
+# what it imports.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo=$(pwd)
@@ -31,7 +31,9 @@ echo "wheel check: ok: the sdist holds README.md, LICENSE, docs/ and the sources
   || { tail -40 "$work/install.log"; echo "wheel check: pip install of the wheel failed"; exit 1; }
 echo "wheel check: ok: the wheel installs with no extras"
 # from outside the checkout, so that the installed package is what imports
-(cd "$work" && "$work/venv/bin/python" "$repo/scripts/install_smoke.py")
+# the smoke run's processes share the bytecode the first of them compiles (the install compiled none), whatever the
+# caller's PYTHONDONTWRITEBYTECODE
+(cd "$work" && env -u PYTHONDONTWRITEBYTECODE "$work/venv/bin/python" "$repo/scripts/install_smoke.py")
 "$work/venv/bin/python" -m pip install -q --dry-run -c constraints.txt "$wheel[s3,zstd]" >"$work/extras.log" 2>&1 \
   || { tail -40 "$work/extras.log"; echo "wheel check: pip could not resolve distckpt[s3,zstd]"; exit 1; }
 echo "wheel check: ok: distckpt[s3,zstd] resolves"
