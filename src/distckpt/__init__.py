@@ -36,8 +36,9 @@ _LAZY = {
     **dict.fromkeys(["VerifyReport", "verify"], "verification"),
     # the rest of the error family, importable here as before; distckpt.errors is their home
     **dict.fromkeys(["DTypeMismatchError", "FormatVersionError", "InvalidStepError", "MissingDependencyError", "MissingKeyError",
-                     "NotRegularFileError", "RelayoutError", "RemoteRankError", "ShapeMismatchError", "StagingMemoryError",
-                     "StorageIOError", "UnexpectedKeyError", "UnsafeValueError", "UnsupportedTensorError", "WrappedException"], "errors"),
+                     "NotRegularFileError", "ProcessGroupBrokenError", "RelayoutError", "RemoteRankError",
+                     "ShapeMismatchError", "StagingMemoryError", "StorageIOError", "UnexpectedKeyError", "UnsafeValueError",
+                     "UnsupportedTensorError", "WrappedException"], "errors"),
 }
 _SUBMODULES = ("convert", "metadata", "planner", "storage")
 

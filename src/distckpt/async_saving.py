@@ -116,8 +116,14 @@ def _channel(process_group: Any) -> Optional[_Channel]:
     key = id(process_group) if process_group is not None else None
     channel = _STATE.channels.get(key)
     if channel is None:
+        # making groups is a collective of every rank: agree first, so that a rank calling anything else (save, load)
+        # gets the typed out-of-step error on every rank, and one that calls nothing the arrival bound, instead of
+        # torch's store error from new_group
+        agreement = Coordinator(process_group)
+        agreement.begin("async_save", "(its first call: making its process groups)")
+        agreement.arrive("async_save")
         ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
-        channel = _STATE.channels[key] = _Channel(ranks)  # collective: every rank calls async_save
+        channel = _STATE.channels[key] = _Channel(ranks)
     return channel
 
 

@@ -19,6 +19,7 @@ import builtins
 import hashlib
 import json
 import threading
+import time
 import traceback
 import weakref
 from typing import Any, Callable, NamedTuple, Optional, TypeVar
@@ -26,7 +27,14 @@ from typing import Any, Callable, NamedTuple, Optional, TypeVar
 import torch
 
 from . import errors, faults, knobs, process_state
-from .errors import CheckpointError, RankFailuresError, RemoteRankError, WrappedException, describe_type
+from .errors import (
+    CheckpointError,
+    ProcessGroupBrokenError,
+    RankFailuresError,
+    RemoteRankError,
+    WrappedException,
+    describe_type,
+)
 
 try:
     import torch.distributed as dist
@@ -57,6 +65,36 @@ _IDENTITY_BYTES = 256  # of an operation's identity, in the exchange that names 
 # the number of the latest save or load on each process group (weakly keyed: a destroyed group's count goes with it)
 _op_numbers: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
 _op_numbers_by_id: dict[int, int] = {}
+# process groups whose transport failed (torch's backend raised in a collective): gloo tears such a group down, and
+# every later collective on it fails at once. Group -> what broke it, for the error of every later call.
+_broken: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
+_broken_by_id: dict[int, str] = {}
+
+_REBUILD = ("rebuild it (torch.distributed.destroy_process_group() and init_process_group() again; under torchrun, "
+            "restart the job), or pass another process_group=")
+
+
+def _group_key(group: Any) -> tuple[Any, Any]:
+    group = group if group is not None else dist.group.WORLD
+    try:
+        weakref.ref(group)
+        return _broken, group
+    except TypeError:
+        return _broken_by_id, id(group)
+
+
+def mark_broken(group: Any, reason: str) -> None:
+    """Record that ``group``'s transport failed (``reason``): later calls on it raise ProcessGroupBrokenError."""
+    table, key = _group_key(group)
+    with _op_lock:
+        table.setdefault(key, reason)
+
+
+def broken_reason(group: Any) -> Optional[str]:
+    """Why ``group`` can no longer carry collectives, or None."""
+    table, key = _group_key(group)
+    with _op_lock:
+        return table.get(key)
 _op_lock = threading.Lock()
 
 
@@ -125,10 +163,12 @@ class Coordinator:
             return
         from datetime import timedelta
 
+        self._check_not_broken(operation)
         limit = min(knobs.arrival_timeout_s(), self.timeout_s)
         mine = self._row(0, 0)
         out = [torch.zeros_like(mine) for _ in range(self.world_size)]
         table = None
+        begun = time.monotonic()
         try:
             if dist.all_gather(out, mine, group=self.group, async_op=True).wait(timeout=timedelta(seconds=limit)):
                 table = [r.cpu().tolist() for r in out]
@@ -138,6 +178,14 @@ class Coordinator:
             raise
         except Exception as exc:  # gloo raises on its timeout; a dead peer raises too
             reason = exc
+            if isinstance(exc, RuntimeError) and time.monotonic() - begun < 0.9 * limit:
+                # no rank waited: the group itself failed (a peer died, or an earlier collective tore it down)
+                self.transport_failed = True
+                mark_broken(self.group, f"{self.identity} on rank {self.rank}: {exc}")
+                raise ProcessGroupBrokenError(
+                    f"{self.identity}: the process group failed at once on rank {self.rank} ({exc}): a rank died, or "
+                    f"an earlier collective timed out and torch's backend tore the group down. It can no longer carry "
+                    f"collectives; {_REBUILD}.") from exc
         if table is not None:
             self._in_step(operation, table)  # ranks in other operations: raised alike on every rank, still in step
             return
@@ -360,7 +408,17 @@ class Coordinator:
 
     # ------------------------------------------------------------ byte transport
 
+    def _check_not_broken(self, what: str) -> None:
+        reason = broken_reason(self.group) if self.use_dist else None
+        if reason is not None:
+            self.transport_failed = True
+            raise ProcessGroupBrokenError(
+                f"{self.identity or what}: the process group broke earlier ({reason}) and can no longer carry "
+                f"collectives; {_REBUILD}. Nothing was written or read by this call.")
+
     def _collective(self, fn: Callable[[], Any]) -> Any:
+        self._check_not_broken("a checkpoint collective")
+        begun = time.monotonic()
         try:
             faults.point("collective", self.identity)
             return fn()
@@ -369,6 +427,13 @@ class Coordinator:
             raise
         except Exception as exc:
             self.transport_failed = True
+            if isinstance(exc, RuntimeError) and time.monotonic() - begun < 0.9 * self.timeout_s:
+                # torch's backend failed before any wait ran out: a peer died, or the group was torn down
+                mark_broken(self.group, f"{self.identity} on rank {self.rank}: {exc}")
+                raise ProcessGroupBrokenError(
+                    f"a collective of the checkpoint failed on rank {self.rank}: {exc}. Another rank died, or an earlier "
+                    f"collective timed out and torch's backend tore the group down; the group can no longer carry "
+                    f"collectives: {_REBUILD}.") from exc
             raise CheckpointError(
                 f"a collective of the checkpoint failed on rank {self.rank}: {exc}. "
                 "Another rank probably died or timed out; check its log.") from exc

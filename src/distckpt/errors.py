@@ -35,6 +35,7 @@ __all__ = [
     "CheckpointIndexError",
     "CheckpointClosedError",
     "MissingDependencyError",
+    "ProcessGroupBrokenError",
 ]
 
 
@@ -246,3 +247,10 @@ class MissingDependencyError(CheckpointError, ImportError):
         return cls(f"{feature}: needs {package}, which is not installed: pip install 'distckpt[{extra}]'",
                    package=package, extra=extra)
 
+
+
+class ProcessGroupBrokenError(CheckpointError):
+    """The process group can no longer carry collectives: one of them failed in the transport (a rank died, or one
+    stopped past the group's timeout and torch's backend tore the group down). Every later checkpoint call on that
+    group raises this at once; the group must be rebuilt (``destroy_process_group`` and ``init_process_group``
+    again; under torchrun, a restart of the job)."""

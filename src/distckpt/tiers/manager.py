@@ -102,6 +102,11 @@ class TieredCheckpointManager:
             raise CheckpointError(f"run_id={run_id!r}: a run id is 32 lowercase hex digits (secrets.token_hex(16))")
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
+        # every rank makes the manager (its group is a collective): agreed first, so that a rank that does not gets a
+        # typed error within the arrival bound, not torch's store error from new_group
+        agreement = Coordinator(process_group)
+        agreement.begin("TieredCheckpointManager")
+        agreement.arrive("TieredCheckpointManager")
         self.group = new_gloo_group(None if process_group is None else dist.get_process_group_ranks(process_group))
         self._coord = Coordinator(self.group)
         self.replicas, self.keep_local, self.memory_budget_bytes = replicas, keep_local, memory_budget_bytes
