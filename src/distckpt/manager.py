@@ -368,8 +368,9 @@ class CheckpointManager:
 
     def compact(self, step: int) -> "CompactReport":
         """Make committed step ``step`` self-contained: copy in the data files it references in earlier steps (see
-        :mod:`distckpt.compaction`). The coordinator copies; other ranks return at once with nothing copied. This
-        manager's next incremental save then writes every chunk (the files its fingerprints name may be swept)."""
+        :mod:`distckpt.compaction`). A phase of the manager's process group: call it on every rank; the coordinator
+        copies, and every rank returns its report, or raises its failure, once the copy has committed. This manager's
+        next incremental save then writes every chunk (the files its fingerprints name may be swept)."""
         if self.read_only:
             raise CheckpointError(f"CheckpointManager({self.root!r}, read_only=True) does not compact checkpoints")
         self._wait_for_previous_async()
