@@ -62,9 +62,17 @@ def spaced(checkpoint_id: str) -> None:
 
 
 def lookalike_table(checkpoint_id: str) -> None:
-    """``planner_data`` holding a data-file table of its own that lists no file, after the document's real one."""
+    """``planner_data`` holding a data-file table of its own that lists no file, after the document's real one: a
+    member ``storage_data`` beside what the planner recorded there (a state dict's nesting, which stays as it is)."""
     def change(body: dict) -> bytes:
-        body["planner_data"] = {"storage_data": {"$files": {"save_id": "lookalike", "files": []}}}
+        lookalike = {"$files": {"save_id": "lookalike", "files": []}}
+        planner = body.get("planner_data")
+        if planner is None:
+            body["planner_data"] = {"storage_data": lookalike}
+        elif isinstance(planner, dict) and "storage_data" not in planner:
+            body["planner_data"] = {**planner, "storage_data": lookalike}
+        else:
+            raise ValueError(f"{checkpoint_id}: planner_data {str(planner)[:80]} has no room for a lookalike member")
         return json.dumps(body, separators=(",", ":")).encode()
 
     _rewrite(checkpoint_id, change)
