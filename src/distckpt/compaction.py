@@ -10,6 +10,7 @@ retention or cleanup.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from typing import Any, Union
@@ -21,7 +22,7 @@ from .errors import CheckpointError, CorruptCheckpointError
 from .format import METADATA_FILE
 from .format.checksum import crc32c
 from .format.codec import encode_metadata
-from .format.datafile import read_header
+from .format.datafile import loads_json, read_header
 from .format.names import check_file_name
 from .format.records import FileInfo, FileStorageData, StorageInfo, split_reference
 
@@ -60,11 +61,13 @@ def compact(checkpoint_id: Union[str, os.PathLike], **storage_options: Any) -> C
     renamed: dict[str, str] = {}
     files = {name: info for name, info in fsd.files.items() if info.save_id is None}
     copied = 0
+    # every referenced file's header is read and relabelled before any is copied: a damaged one fails the compaction
+    # before it leaves a copy in the step
+    leads = {key: _relabelled_lead(source, key, fsd.files[key], fsd.save_id, f"{where}, file {key!r}") for key in referenced}
     for key in referenced:
         checkpoint, file = split_reference(key)  # type: ignore[misc]
         new_name = _free_name(own, set(fsd.files) | set(files), checkpoint, file, where)
-        info = fsd.files[key]
-        lead = _relabelled_lead(source, key, info, fsd.save_id, f"{where}, file {key!r}")
+        info, lead = fsd.files[key], leads[key]
         copied += _copy(source, own, key, new_name, lead, info.size)
         renamed[key] = new_name
         files[new_name] = FileInfo(info.size, info.rank, crc32c(lead))
@@ -88,7 +91,9 @@ def _free_name(own, taken: set, checkpoint: str, file: str, where: str) -> str:
 
 
 def _relabelled_lead(source, key: str, info: FileInfo, save_id: str, here: str) -> bytes:
-    """The length prefix and header of referenced file ``key``, naming save ``save_id`` instead of the one that wrote it."""
+    """The length prefix and header of referenced file ``key``, naming save ``save_id`` instead of the one that wrote it:
+    the header as parsed, its ``__metadata__`` naming the new save, written again at the same length (the spaces
+    that pad a header take up any difference), so that every offset after it holds."""
     blob = source.open(key)
     try:
         header = read_header(blob.pread, blob.size, here)
@@ -97,11 +102,15 @@ def _relabelled_lead(source, key: str, info: FileInfo, save_id: str, here: str) 
         blob.close()
     if crc32c(lead) != info.header_crc32c or header.save_id != info.save_id:
         raise CorruptCheckpointError(f"{here}: its header is not the one the metadata records; the file is damaged")
-    old, new = f'"save_id":"{info.save_id}"'.encode(), f'"save_id":"{save_id}"'.encode()
-    if len(old) != len(new) or lead.count(old) != 1:
-        raise CheckpointError(f"{here}: its header cannot name this checkpoint's save in place (save ids of different "
-                              "lengths); load the step and save it again instead")
-    return lead.replace(old, new)
+    members = loads_json(lead[8:])  # read_header has checked it whole
+    members["__metadata__"] = {**members["__metadata__"], "save_id": save_id}
+    length = len(lead) - 8
+    for ascii_only in (False, True):
+        text = json.dumps(members, separators=(",", ":"), ensure_ascii=ascii_only).encode("utf-8")
+        if len(text) <= length:
+            return lead[:8] + text + b" " * (length - len(text))
+    raise CheckpointError(f"{here}: its header, naming this checkpoint's save, no longer fits in the {length} bytes it "
+                          "has; load the step and save it again instead")
 
 
 def _copy(source, own, key: str, name: str, lead: bytes, size: int) -> int:

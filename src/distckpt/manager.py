@@ -260,7 +260,7 @@ class CheckpointManager:
         except (OSError, CheckpointError):
             return None
         try:
-            return blob.identity() or "unknown"
+            return blob.identity()  # None where the store cannot tell versions apart: the base is then unknown
         finally:
             blob.close()
 
@@ -364,6 +364,8 @@ class CheckpointManager:
         rename to a hidden name), then its files go; nothing but what distckpt wrote there is removed."""
         if self.read_only:
             raise CheckpointError(f"CheckpointManager({self.root!r}, read_only=True) does not delete checkpoints")
+        if self.incremental:
+            self._wait_for_previous_async()  # a save in flight may reference the step; its commit must see it kept
         self._delete(step)
 
     def compact(self, step: int) -> "CompactReport":

@@ -89,6 +89,8 @@ def _unresolved_references(store, fsd: FileStorageData, where: str) -> Optional[
         except CheckpointNotFoundError:
             checkpoint, _ = split_reference(name)
             missing.setdefault(checkpoint, []).append(name)
+        except CheckpointError:
+            continue  # there but damaged: the check of every file below reports it
     if missing:
         steps = ", ".join(sorted(missing))
         return (

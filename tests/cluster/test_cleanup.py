@@ -87,3 +87,31 @@ def test_a_new_cluster_removes_what_a_killed_run_and_its_janitor_left(tmp_path):
         assert not os.path.exists(os.path.join(records_dir(), f"{cluster.tag}.json"))
     finally:
         owner.kill()
+
+
+def test_a_name_the_cluster_could_not_make_is_struck_from_its_record_and_a_malformed_record_is_skipped():
+    import uuid
+
+    import pytest
+
+    from distckpt.testing.cluster_cleanup import Record, sweep_stale
+
+    tag = f"t{uuid.uuid4().hex[:8]}"
+    record = Record.create(tag)
+    try:
+        with pytest.raises(subprocess.CalledProcessError):
+            record.made("links", f"{tag}x", sys.executable, "-c", "raise SystemExit(2)")  # as `ip link add` of a taken name
+        assert json.load(open(record.path))["links"] == [] and record.data["links"] == []
+        record.made("links", f"{tag}y", sys.executable, "-c", "pass")
+        assert json.load(open(record.path))["links"] == [f"{tag}y"]
+    finally:
+        record.remove()
+    forged = os.path.join(records_dir(), f"{tag}-forged.json")
+    with open(forged, "w") as f:  # an owner of three fields, a process named by a string: not a record the kit wrote
+        json.dump({"tag": tag, "owner": [1, "x", 3], "netns": [], "links": ["-lo"], "processes": [["1", None]]}, f)
+    try:
+        sweep_stale()  # skips it, and goes on with the others
+        assert os.path.exists(forged)
+        assert Record.read(forged) is None
+    finally:
+        os.unlink(forged)

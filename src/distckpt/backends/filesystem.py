@@ -337,7 +337,9 @@ class FsStore(RunParts, BlobStore):
     def discard(self, staging: BlobStore) -> None:
         assert isinstance(staging, FsStore)
         if _holds_replaced(FsStore(staging.root, follow_root=False)):
-            self._drop_replaced(staging.root)  # the overwrite swapped, then failed: what it replaced is there now
+            # the overwrite swapped, then failed: what it replaced is there now, with what a user kept in it
+            if carry_foreign(staging.root, os.path.abspath(self.root)):
+                self._drop_replaced(staging.root)
             return
         remove_tree(staging.root)
 

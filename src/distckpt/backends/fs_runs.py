@@ -20,6 +20,7 @@ from ..errors import CheckpointError, CheckpointNotFoundError, StorageIOError
 from .direct_io import pwrite_all
 from .fs_objects import create_exclusive, is_real_dir, open_regular, prune_dir, remove_tree
 from .leases import save_is_dead
+from .replaced import carry_foreign
 
 __all__ = ["RunParts", "hidden_name", "parse_hidden", "TMP_MARK", "LEASE_MARK", "RETIRED_MARK", "TRASH"]
 
@@ -179,9 +180,10 @@ class RunParts:
                     if not save_is_dead(self.child(base), tag, _age(path, now)):
                         continue
                     if _holds_replaced(type(self)(path, follow_root=False)):  # an overwrite killed between its swap and its retire
-                        self.child(base)._drop_replaced(path)
-                        self.child(base).drop_lease(tag)
-                        removed.append(path)
+                        if carry_foreign(path, self.child(base).root):  # what a user kept in it goes on with the step
+                            self.child(base)._drop_replaced(path)
+                            self.child(base).drop_lease(tag)
+                            removed.append(path)
                         continue
                 if not remove_tree(path):
                     removed.append(path)

@@ -6,6 +6,7 @@ example of a backend. Data lives until :func:`clear_memory_store` or exit.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from typing import Iterable, Optional, Union
 
@@ -23,6 +24,7 @@ __all__ = ["MemoryWriter", "MemoryReader", "MemoryStore", "clear_memory_store"]
 
 _LOCK = threading.Lock()
 _CHECKPOINTS: dict[str, dict[str, bytearray]] = {}
+_VERSIONS = itertools.count(1)  # each blob written gets the next: what tells two versions of one name apart
 _LEASES: dict[tuple[str, str], bytes] = {}  # (checkpoint, save id) -> lease record
 SCHEME = "memory://"
 _TMP = "#tmp-"
@@ -35,9 +37,30 @@ def clear_memory_store() -> None:
         _CHECKPOINTS.clear()
 
 
+class _Blob(bytearray):
+    """A blob's bytes, with the version it was written as."""
+
+    version: int = 0
+
+
+def _new_blob(data: bytes = b"") -> bytearray:
+    blob = _Blob(data)
+    blob.version = next(_VERSIONS)
+    return blob
+
+
+class _VersionedReader(BytesReader):
+    def __init__(self, data: bytearray) -> None:
+        super().__init__(data)
+        self._version = getattr(data, "version", None) or None
+
+    def identity(self) -> Optional[tuple]:
+        return None if self._version is None else ("memory", self._version)
+
+
 class _MemWriter(BlobWriter):
     def __init__(self, blobs: dict, name: str):
-        self.buf = bytearray()
+        self.buf = _new_blob()
         self.lock = threading.Lock()
         blobs[name] = self.buf
 
@@ -76,10 +99,22 @@ class MemoryStore(BlobStore):
         blobs = _CHECKPOINTS.get(self.name, {})
         if name not in blobs:
             raise CheckpointNotFoundError(f"{self.describe(name)} does not exist")
-        return BytesReader(blobs[name])
+        return _VersionedReader(blobs[name])
 
     def put_atomic(self, name: str, data: bytes, sync: bool) -> None:
-        self._blobs()[name] = bytearray(data)
+        self._blobs()[name] = _new_blob(data)
+
+    def check_replaceable(self) -> None:
+        document = _CHECKPOINTS.get(self.name, {}).get(METADATA_FILE)
+        if document is None:
+            return
+        try:
+            if stored_files(bytes(document), self.describe(METADATA_FILE)) is not None:
+                return
+        except CheckpointError as exc:
+            raise CheckpointError(f"{self.describe()} holds a metadata document this distckpt cannot read ({exc}); an "
+                                  "overwrite would drop files that kept steps may reference. Save to a new name, or "
+                                  "remove it yourself.") from None
 
     def exists(self, name: str) -> bool:
         return name in _CHECKPOINTS.get(self.name, {})

@@ -59,12 +59,16 @@ class SaveFiles(_ReadOnly):
         return f"{self.what}, file {name!r}" if name else self.what
 
     def open(self, name: str) -> BlobReader:
-        other = None  # a file of that name found holding another save's data, or unreadable
+        other = None  # what was found at that name instead: another save's file, or an entry distckpt does not read
+        damaged = None  # a file there whose header cannot be read
         for _ in range(2):  # twice: a step retired between two looks has moved from the first place to another
             for place in self.places:
                 try:
                     blob = place.open(name)
                 except CheckpointNotFoundError:
+                    continue
+                except (OSError, CheckpointError) as exc:  # a link, a FIFO, a directory: never this save's file
+                    other = other or f"{place.describe(name)} is not a regular file ({exc})"
                     continue
                 if self.exact:
                     return blob
@@ -73,8 +77,12 @@ class SaveFiles(_ReadOnly):
                         return blob
                     other = other or f"{place.describe(name)} holds another save's data"
                 except (OSError, CheckpointError) as exc:
-                    other = other or str(exc)
+                    damaged = damaged or exc
                 blob.close()
+        if damaged is not None:
+            raise CorruptCheckpointError(
+                f"{self.describe(name)}, which the checkpoint being read references, is damaged: {damaged}. Restore "
+                "it from a copy, or load another step.")
         found = f" ({other})" if other else ""
         raise CheckpointNotFoundError(
             f"{self.describe(name)} is gone{found}. The checkpoint being read is a step of an incremental run that "

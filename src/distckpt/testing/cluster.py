@@ -68,10 +68,8 @@ class _Node:
         if self.cluster.mode == "loopback":
             return
         host_if = f"{self.cluster.tag}h{self.index}"
-        self.cluster.record.add("netns", self.ns)
-        _run("ip", "netns", "add", self.ns)
-        self.cluster.record.add("links", host_if)
-        _run("ip", "link", "add", host_if, "type", "veth", "peer", "name", self.ifname)
+        self.cluster.record.made("netns", self.ns, "ip", "netns", "add", self.ns)
+        self.cluster.record.made("links", host_if, "ip", "link", "add", host_if, "type", "veth", "peer", "name", self.ifname)
         _run("ip", "link", "set", host_if, "master", self.cluster.bridge)
         _run("ip", "link", "set", host_if, "up")
         _run("ip", "link", "set", self.ifname, "netns", self.ns)
@@ -213,8 +211,7 @@ class Cluster:
         self._janitor = self.record.start_janitor()
         if self.mode == "netns":
             self.subnet = _free_subnet()
-            self.record.add("links", self.bridge)
-            _run("ip", "link", "add", self.bridge, "type", "bridge")
+            self.record.made("links", self.bridge, "ip", "link", "add", self.bridge, "type", "bridge")
             _run("ip", "addr", "add", f"{self.subnet}.1/24", "dev", self.bridge)
             _run("ip", "link", "set", self.bridge, "up")
         try:
@@ -288,10 +285,8 @@ class Cluster:
             raise RuntimeError("start_store needs the netns mode (root, ip, tc)")
         ns, host_if, inner = f"{self.tag}-s3", f"{self.tag}hs", f"{self.tag}s"
         ip = f"{self.subnet}.9"
-        self.record.add("netns", ns)
-        _run("ip", "netns", "add", ns)
-        self.record.add("links", host_if)
-        _run("ip", "link", "add", host_if, "type", "veth", "peer", "name", inner)
+        self.record.made("netns", ns, "ip", "netns", "add", ns)
+        self.record.made("links", host_if, "ip", "link", "add", host_if, "type", "veth", "peer", "name", inner)
         _run("ip", "link", "set", host_if, "master", self.bridge)
         _run("ip", "link", "set", host_if, "up")
         _run("ip", "link", "set", inner, "netns", ns)

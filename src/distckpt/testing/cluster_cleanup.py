@@ -81,13 +81,24 @@ class Record:
                 data = json.load(f)
             except ValueError:
                 return None
-        if not isinstance(data, dict) or not all(isinstance(data.get(k), list) for k in ("owner", "netns", "links", "processes")):
-            return None
+        if not _well_formed(data):
+            return None  # not a record this module wrote: nothing it names is removed
         return cls(path, data)
 
     def add(self, kind: str, item) -> None:
         self.data[kind].append(item)
         self._write()
+
+    def made(self, kind: str, item: str, *cmd: str) -> None:
+        """Record ``item`` (a namespace or link), then make it by running ``cmd``; where that fails (the name was taken
+        by someone else's, for one), it is not this cluster's: struck from the record before the error goes on."""
+        self.add(kind, item)
+        try:
+            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=30)
+        except BaseException:
+            self.data[kind].remove(item)
+            self._write()
+            raise
 
     def add_process(self, pid: int) -> None:
         self.add("processes", [pid, start_time(pid)])
@@ -152,8 +163,21 @@ def _kill(pid: int) -> None:
             pass
 
 
+def _well_formed(data: object) -> bool:
+    """Whether ``data`` has the shape :class:`Record` writes: an owner [pid, start], names, [pid, start] pairs."""
+    if not isinstance(data, dict):
+        return False
+    pairs = [data.get("owner")] + list(data.get("processes") or [])
+    names = list(data.get("netns") or []) + list(data.get("links") or [])
+    return (all(isinstance(data.get(k), list) for k in ("owner", "netns", "links", "processes"))
+            and all(isinstance(p, list) and len(p) == 2 and type(p[0]) is int and p[0] > 0
+                    and (p[1] is None or isinstance(p[1], str)) for p in pairs)
+            and all(isinstance(n, str) and n and not n.startswith("-") for n in names))
+
+
 def sweep_stale() -> list[str]:
-    """Clean up after every cluster whose owner is gone (a killed test run); the tags cleaned."""
+    """Clean up after every cluster whose owner is gone (a killed test run); the tags cleaned. A record that cannot be
+    cleaned is left for the next sweep, and the others are cleaned all the same."""
     cleaned = []
     directory = records_dir()
     for name in sorted(os.listdir(directory)):
@@ -161,7 +185,10 @@ def sweep_stale() -> list[str]:
             continue
         record = Record.read(os.path.join(directory, name))
         if record is not None and not record.owner_alive():
-            record.clean()
+            try:
+                record.clean()
+            except (OSError, subprocess.SubprocessError):
+                continue
             cleaned.append(str(record.data.get("tag")))
     return cleaned
 

@@ -22,7 +22,7 @@ from ..format.checksum import crc32c
 from ..format.codec import stored_files
 from ..format.records import split_reference
 
-__all__ = ["reordered", "spaced", "lookalike_table", "header_reordered", "REWRITES"]
+__all__ = ["reordered", "spaced", "lookalike_table", "header_reordered", "REWRITES", "HEADER_REWRITES"]
 
 _ORDER = ("storage_meta", "planner_data", "storage_data", "tensors", "state_dict_metadata", "format_version", "format")
 
@@ -78,27 +78,44 @@ def lookalike_table(checkpoint_id: str) -> None:
     _rewrite(checkpoint_id, change)
 
 
-def header_reordered(checkpoint_id: str, run_checkpoints: list[str]) -> list[str]:
-    """Move ``__metadata__`` to the end of the header of every data file checkpoint ``checkpoint_id`` stores (its
-    length unchanged), and record each header's new checksum in the document of every checkpoint of
-    ``run_checkpoints`` that lists it (``checkpoint_id``'s own, and the steps that reference the file). Returns
-    the names of the files rewritten."""
+HEADER_REWRITES = ("reordered", "spaced", "extra_member")
+
+
+def _header_text(header: dict, how: str) -> bytes:
+    meta = header.pop("__metadata__")
+    if how == "reordered":  # the save's record last
+        return json.dumps({**header, "__metadata__": meta}, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    if how == "spaced":  # ordinary JSON spacing
+        return json.dumps({"__metadata__": meta, **header}, separators=(", ", ": "), ensure_ascii=False).encode("utf-8")
+    if how == "extra_member":  # an entry with a member of its own that looks like the save's record
+        first = next(iter(header))
+        header[first] = {**header[first], "save_id": meta["save_id"]}
+        return json.dumps({"__metadata__": meta, **header}, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    raise ValueError(f"no header rewrite {how!r}; one of {HEADER_REWRITES}")
+
+
+def header_reordered(checkpoint_id: str, run_checkpoints: list[str], how: str = "reordered") -> list[str]:
+    """Write the header of every data file checkpoint ``checkpoint_id`` stores again (its length unchanged): its save's
+    record (``__metadata__``) moved last (``how="reordered"``), with ordinary JSON spacing (``"spaced"``), or with an
+    entry carrying a ``save_id`` member of its own (``"extra_member"``); and record each header's new checksum in
+    the document of every checkpoint of ``run_checkpoints`` that lists it (``checkpoint_id``'s own, and the steps
+    that reference the file). Returns the names of the files rewritten."""
     store = store_for(checkpoint_id)
     files = stored_files(_read(store))
     assert files is not None, f"{checkpoint_id}: not a distckpt checkpoint"
     data = store.data_store(files.save_id)
-    crcs = {}
-    for name in sorted(files.own):
+    crcs, rewritten_files = {}, {}
+    for name in sorted(files.own):  # every file is rewritten in memory first: one that cannot be leaves the step as it is
         raw = _read(data, name)
         (n,) = struct.unpack("<Q", raw[:8])
-        header = json.loads(raw[8:8 + n])
-        meta = header.pop("__metadata__")
-        header["__metadata__"] = meta
-        text = json.dumps(header, separators=(",", ":")).encode()
-        assert len(text) <= n, "the header grew"
+        text = _header_text(json.loads(raw[8:8 + n]), how)
+        if len(text) > n:
+            raise ValueError(f"{checkpoint_id}: the header of {name}, written again, is {len(text)} bytes, over its {n}")
         lead = raw[:8] + text + b" " * (n - len(text))
-        data.put_atomic(name, lead + raw[8 + n:], sync=False)
+        rewritten_files[name] = lead + raw[8 + n:]
         crcs[name] = crc32c(lead)
+    for name, blob in rewritten_files.items():
+        data.put_atomic(name, blob, sync=False)
     own_name = checkpoint_id.rstrip("/").rsplit("/", 1)[-1]
 
     def change(body: dict) -> bytes:
