@@ -29,7 +29,7 @@ from .fs_runs import (  # noqa: F401 - the marks and names are this module's to 
     parse_hidden,
 )
 from .rename import exchange, rename_noreplace
-from .replaced import carry_foreign, check_target, dcp_checkpoint_files, holds_committed_metadata
+from .replaced import carry_foreign, check_target, dcp_checkpoint_files, holds_committed_metadata, unreadable_metadata
 from .schemes import looks_like_scheme_typo, register_store, scheme_of
 from .write_paths import PATHS, TimedWriter, device_of
 
@@ -300,6 +300,11 @@ class FsStore(RunParts, BlobStore):
             return
         if is_real_dir(final) and (holds_committed_metadata(final) or dcp_checkpoint_files(final) is not None):
             return
+        why = unreadable_metadata(final) if is_real_dir(final) else None
+        if why is not None:
+            raise CheckpointError(
+                f"{final} holds a metadata.json this distckpt cannot read ({why}); an overwrite would drop files that "
+                "kept steps may reference. Load it with a distckpt that reads it, save to a new path, or remove it yourself.")
         raise CheckpointError(
             f"{final} is not a committed distckpt checkpoint (no metadata.json of distckpt in it, or not a directory "
             "of its own), nor one torch.distributed.checkpoint wrote (its .metadata and regular files only, no "

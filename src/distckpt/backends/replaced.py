@@ -21,7 +21,8 @@ from ..format.codec import StoredFiles, stored_files
 from .fs_objects import is_real_dir, open_dir, open_regular
 from .rename import rename_noreplace
 
-__all__ = ["carry_foreign", "dcp_checkpoint_files", "holds_committed_metadata", "check_target", "DCP_METADATA_FILE"]
+__all__ = ["carry_foreign", "dcp_checkpoint_files", "holds_committed_metadata", "unreadable_metadata", "check_target",
+           "DCP_METADATA_FILE"]
 
 log = logging.getLogger("distckpt")
 
@@ -103,19 +104,33 @@ def dcp_checkpoint_files(directory: str) -> Optional[list[str]]:
 def _committed_files(directory: str) -> Optional[StoredFiles]:
     """The files the regular metadata.json of distckpt in ``directory`` lists, as the loader parses it; None where
     there is none, or it is not distckpt's, damaged, or of a version this release does not read."""
+    return _read_committed(directory)[0]
+
+
+def _read_committed(directory: str) -> tuple[Optional[StoredFiles], Optional[str]]:
+    """(files, None) of the metadata.json in ``directory``; (None, why) where it cannot be read as distckpt's."""
     try:
         fd = open_regular(os.path.join(directory, METADATA_FILE))
-    except (CheckpointError, OSError):
-        return None
+    except (CheckpointError, OSError) as exc:
+        return None, str(exc)
     try:
         size = os.fstat(fd).st_size
         if size > knobs.max_metadata_bytes():
-            return None
-        return stored_files(os.pread(fd, size, 0), os.path.join(directory, METADATA_FILE))
-    except (CheckpointError, OSError):
-        return None
+            return None, f"{METADATA_FILE} is {size} bytes, over DISTCKPT_MAX_METADATA_BYTES"
+        files = stored_files(os.pread(fd, size, 0), os.path.join(directory, METADATA_FILE))
+        return files, None if files is not None else f"{METADATA_FILE} is not distckpt's own file table"
+    except (CheckpointError, OSError) as exc:
+        return None, str(exc)
     finally:
         os.close(fd)
+
+
+def unreadable_metadata(directory: str) -> Optional[str]:
+    """Why the metadata.json that ``directory`` holds cannot be read as a committed distckpt checkpoint; None where
+    it has none, or it reads."""
+    if not os.path.lexists(os.path.join(directory, METADATA_FILE)):
+        return None
+    return _read_committed(directory)[1]
 
 
 def holds_committed_metadata(directory: str) -> bool:

@@ -69,8 +69,8 @@ def lookalike_table(checkpoint_id: str) -> None:
         planner = body.get("planner_data")
         if planner is None:
             body["planner_data"] = {"storage_data": lookalike}
-        elif isinstance(planner, dict) and "storage_data" not in planner:
-            body["planner_data"] = {**planner, "storage_data": lookalike}
+        elif isinstance(planner, dict) and ("storage_data" not in planner or "$files" in (planner["storage_data"] or {})):
+            body["planner_data"] = {**planner, "storage_data": lookalike}  # (again, where a rewrite put one there)
         else:
             raise ValueError(f"{checkpoint_id}: planner_data {str(planner)[:80]} has no room for a lookalike member")
         return json.dumps(body, separators=(",", ":")).encode()
