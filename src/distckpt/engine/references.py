@@ -11,9 +11,11 @@ save), so :class:`SaveFiles` looks in each place and takes the file whose header
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from typing import Any, Iterable, Optional
 
-from .. import knobs
+from .. import knobs, process_state
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ..format import METADATA_FILE
 from ..format.codec import StoredFiles, stored_files
@@ -203,6 +205,18 @@ def committed_files(checkpoint: BlobStore, known: Optional[tuple] = None) -> tup
 
 UNKNOWN = StoredFiles("", {}, {})  # a committed document whose references cannot be known: it keeps everything
 
+# what the overwrites of this process parsed of their siblings' documents, by location, while each is the same version
+# (its identity): a run of many steps is not parsed again whole at every overwrite
+_PARSED: "OrderedDict[str, tuple]" = OrderedDict()
+_PARSED_LOCK = threading.Lock()
+_PARSED_MAX = 4096
+
+
+@process_state.on_fork_child
+def _fresh_lock_in_child() -> None:
+    global _PARSED_LOCK
+    _PARSED_LOCK = threading.Lock()  # a parent's thread may have held it at the fork
+
 
 def referenced_by_siblings(parent: BlobStore, name: str, save_id: str) -> Optional[set]:
     """The data files of save ``save_id`` of checkpoint ``name`` that committed checkpoints under ``parent``
@@ -211,7 +225,17 @@ def referenced_by_siblings(parent: BlobStore, name: str, save_id: str) -> Option
     committed document cannot be read whole (it might reference anything)."""
     keep: set = set()
     for sibling in parent.children():
-        _, files = committed_files(parent.child(sibling))
+        child = parent.child(sibling)
+        where = child.describe(METADATA_FILE)
+        with _PARSED_LOCK:
+            known = _PARSED.get(where)
+        identity, files = committed_files(child, known)
+        if identity is not None and files is not None and files is not UNKNOWN:
+            with _PARSED_LOCK:
+                _PARSED[where] = (identity, files)
+                _PARSED.move_to_end(where)
+                while len(_PARSED) > _PARSED_MAX:
+                    _PARSED.popitem(last=False)
         if files is None:
             continue  # not committed: references nothing
         if files is UNKNOWN:

@@ -103,11 +103,11 @@ def parse_shard_header(pread: Callable[[int, int], bytes], file_size: int, where
                                      f"its length and the cap is {cap} (DISTCKPT_MAX_HEADER_BYTES); it is truncated or not "
                                      "a safetensors file")
     raw = pread(n, 8)
-    if len(raw) != n or not raw.lstrip(b" ").startswith(b"{"):
-        raise CorruptCheckpointError(f"{where}: the header is not a JSON object; not a safetensors file")
-    doc = _json(raw, where)
+    if len(raw) != n:
+        raise CorruptCheckpointError(f"{where}: the header ends after {len(raw)} of its {n} bytes; the file is truncated")
+    doc = _json(raw, where)  # decided by parsing: any valid JSON object, however spaced, is a header
     if not isinstance(doc, dict):
-        raise CorruptCheckpointError(f"{where}: the header is not a JSON object")
+        raise CorruptCheckpointError(f"{where}: the header is not a JSON object; not a safetensors file")
     meta = doc.pop("__metadata__", {})
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise CorruptCheckpointError(f"{where}: \"__metadata__\" must map strings to strings")
