@@ -207,6 +207,19 @@ class _FlakyPlanner(distckpt.DefaultSavePlanner):
 SOAK_FAULTS = ("none", "none", "state_dict", "stage", "plan", "write", "commit", "timeout")
 
 
+def _step_of(what: str):
+    """The step a fault point's path belongs to: a step's directory, or its staging directory (whose hidden name
+    carries the step's name hex-encoded, backends/fs_runs.py)."""
+    from distckpt.backends.fs_runs import parse_hidden
+
+    for part in what.split(os.sep):
+        parsed = parse_hidden(part)
+        found = re.fullmatch(r"step-(\d{10})", parsed[0] if parsed else part)
+        if found:
+            return int(found.group(1))
+    return None
+
+
 def soak(rank, world_size, root, seed, steps):
     """A training loop with async saves through a manager, a random fault on a random rank at about half
     of the steps (the same draw on every rank). Returns the fault and outcome of each step and what every
@@ -228,10 +241,9 @@ def soak(rank, world_size, root, seed, steps):
             if plan[current["step"] - 1] == ("stage", rank):
                 _alloc_failure(kind, what)
             return
-        found = re.search(r"step-(\d{10})", what)  # background saves of earlier steps may still be running
-        if not found or not 1 <= int(found.group(1)) <= steps:
+        step = _step_of(what)  # background saves of earlier steps may still be running
+        if step is None or not 1 <= step <= steps:
             return
-        step = int(found.group(1))
         fault, where = plan[step - 1]
         if where != rank:
             return
