@@ -88,12 +88,12 @@ def main(argv=None) -> dict:
         return {}
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     revisions = [("this", os.path.join(here, "src"))]
-    worktree = None
+    before = None
     if args.before:
-        worktree = tempfile.mkdtemp(prefix="distckpt-before-")
-        os.rmdir(worktree)
-        subprocess.run(["git", "-C", here, "worktree", "add", "--detach", worktree, args.before], check=True, capture_output=True)
-        revisions.append((args.before, os.path.join(worktree, "src")))
+        from bench.before import Revision  # only here: the script itself runs against another revision's distckpt
+
+        before = Revision(args.before)
+        revisions.append((args.before, os.path.join(before.root, "src")))
     rows = []
     base = tempfile.mkdtemp(prefix="distckpt-bench-retention-", dir=args.dir)
     try:
@@ -104,8 +104,8 @@ def main(argv=None) -> dict:
                 rows.append({**row, "revision": name})
     finally:
         shutil.rmtree(base, ignore_errors=True)
-        if worktree:
-            subprocess.run(["git", "-C", here, "worktree", "remove", "--force", worktree], capture_output=True)
+        if before is not None:
+            before.close()
     print(f"retention after each of {args.steps} saves, keep_last={args.keep}, {args.tensors + 1} tensors a step "
           "(times of the retentions that dropped a step)")
     print(f"{'run':<12} {'revision':<10} {'median ms':>10} {'p90 ms':>9} {'max ms':>9} {'total s':>8}")
