@@ -130,6 +130,16 @@ def test_a_lost_answer_to_the_commit_put_is_recognised_as_our_commit(bucket, pro
     assert manager.load(out) == 2 and torch.equal(out["big"], _state()["big"])
 
 
+def test_a_lost_answer_to_the_lease_put_is_recognised_as_our_lease(bucket, proxy):
+    """The conditional PUT of a save's lease lands, its answer is lost, the retry gets 412: the lease is ours (its
+    record is this process's), and the save goes on (a loaded endpoint answering after the read timeout does this)."""
+    rule = proxy.add(Rule("drop_response", method="PUT", path=r"/leases/", header="If-None-Match", times=1))
+    cid = _cid(bucket, "lease-lost")
+    distckpt.save(_state(), checkpoint_id=cid)
+    assert rule.fired == 1
+    assert torch.equal(_load(cid)["big"], _state()["big"])
+
+
 def test_a_ranged_get_cut_short_is_resumed(bucket, proxy, monkeypatch):
     cid = _cid(bucket, "reset")
     distckpt.save(_state(), checkpoint_id=cid)

@@ -462,6 +462,8 @@ class S3Store(BlobStore):
         try:
             self._put(self._lease_name(save_id), record, IfNoneMatch="*")
         except s3_failures() as exc:
+            if error_code(exc) in LOST_RACE and self._get(self._lease_name(save_id)) == record:
+                return  # our own PUT landed and its answer was lost: the retry found our record there
             raise s3_error("creating the lease", self.describe(self._lease_name(save_id)), exc) from exc
 
     def renew_lease(self, save_id: str) -> None:
