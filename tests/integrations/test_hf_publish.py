@@ -125,7 +125,8 @@ def _publish(path: str, **env) -> subprocess.CompletedProcess:
 
 
 def test_a_publish_killed_anywhere_leaves_nothing_from_pretrained_takes_for_a_checkpoint(tmp_path, run_slow):
-    """The first boundary, the middle and the commit's rename; three more under --run-slow."""
+    """The first boundary and the commit's rename; four more under --run-slow (the middle of the writes among them:
+    a kill there leaves what a kill at the first boundary does, a staging directory that nothing loads)."""
     import transformers
 
     log = tmp_path / "points.log"
@@ -136,7 +137,7 @@ def test_a_publish_killed_anywhere_leaves_nothing_from_pretrained_takes_for_a_ch
     assert kinds.count("write") > 10 and kinds.count("rename") == 1, kinds
     commit = kinds.index("rename")
     # the first boundary (a shard's creation), the ranks' writes, and the commit's rename itself
-    chosen = {0, 1, commit // 3, commit // 2, commit - 1, commit} if run_slow else {0, commit // 2, commit}
+    chosen = {0, 1, commit // 3, commit // 2, commit - 1, commit} if run_slow else {0, commit}
     for index in sorted(chosen):
         path = str(tmp_path / f"killed-{index}")
         result = _publish(path, DISTCKPT_FAULT=f"kill:{index}")
