@@ -15,11 +15,9 @@ def test_save_and_reshard_across_two_nodes(tmp_path):
     path = str(tmp_path / "ckpt")
     with Cluster(str(tmp_path / "c"), nodes=2, ranks_per_node=2) as cluster:
         saved = cluster.run("tests.cluster.workers:save_state", path=path, timeout_s=240)
-        same_layout = cluster.run("tests.cluster.workers:load_state", path=path, timeout_s=240)
         resharded = cluster.run("tests.cluster.workers:load_state", path=path, mesh_2d=True, timeout_s=240)
     for rank in range(4):
-        assert _same(saved[0], saved[rank]) and _same(saved[0], same_layout[rank]), rank
-        assert _same(saved[0], resharded[rank]), rank
+        assert _same(saved[0], saved[rank]) and _same(saved[0], resharded[rank]), rank
 
 
 @pytest.mark.slow  # docs/testing.md: the guard that stays

@@ -303,7 +303,7 @@ def _on_cluster(tmp_path, examples, steps, timeout_s):
 
 
 def test_state_machine_over_saves_node_losses_restores_and_persists(tmp_path):
-    assert _on_cluster(tmp_path, 12, 10, timeout_s=900) >= 12
+    assert _on_cluster(tmp_path, 8, 8, timeout_s=900) >= 8
 
 
 @pytest.mark.slow
