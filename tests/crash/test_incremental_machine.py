@@ -125,6 +125,29 @@ class IncrementalMachine(ManagerMachine):
             assert distckpt.verify(self.mgr.path(step)).ok, step
 
 
+def stray_keys(keys: list, mgr) -> list:
+    """Of the keys of a run on an object store (relative to its root), those that are neither a committed
+    checkpoint's nor a retired step's that a kept step references (with its marker)."""
+    live = {mgr._name(s): distckpt.read_metadata(mgr.path(s)).storage_meta.save_id for s in mgr.all_steps()}
+    wanted = set()
+    for step in mgr.all_steps():
+        files = distckpt.read_metadata(mgr.path(step)).storage_data.files
+        wanted |= {(name.split("/")[0], info.save_id, name.split("/")[1]) for name, info in files.items() if info.save_id}
+    kept_saves = {(step, save_id) for step, save_id, _ in wanted}
+    stray = []
+    for key in keys:
+        step, _, rest = key.partition("/")
+        if step in live and (rest == "metadata.json" or rest.startswith(f"saves/{live[step]}/")):
+            continue
+        parts = rest.split("/")
+        if len(parts) == 3 and parts[0] == "saves" and (step, parts[1], parts[2]) in wanted:
+            continue
+        if len(parts) == 2 and parts[0] == "retired" and (step, parts[1]) in kept_saves:
+            continue
+        stray.append(key)
+    return stray
+
+
 class MemoryIncrementalMachine(IncrementalMachine):
     @rule(kind=st.sampled_from(["write"]))  # memory has no fsync, and its commit is no rename of the disk's
     def disk_full(self, kind):
@@ -136,32 +159,16 @@ class MemoryIncrementalMachine(IncrementalMachine):
         return f"memory://inc-{uuid.uuid4().hex[:10]}"
 
     def leftovers(self):
-        from distckpt.backends.memory import _CHECKPOINTS, _RETIRED, _TMP
+        from distckpt.backends.memory import MemoryObjects
 
         name = self.root[len("memory://"):]
-        steps = {self.mgr._name(s) for s in self.mgr.all_steps()}
-        wanted = set()
-        for step in steps:
-            files = distckpt.read_metadata(f"{self.root}/{step}").storage_data.files
-            wanted |= {(n.split("/")[0], info.save_id, n.split("/")[1]) for n, info in files.items() if info.save_id}
-        out = []
-        for key, held in list(_CHECKPOINTS.items()):
-            if not key.startswith(name + "/"):
-                continue
-            rest = key[len(name) + 1:]
-            if _TMP in rest:
-                out.append(key)
-            elif _RETIRED in rest:
-                base, save_id = rest.split(_RETIRED, 1)
-                out += [f"{key}/{f}" for f in held if (base, save_id, f) not in wanted]
-        return out
+        return stray_keys([o.key[len(name) + 1:] for o in MemoryObjects().list(name + "/")], self.mgr)
 
     def remove_root(self):
-        from distckpt.backends.memory import _CHECKPOINTS, _LOCK
+        from distckpt.backends.memory import MemoryObjects
 
-        with _LOCK:
-            for key in [k for k in _CHECKPOINTS if k.startswith(self.root[len("memory://"):] + "/")]:
-                del _CHECKPOINTS[key]
+        objects = MemoryObjects()
+        objects.delete([o.key for o in objects.list(self.root[len("memory://"):] + "/")])
 
 
 TestIncrementalMachine = IncrementalMachine.TestCase

@@ -60,7 +60,7 @@ def object_root(request):
         from distckpt.backends import memory
 
         root = f"memory://tch-{tag}"
-        return root, lambda: sorted(k for k in memory._CHECKPOINTS if k.startswith(f"tch-{tag}"))
+        return root, lambda: sorted(o.key for o in memory.MemoryObjects().list(f"tch-{tag}"))
     base, client, bucket = request.getfixturevalue("s3_root")
     root = f"{base}/{tag}"
     prefix = root.split("/", 3)[3]

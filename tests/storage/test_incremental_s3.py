@@ -11,7 +11,7 @@ from hypothesis import settings
 
 import distckpt
 
-from ..crash.test_incremental_machine import IncrementalMachine, incremental_state
+from ..crash.test_incremental_machine import IncrementalMachine, incremental_state, stray_keys
 from .test_s3 import keys, pending_uploads
 
 _RUN: dict = {}
@@ -22,34 +22,12 @@ def _run_bucket(client, bucket):
     _RUN.update(client=client, bucket=bucket)
 
 
-def _referenced(mgr) -> set:
-    out = set()
-    for step in mgr.all_steps():
-        files = distckpt.read_metadata(mgr.path(step)).storage_data.files
-        out |= {(name.split("/")[0], info.save_id, name.split("/")[1]) for name, info in files.items() if info.save_id}
-    return out
-
-
 def stray_objects(root: str, mgr) -> list:
     """Objects under ``root`` that are neither a committed checkpoint's nor a retired step's that a kept step
     references (with its marker), and open uploads."""
     client, bucket = _RUN["client"], _RUN["bucket"]
     prefix = root.split("/", 3)[3]
-    live = {mgr._name(s): distckpt.read_metadata(mgr.path(s)).storage_meta.save_id for s in mgr.all_steps()}
-    wanted = _referenced(mgr)
-    kept_saves = {(step, save_id) for step, save_id, _ in wanted}
-    stray = []
-    for key in keys(client, bucket, prefix):
-        step, _, rest = key.partition("/")
-        if step in live and (rest == "metadata.json" or rest.startswith(f"saves/{live[step]}/")):
-            continue
-        parts = rest.split("/")
-        if len(parts) == 3 and parts[0] == "saves" and (step, parts[1], parts[2]) in wanted:
-            continue
-        if len(parts) == 2 and parts[0] == "retired" and (step, parts[1]) in kept_saves:
-            continue
-        stray.append(key)
-    return stray + [u["Key"] for u in pending_uploads(client, bucket, prefix)]
+    return stray_keys(keys(client, bucket, prefix), mgr) + [u["Key"] for u in pending_uploads(client, bucket, prefix)]
 
 
 class S3IncrementalMachine(IncrementalMachine):

@@ -1,5 +1,7 @@
 """A new store is one class and one registration: a toy store of bytes in a dict, saved to and loaded from by
-``checkpoint_id="toy://..."``, passing the blob-store contract suite and the storage suite."""
+``checkpoint_id="toy://..."``, passing the blob-store contract suite and the storage suite. A new object store is
+one client of primitives: ``toyobj://`` gets commits, overwrites, runs, incremental references, retention,
+leases and cleanup from :class:`~distckpt.backends.ObjectStore`, and passes the whole contract suite."""
 
 import threading
 import uuid
@@ -8,7 +10,16 @@ import pytest
 import torch
 
 import distckpt
-from distckpt.backends import BlobStore, BufferedWriter, BytesReader, register_store, unregister_store
+from distckpt.backends import (
+    BlobStore,
+    BufferedWriter,
+    BytesReader,
+    ObjectClient,
+    ObjectInfo,
+    ObjectStore,
+    register_store,
+    unregister_store,
+)
 from distckpt.errors import CheckpointError, CheckpointNotFoundError
 from distckpt.testing.blob_store_suite import BlobStoreSuite
 from distckpt.testing.storage_suite import StorageSuite
@@ -56,11 +67,80 @@ class ToyStore(BlobStore):
         return sorted(w for w in BLOBS if w.startswith(self.where + "#"))
 
 
+OBJECTS: dict[str, tuple] = {}  # key -> (bytes, tag, version)
+VERSIONS = iter(range(1, 1 << 62))
+
+
+class _VersionReader(BytesReader):
+    def __init__(self, data, version):
+        super().__init__(data)
+        self.version = version
+
+    def identity(self):
+        return ("toy", self.version)
+
+
+class ToyObjects(ObjectClient):
+    """The required primitives only, over a dict: no uploads, no ages."""
+
+    def url(self, key):
+        return f"toyobj://{key}"
+
+    def put(self, key, data, *, if_absent=False, tag=None):
+        with LOCK:
+            if if_absent and key in OBJECTS:
+                return False
+            OBJECTS[key] = (bytes(data), tag, next(VERSIONS))
+        return True
+
+    def get(self, key, limit=None):
+        found = OBJECTS.get(key)
+        return None if found is None else found[0][:limit]
+
+    def head(self, key):
+        found = OBJECTS.get(key)
+        return None if found is None else ObjectInfo(key, len(found[0]), tag=found[1])
+
+    def list(self, prefix, delimiter=False):
+        out = {}
+        for key in [k for k in list(OBJECTS) if k.startswith(prefix)]:
+            rest = key[len(prefix):]
+            if delimiter and "/" in rest:
+                out[prefix + rest.split("/", 1)[0] + "/"] = ObjectInfo(prefix + rest.split("/", 1)[0] + "/")
+            elif key in OBJECTS:
+                out[key] = ObjectInfo(key, len(OBJECTS[key][0]))
+        return [out[k] for k in sorted(out)]
+
+    def delete(self, keys):
+        with LOCK:
+            for key in keys:
+                OBJECTS.pop(key, None)
+
+    def touch(self, key):
+        if key not in OBJECTS:
+            raise CheckpointNotFoundError(f"{self.url(key)} does not exist")
+
+    def writer(self, key, buffer_bytes=None):
+        return BufferedWriter(lambda data, sync: self.put(key, data), self.url(key))
+
+    def reader(self, key, missing):
+        found = OBJECTS.get(key)
+        if found is None:
+            raise missing(None)
+        return _VersionReader(found[0], found[2])
+
+
+def toy_object_store(checkpoint_id):
+    return ObjectStore(ToyObjects(), str(checkpoint_id)[len("toyobj://"):])
+
+
 @pytest.fixture(autouse=True)
 def toy_scheme():
     register_store("toy", ToyStore)
+    register_store("toyobj", toy_object_store)
     yield
     unregister_store("toy")
+    unregister_store("toyobj")
 
 
 def test_save_and_load_through_the_scheme():
@@ -89,3 +169,44 @@ class TestToyBlobStore(BlobStoreSuite):
 class TestToyStorage(StorageSuite):
     def checkpoint_id(self, tmp_path, name):
         return f"toy://{tmp_path.name}/{name}"
+
+
+class TestToyObjectStore(BlobStoreSuite):
+    def make_store(self, tmp_path, name):
+        return toy_object_store(f"toyobj://{tmp_path.name}/{name}")
+
+
+class TestToyObjectStorage(StorageSuite):
+    def checkpoint_id(self, tmp_path, name):
+        return f"toyobj://{tmp_path.name}/{name}"
+
+
+def test_the_run_lifecycle_on_a_client_of_primitives():
+    """tests/security/test_run_lifecycle_hostile.py's checks (an overwrite in an incremental run, retention after each
+    way of writing a document again, a header written again), then retention and compaction leave only what kept
+    steps reference."""
+    from distckpt.testing import rewritten
+    from tests.crash.test_incremental_machine import incremental_state, stray_keys
+    from tests.security import test_run_lifecycle_hostile as lifecycle
+
+    tag = uuid.uuid4().hex[:8]
+    lifecycle.overwrite_a_step_of_an_incremental_run(f"toyobj://over-{tag}")
+    for name, rewrite in sorted(rewritten.REWRITES.items()):
+        lifecycle.retention_after_a_rewrite(f"toyobj://life-{name}-{tag}", rewrite)
+    lifecycle.a_reserialised_header_is_still_its_save(f"toyobj://header-{tag}")
+    root = f"toyobj://run-{tag}"
+    mgr = distckpt.CheckpointManager(root, keep_last=2, incremental=True)
+    for step in (1, 2, 3, 4):
+        mgr.save(step, incremental_state(step))
+    prefix = root[len("toyobj://"):] + "/"
+    assert mgr.all_steps() == [3, 4]
+    assert any(n.startswith("step-0000000001/") for n in distckpt.read_metadata(mgr.path(4)).storage_data.files)
+    assert stray_keys([k[len(prefix):] for k in OBJECTS if k.startswith(prefix)], mgr) == []
+    mgr.compact(4)
+    mgr.delete(3)
+    assert stray_keys([k[len(prefix):] for k in OBJECTS if k.startswith(prefix)], mgr) == []
+    assert not any(k.startswith(prefix + "step-0000000001/") for k in OBJECTS)
+    out = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else -1 for k, v in incremental_state(4).items()}
+    mgr.load(out, step=4)
+    assert all(torch.equal(out[k], v) if isinstance(v, torch.Tensor) else out[k] == v for k, v in incremental_state(4).items())
+    assert distckpt.verify(mgr.path(4)).ok

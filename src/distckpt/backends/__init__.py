@@ -1,10 +1,14 @@
 """Storage backends: blob stores registered by the scheme of a checkpoint id, and the storage layer over any of them.
 
 ``memory://name`` selects the in-memory store, ``s3://bucket/prefix`` an S3-compatible object store, a plain
-path (or ``file://``) the filesystem. A new store is one :class:`BlobStore` class and one registration::
+path (or ``file://``) the filesystem. A new object store is one :class:`ObjectClient` (a dozen primitives: put,
+conditional create, get, head, list, delete, touch, a streaming writer and a reader) and one registration; the
+commit, overwrite, retention, references, leases and cleanup of dead saves come from :class:`ObjectStore`::
 
-    register_store("gs", lambda checkpoint_id: GcsStore(checkpoint_id))
+    register_store("gs", lambda checkpoint_id: ObjectStore(GcsObjects(bucket_of(checkpoint_id)), prefix_of(checkpoint_id)))
     distckpt.save(state_dict, checkpoint_id="gs://bucket/run/step-100")
+
+A store of another kind (the disk's directories and renames) implements :class:`BlobStore` itself.
 
 :class:`BlobStorageWriter` and :class:`BlobStorageReader` write and read any store, given whole or by
 checkpoint id; ``FileSystemWriter``, ``S3Writer``, ``MemoryWriter`` and their readers are the same with
@@ -24,6 +28,7 @@ from .filesystem import FileSystemReader, FileSystemWriter
 from .hf_reader import HuggingFaceReader
 from .hf_writer import HuggingFaceWriter
 from .memory import MemoryReader, MemoryWriter, clear_memory_store
+from .objects import ObjectClient, ObjectInfo, ObjectStore, Upload
 from .registry import check_options, pick_storage, reader_for, writer_for
 from .s3 import S3Reader, S3Writer
 from .schemes import StoreFactory, register_store, scheme_of, store_for, unregister_store
@@ -33,7 +38,7 @@ __all__ = [
     "BlobStore", "BlobWriter", "BlobReader", "BufferedWriter", "BytesReader", "RUNS", "LEASES", "MAPS",
     "COLUMNAR_COMMIT", "SHARED_VERIFICATION", "OVERWRITE",
     "register_store", "unregister_store", "store_for", "scheme_of", "StoreFactory",
-    "BlobStorageWriter", "BlobStorageReader",
+    "BlobStorageWriter", "BlobStorageReader", "ObjectClient", "ObjectStore", "ObjectInfo", "Upload",
     "FileSystemWriter", "FileSystemReader", "DCPReader", "HuggingFaceReader", "HuggingFaceWriter", "TorchSaveReader",
     "MemoryWriter", "MemoryReader",
     "S3Writer", "S3Reader",

@@ -11,7 +11,7 @@ import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 from .. import faults, knobs, process_state
 from ..engine.blobs import BlobReader, BlobWriter
@@ -192,10 +192,10 @@ class ObjectWriter(BlobWriter):
     how distckpt writes data files: header first, then items in file order.
     """
 
-    def __init__(self, store: Any, name: str, part_size: int, concurrency: int):
-        self.store = store
-        self.key = store.key(name)
-        self.where = store.describe(name)
+    def __init__(self, store: Any, key: str, part_size: int, concurrency: int):
+        self.store = store  # an S3Objects: its bucket, and its client of the moment
+        self.key = key
+        self.where = store.url(key)
         self.part_size = max(MIN_PART_BYTES, part_size)
         self.concurrency = max(1, concurrency)
         self.buf = bytearray()
@@ -306,17 +306,17 @@ class ObjectReader(BlobReader):
     A large read into one buffer is split into pieces fetched in parallel.
     """
 
-    def __init__(self, store: Any, name: str):
-        self.store = store
-        self.key = store.key(name)
-        self.where = store.describe(name)
+    def __init__(self, store: Any, key: str, missing: Callable[[Optional[BaseException]], CheckpointError]):
+        self.store = store  # an S3Objects: its bucket, and its client of the moment
+        self.key = key
+        self.where = store.url(key)
+        self.missing = missing
         try:
             head = store.client.head_object(Bucket=store.bucket, Key=self.key)
         except s3_failures() as exc:
             if error_code(exc) in NOT_FOUND:
-                raise store.missing(name, exc) from exc
+                raise missing(exc) from exc
             raise s3_error("opening", self.where, exc) from exc
-        self.name = name
         self.size = int(head["ContentLength"])
         self.etag = head.get("ETag")
 
@@ -364,7 +364,7 @@ class ObjectReader(BlobReader):
                     raise CorruptCheckpointError(f"{self.where} changed while it was being read (its ETag no longer "
                                                  "matches); another save replaced this checkpoint. Load again.") from exc
                 if error_code(exc) in NOT_FOUND:
-                    raise self.store.missing(self.name, exc) from exc
+                    raise self.missing(exc) from exc
                 raise s3_error("reading", self.where, exc) from exc
             except stream_errors() as exc:
                 raise s3_error("reading", self.where, exc) from exc
