@@ -2,12 +2,13 @@
 
 ``Cluster(root, nodes=2, ranks_per_node=2)`` gives each node its own node-local directory and environment, and
 runs jobs with torchrun's multi-node rendezvous (``--nnodes``, ``--node-rank``, one rendezvous endpoint on node
-0). Where the process runs as root and ``ip`` is there, each node is a network namespace of its own, joined to
-the others by a bridge the cluster creates (its own IP address; gloo bound to its interface), with a private
-tmpfs as its node-local directory that no other node can see: killing a node ends every process of it and
-the tmpfs with them. That tmpfs is mounted ``huge=within_size`` unless ``huge_pages=False``: what
-docs/tiers.md advises for a node's tier. Otherwise (``mode == "loopback"``) the nodes share loopback and their node-local
-directories are plain folders, wiped by :meth:`kill_node`.
+0; each node's agent forks its ranks once it has imported torch and distckpt: :mod:`.cluster_launch`). Where the
+process runs as root and ``ip`` is there, each node is a network namespace of its own, joined to the others by a
+bridge the cluster creates (its own IP address; gloo bound to its interface), with a private tmpfs as its
+node-local directory that no other node can see: killing a node ends every process of it and the tmpfs with
+them. That tmpfs is mounted ``huge=within_size`` unless ``huge_pages=False``: what docs/tiers.md advises for a
+node's tier. Otherwise (``mode == "loopback"``) the nodes share loopback and their node-local directories are
+plain folders, wiped by :meth:`kill_node`.
 
 The function a job runs is named ``"module:function"``; it is called as ``fn(rank, world_size, **kwargs)`` on
 every rank after the default (gloo) process group is up, and returns JSON (nothing is pickled between the
@@ -258,10 +259,10 @@ class Cluster:
         master = self.nodes[0].ip
         procs, logs = {}, {}
         for i, node in self.nodes.items():
-            argv = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={self.nodes_count}",
+            argv = [sys.executable, "-m", "distckpt.testing.cluster_launch", f"--nnodes={self.nodes_count}",
                     f"--nproc-per-node={self.ranks_per_node}", f"--node-rank={i}", f"--master-addr={master}",
                     f"--master-port={port}", "--max-restarts=0", "--monitor-interval=0.2",
-                    "-m", "distckpt.testing.cluster_worker", fn, json.dumps(kwargs), results]
+                    "--", fn, json.dumps(kwargs), results]
             node_env = {**os.environ, "DISTCKPT_TIER_DIR": node.local, "DISTCKPT_CLUSTER_NODE": str(i),
                         "DISTCKPT_CLUSTER_MODE_RUNNING": self.mode, "GLOO_SOCKET_IFNAME": node.ifname,
                         "PYTHONPATH": os.pathsep.join([os.getcwd()] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]),
