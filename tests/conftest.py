@@ -17,6 +17,13 @@ def pytest_configure(config):
     settings.register_profile("default", max_examples=400 if slow else 50, deadline=None)
     settings.register_profile("machines", max_examples=40 if slow else 6, deadline=None)
     settings.load_profile("default")
+    import importlib.util
+
+    if importlib.util.find_spec("lightning") is not None:
+        from distckpt.testing import multiprocess
+
+        # Lightning's rank jobs would each import it (3 s of CPU a rank); the fork server imports it once per worker
+        multiprocess.preload("lightning")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("lightning") is None,  
 
 
 def __getattr__(name):
-    """``_Model``, a LightningModule, made on first use (ddp_spawn's children find it here too, by name)."""
+    """``_Model``, a LightningModule, made on first use (ddp_fork's children inherit it)."""
     if name != "_Model":
         raise AttributeError(name)
     import lightning as L
@@ -46,10 +46,10 @@ def _fit(root, max_steps, resume):
     model = (globals().get("_Model") or __getattr__("_Model"))()
     checkpoints = L.pytorch.callbacks.ModelCheckpoint(dirpath=os.path.join(root, "ckpt"), save_last=True,
                                                        every_n_train_steps=2, save_top_k=1)
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=max_steps, plugins=[DistckptCheckpointIO()],
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp_fork", max_steps=max_steps, plugins=[DistckptCheckpointIO()],
                         callbacks=[checkpoints], logger=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(model, _data(), ckpt_path=os.path.join(root, "ckpt", "last.ckpt") if resume else None)
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}  # ddp_spawn brings rank 0's weights back
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}  # the launcher brings rank 0's weights back
 
 
 def _scenario(root):
@@ -69,7 +69,7 @@ def test_ddp_save_last_and_resume_through_distckpt(tmp_path):
     try:
         _scenario(tmp_path / "first")
     except ProcessExitedException as exc:
-        # A ddp_spawn child sometimes aborts in its teardown after Trainer.fit returned ("terminate called without
+        # A forked child sometimes aborts in its teardown after Trainer.fit returned ("terminate called without
         # an active exception", SIGABRT), also on the rank that never calls distckpt: torch's and Lightning's exit
         # path, not a checkpoint's. The whole scenario runs once more in fresh directories; any other failure, or
         # the abort twice in a row, fails the test.
