@@ -122,6 +122,11 @@ class Lease:
     def renew(self) -> None:
         self.store.renew_lease(self.save_id)
 
+    def abandon(self) -> None:
+        """Stop renewing, and leave the record: what the holder left is then a dead holder's to every cleaner
+        (this process's too), as after a crash."""
+        _renewer.discard(self)
+
     def release(self) -> None:
         """Give the lease back (idempotent); call only once the staging area is committed or removed."""
         if _renewer.discard(self):

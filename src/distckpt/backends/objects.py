@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import abc
 import copy
+import logging
 import re
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
-from .. import faults
+from .. import faults, knobs
 from ..engine.blobs import LEASES, REFERENCES, RUNS, BlobReader, BlobStore, BlobWriter, Keep, keep_now
 from ..engine.references import SaveFiles, referenced_by_siblings
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StorageIOError
@@ -42,6 +43,7 @@ SAVES = "saves"
 LEASE_DIR = "leases"
 RETIRED = "retired"
 _SAVE_ID = re.compile(r"[0-9A-Za-z_-]{1,64}\Z")
+log = logging.getLogger("distckpt")
 
 
 @dataclass(frozen=True)
@@ -151,6 +153,9 @@ class ObjectStore(BlobStore):
     def __init__(self, objects: ObjectClient, prefix: str):
         self.objects = objects
         self.prefix = prefix.strip("/")
+        if not self.prefix:
+            raise CheckpointError(f"{objects.url('')!r} names no checkpoint: give it a name, as in "
+                                  f"{objects.url('run-1/step-100')!r}")
         self._checkpoint: Optional[ObjectStore] = None  # for a save's data store: the checkpoint, to explain objects
         self._save_id: Optional[str] = None  # that vanish during a load (see data_store)
 
@@ -259,9 +264,13 @@ class ObjectStore(BlobStore):
                 raise CheckpointError(
                     f"checkpoint {self.describe()!r} was committed by another save while this one was writing; "
                     "this save was discarded and the committed checkpoint left as it is")
-        self._delete_keys([staging.key(METADATA_FILE)])
-        if old is not None and old != new:
-            self._drop_replaced(old)
+        try:  # committed: what is left to tidy fails no save (cleanup finds it: a retired marker, a staged copy)
+            self._delete_keys([staging.key(METADATA_FILE)])
+            if old is not None and old != new:
+                self._drop_replaced(old)
+        except CheckpointError as exc:
+            log.warning("distckpt: %s committed; tidying after it failed (%s): later cleanup removes what is left",
+                        self.describe(), exc)
 
     def _drop_replaced(self, save_id: str) -> None:
         """Delete the objects of the save a commit replaced, or retire them where later steps of its run reference
@@ -278,24 +287,38 @@ class ObjectStore(BlobStore):
 
     def _committed_save_id(self) -> Optional[str]:
         """The save id the commit tagged the metadata object with, or None (no checkpoint). A metadata object
-        without the tag names its save in the document's file table (None where the document cannot be read)."""
+        without a tag that is a save id names its save in the document's file table (None where the document cannot
+        be read)."""
         head = self.objects.head(self.key(METADATA_FILE))
         if head is None:
             return None
-        if head.tag is not None:
-            return head.tag if _SAVE_ID.match(head.tag) else None
-        document = self.objects.get(self.key(METADATA_FILE))
+        if head.tag is not None and _SAVE_ID.match(head.tag):
+            return head.tag
+        return self._document_save_id()  # no tag (another tool wrote the object), or one that is no save id
+
+    def _document_save_id(self) -> Optional[str]:
+        """The save id the committed document's file table names (None: no document, or one that cannot be read)."""
+        document = self._metadata_document()
         try:
             files = None if document is None else stored_files(document, self.describe(METADATA_FILE))
         except CheckpointError:
             return None
         return None if files is None else files.save_id
 
+    def _metadata_document(self) -> Optional[bytes]:
+        """The committed document, read no further than the loader would (DISTCKPT_MAX_METADATA_BYTES)."""
+        limit = knobs.max_metadata_bytes()
+        document = self.objects.get(self.key(METADATA_FILE), limit + 1)
+        if document is not None and len(document) > limit:
+            raise CheckpointError(f"{self.describe(METADATA_FILE)} is over {limit} bytes (DISTCKPT_MAX_METADATA_BYTES); "
+                                  "raise it if this checkpoint is yours")
+        return document
+
     def check_replaceable(self) -> None:
-        document = self.objects.get(self.key(METADATA_FILE))
-        if document is None:
-            return
         try:
+            document = self._metadata_document()
+            if document is None:
+                return
             if stored_files(document, self.describe(METADATA_FILE)) is not None:
                 return
         except CheckpointError as exc:
@@ -349,12 +372,17 @@ class ObjectStore(BlobStore):
                 lease = Lease(self, save_id)
             except CheckpointError:
                 pass  # a lease is there already, left by the save itself: it names a dead process just the same
-        self._delete_keys([self.key(METADATA_FILE)])
-        start = len(self.prefix) + 1
-        retired = {k[start:].split("/", 1)[1] for k in self._keys(f"{self.prefix}/{RETIRED}/")}
-        kept = tuple(f"{SAVES}/{s}/" for s in retired) + (f"{RETIRED}/",)
-        self._delete_keys([k for k in self._keys(f"{self.prefix}/{SAVES}/") if not k[start:].startswith(kept)])
-        self._delete_keys([k for k in self._keys(self.prefix + "/") if not k[start:].startswith(kept)])
+        try:
+            self._delete_keys([self.key(METADATA_FILE)])
+            start = len(self.prefix) + 1
+            retired = {k[start:].split("/", 1)[1] for k in self._keys(f"{self.prefix}/{RETIRED}/")}
+            kept = tuple(f"{SAVES}/{s}/" for s in retired) + (f"{RETIRED}/",)
+            self._delete_keys([k for k in self._keys(f"{self.prefix}/{SAVES}/") if not k[start:].startswith(kept)])
+            self._delete_keys([k for k in self._keys(self.prefix + "/") if not k[start:].startswith(kept)])
+        except BaseException:
+            if lease is not None:
+                lease.abandon()  # a deletion cut short: what it left is a dead holder's, for the next cleanup
+            raise
         if lease is not None:
             lease.release()
 
