@@ -30,7 +30,7 @@ _LAZY = {
     **dict.fromkeys(["DefaultLoadPlanner", "DefaultSavePlanner", "RankLocal", "Relayout", "RelayoutLoadPlanner",
                      "RelayoutSavePlanner"], "planning"),
     **dict.fromkeys(["save", "save_state_dict"], "saving"),
-    **dict.fromkeys(["AsyncSaveHandle", "async_save", "release_buffers"], "async_saving"),
+    **dict.fromkeys(["AsyncCheckpointerType", "AsyncSaveHandle", "async_save", "release_buffers"], "async_saving"),
     "Stateful": "stateful",
     **dict.fromkeys(["StorageReader", "StorageWriter"], "storage"),
     **dict.fromkeys(["VerifyReport", "verify"], "verification"),

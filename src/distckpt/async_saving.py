@@ -22,6 +22,8 @@ Saves stay in step across ranks by construction:
 
 from __future__ import annotations
 
+import atexit
+import enum
 import os
 import sys
 import threading
@@ -41,8 +43,17 @@ from .saving import run_save
 from .staging import BufferPool, return_pool, stage, take_free_pools, take_pool
 from .storage import StorageWriter
 from .torch_classes import adopt
+from .writer_process import WriterProcess, packed_job, rendezvous_of
 
-__all__ = ["async_save", "AsyncSaveHandle", "release_buffers"]
+__all__ = ["async_save", "AsyncSaveHandle", "AsyncCheckpointerType", "release_buffers"]
+
+
+class AsyncCheckpointerType(enum.Enum):
+    """Where an async save writes (DCP's names; DCP's own enum is accepted too): ``THREAD``, a background thread of
+    the training process; ``PROCESS``, a writer process of each rank (:mod:`distckpt.writer_process`)."""
+
+    THREAD = "thread"
+    PROCESS = "process"
 
 
 class AsyncSaveHandle(Future):
@@ -88,6 +99,7 @@ class _Channel:
         self.control = new_gloo_group(ranks)
         self.broken: Optional[str] = None
         self.control_lost: Optional[str] = None
+        self.writer: Optional[WriterProcess] = None  # PROCESS: this rank's writer process
 
 
 class _AsyncState:
@@ -96,6 +108,7 @@ class _AsyncState:
         self.in_flight: list[AsyncSaveHandle] = []
         self.executor: Optional[ThreadPoolExecutor] = None
         self.channels: dict[Any, _Channel] = {}
+        self.solo_writer: Optional[WriterProcess] = None  # PROCESS without a group of several ranks
 
 
 _STATE = _AsyncState()
@@ -128,24 +141,32 @@ def _channel(process_group: Any) -> Optional[_Channel]:
 
 
 def _agree(channel: Optional[_Channel], checkpoint_id: Any, coordinator_rank: int, failure: Optional[BaseException],
-           current: Any = None) -> int:
+           current: Any = None, process: bool = False) -> int:
     """Every rank's report of its staging, exchanged before async_save returns; the save's number.
 
     Raises on every rank if any rank failed. When any rank's background
-    group fell out of step, every rank replaces it here, together.
+    group fell out of step, every rank replaces it here, together; with
+    ``process``, the same for the writer processes (none yet, one gone, or
+    one whose group fell out of step).
     """
     if channel is None:
         if failure is not None:
             raise failure if isinstance(failure, CheckpointError) else _as_checkpoint_error(failure)
+        if process:
+            _STATE.solo_writer = _fresh_writer(_STATE.solo_writer, None, coordinator_rank, current)
         return 0
     if channel.control_lost is not None:
         raise CheckpointError(channel.control_lost)
     ctrl = Coordinator(channel.control, coordinator_rank)
     ctrl.timeout_s = 3 * ctrl.timeout_s  # a rank may first wait out its previous save (itself bounded by the timeout)
-    ctrl.begin("async_save", checkpoint_id)
-
+    ctrl.begin("async_save (writer process)" if process else "async_save", checkpoint_id)
+    if process:
+        writer = channel.writer
+        stale = writer is None or not writer.alive() or writer.out_of_step
+    else:
+        stale = channel.broken is not None
     try:
-        replace_group = ctrl.vote("async_save staging", failure, channel.broken is not None)
+        replace = ctrl.vote("async_save staging", failure, stale)
     except RankFailuresError:
         raise
     except CheckpointError as exc:
@@ -155,9 +176,31 @@ def _agree(channel: Optional[_Channel], checkpoint_id: Any, coordinator_rank: in
                 f"before a save failed ({exc}). A rank did not call async_save, or died. Restart the job, or save "
                 "with distckpt.save.")
         raise
-    if replace_group:
+    if replace and process:
+        channel.writer = _fresh_writer(channel.writer, ctrl, coordinator_rank, current)
+    elif replace:
         _replace_background_group(channel, current)
     return ctrl.number
+
+
+def _fresh_writer(old: Optional[WriterProcess], ctrl: Optional[Coordinator], coordinator_rank: int,
+                  current: Any) -> WriterProcess:
+    """A new writer process for this rank, in place of ``old`` (killed: it may be stuck in a collective of a group
+    whose peer died), started by every rank together and joined in its group before this returns."""
+    if ctrl is None and old is not None and old.alive() and not old.out_of_step:
+        return old
+    if old is not None:
+        old.kill()
+        with _STATE.lock:
+            earlier = [h for h in _STATE.in_flight if h is not current]
+        for handle in earlier:
+            _wait_for(handle)  # they were that writer's: killing it failed them
+    timeout_s = knobs.collective_timeout_s()
+    if ctrl is None:
+        writer = WriterProcess(0, 1, None, timeout_s)
+    else:
+        writer = WriterProcess(ctrl.rank, ctrl.world_size, rendezvous_of(ctrl), timeout_s)
+    return writer  # saves handed to it queue while it starts (a failure to start fails them, on every rank)
 
 
 def _replace_background_group(channel: _Channel, current: Any) -> None:
@@ -248,7 +291,7 @@ def async_save(
     """Save like :func:`distckpt.save`, blocking only while the state is copied to host memory.
 
     Every rank calls it. It returns once the state is staged; the write and
-    commit continue in a background thread, and the returned handle reports
+    commit continue in the background, and the returned handle reports
     them. At most ``max_in_flight`` saves are staged and not yet committed:
     a further call waits for the oldest (``wait_for_previous=True``) or
     raises CheckpointError. Background saves write and commit one at a time,
@@ -261,52 +304,98 @@ def async_save(
     Either way nothing is committed and the next call starts in step.
 
     The background write runs at a lower CPU priority than the caller
-    (``DISTCKPT_ASYNC_NICE``, default 10): when training keeps every core busy
-    it goes on at nearly full speed while the write takes the CPU left over
-    (docs/performance.md has the figures).
+    (``DISTCKPT_ASYNC_NICE``, default 10; docs/performance.md has the figures).
 
-    DCP's ``async_checkpointer_type`` (THREAD or PROCESS) and ``async_stager`` (its DefaultStager or
-    BlockingAsyncStager) are accepted: distckpt always stages into its own reused host buffers and writes
-    on its background thread, which serves what both ask for. A stager of another class, or
-    ``use_collectives=False``, raises CheckpointError.
+    ``async_checkpointer_type=PROCESS`` (ours, DCP's, or ``"process"``) writes from a writer process of each rank,
+    started once and fed through shared memory, off the training loop's GIL (:mod:`distckpt.writer_process`);
+    THREAD, the default, from the thread. DCP's DefaultStager and BlockingAsyncStager are accepted (distckpt's
+    own staging serves both); another ``async_stager``, or ``use_collectives=False``, raises CheckpointError.
     """
     _check_dcp_async_options(async_checkpointer_type, async_stager, use_collectives)
     if max_in_flight < 1:
         raise CheckpointError("max_in_flight must be at least 1")
+    process = _in_a_process(async_checkpointer_type)
     storage_writer, planner = adopt(storage_writer, "storage_writer"), adopt(planner, "planner")
     failure = _wait_for_room(max_in_flight, wait_for_previous)
     channel = None if no_dist else _channel(process_group)
     handle = AsyncSaveHandle(checkpoint_id)
     with _STATE.lock:
-        pool = take_pool()
+        pool = take_pool(shared=process)
         if _STATE.executor is None:  # one thread: saves run one at a time, in the order every rank called
             _STATE.executor = ThreadPoolExecutor(1, thread_name_prefix="distckpt-async")
         if failure is None:
             _STATE.in_flight.append(handle)
         executor = _STATE.executor
     staged: Any = None
+    job: Optional[bytes] = None
     try:
         if failure is not None:
             raise failure
         storage_writer = pick_storage("writer", checkpoint_id, storage_writer, overwrite, own_copy=True)
         planner = planner if planner is not None else DefaultSavePlanner()
-        plain, _ = split_stateful(state_dict)
-        staged = stage(plain, pool)
+        staged = stage(split_stateful(state_dict)[0], pool)
+        job = packed_job(staged, storage_writer, planner, coordinator_rank, checkpoint_id) if process else None
     except Exception as exc:  # noqa: BLE001 - reported to every rank by the agreement below
         failure = exc
     try:
-        number = _agree(channel, checkpoint_id, coordinator_rank, failure, handle)
-        coord = Coordinator(channel.background if channel is not None else None, coordinator_rank, no_dist=no_dist)
-        coord.begin("async save", checkpoint_id, number=number)
-        tell_rank(planner, coord.rank)
+        number = _agree(channel, checkpoint_id, coordinator_rank, failure, handle, process=process)
+        coord = None if process else _background_coordinator(channel, coordinator_rank, no_dist, checkpoint_id, number, planner)
     except BaseException as exc:
         return_pool(pool)
         handle.staged.set_exception(exc)
         handle.committed.set_exception(exc)
         raise
     handle.staged.set_result(None)
-    executor.submit(_background, handle, staged, storage_writer, planner, coord, channel, number, pool, on_commit)
+    if job is not None:
+        _hand_to_writer(channel.writer if channel is not None else _STATE.solo_writer, handle, job, number, pool, on_commit)
+    else:
+        executor.submit(_background, handle, staged, storage_writer, planner, coord, channel, number, pool, on_commit)
     return handle
+
+
+def _background_coordinator(channel: Optional[_Channel], coordinator_rank: int, no_dist: bool, checkpoint_id: Any,
+                            number: int, planner: SavePlanner) -> Coordinator:
+    coord = Coordinator(channel.background if channel is not None else None, coordinator_rank, no_dist=no_dist)
+    coord.begin("async save", checkpoint_id, number=number)
+    tell_rank(planner, coord.rank)
+    return coord
+
+
+@atexit.register
+def _close_writers() -> None:
+    """At exit, the writer processes finish the saves handed to them (as the background thread's would), then stop."""
+    writers = [c.writer for c in _STATE.channels.values() if c.writer is not None] + [w for w in [_STATE.solo_writer] if w]
+    for writer in writers:
+        writer.close(timeout_s=knobs.collective_timeout_s())
+
+
+def _in_a_process(checkpointer_type: Any) -> bool:
+    """Whether ``async_checkpointer_type`` asks for a writer process (DCP's PROCESS; THREAD, or none, is a thread)."""
+    return str(getattr(checkpointer_type, "value", checkpointer_type)).lower() == "process"
+
+
+def _hand_to_writer(writer: Any, handle: AsyncSaveHandle, job: bytes, number: int, pool: BufferPool,
+                    on_commit: Optional[Callable[[Metadata], None]]) -> None:
+    """Give the staged save to this rank's writer process; its outcome goes on ``handle`` (the pool comes back
+    first: the writer is done with the shared memory by then)."""
+
+    def done(md: Any, error: Optional[BaseException], transport_failed: bool) -> None:
+        return_pool(pool)
+        if error is None and on_commit is not None:
+            try:
+                on_commit(md)
+            except BaseException as exc:  # noqa: BLE001 - delivered on the handle
+                error = exc
+        if error is not None:
+            handle.committed.set_exception(error)
+        else:
+            handle.committed.set_result(md)
+
+    try:
+        writer.submit(number, job, done)
+    except BaseException as exc:  # noqa: BLE001 - the writer is gone: the handle says so, the next save replaces it
+        return_pool(pool)
+        handle.committed.set_exception(exc)
 
 
 def _check_dcp_async_options(checkpointer_type: Any, stager: Any, use_collectives: bool) -> None:

@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
-__all__ = ["point", "inject", "Fault", "set_rank"]
+__all__ = ["point", "inject", "Fault", "set_rank", "from_spec", "configure"]
 
 
 @dataclass
@@ -34,6 +34,7 @@ class Fault:
     kinds: tuple[str, ...] = ()  # restrict to these boundary kinds ("write", "fsync", "rename", "unlink", "collective")
     rank: Optional[int] = None
     callback: Optional[Callable[[str, str], None]] = None
+    once: bool = False  # fire at the first matching boundary only
 
 
 _lock = threading.Lock()
@@ -46,6 +47,24 @@ _rank: Optional[int] = None
 def set_rank(rank: int) -> None:
     global _rank
     _rank = rank
+
+
+def from_spec(spec: str) -> Fault:
+    """A fault from ``<action>:<index or kind>[:<rank>]``: the ``index``-th boundary, or the first of ``kind``
+    (write, fsync, rename, unlink, collective)."""
+    parts = spec.split(":")
+    at = parts[1] if len(parts) > 1 else ""
+    rank = int(parts[2]) if len(parts) > 2 and parts[2] else None
+    if at.isdigit():
+        return Fault(parts[0], int(at), rank=rank)
+    return Fault(parts[0], None, kinds=(at,), rank=rank, once=True)
+
+
+def configure(fault: Optional[Fault]) -> None:
+    """Configure ``fault`` for the rest of this process (what DISTCKPT_FAULT does at import)."""
+    global _fault, _count
+    with _lock:
+        _fault, _count = fault, 0
 
 
 def _from_env() -> None:
@@ -84,6 +103,8 @@ def _hit(kind: str, what: str) -> None:
         return
     if fault.index is not None and fault.index != index:
         return
+    if fault.once:
+        configure(None)
     if fault.action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     elif fault.action == "enospc":

@@ -44,9 +44,11 @@ class _Arena:
     of device memory just blocks longer.
     """
 
-    def __init__(self, nbytes: int, pinned: bool):
+    def __init__(self, nbytes: int, pinned: bool, shared: bool = False):
         self.nbytes = nbytes
         raw = torch.empty(nbytes + _PAGE, dtype=torch.uint8)
+        if shared:  # a writer process maps the same memory (async_save with PROCESS)
+            raw.share_memory_()
         start = -raw.data_ptr() % _PAGE  # the arena starts on a page
         self.base: Optional[torch.Tensor] = raw[start:start + nbytes]
         self.users = 0
@@ -77,9 +79,10 @@ class BufferPool:
     two state layouts reuses both and a changing layout does not grow the pool.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, shared: bool = False) -> None:
         self.buffers: dict[tuple, tuple[torch.Tensor, _Arena, int]] = {}
         self.generation = 0
+        self.shared = shared  # arenas in shared memory, for a writer process
 
     def buffers_for(self, leaves: list[tuple[tuple, torch.Tensor]]) -> list[torch.Tensor]:
         self.generation += 1
@@ -103,7 +106,7 @@ class BufferPool:
                 offsets.append(total)
                 total += n
             pinned = torch.cuda.is_available() and any(t.device.type == "cuda" for _, _, t in missing)
-            arena = _Arena(total, pinned)
+            arena = _Arena(total, pinned, self.shared)
             for (i, key, t), off in zip(missing, offsets):
                 buf = arena.view(off, t)
                 arena.users += 1
@@ -140,10 +143,13 @@ def _fresh_pools_in_child() -> None:
     _STATE = _Pools()  # a forked child holds none of the parent's locks, and its saves are not the parent's
 
 
-def take_pool() -> BufferPool:
-    """A pool for one save: the one returned last, or a new, empty one."""
+def take_pool(shared: bool = False) -> BufferPool:
+    """A pool for one save: the one of that kind (``shared``: in shared memory) returned last, or a new, empty one."""
     with _STATE.lock:
-        return _STATE.free_pools.pop() if _STATE.free_pools else BufferPool()
+        for i in range(len(_STATE.free_pools) - 1, -1, -1):
+            if _STATE.free_pools[i].shared == shared:
+                return _STATE.free_pools.pop(i)
+        return BufferPool(shared)
 
 
 def return_pool(pool: BufferPool) -> None:

@@ -13,20 +13,20 @@ from __future__ import annotations
 import importlib
 import sys
 
+import torch  # noqa: F401 - imported once here, by the ranks' parent
+import torch.distributed.tensor  # noqa: F401
+from torch.distributed.launcher.api import elastic_launch
+from torch.distributed.run import config_from_args, get_args_parser
+
+import distckpt.loading  # noqa: F401
+import distckpt.saving  # noqa: F401
+
+from . import cluster_worker
+
 
 def main(argv: list[str]) -> None:
     split = argv.index("--")
     options, job = argv[:split], argv[split + 1:]
-    import torch  # noqa: F401
-    import torch.distributed.tensor  # noqa: F401
-    from torch.distributed.launcher.api import elastic_launch
-    from torch.distributed.run import config_from_args, get_args_parser
-
-    import distckpt.loading  # noqa: F401
-    import distckpt.saving  # noqa: F401
-
-    from . import cluster_worker
-
     importlib.import_module(job[0].split(":")[0])
     args = get_args_parser().parse_args([*options, "--start-method=fork", "cluster-job"])
     config, _, _ = config_from_args(args)

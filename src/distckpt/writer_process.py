@@ -1,0 +1,260 @@
+"""The writer process of ``async_save(..., async_checkpointer_type=PROCESS)``: one per rank, started once, reused.
+
+The training process stages its state into shared memory (:mod:`distckpt.staging`, a pool of shared arenas) and
+hands the writer the staged state dict: its tensors travel as handles to that memory, so the writer writes from
+the very bytes the training process copied, with the ordinary save sequence (planning, data files, checksums,
+commit). The writer's Python (encoding, hashing, retries, the commit) runs on another interpreter's GIL, out of
+the training loop's way.
+
+The writers of a job form a gloo process group of their own (same ranks as the training group), made through the
+job's TCP store under a key prefix of each generation, with the job's collective timeout. A writer that dies
+(SIGKILL, the OOM killer) fails its rank's save at once (the pipe to it ends); the other ranks' writers fail theirs
+within the collective timeout, so nothing is committed; and the next async_save replaces every rank's writer, on
+every rank together (its agreement carries each rank's "my writer is gone or out of step"). A writer whose training
+process ended finishes the save it was writing (a whole save commits, as every rank's writer must agree), then
+ends with its pipe.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import threading
+import uuid
+import warnings
+from datetime import timedelta
+from multiprocessing.reduction import ForkingPickler
+from typing import Any, Callable, Optional
+
+from . import faults, knobs
+from ._sequence import tell_rank
+from .distributed import JSON, Coordinator, describe, dist, rebuild
+from .errors import CheckpointError, StorageIOError
+from .saving import run_save
+
+__all__ = ["WriterProcess", "WriterProcessError", "packed_job", "rendezvous_of"]
+
+
+class WriterProcessError(StorageIOError):
+    """The writer process of a rank died or could not start; the save it was writing is not committed."""
+
+
+def _store_address() -> Optional[tuple[str, int]]:
+    """Host and port of the job's TCP store (the default group's), which the writers rendezvous through."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError, AttributeError):
+        store = None
+    while store is not None and not isinstance(store, dist.TCPStore) and hasattr(store, "underlying_store"):
+        store = store.underlying_store
+    if isinstance(store, dist.TCPStore):
+        return store.host, store.port
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    return (addr, int(port)) if addr and port and port.isdigit() else None
+
+
+def rendezvous_of(coord: Coordinator) -> dict:
+    """Where this generation of writers meets, decided by the coordinator and given to every rank (a phase of
+    ``coord``): the job's store and a key prefix of its own."""
+
+    def choose(_: list) -> dict:
+        address = _store_address()
+        if address is None:
+            raise CheckpointError("async_save with PROCESS needs the job's TCP store (torchrun, or init_process_group "
+                                  "with env:// or tcp://) for its writer processes to meet; pass "
+                                  "async_checkpointer_type=THREAD")
+        return {"host": address[0], "port": address[1], "prefix": f"distckpt-writers/{uuid.uuid4().hex}"}
+
+    return coord.all_reduce("async_save writer rendezvous", lambda: None, choose, JSON, JSON)
+
+
+class WriterProcess:
+    """This rank's writer process, and the thread that receives its results."""
+
+    def __init__(self, rank: int, world_size: int, meeting: Optional[dict], timeout_s: float):
+        ctx = mp.get_context("spawn")
+        self._conn, child_conn = ctx.Pipe()
+        self.process = ctx.Process(target=_main, name=f"distckpt-writer-{rank}", daemon=True,
+                                   args=(child_conn, rank, world_size, meeting, timeout_s, knobs.async_write_nice()))
+        me = mp.current_process()
+        daemonic = me._config.get("daemon")
+        me._config["daemon"] = False  # a rank started by multiprocessing (a test kit, Lightning's ddp_spawn) is daemonic,
+        try:  # and multiprocessing refuses children to those; the writer is one child that ends with its parent
+            self.process.start()
+        finally:
+            me._config["daemon"] = daemonic
+        child_conn.close()
+        self.rank = rank
+        self.lock = threading.Lock()
+        self.pending: dict[int, Callable[[Any, Optional[BaseException], bool], None]] = {}
+        self.gone: Optional[str] = None  # why this writer can take no more saves
+        self.out_of_step = False  # its group failed a collective: it must be replaced with every rank's
+        self.ready = threading.Event()  # it has joined its group
+        self.start_error: Optional[BaseException] = None
+        self._receiver = threading.Thread(target=self._receive, name=f"distckpt-writer-results-{rank}", daemon=True)
+        self._receiver.start()
+
+    def submit(self, number: int, job: bytes, done: Callable[[Any, Optional[BaseException], bool], None]) -> None:
+        """Send save ``number`` (``job``, from :func:`packed_job`) to the writer; ``done(metadata, error,
+        transport_failed)`` runs when it ends."""
+        with self.lock:
+            if self.gone is not None:
+                raise WriterProcessError(self.gone)
+            self.pending[number] = done
+        try:
+            self._conn.send((number, job))
+        except (OSError, EOFError) as exc:
+            with self.lock:
+                self.pending.pop(number, None)
+            raise WriterProcessError(f"the writer process of rank {self.rank} could not be handed save #{number}: {exc}; "
+                                     "it has stopped. The next async_save starts a new one") from exc
+
+    def _receive(self) -> None:
+        while True:
+            try:
+                message = self._conn.recv()
+            except (EOFError, OSError):
+                break
+            kind = message[0]
+            if kind == "ready":
+                self.ready.set()
+            elif kind == "start-failed":
+                self.start_error = _error(message[1], WriterProcessError)
+            else:
+                _, number, metadata, info, transport_failed = message
+                if transport_failed:
+                    self.out_of_step = True
+                with self.lock:
+                    done = self.pending.pop(number, None)
+                if done is not None:
+                    done(metadata, None if info is None else _error(info, CheckpointError), transport_failed)
+        self.process.join(timeout=5)
+        code = self.process.exitcode
+        how = f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exited ({code})"
+        if self.start_error is not None:
+            how = f"could not join the writers' process group ({self.start_error})"
+        reason = (f"the writer process of rank {self.rank} (pid {self.process.pid}) {how}; the save it was writing is "
+                  "not committed. The next async_save starts new writer processes on every rank")
+        with self.lock:
+            self.gone = reason
+            pending, self.pending = self.pending, {}
+        for done in pending.values():
+            done(None, WriterProcessError(reason), True)
+
+    def alive(self) -> bool:
+        return self.gone is None and self.process.is_alive()
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Let the writer finish what it was handed, then stop it."""
+        try:
+            self._conn.send(None)
+        except (OSError, EOFError):
+            pass
+        self.process.join(timeout_s)
+        if self.process.is_alive():
+            self.kill()
+
+    def kill(self) -> None:
+        """Stop the writer now (one replaced because its group fell out of step may be inside a collective)."""
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(10)
+        self._conn.close()
+
+
+def packed_job(staged: Any, storage_writer: Any, planner: Any, coordinator_rank: int, checkpoint_id: Any) -> bytes:
+    """A save for the writer process, pickled now (before the ranks agree, so that a state that cannot travel fails
+    the save on every rank alike): its tensors as handles to the shared memory they were staged into."""
+    import torch.multiprocessing  # noqa: F401 - registers the reductions that send tensors as shared-memory handles
+
+    try:
+        return bytes(ForkingPickler.dumps((staged, storage_writer, planner, coordinator_rank, checkpoint_id)))
+    except Exception as exc:  # noqa: BLE001 - what does not pickle: a user's writer, planner or value
+        raise CheckpointError(f"async_save with PROCESS cannot hand this save to its writer process ({type(exc).__name__}: "
+                              f"{exc}): the storage writer, the planner and every value of the state must be picklable. "
+                              "Pass async_checkpointer_type=THREAD to write from a thread of this process") from exc
+
+
+def _packed(exc: BaseException) -> tuple:
+    """An exception of the writer, for its training process: pickled where it can be (the two are one program's
+    processes, over a private pipe), else described."""
+    try:
+        data = pickle.dumps(exc)
+        pickle.loads(data)
+        return ("pickle", data)
+    except Exception:  # noqa: BLE001 - an exception whose arguments do not pickle
+        return ("described", describe(exc))
+
+
+def _error(packed: Any, default: type) -> BaseException:
+    kind, body = packed
+    if kind == "pickle":
+        try:
+            exc = pickle.loads(body)
+            if isinstance(exc, BaseException):
+                return exc
+        except Exception:  # noqa: BLE001
+            pass
+    elif kind == "described":
+        return rebuild(body).exception
+    return default(str(body))
+
+
+# ---- the writer's side
+
+
+def _main(conn: Any, rank: int, world_size: int, meeting: Optional[dict], timeout_s: float, nice: int) -> None:
+    if nice:
+        try:
+            os.nice(nice)
+        except OSError:
+            pass
+    spec = os.environ.get("DISTCKPT_WRITER_FAULT")  # crash tests: a fault in the writer, not its training process
+    if spec:
+        faults.configure(faults.from_spec(spec))
+    warnings.filterwarnings("ignore", message=".*pickling/unpickling of the DeviceMesh.*")
+    try:
+        import torch.multiprocessing  # noqa: F401 - the reductions that receive tensors as shared-memory handles
+
+        if meeting is None:  # a group of one: nothing to join
+            conn.send(("ready",))
+            return _serve(conn, meeting, tell_rank, run_save)
+        timeout = timedelta(seconds=timeout_s)
+        store = dist.PrefixStore(meeting["prefix"], dist.TCPStore(meeting["host"], meeting["port"], is_master=False,
+                                                                   timeout=timeout))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+    except BaseException as exc:  # noqa: BLE001 - told to the training process
+        conn.send(("start-failed", _packed(exc)))
+        return
+    conn.send(("ready",))
+    _serve(conn, meeting, tell_rank, run_save)
+
+
+def _serve(conn: Any, meeting: Optional[dict], tell_rank: Callable, run_save: Callable) -> None:
+    while True:
+        try:
+            job = conn.recv()
+        except (EOFError, OSError):
+            return
+        if job is None:
+            return
+        number, payload = job
+        coord = Coordinator(None, 0, no_dist=meeting is None)
+        metadata, info, staged = None, None, None
+        try:
+            staged, storage_writer, planner, coordinator_rank, checkpoint_id = ForkingPickler.loads(payload)
+            coord = Coordinator(None, coordinator_rank, no_dist=meeting is None)
+            coord.begin("async save", checkpoint_id, number=number)
+            tell_rank(planner, coord.rank)
+            metadata = run_save(staged, storage_writer, planner, coord)
+        except BaseException as exc:  # noqa: BLE001 - delivered on the training process's handle
+            info = _packed(exc)
+        del staged
+        try:
+            conn.send(("done", number, metadata, info, coord.transport_failed))
+        except (OSError, EOFError):
+            return
+        except Exception:  # noqa: BLE001 - metadata that does not pickle: the commit is told without it
+            conn.send(("done", number, None, info, coord.transport_failed))

@@ -1,0 +1,53 @@
+"""async_save with PROCESS: a writer process per rank, started once and reused, fed through shared memory; its
+death or a full disk in it fails the save on every rank with a typed error, commits nothing, and the next save
+starts new writers and works."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import distckpt
+from distckpt.testing import run_ranks
+
+from . import writer_process_workers as workers
+
+TIMEOUTS = {"DISTCKPT_TIMEOUT_S": "20"}
+
+
+def test_two_ranks_save_dtensors_from_their_writer_processes(tmp_path):
+    for rank, out in enumerate(run_ranks(workers.saves_from_writer_processes, 2, str(tmp_path), timeout_s=300)):
+        assert out == {"one": True, "two": True, "writers": 1, "reused": True, "child": True, "pid": True}, (rank, out)
+
+
+def test_one_process_saves_from_a_writer_process(tmp_path):
+    sd = {"w": torch.randn(64, 8), "step": 4, "nested": {"name": "x"}}
+    handle = distckpt.async_save(sd, checkpoint_id=str(tmp_path / "solo"), no_dist=True, async_checkpointer_type="process")
+    sd["w"].zero_()  # staged already: the save holds the values of the call
+    want = handle.result(timeout=120)
+    out = {"w": torch.zeros(64, 8), "step": 0, "nested": {"name": ""}}
+    distckpt.load(out, checkpoint_id=str(tmp_path / "solo"), no_dist=True)
+    assert out["step"] == 4 and out["nested"] == {"name": "x"} and not torch.equal(out["w"], sd["w"])
+    assert distckpt.verify(str(tmp_path / "solo")).ok and want.storage_meta.save_id
+
+
+def test_a_state_that_cannot_travel_to_the_writer_is_a_typed_error_naming_thread(tmp_path):
+    sd = {"w": torch.ones(3), "fn": lambda: 0}  # a value that does not pickle
+    with pytest.raises(distckpt.CheckpointError, match="THREAD"):
+        distckpt.async_save(sd, checkpoint_id=str(tmp_path / "x"), no_dist=True, async_checkpointer_type="process")
+
+
+@pytest.mark.parametrize("spec", [
+    "kill:write:1",  # rank 1's writer dies mid-write; rank 0's lives and must not wait past the timeout
+    "enospc:write:0",  # a full disk in rank 0's writer
+    pytest.param("kill:collective:0", marks=pytest.mark.slow),  # before anything is written
+    pytest.param("kill:rename:0", marks=pytest.mark.slow),  # in the commit
+])
+def test_a_fault_in_one_writer_fails_the_save_everywhere_and_the_next_save_works(tmp_path, spec):
+    out = run_ranks(workers.a_fault_in_one_writer, 2, str(tmp_path), spec, timeout_s=300, env=TIMEOUTS)
+    for rank, got in enumerate(out):
+        assert got["error"] is not None and not got["error"].startswith("untyped"), (rank, got)
+        assert not got["committed"] and got["after"], (rank, got)
+        assert got["waited"] < 60, (rank, got)
+    if spec.startswith("kill"):
+        assert out[int(spec.rsplit(":", 1)[1])]["error"] == "WriterProcessError", out

@@ -1,0 +1,70 @@
+"""Rank jobs of tests/distributed/test_writer_process.py: async saves from a writer process of each rank."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+import distckpt
+
+
+def _state(world: int, salt: float) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    full = torch.arange(4096.0).reshape(64, 64) + salt
+    return {"w": distribute_tensor(full, mesh, [Shard(0)]), "b": torch.arange(8) + int(salt), "step": int(salt),
+            "nested": {"lr": 0.5 + salt}}
+
+
+def _loads(path: str, world: int, salt: float) -> bool:
+    want = _state(world, salt)
+    out = _state(world, -1.0)
+    distckpt.load(out, checkpoint_id=path)
+    return (torch.equal(out["w"].full_tensor(), want["w"].full_tensor()) and torch.equal(out["b"], want["b"])
+            and out["step"] == want["step"] and out["nested"] == want["nested"])
+
+
+def saves_from_writer_processes(rank: int, world: int, root: str) -> dict:
+    """Two saves through PROCESS: both load bit-exact; one writer process per rank, the same for both saves; the
+    caller may change its tensors once the call returns."""
+    import multiprocessing as mp
+
+    from distckpt.async_saving import _STATE
+
+    state = _state(world, 1.0)
+    first = distckpt.async_save(state, checkpoint_id=f"{root}/one", async_checkpointer_type="process")
+    state["w"].to_local().add_(1000.0)  # after the call returned: not in the save
+    first.result(timeout=120)
+    writers = {c.writer.process.pid for c in _STATE.channels.values() if c.writer is not None}
+    second = distckpt.async_save(_state(world, 2.0), checkpoint_id=f"{root}/two",
+                                 async_checkpointer_type=distckpt.AsyncCheckpointerType.PROCESS)
+    second.result(timeout=120)
+    after = {c.writer.process.pid for c in _STATE.channels.values() if c.writer is not None}
+    children = {p.pid for p in mp.active_children()}
+    return {"one": _loads(f"{root}/one", world, 1.0), "two": _loads(f"{root}/two", world, 2.0),
+            "writers": len(writers), "reused": writers == after, "child": writers <= children, "pid": os.getpid() not in writers}
+
+
+def a_fault_in_one_writer(rank: int, world: int, root: str, spec: str) -> dict:
+    """A fault (``DISTCKPT_WRITER_FAULT``) in the writer of one rank during the first save: every rank's handle
+    raises a typed error within the collective timeout, nothing is committed, and the next save works."""
+    os.environ["DISTCKPT_WRITER_FAULT"] = spec
+    begun = time.monotonic()
+    handle = distckpt.async_save(_state(world, 1.0), checkpoint_id=f"{root}/faulty", async_checkpointer_type="process")
+    os.environ.pop("DISTCKPT_WRITER_FAULT")  # the writers started next have none
+    try:
+        handle.result(timeout=120)
+        error = None
+    except distckpt.CheckpointError as exc:
+        error = type(exc).__name__
+    except Exception as exc:  # noqa: BLE001 - an untyped error is what the test looks for
+        error = f"untyped {type(exc).__name__}: {exc}"
+    waited = time.monotonic() - begun
+    committed = os.path.exists(f"{root}/faulty/metadata.json")
+    again = distckpt.async_save(_state(world, 3.0), checkpoint_id=f"{root}/after", async_checkpointer_type="process")
+    again.result(timeout=120)
+    return {"error": error, "waited": waited, "committed": committed, "after": _loads(f"{root}/after", world, 3.0)}
