@@ -233,7 +233,8 @@ def _main(conn: Any, rank: int, world_size: int, meeting: Optional[dict], timeou
 
 
 def _serve(conn: Any, meeting: Optional[dict], tell_rank: Callable, run_save: Callable) -> None:
-    while True:
+    _kept = None  # the last save's staged state: its shared memory stays mapped, so the next save (the same arenas,
+    while True:  # reused) finds it in torch's cache of shared storages instead of mapping and faulting it in again
         try:
             job = conn.recv()
         except (EOFError, OSError):
@@ -251,7 +252,7 @@ def _serve(conn: Any, meeting: Optional[dict], tell_rank: Callable, run_save: Ca
             metadata = run_save(staged, storage_writer, planner, coord)
         except BaseException as exc:  # noqa: BLE001 - delivered on the training process's handle
             info = _packed(exc)
-        del staged
+        _kept, staged = staged, None
         try:
             conn.send(("done", number, metadata, info, coord.transport_failed))
         except (OSError, EOFError):

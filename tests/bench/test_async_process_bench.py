@@ -1,0 +1,19 @@
+"""A tiny run of bench/async_process.py, so that it cannot rot: every peer (distckpt's thread and writer process,
+DCP's writer process) saved beside the training loop, each figure in the table and the JSON."""
+
+import json
+import subprocess
+import sys
+
+
+def test_async_process_bench_runs_every_peer(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "bench.async_process", "--mib", "16", "--repeat", "1", "--root",
+                          str(tmp_path / "root"), "--json", str(tmp_path / "r.json")],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "step ratio" in out.stdout and "targets for distckpt-process" in out.stdout
+    best = json.loads((tmp_path / "r.json").read_text())["best"]
+    assert set(best) == {"distckpt-thread", "distckpt-process", "dcp-process"}
+    for peer, row in best.items():
+        assert row["step_ratio"] > 0 and row["total_s"] >= row["blocking_s"] > 0 and row["peak_pss_mb"] > 0, (peer, row)
+    assert list((tmp_path / "root").iterdir()) == []
