@@ -6,6 +6,10 @@ the very bytes the training process copied, with the ordinary save sequence (pla
 commit). The writer's Python (encoding, hashing, retries, the commit) runs on another interpreter's GIL, out of
 the training loop's way.
 
+State on a GPU is staged as for a thread, into the same arenas, here in shared memory that is page-locked
+(cudaHostRegister) for the device copies; the writer touches no device and initialises no CUDA context: it reads
+host memory only.
+
 The writers of a job form a gloo process group of their own (same ranks as the training group), made through the
 job's TCP store under a key prefix of each generation, with the job's collective timeout. A writer that dies
 (SIGKILL, the OOM killer) fails its rank's save at once (the pipe to it ends); the other ranks' writers fail theirs
