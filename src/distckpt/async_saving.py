@@ -238,7 +238,8 @@ def release_buffers() -> int:
     evaluation that needs the memory. It first waits for the async saves in
     flight; the next save allocates its buffers again. Buffers still
     referenced elsewhere (a planner reused with plan caching keeps the last
-    staged state) are freed only once that reference goes. Pinned copies
+    staged state) are freed only once that reference goes; a writer process (PROCESS)
+    keeps the last save's staging mapped until its next save, or until it stops. Pinned copies
     made by sync saves and loads of GPU tensors live in torch's caching host
     allocator instead: ``torch.accelerator.empty_host_cache()`` frees those.
     """

@@ -95,7 +95,6 @@ class WriterProcess:
         self.pending: dict[int, Callable[[Any, Optional[BaseException], bool], None]] = {}
         self.gone: Optional[str] = None  # why this writer can take no more saves
         self.out_of_step = False  # its group failed a collective: it must be replaced with every rank's
-        self.ready = threading.Event()  # it has joined its group
         self.start_error: Optional[BaseException] = None
         self._receiver = threading.Thread(target=self._receive, name=f"distckpt-writer-results-{rank}", daemon=True)
         self._receiver.start()
@@ -122,9 +121,9 @@ class WriterProcess:
             except (EOFError, OSError):
                 break
             kind = message[0]
-            if kind == "ready":
-                self.ready.set()
-            elif kind == "start-failed":
+            if kind == "ready":  # it has joined its group; the saves handed to it meanwhile are queued in the pipe
+                continue
+            if kind == "start-failed":
                 self.start_error = _error(message[1], WriterProcessError)
             else:
                 _, number, metadata, info, transport_failed = message
