@@ -238,8 +238,8 @@ def release_buffers() -> int:
     evaluation that needs the memory. It first waits for the async saves in
     flight; the next save allocates its buffers again. Buffers still
     referenced elsewhere (a planner reused with plan caching keeps the last
-    staged state) are freed only once that reference goes; a writer process (PROCESS)
-    keeps the last save's staging mapped until its next save, or until it stops. Pinned copies
+    staged state) are freed only once that reference goes; writer processes (PROCESS)
+    are told to let go of theirs. Pinned copies
     made by sync saves and loads of GPU tensors live in torch's caching host
     allocator instead: ``torch.accelerator.empty_host_cache()`` frees those.
     """
@@ -251,7 +251,14 @@ def release_buffers() -> int:
                 break
         for handle in pending:
             _wait_for(handle)
+    for writer in _writers():
+        if writer.alive():
+            writer.release()
     return sum(pool.clear() for pool in pools) + release_bounce_buffers()
+
+
+def _writers() -> list[WriterProcess]:
+    return [c.writer for c in _STATE.channels.values() if c.writer is not None] + [w for w in [_STATE.solo_writer] if w]
 
 
 _NICED = threading.local()
@@ -365,8 +372,7 @@ def _background_coordinator(channel: Optional[_Channel], coordinator_rank: int, 
 @atexit.register
 def _close_writers() -> None:
     """At exit, the writer processes finish the saves handed to them (as the background thread's would), then stop."""
-    writers = [c.writer for c in _STATE.channels.values() if c.writer is not None] + [w for w in [_STATE.solo_writer] if w]
-    for writer in writers:
+    for writer in _writers():
         writer.close(timeout_s=knobs.collective_timeout_s())
 
 

@@ -146,6 +146,13 @@ class WriterProcess:
         for done in pending.values():
             done(None, WriterProcessError(reason), True)
 
+    def release(self) -> None:
+        """Tell the writer to let go of the last save's staging memory (after the saves handed to it)."""
+        try:
+            self._conn.send("release")
+        except (OSError, EOFError):
+            pass
+
     def alive(self) -> bool:
         return self.gone is None and self.process.is_alive()
 
@@ -244,9 +251,12 @@ def _serve(conn: Any, meeting: Optional[dict], tell_rank: Callable, run_save: Ca
             return
         if job is None:
             return
+        if job == "release":  # release_buffers(): the staging memory goes once no process maps it
+            _kept = None
+            continue
         number, payload = job
         coord = Coordinator(None, 0, no_dist=meeting is None)
-        metadata, info, staged = None, None, None
+        metadata, info, staged, planner, storage_writer = None, None, None, None, None
         try:
             staged, storage_writer, planner, coordinator_rank, checkpoint_id = ForkingPickler.loads(payload)
             coord = Coordinator(None, coordinator_rank, no_dist=meeting is None)
@@ -255,7 +265,8 @@ def _serve(conn: Any, meeting: Optional[dict], tell_rank: Callable, run_save: Ca
             metadata = run_save(staged, storage_writer, planner, coord)
         except BaseException as exc:  # noqa: BLE001 - delivered on the training process's handle
             info = _packed(exc)
-        _kept, staged = staged, None
+        # the planner and the storage writer hold the state too (a planner keeps the state dict it planned)
+        _kept, staged, planner, storage_writer = staged, None, None, None
         try:
             conn.send(("done", number, metadata, info, coord.transport_failed))
         except (OSError, EOFError):

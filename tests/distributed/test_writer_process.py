@@ -51,3 +51,25 @@ def test_a_fault_in_one_writer_fails_the_save_everywhere_and_the_next_save_works
         assert got["waited"] < 60, (rank, got)
     if spec.startswith("kill"):
         assert out[int(spec.rsplit(":", 1)[1])]["error"] == "WriterProcessError", out
+
+
+def test_release_buffers_frees_the_staging_the_writer_mapped(tmp_path):
+    import os
+    import time
+
+    from distckpt.async_saving import _STATE
+
+    sd = {"w": torch.randn(8 << 20 >> 2)}  # 8 MiB
+    distckpt.async_save(sd, checkpoint_id=str(tmp_path / "a"), no_dist=True, async_checkpointer_type="process").result(timeout=120)
+    writer = _STATE.solo_writer.process.pid
+
+    def shm_mb() -> float:
+        with open(f"/proc/{writer}/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("RssShmem:")) / 1024
+
+    assert shm_mb() >= 7, shm_mb()  # the writer maps the staged state
+    assert distckpt.release_buffers() >= 8 << 20
+    deadline = time.monotonic() + 10
+    while shm_mb() >= 7 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert shm_mb() < 7 and os.path.exists(f"/proc/{writer}"), shm_mb()  # let go of, and the writer still there
