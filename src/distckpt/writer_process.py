@@ -21,10 +21,14 @@ ends with its pipe.
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
+import multiprocessing.connection
 import os
 import pickle
 import signal
+import subprocess
+import sys
 import threading
 import uuid
 import warnings
@@ -78,17 +82,15 @@ class WriterProcess:
     """This rank's writer process, and the thread that receives its results."""
 
     def __init__(self, rank: int, world_size: int, meeting: Optional[dict], timeout_s: float):
-        ctx = mp.get_context("spawn")
-        self._conn, child_conn = ctx.Pipe()
-        self.process = ctx.Process(target=_main, name=f"distckpt-writer-{rank}", daemon=True,
-                                   args=(child_conn, rank, world_size, meeting, timeout_s, knobs.async_write_nice()))
-        me = mp.current_process()
-        daemonic = me._config.get("daemon")
-        me._config["daemon"] = False  # a rank started by multiprocessing (a test kit, Lightning's ddp_spawn) is daemonic,
-        try:  # and multiprocessing refuses children to those; the writer is one child that ends with its parent
-            self.process.start()
-        finally:
-            me._config["daemon"] = daemonic
+        # a fresh interpreter that runs this module, never the training script: multiprocessing's spawn would import
+        # the script's __main__ again (a script without a main guard would train again in the writer)
+        self._conn, child_conn = mp.Pipe()
+        config = {"fd": child_conn.fileno(), "rank": rank, "world_size": world_size, "meeting": meeting,
+                  "timeout_s": timeout_s, "nice": knobs.async_write_nice(),
+                  # the training process's key: tensors travel as file descriptors, fetched from its resource sharer
+                  "authkey": mp.current_process().authkey.hex()}
+        self.process = subprocess.Popen([sys.executable, "-m", "distckpt.writer_process", json.dumps(config)],
+                                        pass_fds=[child_conn.fileno()], close_fds=True)
         child_conn.close()
         self.rank = rank
         self.lock = threading.Lock()
@@ -133,8 +135,10 @@ class WriterProcess:
                     done = self.pending.pop(number, None)
                 if done is not None:
                     done(metadata, None if info is None else _error(info, CheckpointError), transport_failed)
-        self.process.join(timeout=5)
-        code = self.process.exitcode
+        try:
+            code = self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            code = None
         how = f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exited ({code})"
         if self.start_error is not None:
             how = f"could not join the writers' process group ({self.start_error})"
@@ -154,7 +158,7 @@ class WriterProcess:
             pass
 
     def alive(self) -> bool:
-        return self.gone is None and self.process.is_alive()
+        return self.gone is None and self.process.poll() is None
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Let the writer finish what it was handed, then stop it."""
@@ -162,15 +166,19 @@ class WriterProcess:
             self._conn.send(None)
         except (OSError, EOFError):
             pass
-        self.process.join(timeout_s)
-        if self.process.is_alive():
+        try:
+            self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
             self.kill()
 
     def kill(self) -> None:
         """Stop the writer now (one replaced because its group fell out of step may be inside a collective)."""
-        if self.process.is_alive():
+        if self.process.poll() is None:
             self.process.kill()
-        self.process.join(10)
+        try:
+            self.process.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
         self._conn.close()
 
 
@@ -273,3 +281,14 @@ def _serve(conn: Any, meeting: Optional[dict], tell_rank: Callable, run_save: Ca
             return
         except Exception:  # noqa: BLE001 - metadata that does not pickle: the commit is told without it
             conn.send(("done", number, None, info, coord.transport_failed))
+
+
+def _entry(argv: list[str]) -> None:
+    config = json.loads(argv[0])
+    mp.current_process().authkey = bytes.fromhex(config["authkey"])
+    conn = mp.connection.Connection(config["fd"])
+    _main(conn, config["rank"], config["world_size"], config["meeting"], config["timeout_s"], config["nice"])
+
+
+if __name__ == "__main__":
+    _entry(sys.argv[1:])

@@ -73,3 +73,20 @@ def test_release_buffers_frees_the_staging_the_writer_mapped(tmp_path):
     while shm_mb() >= 7 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert shm_mb() < 7 and os.path.exists(f"/proc/{writer}"), shm_mb()  # let go of, and the writer still there
+
+
+def test_a_training_script_without_a_main_guard_runs_once(tmp_path):
+    """The writer is a fresh interpreter running distckpt's module, not a spawn that imports the script again."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import torch, distckpt\n"
+        f"open({str(tmp_path / 'runs')!r}, 'a').write('ran\\n')\n"
+        f"h = distckpt.async_save({{'w': torch.ones(4)}}, checkpoint_id={str(tmp_path / 'c')!r}, no_dist=True,\n"
+        "                         async_checkpointer_type='process')\n"
+        "h.result(timeout=120)\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "runs").read_text() == "ran\n" and distckpt.verify(str(tmp_path / "c")).ok

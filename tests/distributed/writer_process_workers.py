@@ -31,8 +31,6 @@ def _loads(path: str, world: int, salt: float) -> bool:
 def saves_from_writer_processes(rank: int, world: int, root: str) -> dict:
     """Two saves through PROCESS: both load bit-exact; one writer process per rank, the same for both saves; the
     caller may change its tensors once the call returns."""
-    import multiprocessing as mp
-
     from distckpt.async_saving import _STATE
 
     state = _state(world, 1.0)
@@ -44,7 +42,8 @@ def saves_from_writer_processes(rank: int, world: int, root: str) -> dict:
                                  async_checkpointer_type=distckpt.AsyncCheckpointerType.PROCESS)
     second.result(timeout=120)
     after = {c.writer.process.pid for c in _STATE.channels.values() if c.writer is not None}
-    children = {p.pid for p in mp.active_children()}
+    with open(f"/proc/{os.getpid()}/task/{os.getpid()}/children") as f:
+        children = {int(pid) for pid in f.read().split()}
     return {"one": _loads(f"{root}/one", world, 1.0), "two": _loads(f"{root}/two", world, 2.0),
             "writers": len(writers), "reused": writers == after, "child": writers <= children, "pid": os.getpid() not in writers}
 
