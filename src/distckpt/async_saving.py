@@ -43,7 +43,7 @@ from .saving import run_save
 from .staging import BufferPool, return_pool, stage, take_free_pools, take_pool
 from .storage import StorageWriter
 from .torch_classes import adopt
-from .writer_process import WriterProcess, packed_job, rendezvous_of
+from .writer_process import WriterProcess, check_picklable, packed_job, rendezvous_of
 
 __all__ = ["async_save", "AsyncSaveHandle", "AsyncCheckpointerType", "release_buffers"]
 
@@ -335,14 +335,13 @@ def async_save(
             _STATE.in_flight.append(handle)
         executor = _STATE.executor
     staged: Any = None
-    job: Optional[bytes] = None
     try:
         if failure is not None:
             raise failure
         storage_writer = pick_storage("writer", checkpoint_id, storage_writer, overwrite, own_copy=True)
         planner = planner if planner is not None else DefaultSavePlanner()
         staged = stage(split_stateful(state_dict)[0], pool)
-        job = packed_job(staged, storage_writer, planner, coordinator_rank, checkpoint_id) if process else None
+        if process: check_picklable(staged, storage_writer, planner)  # noqa: E701 - before the agreement
     except Exception as exc:  # noqa: BLE001 - reported to every rank by the agreement below
         failure = exc
     try:
@@ -354,8 +353,9 @@ def async_save(
         handle.committed.set_exception(exc)
         raise
     handle.staged.set_result(None)
-    if job is not None:
-        _hand_to_writer(channel.writer if channel is not None else _STATE.solo_writer, handle, job, number, pool, on_commit)
+    if process:
+        _hand_to_writer(channel, handle, (staged, storage_writer, planner), number, coordinator_rank, checkpoint_id, pool,
+                        on_commit)
     else:
         executor.submit(_background, handle, staged, storage_writer, planner, coord, channel, number, pool, on_commit)
     return handle
@@ -381,8 +381,8 @@ def _in_a_process(checkpointer_type: Any) -> bool:
     return str(getattr(checkpointer_type, "value", checkpointer_type)).lower() == "process"
 
 
-def _hand_to_writer(writer: Any, handle: AsyncSaveHandle, job: bytes, number: int, pool: BufferPool,
-                    on_commit: Optional[Callable[[Metadata], None]]) -> None:
+def _hand_to_writer(channel: Optional[_Channel], handle: AsyncSaveHandle, save: tuple, number: int, coordinator_rank: int,
+                    checkpoint_id: Any, pool: BufferPool, on_commit: Optional[Callable[[Metadata], None]]) -> None:
     """Give the staged save to this rank's writer process; its outcome goes on ``handle`` (the pool comes back
     first: the writer is done with the shared memory by then)."""
 
@@ -398,8 +398,9 @@ def _hand_to_writer(writer: Any, handle: AsyncSaveHandle, job: bytes, number: in
         else:
             handle.committed.set_result(md)
 
+    writer = channel.writer if channel is not None else _STATE.solo_writer
     try:
-        writer.submit(number, job, done)
+        writer.submit(number, coordinator_rank, checkpoint_id, packed_job(*save), done)
     except BaseException as exc:  # noqa: BLE001 - the writer is gone: the handle says so, the next save replaces it
         return_pool(pool)
         handle.committed.set_exception(exc)

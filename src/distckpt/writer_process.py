@@ -21,11 +21,14 @@ ends with its pipe.
 
 from __future__ import annotations
 
+import io
+import itertools
 import json
 import multiprocessing as mp
 import multiprocessing.connection
 import os
 import pickle
+import queue
 import signal
 import subprocess
 import sys
@@ -42,7 +45,7 @@ from .distributed import JSON, Coordinator, describe, dist, rebuild
 from .errors import CheckpointError, StorageIOError
 from .saving import run_save
 
-__all__ = ["WriterProcess", "WriterProcessError", "packed_job", "rendezvous_of"]
+__all__ = ["WriterProcess", "WriterProcessError", "check_picklable", "packed_job", "rendezvous_of"]
 
 
 class WriterProcessError(StorageIOError):
@@ -98,23 +101,35 @@ class WriterProcess:
         self.gone: Optional[str] = None  # why this writer can take no more saves
         self.out_of_step = False  # its group failed a collective: it must be replaced with every rank's
         self.start_error: Optional[BaseException] = None
+        self._tickets = itertools.count()  # what tells this writer's saves apart (their numbers: only on a group)
+        # sends go through a thread: a job larger than the socket's buffer waits for a busy writer, not the caller
+        self._outbox: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        self._sender = threading.Thread(target=self._send, name=f"distckpt-writer-send-{rank}", daemon=True)
+        self._sender.start()
         self._receiver = threading.Thread(target=self._receive, name=f"distckpt-writer-results-{rank}", daemon=True)
         self._receiver.start()
 
-    def submit(self, number: int, job: bytes, done: Callable[[Any, Optional[BaseException], bool], None]) -> None:
-        """Send save ``number`` (``job``, from :func:`packed_job`) to the writer; ``done(metadata, error,
+    def submit(self, number: int, coordinator_rank: int, checkpoint_id: Any, job: bytes,
+               done: Callable[[Any, Optional[BaseException], bool], None]) -> None:
+        """Hand save ``number`` (``job``, from :func:`packed_job`) to the writer; ``done(metadata, error,
         transport_failed)`` runs when it ends."""
         with self.lock:
             if self.gone is not None:
                 raise WriterProcessError(self.gone)
-            self.pending[number] = done
-        try:
-            self._conn.send((number, job))
-        except (OSError, EOFError) as exc:
-            with self.lock:
-                self.pending.pop(number, None)
-            raise WriterProcessError(f"the writer process of rank {self.rank} could not be handed save #{number}: {exc}; "
-                                     "it has stopped. The next async_save starts a new one") from exc
+            ticket = next(self._tickets)
+            self.pending[ticket] = done
+        where = None if checkpoint_id is None else os.fspath(checkpoint_id)
+        self._outbox.put((ticket, number, coordinator_rank, where, job))
+
+    def _send(self) -> None:
+        while True:
+            message = self._outbox.get()
+            try:
+                self._conn.send(message)
+            except (OSError, EOFError, ValueError):
+                pass  # the writer is gone: the receiver fails what it was handed
+            if message is None:
+                return
 
     def _receive(self) -> None:
         while True:
@@ -128,11 +143,11 @@ class WriterProcess:
             if kind == "start-failed":
                 self.start_error = _error(message[1], WriterProcessError)
             else:
-                _, number, metadata, info, transport_failed = message
+                _, ticket, metadata, info, transport_failed = message
                 if transport_failed:
                     self.out_of_step = True
                 with self.lock:
-                    done = self.pending.pop(number, None)
+                    done = self.pending.pop(ticket, None)
                 if done is not None:
                     done(metadata, None if info is None else _error(info, CheckpointError), transport_failed)
         try:
@@ -152,20 +167,14 @@ class WriterProcess:
 
     def release(self) -> None:
         """Tell the writer to let go of the last save's staging memory (after the saves handed to it)."""
-        try:
-            self._conn.send("release")
-        except (OSError, EOFError):
-            pass
+        self._outbox.put("release")
 
     def alive(self) -> bool:
         return self.gone is None and self.process.poll() is None
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Let the writer finish what it was handed, then stop it."""
-        try:
-            self._conn.send(None)
-        except (OSError, EOFError):
-            pass
+        self._outbox.put(None)
         try:
             self.process.wait(timeout_s)
         except subprocess.TimeoutExpired:
@@ -182,17 +191,48 @@ class WriterProcess:
         self._conn.close()
 
 
-def packed_job(staged: Any, storage_writer: Any, planner: Any, coordinator_rank: int, checkpoint_id: Any) -> bytes:
-    """A save for the writer process, pickled now (before the ranks agree, so that a state that cannot travel fails
-    the save on every rank alike): its tensors as handles to the shared memory they were staged into."""
+def packed_job(staged: Any, storage_writer: Any, planner: Any) -> bytes:
+    """A save for the writer process, pickled once the ranks agreed to it (:func:`check_picklable` came before):
+    its tensors as handles to the shared memory they were staged into."""
     import torch.multiprocessing  # noqa: F401 - registers the reductions that send tensors as shared-memory handles
 
     try:
-        return bytes(ForkingPickler.dumps((staged, storage_writer, planner, coordinator_rank, checkpoint_id)))
+        return bytes(ForkingPickler.dumps((staged, storage_writer, planner)))
     except Exception as exc:  # noqa: BLE001 - what does not pickle: a user's writer, planner or value
         raise CheckpointError(f"async_save with PROCESS cannot hand this save to its writer process ({type(exc).__name__}: "
                               f"{exc}): the storage writer, the planner and every value of the state must be picklable. "
                               "Pass async_checkpointer_type=THREAD to write from a thread of this process") from exc
+
+
+def check_picklable(staged: Any, storage_writer: Any, planner: Any) -> None:
+    """Raise CheckpointError unless what :func:`packed_job` will pickle can be: checked without sharing any memory
+    (tensors stand in as ids), so that a save the ranks do not all agree to leaves nothing shared behind."""
+    import torch
+
+    class _Dry(pickle.Pickler):
+        def persistent_id(self, obj: Any) -> Optional[str]:
+            return "tensor" if isinstance(obj, (torch.Tensor, torch.UntypedStorage, torch.TypedStorage)) else None
+
+    try:
+        _Dry(io.BytesIO(), protocol=pickle.HIGHEST_PROTOCOL).dump((staged, storage_writer, planner))
+    except Exception as exc:  # noqa: BLE001 - what does not pickle: a user's writer, planner or value
+        raise CheckpointError(f"async_save with PROCESS cannot hand this save to its writer process ({type(exc).__name__}: "
+                              f"{exc}): the storage writer, the planner and every value of the state must be picklable. "
+                              "Pass async_checkpointer_type=THREAD to write from a thread of this process") from exc
+
+
+def _unpack(payload: bytes) -> tuple:
+    """A job as the writer rebuilds it: ((state, storage writer, planner) or None, the error of a rebuild that
+    failed or None)."""
+    try:
+        unpacked = ForkingPickler.loads(payload)
+    except Exception as exc:  # noqa: BLE001 - told to every rank's writer by the vote that follows
+        error = CheckpointError(
+            f"the writer process could not rebuild the save it was handed ({type(exc).__name__}: {exc}): a value whose "
+            "class is defined in the training script's main block, or that pickles but cannot be rebuilt elsewhere, "
+            "cannot travel to a writer process. Define the class in a module, or pass async_checkpointer_type=THREAD")
+        return None, error
+    return unpacked, None
 
 
 def _packed(exc: BaseException) -> tuple:
@@ -262,25 +302,29 @@ def _serve(conn: Any, meeting: Optional[dict], tell_rank: Callable, run_save: Ca
         if job == "release":  # release_buffers(): the staging memory goes once no process maps it
             _kept = None
             continue
-        number, payload = job
+        ticket, number, coordinator_rank, checkpoint_id, payload = job
         coord = Coordinator(None, 0, no_dist=meeting is None)
-        metadata, info, staged, planner, storage_writer = None, None, None, None, None
+        metadata, info, staged, planner, storage_writer, unpacked = None, None, None, None, None, None
         try:
-            staged, storage_writer, planner, coordinator_rank, checkpoint_id = ForkingPickler.loads(payload)
+            unpacked, rebuilt = _unpack(payload)
             coord = Coordinator(None, coordinator_rank, no_dist=meeting is None)
             coord.begin("async save", checkpoint_id, number=number)
+            # every rank's writer says whether it could rebuild its save, before any writes: one that could not
+            # fails the save on every rank at once, as the ranks' own agreement does for what fails before the call
+            coord.vote("async save (rebuilt in the writer process)", rebuilt, False)
+            staged, storage_writer, planner = unpacked
             tell_rank(planner, coord.rank)
             metadata = run_save(staged, storage_writer, planner, coord)
         except BaseException as exc:  # noqa: BLE001 - delivered on the training process's handle
             info = _packed(exc)
         # the planner and the storage writer hold the state too (a planner keeps the state dict it planned)
-        _kept, staged, planner, storage_writer = staged, None, None, None
+        _kept, staged, planner, storage_writer, unpacked = staged, None, None, None, None
         try:
-            conn.send(("done", number, metadata, info, coord.transport_failed))
+            conn.send(("done", ticket, metadata, info, coord.transport_failed))
         except (OSError, EOFError):
             return
         except Exception:  # noqa: BLE001 - metadata that does not pickle: the commit is told without it
-            conn.send(("done", number, None, info, coord.transport_failed))
+            conn.send(("done", ticket, None, info, coord.transport_failed))
 
 
 def _entry(argv: list[str]) -> None:

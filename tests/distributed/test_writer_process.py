@@ -90,3 +90,40 @@ def test_a_training_script_without_a_main_guard_runs_once(tmp_path):
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert (tmp_path / "runs").read_text() == "ran\n" and distckpt.verify(str(tmp_path / "c")).ok
+
+
+def test_saves_queued_behind_a_busy_writer_each_resolve_with_their_own_state_and_the_call_never_waits(tmp_path):
+    """One process (every save numbered 0 there), two saves in flight behind a writer busy planning the first: each
+    handle resolves with its own save, each checkpoint holds its own values, and a call does not wait for the writer
+    to read a job larger than the socket's buffer (8,000 tensors)."""
+    import time
+
+    states = [{f"t{i}": torch.full((2,), float(salt)) for i in range(8000)} for salt in (1, 2, 3)]
+    handles, returned = [], []
+    for salt, sd in zip((1, 2, 3), states):
+        begun = time.monotonic()
+        handles.append(distckpt.async_save(sd, checkpoint_id=str(tmp_path / f"s{salt}"), no_dist=True, max_in_flight=2,
+                                           planner=workers.SlowPlanner(3.0), async_checkpointer_type="process"))
+        returned.append(time.monotonic() - begun)
+    for h in handles:
+        h.result(timeout=120)
+    for salt in (1, 2, 3):
+        out = {"t0": torch.zeros(2), "t7999": torch.zeros(2)}
+        distckpt.load(out, checkpoint_id=str(tmp_path / f"s{salt}"), no_dist=True,
+                      planner=distckpt.DefaultLoadPlanner(allow_partial_load=True))
+        assert torch.equal(out["t0"], torch.full((2,), float(salt))) and torch.equal(out["t7999"], out["t0"]), salt
+    assert returned[1] < 2.5, returned  # the second: staged and handed over while the writer plans the first
+
+
+def test_a_save_one_writer_cannot_rebuild_fails_on_every_rank_at_once(tmp_path):
+    out = run_ranks(workers.one_writer_cannot_rebuild_its_save, 2, str(tmp_path), timeout_s=300, env=TIMEOUTS)
+    for rank, got in enumerate(out):
+        assert got["error"] is not None and not got["error"].startswith("untyped"), (rank, got)
+        assert got["waited"] < 15 and not got["committed"] and got["after"], (rank, got)
+    assert "cannot be rebuilt" in out[1]["error"] and "THREAD" in out[1]["error"], out
+
+
+def test_saves_the_ranks_refuse_leave_nothing_shared_behind(tmp_path):
+    for rank, got in enumerate(run_ranks(workers.saves_refused_by_the_agreement_leave_nothing_shared, 2, str(tmp_path),
+                                         timeout_s=300, env=TIMEOUTS)):
+        assert got["failed"] == 5 and got["grew"] <= 1, (rank, got)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 
@@ -67,3 +68,74 @@ def a_fault_in_one_writer(rank: int, world: int, root: str, spec: str) -> dict:
     again = distckpt.async_save(_state(world, 3.0), checkpoint_id=f"{root}/after", async_checkpointer_type="process")
     again.result(timeout=120)
     return {"error": error, "waited": waited, "committed": committed, "after": _loads(f"{root}/after", world, 3.0)}
+
+
+class SlowPlanner(distckpt.DefaultSavePlanner):
+    """Plans as the default does, after ``seconds`` (in the writer process, where it plans)."""
+
+    def __init__(self, seconds: float):
+        super().__init__()
+        self.seconds = seconds
+
+    def create_local_plan(self):
+        time.sleep(self.seconds)
+        return super().create_local_plan()
+
+
+def _refuse_to_rebuild(rank: int):
+    raise ValueError(f"rank {rank}'s planner cannot be rebuilt here")
+
+
+class PlannerThatDoesNotTravel(distckpt.DefaultSavePlanner):
+    """Pickles in the training process, and fails to rebuild in the writer process."""
+
+    def __reduce__(self):
+        return (_refuse_to_rebuild, (int(os.environ.get("RANK", "0")),))
+
+
+def one_writer_cannot_rebuild_its_save(rank: int, world: int, root: str) -> dict:
+    begun = time.monotonic()
+    planner = PlannerThatDoesNotTravel() if rank == 1 else None
+    handle = distckpt.async_save(_state(world, 1.0), checkpoint_id=f"{root}/bad", planner=planner,
+                                 async_checkpointer_type="process")
+    try:
+        handle.result(timeout=120)
+        error = None
+    except distckpt.CheckpointError as exc:
+        error = type(exc).__name__ + ": " + str(exc)[:2000]
+    except Exception as exc:  # noqa: BLE001
+        error = f"untyped {type(exc).__name__}: {exc}"
+    waited = time.monotonic() - begun
+    again = distckpt.async_save(_state(world, 3.0), checkpoint_id=f"{root}/after", async_checkpointer_type="process")
+    again.result(timeout=120)
+    return {"error": error, "waited": waited, "committed": os.path.exists(f"{root}/bad/metadata.json"),
+            "after": _loads(f"{root}/after", world, 3.0)}
+
+
+def saves_refused_by_the_agreement_leave_nothing_shared(rank: int, world: int, root: str) -> dict:
+    """Saves that one rank cannot hand to its writer (a value that does not pickle) fail on every rank; they leave no
+    file descriptor or shared memory behind."""
+    def held() -> list:
+        out = []
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                out.append(os.readlink(f"/proc/self/fd/{fd}"))
+            except OSError:
+                pass
+        return out
+
+    distckpt.async_save(_state(world, 0.0), checkpoint_id=f"{root}/first", async_checkpointer_type="process").result(timeout=120)
+    before = held()
+    failed = 0
+    for i in range(5):
+        state = _state(world, float(i)) | {f"extra{i}": torch.zeros(1000 + i)}  # a new layout each time
+        if rank == 1:
+            state["fn"] = lambda: 0
+        try:
+            distckpt.async_save(state, checkpoint_id=f"{root}/refused-{i}", async_checkpointer_type="process")
+        except distckpt.CheckpointError:
+            failed += 1
+    distckpt.release_buffers()
+    gc.collect()  # the failed calls' tracebacks (cycles through their frames) held the staged views
+    after = held()
+    return {"failed": failed, "grew": len(after) - len(before), "new": sorted(set(after) - set(before))}
