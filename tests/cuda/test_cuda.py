@@ -126,6 +126,22 @@ def test_async_save_stages_in_stream_order_into_pinned_buffers(tmp_path):
     assert pools and all(buf.is_pinned() for pool in pools for buf, _, _ in pool.buffers.values())
 
 
+def test_a_writer_process_saves_cuda_state_staged_into_pinned_shared_memory(tmp_path):
+    sd = _state("cuda")
+    handle = distckpt.async_save(sd, checkpoint_id=tmp_path / "c", async_checkpointer_type="process")
+    for v in sd.values():
+        if isinstance(v, torch.Tensor) and v.numel():
+            v.zero_()  # after staging: must not reach the checkpoint
+    handle.result(timeout=120)
+    out = _blank(sd, "cuda")
+    distckpt.load(out, checkpoint_id=tmp_path / "c")
+    for k, v in _state("cuda").items():
+        if isinstance(v, torch.Tensor):
+            assert _same(out[k], v), k
+    shared = [pool for pool in staging._STATE.free_pools if pool.shared]
+    assert shared and all(buf.is_pinned() and buf.is_shared() for pool in shared for buf, _, _ in pool.buffers.values())
+
+
 def test_staging_pins_one_arena_without_rounding_up(tmp_path):
     # odd sizes: torch's caching pinned allocator would round each up to a power of two
     sd = {f"t{i}": torch.randn(1000 + 37 * i, 129, device="cuda") for i in range(20)}
