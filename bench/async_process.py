@@ -30,6 +30,8 @@ import tempfile
 import threading
 import time
 
+from bench.measure import describe_machine, machine_state
+
 
 def _pss_mb(pid: int) -> float:
     """Proportional set size of ``pid`` and every process under it, in MiB."""
@@ -167,6 +169,7 @@ def main(argv=None) -> dict:
     root = tempfile.mkdtemp(prefix="distckpt-async-process-", dir=args.root)  # removed at the end: only what it made
     n = args.mib * 2**20 // 4 // 16
     sd = {f"layer.{i}": torch.randn(n) for i in range(16)}
+    machine = {"start": machine_state(root)}
     copies = {k: v.clone() for k, v in sd.items()}
     step = _model_and_pipeline()
     for peer in args.peers:  # the first save of each: its writer starts, its staging memory is allocated
@@ -186,8 +189,10 @@ def main(argv=None) -> dict:
         print(f"{peer:<18}{r['step_ratio']:11.3f}{r['blocking_over_memcpy']:17.2f}{r['total_over_sync']:12.2f}"
               f"{r['blocking_s']:12.3f}{r['total_s']:9.3f}{r['peak_pss_mb']:13.0f}{r['added_mb']:10.0f}")
     print("targets for distckpt-process: step ratio <= 1.05, blocking/memcpy <= 1.1, total/sync <= 1.1, added <= 256 MB")
+    machine["end"] = machine_state(root)
+    print(describe_machine(machine["start"]), "(at the start)")
     shutil.rmtree(root, ignore_errors=True)
-    out = {"mib": args.mib, "best": best, "rounds": rounds}
+    out = {"mib": args.mib, "best": best, "rounds": rounds, "machine": machine}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -102,3 +102,23 @@ def warm_memory(gib: float) -> None:
     block = torch.ones(int(gib * (1 << 30)), dtype=torch.uint8)
     del block
 
+
+
+def machine_state(*paths: str) -> dict:
+    """What the figures of a run depend on beyond the code: the load, free memory, and how full each of ``paths``'
+    file systems is (a tmpfs nearly full places its pages worse), taken when the run starts and when it ends."""
+    with open("/proc/meminfo") as f:
+        meminfo = {line.split(":")[0]: int(line.split()[1]) for line in f if ":" in line}
+    out = {"loadavg": os.getloadavg(), "cpus": os.cpu_count(), "mem_available_mib": meminfo.get("MemAvailable", 0) // 1024,
+           "mem_total_mib": meminfo.get("MemTotal", 0) // 1024, "filled": {}}
+    for path in paths:
+        st = os.statvfs(path)
+        out["filled"][path] = round(1 - st.f_bavail / st.f_blocks, 3) if st.f_blocks else None
+    return out
+
+
+def describe_machine(state: dict) -> str:
+    filled = ", ".join(f"{p} {v:.0%} full" for p, v in state["filled"].items() if v is not None)
+    return (f"machine: load {state['loadavg'][0]:.2f}/{state['loadavg'][1]:.2f}/{state['loadavg'][2]:.2f} on "
+            f"{state['cpus']} CPUs, {state['mem_available_mib']} of {state['mem_total_mib']} MiB available"
+            + (f"; {filled}" if filled else ""))

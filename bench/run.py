@@ -30,7 +30,7 @@ from . import planning_scale, targets, throttle, workers
 from .before import Revision
 
 TABLES = ("disk", "tmpfs", "small", "tiny", "reshard", "async", "planning")
-from .measure import drop_cache, warm_memory
+from .measure import describe_machine, drop_cache, machine_state, warm_memory
 
 
 def disk_baselines(location: str, nbytes: int) -> dict:
@@ -140,9 +140,10 @@ def main(argv=None) -> dict:
     disk = tempfile.mkdtemp(prefix="distckpt-bench-", dir=a.disk_dir or os.getcwd())
     tmpfs = tempfile.mkdtemp(prefix="distckpt-bench-", dir=a.tmpfs_dir)
     env = {"DISTCKPT_FSYNC": "1", "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // max(a.ranks)))}
-    results: dict = {"config": vars(a)}
+    results: dict = {"config": vars(a), "machine": {"start": machine_state(disk, tmpfs)}}
     lines = [f"distckpt benchmark: {total / 2**30:.2f} GiB GPT-like state, {a.small} small tensors, torch {torch.__version__}, "
-             f"{os.cpu_count()} CPUs"]
+             f"{os.cpu_count()} CPUs", describe_machine(results["machine"]["start"])]
+    print(lines[-1], flush=True)
     before = Revision(a.before) if a.before else None
     try:
         warm_memory(a.warm_gib)
@@ -211,6 +212,8 @@ def main(argv=None) -> dict:
         results["targets"] = [dataclasses.asdict(t) | {"met": t.met} for t in checked]
         print("\n".join(targets.report(checked)), flush=True)
     finally:
+        results["machine"]["end"] = machine_state(disk, tmpfs)
+        print(describe_machine(results["machine"]["end"]), flush=True)
         if before is not None:
             before.close()
         shutil.rmtree(disk, ignore_errors=True)

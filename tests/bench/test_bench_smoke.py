@@ -38,6 +38,11 @@ def test_bench_suite_runs_every_peer_at_a_tiny_size(tmp_path, capsys):
     warm = next(t for t in results["targets"] if t["name"] == "tmpfs 2 rank(s) warm load: raw time / distckpt")
     assert warm["floor_label"] == "verified floor" and 0 < warm["floor"]
     assert (tmp_path / "r.json").exists()
+    # what the figures depend on beyond the code: the machine's state when the run began and ended
+    for when in ("start", "end"):
+        state = results["machine"][when]
+        assert state["mem_available_mib"] > 0 and len(state["loadavg"]) == 3 and len(state["filled"]) == 2
+    assert out.count("machine: load ") == 2
 
 
 @pytest.mark.slow  # docs/testing.md: the guard that stays
