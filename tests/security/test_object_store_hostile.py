@@ -116,3 +116,14 @@ def test_metadata_far_larger_than_the_loader_accepts_is_not_read_whole(monkeypat
     with pytest.raises(CheckpointError):
         mgr.save(1, _state(1), storage_writer=distckpt.backends.writer_for(mgr.path(1), overwrite=True))
     assert OldObjects.fetched <= 4 << 20
+
+
+def test_a_checkpoint_inside_another_checkpoints_layout_is_refused():
+    root = f"old://inside-{uuid.uuid4().hex[:8]}"
+    distckpt.save(_state(1), checkpoint_id=f"{root}/step-1", no_dist=True)
+    for reserved in ("saves", "leases", "retired"):
+        with pytest.raises(CheckpointError, match="inside the layout of checkpoint"):
+            distckpt.save(_state(2), checkpoint_id=f"{root}/step-1/{reserved}/v1", no_dist=True)
+    distckpt.save(_state(2), checkpoint_id=f"{root}/step-1/notes/v1", no_dist=True)  # any other name is the user's
+    distckpt.CheckpointManager(root, no_dist=True).remove_stale_temporaries()
+    assert _loads(f"{root}/step-1", 1) and _loads(f"{root}/step-1/notes/v1", 2)

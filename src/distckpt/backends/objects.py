@@ -158,10 +158,11 @@ class ObjectStore(BlobStore):
                                   f"{objects.url('run-1/step-100')!r}")
         self._checkpoint: Optional[ObjectStore] = None  # for a save's data store: the checkpoint, to explain objects
         self._save_id: Optional[str] = None  # that vanish during a load (see data_store)
+        self._a_save = False  # one save's data store (staging), not a checkpoint
 
     def _sub(self, prefix: str) -> "ObjectStore":
         sub = copy.copy(self)
-        sub.prefix, sub._checkpoint, sub._save_id = prefix.strip("/"), None, None
+        sub.prefix, sub._checkpoint, sub._save_id, sub._a_save = prefix.strip("/"), None, None, False
         return sub
 
     def key(self, name: str) -> str:
@@ -172,6 +173,17 @@ class ObjectStore(BlobStore):
 
     def prepare(self) -> None:
         self.objects.check()
+
+    def _check_placement(self) -> None:
+        """Raise CheckpointError where this checkpoint would sit inside another's layout (``<ckpt>/saves/<name>``):
+        that checkpoint's cleanup would take it for one of its own dead saves."""
+        parts = self.prefix.split("/")
+        if not self._a_save and len(parts) >= 3 and parts[-2] in (SAVES, LEASE_DIR, RETIRED):
+            holder = self._sub("/".join(parts[:-2]))
+            if holder.exists(METADATA_FILE):
+                raise CheckpointError(
+                    f"{self.describe()} is inside the layout of checkpoint {holder.describe()!r} ({parts[-2]}/ holds its "
+                    "saves, leases and retired files, which its cleanup removes): save to another name")
 
     # ---- blobs
 
@@ -217,7 +229,9 @@ class ObjectStore(BlobStore):
     # ---- commit: each save has its own prefix; the metadata PUT is the commit
 
     def staging(self, save_id: str) -> "ObjectStore":
-        return self._sub(f"{self.prefix}/{SAVES}/{checked_save_id(save_id, self.describe())}")
+        store = self._sub(f"{self.prefix}/{SAVES}/{checked_save_id(save_id, self.describe())}")
+        store._a_save = True
+        return store
 
     def data_store(self, save_id: str) -> "ObjectStore":
         store = self.staging(save_id)
@@ -454,6 +468,7 @@ class ObjectStore(BlobStore):
         return sorted(k[len(base):] for k in self._keys(base) if _SAVE_ID.match(k[len(base):]))
 
     def put_lease(self, save_id: str, record: bytes) -> None:
+        self._check_placement()  # a save begins here
         name = self._lease_name(save_id)
         if not self._put(name, record, if_absent=True) and self.objects.get(self.key(name), 4096) != record:
             # (the same record there: our own PUT landed and its answer was lost, and the retry found it)
