@@ -92,8 +92,10 @@ class WriterProcess:
                   "timeout_s": timeout_s, "nice": knobs.async_write_nice(),
                   # the training process's key: tensors travel as file descriptors, fetched from its resource sharer
                   "authkey": mp.current_process().authkey.hex()}
+        # the training process's import path: distckpt, and the modules of a user's planner or storage writer
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         self.process = subprocess.Popen([sys.executable, "-m", "distckpt.writer_process", json.dumps(config)],
-                                        pass_fds=[child_conn.fileno()], close_fds=True)
+                                        pass_fds=[child_conn.fileno()], close_fds=True, env=env)
         child_conn.close()
         self.rank = rank
         self.lock = threading.Lock()

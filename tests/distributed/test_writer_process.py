@@ -127,3 +127,26 @@ def test_saves_the_ranks_refuse_leave_nothing_shared_behind(tmp_path):
     for rank, got in enumerate(run_ranks(workers.saves_refused_by_the_agreement_leave_nothing_shared, 2, str(tmp_path),
                                          timeout_s=300, env=TIMEOUTS)):
         assert got["failed"] == 5 and got["grew"] <= 1, (rank, got)
+
+
+def test_the_writer_imports_what_the_training_process_can(tmp_path):
+    """distckpt and a user's planner, importable by the training process from a path it added itself, are importable
+    by the writer too."""
+    import subprocess
+    import sys
+
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "my_planner.py").write_text(
+        "import distckpt\nclass MyPlanner(distckpt.DefaultSavePlanner):\n    pass\n")
+    src = str(__import__("pathlib").Path(distckpt.__file__).parents[1])
+    script = tmp_path / "train.py"
+    script.write_text(
+        f"import sys\nsys.path[:0] = [{src!r}, {str(tmp_path / 'mine')!r}]\n"
+        "import torch, distckpt, my_planner\n"
+        f"h = distckpt.async_save({{'w': torch.ones(4)}}, checkpoint_id={str(tmp_path / 'c')!r}, no_dist=True,\n"
+        "                         planner=my_planner.MyPlanner(), async_checkpointer_type='process')\n"
+        "h.result(timeout=120)\n")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert distckpt.verify(str(tmp_path / "c")).ok
