@@ -13,11 +13,11 @@ document lists is stored whole, and commits it.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
-from ..errors import CorruptCheckpointError
+from ..errors import CheckpointError, CorruptCheckpointError
 from ..format import METADATA_FILE
 from ..format.chunk_codec import DECODED_CRC, IDENTITY
 from ..format.codec import (
@@ -160,3 +160,24 @@ def publish(store: BlobStore, save_id: str, document: bytes, replaces: bool, syn
     check_references(store, listed, f"checkpoint {checkpoint_id!r}")
     staging.put_atomic(METADATA_FILE, document, sync)
     store.commit(staging, replaces, sync)
+    if listed.references:
+        _withdraw_if_broken(store, listed, checkpoint_id)
+
+
+def _withdraw_if_broken(store: BlobStore, listed: Any, checkpoint_id: str) -> None:
+    """Check the references of a document just committed again: another process's retention or overwrite may have
+    deleted a file it references after the check before the commit (its mark phase could not see this document).
+    A step so broken is withdrawn, not left committed, and the save fails: the next save writes every chunk."""
+    try:
+        check_references(store, listed, f"checkpoint {checkpoint_id!r}")
+        return
+    except CorruptCheckpointError as exc:
+        reason = str(exc).split(";")[0]  # which file, without the advice for a save that did not commit
+    try:
+        store.remove()
+        withdrawn = "it was withdrawn"
+    except CheckpointError as exc:
+        withdrawn = f"withdrawing it failed too ({exc}): remove it"
+    raise CorruptCheckpointError(
+        f"checkpoint {checkpoint_id!r} committed, but a file it references was deleted meanwhile by another process "
+        f"(retention or an overwrite of that step): {reason}; {withdrawn}. Save again.")
