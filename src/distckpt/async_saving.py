@@ -340,8 +340,7 @@ def async_save(
             raise failure
         storage_writer = pick_storage("writer", checkpoint_id, storage_writer, overwrite, own_copy=True)
         planner = planner if planner is not None else DefaultSavePlanner()
-        staged = stage(split_stateful(state_dict)[0], pool)
-        if process: check_picklable(staged, storage_writer, planner)  # noqa: E701 - before the agreement
+        staged = _staged(state_dict, pool, storage_writer, planner, process)
     except Exception as exc:  # noqa: BLE001 - reported to every rank by the agreement below
         failure = exc
     try:
@@ -359,6 +358,15 @@ def async_save(
     else:
         executor.submit(_background, handle, staged, storage_writer, planner, coord, channel, number, pool, on_commit)
     return handle
+
+
+def _staged(state_dict: STATE_DICT_TYPE, pool: BufferPool, storage_writer: StorageWriter, planner: SavePlanner,
+            process: bool) -> Any:
+    """The state copied into ``pool``; for a writer process, checked to travel there before the ranks agree."""
+    staged = stage(split_stateful(state_dict)[0], pool)
+    if process:
+        check_picklable(staged, storage_writer, planner)
+    return staged
 
 
 def _background_coordinator(channel: Optional[_Channel], coordinator_rank: int, no_dist: bool, checkpoint_id: Any,

@@ -280,7 +280,7 @@ def _main(conn: Any, rank: int, world_size: int, meeting: Optional[dict], timeou
 
         if meeting is None:  # a group of one: nothing to join
             conn.send(("ready",))
-            return _serve(conn, meeting, tell_rank, run_save)
+            return _serve(conn, meeting)
         timeout = timedelta(seconds=timeout_s)
         store = dist.PrefixStore(meeting["prefix"], dist.TCPStore(meeting["host"], meeting["port"], is_master=False,
                                                                    timeout=timeout))
@@ -289,10 +289,10 @@ def _main(conn: Any, rank: int, world_size: int, meeting: Optional[dict], timeou
         conn.send(("start-failed", _packed(exc)))
         return
     conn.send(("ready",))
-    _serve(conn, meeting, tell_rank, run_save)
+    _serve(conn, meeting)
 
 
-def _serve(conn: Any, meeting: Optional[dict], tell_rank: Callable, run_save: Callable) -> None:
+def _serve(conn: Any, meeting: Optional[dict]) -> None:
     _kept = None  # the last save's staged state: its shared memory stays mapped, so the next save (the same arenas,
     while True:  # reused) finds it in torch's cache of shared storages instead of mapping and faulting it in again
         try:
