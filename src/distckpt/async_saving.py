@@ -35,12 +35,13 @@ from ._sequence import split_stateful, storage_by_position, tell_rank
 from .backends.direct_io import release_bounce_buffers
 from .backends.registry import pick_storage
 from .distributed import Coordinator, dist, new_gloo_group
+from .engine.filling import count, fail, new_counter
 from .errors import CheckpointError, RankFailuresError
 from .metadata import STATE_DICT_TYPE, Metadata
 from .planner import SavePlanner
 from .planning import DefaultSavePlanner
 from .saving import run_save
-from .staging import BufferPool, return_pool, stage, take_free_pools, take_pool
+from .staging import BufferPool, allocate, fill, return_pool, stage, take_free_pools, take_pool
 from .storage import StorageWriter
 from .torch_classes import adopt
 from .writer_process import WriterProcess, check_picklable, packed_job, rendezvous_of
@@ -315,7 +316,8 @@ def async_save(
     (``DISTCKPT_ASYNC_NICE``, default 10; docs/performance.md has the figures).
 
     ``async_checkpointer_type=PROCESS`` (ours, DCP's, or ``"process"``) writes from a writer process of each rank,
-    started once and fed through shared memory, off the training loop's GIL (:mod:`distckpt.writer_process`);
+    started once and fed through shared memory, off the training loop's GIL (:mod:`distckpt.writer_process`); it is
+    handed the save before the copy and writes each tensor as soon as it is staged, so the copy overlaps the write;
     THREAD, the default, from the thread. DCP's DefaultStager and BlockingAsyncStager are accepted (distckpt's
     own staging serves both); another ``async_stager``, or ``use_collectives=False``, raises CheckpointError.
     """
@@ -351,22 +353,55 @@ def async_save(
         handle.staged.set_exception(exc)
         handle.committed.set_exception(exc)
         raise
-    handle.staged.set_result(None)
     if process:
-        _hand_to_writer(channel, handle, (staged, storage_writer, planner), number, coordinator_rank, checkpoint_id, pool,
-                        on_commit)
+        _write_in_process(channel, handle, staged, storage_writer, planner, number, coordinator_rank, pool, on_commit)
     else:
+        handle.staged.set_result(None)
         executor.submit(_background, handle, staged, storage_writer, planner, coord, channel, number, pool, on_commit)
     return handle
 
 
 def _staged(state_dict: STATE_DICT_TYPE, pool: BufferPool, storage_writer: StorageWriter, planner: SavePlanner,
             process: bool) -> Any:
-    """The state copied into ``pool``; for a writer process, checked to travel there before the ranks agree."""
-    staged = stage(split_stateful(state_dict)[0], pool)
-    if process:
-        check_picklable(staged, storage_writer, planner)
+    """The state copied into ``pool``; for a writer process, its buffers only allocated (filled once the ranks
+    agree, while the writer starts: :func:`_write_in_process`) and checked to travel there: (the staged state,
+    its sources, their buffers)."""
+    if not process:
+        return stage(split_stateful(state_dict)[0], pool)
+    staged = allocate(split_stateful(state_dict)[0], pool)
+    check_picklable(staged[0], storage_writer, planner)
     return staged
+
+
+def _write_in_process(channel: Optional[_Channel], handle: AsyncSaveHandle, staged: tuple, storage_writer: StorageWriter,
+                      planner: SavePlanner, number: int, coordinator_rank: int, pool: BufferPool,
+                      on_commit: Optional[Callable[[Metadata], None]]) -> None:
+    """Hand the agreed save to this rank's writer process, then fill its staging: the writer writes each buffer as
+    soon as it is filled (:mod:`distckpt.engine.filling`). A copy that fails fails the save on every rank's
+    handle, through the writers, and raises here."""
+    state, sources, buffers = staged
+    counter = new_counter()
+    lock, users = threading.Lock(), [2]  # the pool goes back once the writer is done with it and the copy has ended
+
+    def give_back() -> None:
+        with lock:
+            users[0] -= 1
+            last = users[0] == 0
+        if last:
+            return_pool(pool)
+
+    handed = _hand_to_writer(channel, handle, (state, storage_writer, planner, (counter, buffers)), number,
+                             coordinator_rank, handle.checkpoint_id, give_back, on_commit)
+    try:
+        if handed:  # else the writer is gone, and the handle says so
+            fill(sources, buffers, lambda n: count(counter, n))
+    except BaseException as exc:
+        fail(counter)
+        handle.staged.set_exception(exc)
+        raise
+    finally:
+        give_back()
+    handle.staged.set_result(None)
 
 
 def _background_coordinator(channel: Optional[_Channel], coordinator_rank: int, no_dist: bool, checkpoint_id: Any,
@@ -390,12 +425,12 @@ def _in_a_process(checkpointer_type: Any) -> bool:
 
 
 def _hand_to_writer(channel: Optional[_Channel], handle: AsyncSaveHandle, save: tuple, number: int, coordinator_rank: int,
-                    checkpoint_id: Any, pool: BufferPool, on_commit: Optional[Callable[[Metadata], None]]) -> None:
-    """Give the staged save to this rank's writer process; its outcome goes on ``handle`` (the pool comes back
-    first: the writer is done with the shared memory by then)."""
+                    checkpoint_id: Any, give_back: Callable[[], None], on_commit: Optional[Callable[[Metadata], None]]) -> bool:
+    """Give the staged save to this rank's writer process; its outcome goes on ``handle``, after ``give_back()``
+    (the writer is done with the shared memory by then). False if it could not be handed (the handle says why)."""
 
     def done(md: Any, error: Optional[BaseException], transport_failed: bool) -> None:
-        return_pool(pool)
+        give_back()
         if error is None and on_commit is not None:
             try:
                 on_commit(md)
@@ -410,8 +445,10 @@ def _hand_to_writer(channel: Optional[_Channel], handle: AsyncSaveHandle, save: 
     try:
         writer.submit(number, coordinator_rank, checkpoint_id, packed_job(*save), done)
     except BaseException as exc:  # noqa: BLE001 - the writer is gone: the handle says so, the next save replaces it
-        return_pool(pool)
+        give_back()
         handle.committed.set_exception(exc)
+        return False
+    return True
 
 
 def _check_dcp_async_options(checkpointer_type: Any, stager: Any, use_collectives: bool) -> None:

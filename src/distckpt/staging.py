@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import threading
 import warnings
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -24,7 +24,7 @@ from .planning import RankLocal
 from .planning.flatten import leaves
 from .planning.tensors import is_dtensor, is_sharded_tensor, local_tensor, with_local_shards
 
-__all__ = ["BufferPool", "stage", "take_pool", "return_pool", "take_free_pools"]
+__all__ = ["BufferPool", "stage", "allocate", "fill", "take_pool", "return_pool", "take_free_pools"]
 
 
 _ALIGN = 64  # bytes: every buffer in an arena starts at a multiple, enough for any dtype
@@ -206,7 +206,21 @@ def stage(obj: Any, pool: BufferPool) -> Any:
     Copies from CUDA are queued without blocking on each device's current
     stream (after the kernels that produced the tensors) and waited for once.
     """
+    staged, sources, buffers = allocate(obj, pool)
+    fill(sources, buffers)
+    return staged
+
+
+def allocate(obj: Any, pool: BufferPool) -> tuple[Any, list[torch.Tensor], list[torch.Tensor]]:
+    """The staged copy of ``obj`` before any byte is copied: its structure, with every value copied and every tensor
+    a pool buffer; and the source tensors with their buffers, in the order :func:`fill` copies them. Everything that
+    can fail before the bytes move fails here (the memory, a tensor with no data), so that a save whose ranks agree
+    after this call can fill its buffers while another process writes from them."""
     leaves = _tensor_leaves(obj)
+    empty = next((path for path, t in leaves if t.device.type == "meta"), None)
+    if empty is not None:
+        raise CheckpointError(f"async_save: the tensor at {'.'.join(map(str, empty))} is on the meta device and has no "
+                              "data to stage; materialise it (to_empty and initialise) before saving")
     try:
         faults.point("stage", "host buffers")
         buffers = pool.buffers_for(leaves)
@@ -218,14 +232,24 @@ def stage(obj: Any, pool: BufferPool) -> Any:
             f"async_save could not allocate host memory to stage the state ({need} bytes in all; {exc}). "
             "Free host memory, call distckpt.release_buffers() after a save of another layout, or save with "
             "distckpt.save, which needs no copy.") from exc
+    return _rebuild(obj, iter(buffers)), [t for _, t in leaves], buffers
+
+
+def fill(sources: list[torch.Tensor], buffers: list[torch.Tensor],
+         filled: Optional[Callable[[int], None]] = None) -> None:
+    """Copy each source into its buffer; ``filled(n)`` says the first ``n`` buffers hold their bytes (a copy from
+    a GPU counts once every copy queued so far is waited for: at the end)."""
     streams = {}
-    for (_, src), buf in zip(leaves, buffers):
+    for i, (src, buf) in enumerate(zip(sources, buffers)):
         src = src.detach()
         if src.device.type == "cuda":
             buf.copy_(src, non_blocking=True)
             streams.setdefault(src.device, torch.cuda.current_stream(src.device))
         else:
             buf.copy_(src)
+            if filled is not None and not streams:
+                filled(i + 1)
     for stream in streams.values():
         stream.synchronize()
-    return _rebuild(obj, iter(buffers))
+    if filled is not None:
+        filled(len(buffers))

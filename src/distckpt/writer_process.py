@@ -42,6 +42,7 @@ from typing import Any, Callable, Optional
 from . import faults, knobs
 from ._sequence import tell_rank
 from .distributed import JSON, Coordinator, describe, dist, rebuild
+from .engine.filling import Filling, filling
 from .errors import CheckpointError, StorageIOError
 from .saving import run_save
 
@@ -193,13 +194,15 @@ class WriterProcess:
         self._conn.close()
 
 
-def packed_job(staged: Any, storage_writer: Any, planner: Any) -> bytes:
+def packed_job(staged: Any, storage_writer: Any, planner: Any, fill: Optional[tuple] = None) -> bytes:
     """A save for the writer process, pickled once the ranks agreed to it (:func:`check_picklable` came before):
-    its tensors as handles to the shared memory they were staged into."""
+    its tensors as handles to the shared memory they are staged into. ``fill``: (the counter of
+    :mod:`distckpt.engine.filling`, the buffers in the order they are filled) while the training process still
+    copies into them; None once they are full."""
     import torch.multiprocessing  # noqa: F401 - registers the reductions that send tensors as shared-memory handles
 
     try:
-        return bytes(ForkingPickler.dumps((staged, storage_writer, planner)))
+        return bytes(ForkingPickler.dumps((staged, storage_writer, planner, fill)))
     except Exception as exc:  # noqa: BLE001 - what does not pickle: a user's writer, planner or value
         raise CheckpointError(f"async_save with PROCESS cannot hand this save to its writer process ({type(exc).__name__}: "
                               f"{exc}): the storage writer, the planner and every value of the state must be picklable. "
@@ -306,7 +309,7 @@ def _serve(conn: Any, meeting: Optional[dict]) -> None:
             continue
         ticket, number, coordinator_rank, checkpoint_id, payload = job
         coord = Coordinator(None, 0, no_dist=meeting is None)
-        metadata, info, staged, planner, storage_writer, unpacked = None, None, None, None, None, None
+        metadata, info, staged, planner, storage_writer, unpacked, fill = None, None, None, None, None, None, None
         try:
             unpacked, rebuilt = _unpack(payload)
             coord = Coordinator(None, coordinator_rank, no_dist=meeting is None)
@@ -314,13 +317,16 @@ def _serve(conn: Any, meeting: Optional[dict]) -> None:
             # every rank's writer says whether it could rebuild its save, before any writes: one that could not
             # fails the save on every rank at once, as the ranks' own agreement does for what fails before the call
             coord.vote("async save (rebuilt in the writer process)", rebuilt, False)
-            staged, storage_writer, planner = unpacked
+            staged, storage_writer, planner, fill = unpacked
             tell_rank(planner, coord.rank)
-            metadata = run_save(staged, storage_writer, planner, coord)
+            # the write starts on the buffers already filled while the training process copies into the rest
+            waits = None if fill is None else Filling(fill[0], fill[1], knobs.collective_timeout_s())
+            with filling(waits):
+                metadata = run_save(staged, storage_writer, planner, coord)
         except BaseException as exc:  # noqa: BLE001 - delivered on the training process's handle
             info = _packed(exc)
         # the planner and the storage writer hold the state too (a planner keeps the state dict it planned)
-        _kept, staged, planner, storage_writer, unpacked = staged, None, None, None, None
+        _kept, staged, planner, storage_writer, unpacked, fill = staged, None, None, None, None, None
         try:
             conn.send(("done", ticket, metadata, info, coord.transport_failed))
         except (OSError, EOFError):

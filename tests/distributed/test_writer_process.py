@@ -150,3 +150,11 @@ def test_the_writer_imports_what_the_training_process_can(tmp_path):
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert distckpt.verify(str(tmp_path / "c")).ok
+
+
+def test_a_copy_that_fails_after_the_writers_started_fails_the_save_on_every_rank(tmp_path):
+    out = run_ranks(workers.a_copy_fails_while_the_writers_write, 2, str(tmp_path), timeout_s=300, env=TIMEOUTS)
+    assert out[0]["raised"] is None and "cannot be read" in out[1]["raised"], out
+    for rank, got in enumerate(out):
+        assert got["error"] is not None and not got["error"].startswith("untyped"), (rank, got)
+        assert not got["committed"] and got["after"], (rank, got)

@@ -9,6 +9,7 @@ import time
 import torch
 
 import distckpt
+from distckpt import async_saving
 
 
 def _state(world: int, salt: float) -> dict:
@@ -139,3 +140,39 @@ def saves_refused_by_the_agreement_leave_nothing_shared(rank: int, world: int, r
     gc.collect()  # the failed calls' tracebacks (cycles through their frames) held the staged views
     after = held()
     return {"failed": failed, "grew": len(after) - len(before), "new": sorted(set(after) - set(before))}
+
+
+class _Unreadable(torch.Tensor):
+    """A tensor whose bytes cannot be copied out (its staging fails after the ranks agreed to the save)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.copy_:
+            raise RuntimeError("this tensor's bytes cannot be read")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def a_copy_fails_while_the_writers_write(rank: int, world: int, root: str) -> dict:
+    """Rank 1's copy into staging fails on its second tensor, after its writer was handed the save and may have
+    written the first: rank 1's call raises the cause, every rank's handle fails typed, nothing is committed, and
+    the next save works."""
+    sd = {"a": torch.full((1 << 20,), float(rank)), "b": torch.full((1 << 20,), 2.0 + rank)}
+    if rank == 1:
+        sd["b"] = sd["b"].as_subclass(_Unreadable)
+    raised, error = None, None
+    handle = None
+    try:
+        handle = distckpt.async_save(sd, checkpoint_id=f"{root}/faulty", async_checkpointer_type="process")
+    except Exception as exc:  # noqa: BLE001 - rank 1's call raises what stopped its copy
+        raised = f"{type(exc).__name__}: {exc}"
+        handle = async_saving._STATE.in_flight[-1]
+    try:
+        handle.result(timeout=120)
+    except distckpt.CheckpointError as exc:
+        error = type(exc).__name__
+    except Exception as exc:  # noqa: BLE001 - an untyped error is what the test looks for
+        error = f"untyped {type(exc).__name__}: {exc}"
+    committed = os.path.exists(f"{root}/faulty/metadata.json")
+    again = distckpt.async_save(_state(world, 3.0), checkpoint_id=f"{root}/after", async_checkpointer_type="process")
+    again.result(timeout=120)
+    return {"raised": raised, "error": error, "committed": committed, "after": _loads(f"{root}/after", world, 3.0)}

@@ -22,6 +22,7 @@ from ..planner import SavePlan, SavePlanner, WriteItemType
 from ..planning.resharding import volume
 from ..progress import Progress
 from ..storage import WriteResult
+from . import filling
 from .blobs import BlobStore, BlobWriter
 from .budget import ByteBudget
 from .device_copy import PendingCopies, caller_streams, to_host
@@ -130,6 +131,7 @@ class _RankWrite:
                                                  (item.index.fqn for item in items))]
         self.reuse, self.keys, self.digests, self.reused = reuse, [], [], {}
         self.hashers: dict = {}  # item -> the content hash of its bytes, taken as they are written (from cache, as the CRC)
+        self.filling = filling.current()  # staging another process is still copying into (a writer process's save)
         if reuse is not None:
             self.find_unchanged(reuse, threads)
         if self.columns is not None:
@@ -183,6 +185,10 @@ class _RankWrite:
                     data.append((value, td.properties.dtype))
                     plain.append(codec.identity)
         now = [i for i, key in enumerate(self.keys) if key in reuse.previous or not plain[i]]
+        if self.filling is not None:
+            for i in now:
+                if isinstance(data[i][0], torch.Tensor):
+                    self.filling.wait(data[i][0])
         self.digests = [None] * len(self.keys)
         for i, digest in zip(now, digests([data[i] for i in now], threads)):
             self.digests[i] = digest
@@ -339,6 +345,8 @@ class _RankWrite:
             return memoryview(self.payloads[i]), None, 0
         if self.columns is not None:
             fqn, tensor, want = self.columns.fqn[i], self.columns.data[i], self.columns.dtype[i]
+            if self.filling is not None and isinstance(tensor, torch.Tensor):
+                self.filling.wait(tensor)
             if (type(tensor) is torch.Tensor and tensor.dtype is want and want is not torch.bool and tensor.is_cpu
                     and tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg()):
                 n = self.entries[i].nbytes  # the common case, checked in one go: host memory of the stored form
@@ -349,6 +357,8 @@ class _RankWrite:
             fqn, tensor, want = item.index.fqn, self.planner.resolve_data(item), item.tensor_data.properties.dtype
         if not isinstance(tensor, torch.Tensor):
             raise CheckpointError(f"resolve_data for tensor item {fqn!r} returned {type(tensor).__name__}")
+        if self.filling is not None and self.columns is None:
+            self.filling.wait(tensor)
         copied = 0
         if tensor.dtype == torch.bool and want == torch.bool and tensor.numel():
             raw = tensor.view(torch.uint8)
