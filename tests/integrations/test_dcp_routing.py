@@ -185,3 +185,16 @@ def test_routing_logs_its_first_call_and_counts_every_call(tmp_path, caplog):
         dcp.load(blank_like(_state(2)), checkpoint_id=str(tmp_path / "a"))
     assert [r.levelno for r in caplog.records if "routed to distckpt" in r.getMessage()] == [logging.INFO]
     assert not dcp_routing._open
+
+
+def test_the_first_routed_save_says_where_and_in_which_format_even_after_a_load(tmp_path, caplog):
+    distckpt.save(_state(1), checkpoint_id=str(tmp_path / "a"), no_dist=True)
+    caplog.set_level(logging.DEBUG, logger="distckpt")
+    with route_dcp_calls():
+        dcp.load(blank_like(_state(1)), checkpoint_id=str(tmp_path / "a"))  # a resume loads before it saves
+        dcp.save(_state(2), checkpoint_id=str(tmp_path / "b"))
+        dcp.save(_state(3), checkpoint_id=str(tmp_path / "c"))
+    routed = [r for r in caplog.records if r.name == "distckpt" and "routed to distckpt" in r.getMessage()]
+    assert [r.levelno for r in routed] == [logging.INFO, logging.INFO, logging.DEBUG]
+    said = routed[1].getMessage()
+    assert "checkpoint.save" in said and str(tmp_path / "b") in said and "metadata.json" in said, said

@@ -76,3 +76,26 @@ def test_ddp_save_last_and_resume_through_distckpt(tmp_path):
         if exc.signal_name != "SIGABRT":
             raise
         _scenario(tmp_path / "again")
+
+
+def test_the_plugin_says_at_its_first_save_that_distckpt_saves_where_and_in_which_format(tmp_path):
+    import logging
+
+    from distckpt.integrations.lightning import DistckptCheckpointIO
+
+    class Kept(logging.Handler):
+        def emit(self, record):
+            said.append(record.getMessage())
+
+    said, kept = [], Kept()
+    lightning_log = logging.getLogger("lightning.pytorch")  # Lightning's own handler hangs here, not on the root
+    lightning_log.addHandler(kept)
+    try:
+        io = DistckptCheckpointIO()
+        for step in (1, 2):
+            io.save_checkpoint({"step": step, "w": torch.ones(2)}, tmp_path / "ckpt" / f"step={step}.ckpt")
+    finally:
+        lightning_log.removeHandler(kept)
+    said = [line for line in said if "saved by distckpt" in line]
+    assert len(said) == 1, said
+    assert str(tmp_path / "ckpt") in said[0] and "step=1.ckpt" in said[0] and "metadata.json" in said[0]

@@ -156,6 +156,20 @@ def test_metadata_is_json_on_disk_and_a_planted_pickle_is_never_loaded(tmp_path)
     assert not (tmp_path / "pwned").exists()
 
 
+def test_the_storage_says_at_its_first_file_that_distckpt_holds_the_checkpoints_where_and_how(tmp_path, caplog):
+    import logging
+
+    s = DistckptStorage()
+    s.mkdir(tmp_path / "tmp_step_1")
+    with caplog.at_level(logging.INFO, logger="distckpt"):
+        with s.stream_write(tmp_path / "tmp_step_1" / "model_0.pt") as f:
+            f.write(b"weights")
+        s.write(tmp_path / "tmp_step_1" / "step_0.pt", b"7")
+    said = [r.getMessage() for r in caplog.records if r.name == "distckpt" and "saved by distckpt" in r.getMessage()]
+    assert len(said) == 1, said
+    assert str(tmp_path / "tmp_step_1") in said[0] and "sidecar" in said[0] and "metadata.pkl as JSON" in said[0]
+
+
 # ---------------------------------------------------------------- torch_checkpointing's own save, load, reshard
 
 

@@ -113,3 +113,23 @@ def test_save_end_resume_with_identical_losses_and_roll_back(tmp_path, mode):
     rolled = run_ranks(_job, 2, str(tmp_path / "run"), mode, 5, STEPS, timeout_s=240)  # back to step 5
     for rank in range(2):
         assert rolled[rank][0] == {6: reference[rank][0][6]}
+
+
+def test_the_manager_says_at_start_up_that_distckpt_saves_where_and_in_which_format(tmp_path, caplog):
+    import logging
+
+    from distckpt.integrations.torchtitan import CheckpointManager
+
+    def build(enable):
+        config = CheckpointManager.Config(enable=enable, folder="ckpt", keep_latest_k=0)
+        return config.build(dataloader=None, model_parts=[torch.nn.Linear(2, 2)], optimizers=None, lr_schedulers=None,
+                            states={}, sd_adapter=None, base_folder=str(tmp_path))
+
+    with caplog.at_level(logging.INFO):
+        build(False)
+        assert not [r for r in caplog.records if "distckpt" in r.getMessage()]  # checkpointing off: nothing to say
+        build(True)
+    said = [r.getMessage() for r in caplog.records if r.name == "distckpt"]
+    assert len(said) == 1, said
+    assert str(tmp_path / "ckpt") in said[0] and "saved by distckpt" in said[0] and "metadata.json" in said[0]
+    assert "synchronous" in said[0]

@@ -23,7 +23,9 @@ Nesting: routings may be opened inside one another. The one opened last and stil
 before holds again, and DCP's own functions come back when the last one closes.
 
 What was routed is told: the first routed call after routing begins logs one line (INFO, logger
-``distckpt``) naming DCP's function and that distckpt handled it, later ones log at DEBUG; every
+``distckpt``) naming DCP's function, that distckpt handled it, and, for a save, where and in which format it
+saves (a framework's log names DCP's calls, whose files these are not), as does the first save where a load
+came first; later ones log at DEBUG; every
 routing counts the calls routed while it was open (``routing.calls``, by function in
 ``routing.counts``), and :func:`routed_calls` gives the count of the whole process.
 
@@ -53,6 +55,7 @@ import torch.distributed.checkpoint.state_dict_saver as _dcp_saver
 from ..async_saving import async_save
 from ..loading import load, load_state_dict
 from ..saving import save, save_state_dict
+from .announce import DISTCKPT_FORMAT
 
 __all__ = ["route_dcp_calls", "routed_calls"]
 
@@ -66,6 +69,7 @@ _open: list["_Routing"] = []  # the routings in force, in the order they were op
 _originals: dict = {}
 _total = 0  # calls routed in this process, ever
 _told = False  # whether the first routed call since routing began was logged
+_told_save = False  # and the first save (a resume loads first: the save's place and format still need saying)
 
 
 class _Routing:
@@ -75,7 +79,7 @@ class _Routing:
     """
 
     def __init__(self, overwrite: bool) -> None:
-        global _told
+        global _told, _told_save
         self.overwrite = bool(overwrite)
         self.calls = 0
         self.counts: collections.Counter = collections.Counter()
@@ -88,7 +92,7 @@ class _Routing:
                         if hasattr(module, name):
                             _originals[(module, name)] = getattr(module, name)
                             setattr(module, name, ours)
-                _told = False
+                _told = _told_save = False
             _open.append(self)
         self.open = True
 
@@ -119,21 +123,30 @@ def _routed(name: str, fn: Callable, is_save: bool) -> Callable:
 
     @functools.wraps(fn)
     def routed(*args: Any, **kwargs: Any) -> Any:
-        global _total, _told
+        global _total, _told, _told_save
         with _lock:
             overwrite = _open[-1].overwrite if _open else True
             for routing in _open:
                 routing.calls += 1
                 routing.counts[name] += 1
             _total += 1
-            first, _told = not _told, True
+            first = not _told or (is_save and not _told_save)
+            _told, _told_save = True, _told_save or is_save
         log.log(logging.INFO if first else logging.DEBUG,
-                "distckpt: torch.distributed.checkpoint.%s was routed to distckpt (route_dcp_calls), which handled it", name)
+                "distckpt: torch.distributed.checkpoint.%s was routed to distckpt (route_dcp_calls), which handled it%s",
+                name, f": distckpt saves at {_where(args, kwargs)}, in {DISTCKPT_FORMAT}" if is_save and first else "")
         if is_save and kwargs.get("storage_writer") is None and len(args) < 2:
             kwargs.setdefault("overwrite", overwrite)
         return fn(*args, **kwargs)
 
     return routed
+
+
+def _where(args: tuple, kwargs: dict) -> str:
+    """The place a routed save writes: its ``checkpoint_id``, or that of the storage writer it was given."""
+    writer = kwargs.get("storage_writer", args[1] if len(args) > 1 else None)
+    place = kwargs.get("checkpoint_id") or getattr(writer, "checkpoint_id", None) or getattr(writer, "path", None)
+    return str(place) if place is not None else "the place its storage writer names"
 
 
 def route_dcp_calls(overwrite: bool = True) -> _Routing:

@@ -19,6 +19,9 @@ Lightning's ``weights_only``, and named in a warning. A resume (``ckpt_path=``) 
 (those saved with ``route_dcp_calls()`` too, their ``meta.pt`` beside them), and Lightning's own (a file, or
 DCP's folder with ``meta.pt``).
 
+Each logs, at its first save, one line (Lightning's log, rank 0) saying that distckpt saves the checkpoints,
+where, and in which format: Lightning's own lines name only the ``.ckpt`` paths, which are directories here.
+
 Fabric's ``ModelParallelStrategy`` (and FSDP) save through torch.distributed.checkpoint themselves: route
 those calls with :func:`distckpt.integrations.dcp_routing.route_dcp_calls`; Lightning's ``meta.pt`` then
 stays beside them as Lightning writes it.
@@ -47,6 +50,7 @@ import_or_explain("lightning", "distckpt.integrations.lightning", "lightning")  
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from ..backends.filesystem import FsStore
 from ..convert import read_whole
@@ -55,6 +59,7 @@ from ..format.values import to_data
 from ..loading import load
 from ..planning import DefaultSavePlanner
 from ..saving import save
+from .announce import announce
 
 __all__ = ["DistckptCheckpointIO", "DistckptModelParallelStrategy", "META_KEY", "META_TORCH_SAVE_KEY"]
 
@@ -67,10 +72,14 @@ class DistckptCheckpointIO(CheckpointIO):
 
     def __init__(self, allow_pickle: bool = False) -> None:
         self.allow_pickle = allow_pickle
+        self._announced = False
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
         if storage_options is not None:
             raise CheckpointError(f"DistckptCheckpointIO takes no storage_options (got {storage_options!r})")
+        if not self._announced:
+            self._announced = True
+            _announce(path)
         save(checkpoint, checkpoint_id=os.fspath(path), planner=DefaultSavePlanner(allow_pickle=self.allow_pickle),
              no_dist=True, overwrite=True)
 
@@ -93,6 +102,9 @@ class DistckptModelParallelStrategy(ModelParallelStrategy):
         if storage_options is not None or not self._save_distributed_checkpoint:
             return super().save_checkpoint(checkpoint, filepath, storage_options)  # Lightning's answer, or its own file
         path = Path(self.broadcast(filepath))
+        if not getattr(self, "_announced", False):  # Lightning builds strategies through many arguments: no __init__ here
+            self._announced = True
+            _announce(path)
         state: dict[str, Any] = {"state_dict": checkpoint.pop("state_dict")}
         state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
         if self.global_rank == 0:  # Lightning's metadata is rank 0's, as its meta.pt is
@@ -126,6 +138,12 @@ class DistckptModelParallelStrategy(ModelParallelStrategy):
             set_optimizer_state_dict(module, optimizer, optim_state_dict=state[f"optimizer_{i}"],
                                      options=StateDictOptions(cpu_offload=True))
         return _read_meta(path, weights_only)
+
+
+def _announce(path: Any) -> None:
+    where = os.path.dirname(os.path.abspath(os.fspath(path)))
+    announce("Lightning", f"{where} (each .ckpt a checkpoint directory; the first {os.path.basename(os.fspath(path))})",
+             say=rank_zero_info)
 
 
 def _split_plain(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

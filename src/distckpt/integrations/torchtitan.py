@@ -17,7 +17,9 @@ where the trainer builds its own, with the same arguments. What changes:
   a step saved again (a rollback re-running a step) replaces its checkpoint atomically;
 - the newest step to resume from is the newest *committed* one: a folder ``step-<N>`` with distckpt's
   ``metadata.json`` (or DCP's ``.metadata``: older steps written by DCP load directly);
-- exports to Hugging Face safetensors (``to_hf`` / ``from_hf``) stay torchtitan's own.
+- exports to Hugging Face safetensors (``to_hf`` / ``from_hf``) stay torchtitan's own;
+- the manager logs, when it is built, one line saying that distckpt saves the checkpoints, in which folder
+  and in which format (torchtitan's own log names only its configuration classes).
 
 Folder names are torchtitan's (``step-<N>``); a save in progress lives in a hidden directory no step
 pattern matches, so ``keep_latest_k`` never counts or deletes it.
@@ -44,6 +46,7 @@ from ..backends.filesystem import FsStore
 from ..layouts.dcp import is_dcp_directory
 from ..loading import load
 from ..saving import save
+from .announce import DISTCKPT_FORMAT, announce
 
 __all__ = ["CheckpointManager", "use_distckpt"]
 
@@ -71,6 +74,12 @@ class CheckpointManager(_TitanCheckpointManager):
         super().__init__(*args, **kwargs)
         if getattr(self, "async_mode", None) == AsyncMode.ASYNC_WITH_PINNED_MEM:
             self.stager = _OwnStaging()
+        if getattr(self, "folder", None) is None:  # checkpointing off: torchtitan set nothing, and nothing is saved
+            return
+        also = "; the last step's Hugging Face export stays torchtitan's" if getattr(self, "last_save_in_hf", False) else ""
+        mode = getattr(self, "async_mode", AsyncMode.DISABLED)
+        how = "synchronous saves" if mode == AsyncMode.DISABLED else f"async_mode {AsyncMode(mode).value}"
+        announce("torchtitan", f"{self.folder} (step-<N>, {how})", DISTCKPT_FORMAT + also)
 
     def dcp_save(self, state_dict: dict[str, Any], checkpoint_id: str, async_mode: AsyncMode,
                  enable_garbage_collection: bool = False, to_hf: bool = False) -> Any:

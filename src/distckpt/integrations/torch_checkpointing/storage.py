@@ -1,6 +1,7 @@
 """torch_checkpointing's ``StorageConfig`` and ``Storage`` for distckpt's stores: each call turns its path into
 a URL and hands it to the local-disk side or the object-store side by scheme; ``metadata.pkl`` goes through
-its JSON form on the way."""
+its JSON form on the way. The first file a storage writes logs one line (INFO, logger ``distckpt``): distckpt's
+stores hold the checkpoints, where, and in which form (torch_checkpointing's log names its own backend only)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from torch_checkpointing.storage.base_storage import ReadArgs, Storage, StorageC
 
 from ...backends.schemes import scheme_of
 from ...errors import CheckpointError, CorruptCheckpointError
+from ..announce import announce
 from .checksums import BlockCrcs, VerifyingReader
 from .local import LocalNamespace
 from .metadata_json import metadata_to_json, metadata_to_pickle
@@ -55,18 +57,30 @@ class DistckptStorage(Storage):
         self.config = config or DistckptStorageConfig()
         self._local = LocalNamespace(self.config)
         self._objects = ObjectNamespace(self.config)
+        self._announced = False
 
     def _ns(self, url: str):
         return self._local if is_local(url) else self._objects
 
     # -- writes
 
+    def _announce(self, url: str) -> None:
+        if self._announced:
+            return
+        self._announced = True  # a second thread's write racing past this logs the line twice, at worst
+        metadata = "pickled, as torch_checkpointing made it" if self.config.pickled_metadata else "as JSON, never a pickle"
+        announce("torch_checkpointing", f"{split_url(url)[0]} (the first checkpoint's directory, before its commit)",
+                 f"torch_checkpointing's layout through distckpt's stores: each file with a CRC-32C per "
+                 f"{self.config.block_bytes} bytes in a .<name>{CRC_SUFFIX} sidecar, {METADATA_PKL} {metadata}")
+
     def stream_write(self, path) -> io.IOBase:
         url = to_url(path)
+        self._announce(url)
         return self._ns(url).create(url)
 
     def write(self, path, data) -> None:
         url = to_url(path)
+        self._announce(url)
         view = memoryview(data).cast("B") if memoryview(data).c_contiguous else memoryview(bytes(memoryview(data)))
         if split_url(url)[1] == METADATA_PKL and not self.config.pickled_metadata:
             view = memoryview(metadata_to_json(bytes(view), url))
