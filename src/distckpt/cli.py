@@ -1,34 +1,39 @@
-"""The ``distckpt`` command: inspect, verify and convert checkpoints.
+"""The ``distckpt`` command: inspect, verify, convert, list, compact and compare checkpoints.
 
 \b
-    distckpt inspect PATH [--json]     keys, shapes, dtypes, chunks, files and sizes
+    distckpt inspect PATH [--json] [--storage-order]  keys (sorted), shapes, dtypes, chunks, files, sizes
     distckpt verify PATH [--quiet]     check every byte against its checksums
     distckpt convert --to FORMAT SRC DST      distckpt -> dcp | safetensors | torch-save | hf
-    distckpt convert --from FORMAT SRC DST    dcp | safetensors | torch-save | hf -> distckpt
+    distckpt convert --from FORMAT SRC DST    dcp | safetensors | torch-save | hf -> distckpt (hf: DIR or its index)
     distckpt steps ROOT [--json] [--clean]    a training run's committed steps; --clean removes crash leftovers
+    distckpt compact STEP              make a step of an incremental run self-contained
     distckpt cat CKPT KEY [--json]     a value, or a tensor's summary (read chunk by chunk)
     distckpt diff A B [--json] [--exact]      keys added, removed, changed; which tensors differ
 
 Exit codes: 0 success; 1 the checkpoint is damaged; 2 usage errors; 3 no checkpoint there (a wrong
-path, an incomplete save, not a distckpt checkpoint); 4 refused or failed otherwise (the destination
+path, an incomplete save, not a distckpt checkpoint; a run's root given to verify, a checkpoint given to
+steps: the message names the command that takes it); 4 refused or failed otherwise (the destination
 exists, an unsafe value, an unsupported input, a key the checkpoint lacks). diff: 0 the same, 1 they
 differ, 5 one is damaged, the others as above.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
+import logging
 import math
 import os
+import re
 import sys
-from typing import Optional
+from typing import Iterator, Optional
 
 import click
 
 import distckpt  # the package's API loads on first use: --help and --version import no torch
 
-from . import __version__
+from . import __version__, knobs
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError
 
 
@@ -59,6 +64,13 @@ def _code(exc: CheckpointError) -> int:
     return REFUSED
 
 
+def _natural(key: str) -> tuple:
+    """``key``'s place in a sorted listing: runs of digits compare by value, so ``layers.10`` follows ``layers.2``
+    (the metadata stores whole tensors first, which puts an optimizer's step counters before a sharded model)."""
+    parts = re.split(r"([0-9]+)", key)
+    return [int(part) if i % 2 else part for i, part in enumerate(parts)], key
+
+
 def _human(n: int) -> str:
     """Bytes in decimal units (kB = 1000 B), the units of the progress bars."""
     for unit in ("B", "kB", "MB", "GB", "TB"):
@@ -77,8 +89,10 @@ def main() -> None:
 @main.command()
 @click.argument("checkpoint")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
-def inspect(checkpoint: str, as_json: bool) -> None:
-    """Show what CHECKPOINT holds, from its metadata alone."""
+@click.option("--storage-order", is_flag=True, help="keys in the order the metadata stores them, not sorted")
+def inspect(checkpoint: str, as_json: bool, storage_order: bool) -> None:
+    """Show what CHECKPOINT holds, from its metadata alone. Keys are sorted, runs of digits by their value
+    (layers.2 before layers.10); --storage-order lists them as the metadata stores them."""
     try:
         md = distckpt.read_metadata(checkpoint)
     except CheckpointError as exc:
@@ -93,6 +107,8 @@ def inspect(checkpoint: str, as_json: bool) -> None:
                          "shape": list(entry.size), "chunks": len(entry.chunks)})
         else:
             rows.append({"key": fqn, "kind": "value"})
+    if not storage_order:
+        rows.sort(key=lambda row: _natural(row["key"]))
     files = {name: {"size": info.size, "rank": info.rank, **({"save_id": info.save_id} if getattr(info, "save_id", None) else {})}
              for name, info in getattr(fsd, "files", {}).items()}
     if as_json:
@@ -133,12 +149,22 @@ def inspect(checkpoint: str, as_json: bool) -> None:
 @click.argument("checkpoint")
 @click.option("--quiet", is_flag=True, help="print nothing; the exit code tells")
 def verify_cmd(checkpoint: str, quiet: bool) -> None:
-    """Check every byte of CHECKPOINT against its checksums, without loading it."""
+    """Check every byte of CHECKPOINT against its checksums, without loading it.
+
+    A bar shows the progress on a terminal; DISTCKPT_PROGRESS=log or bar (off a terminal) prints lines instead."""
+    progress = False if quiet else True if sys.stderr.isatty() else None
     try:
-        report = distckpt.verify(checkpoint, progress=not quiet and sys.stderr.isatty())
+        with _progress_lines(not quiet):
+            report = distckpt.verify(checkpoint, progress=progress)
     except CheckpointNotFoundError as exc:
         if not quiet:
             click.echo(f"incomplete or missing: {_shown(str(exc))}", err=True)
+            run = _run_at(checkpoint)
+            if run is not None:
+                newest = run.all_steps()[-1]
+                click.echo(f"{_shown(checkpoint)} is the root of a training run, not a checkpoint: `distckpt steps "
+                           f"{_shown(checkpoint)}` lists its steps; `distckpt verify {_shown(run.path(newest))}` checks "
+                           "the newest", err=True)
         sys.exit(NOT_FOUND)
     except CheckpointError as exc:
         if not quiet:
@@ -153,6 +179,50 @@ def verify_cmd(checkpoint: str, quiet: bool) -> None:
         click.echo(f"ok: {report.keys} keys in {report.files} file(s): a {report.written_by} checkpoint, whose metadata and the "
                    f"place of every key in its files were checked; {report.written_by} records no checksums, so its bytes "
                    "cannot be (`distckpt convert --from ...` makes a distckpt copy that can)")
+
+
+@contextlib.contextmanager
+def _progress_lines(wanted: bool) -> Iterator[None]:
+    """While a command runs, the progress lines DISTCKPT_PROGRESS asks for go to standard error: they are INFO
+    records of the ``distckpt`` logger, which a command line's logging, unconfigured, would drop."""
+    if not wanted or knobs.progress_mode() == "off":
+        yield
+        return
+    logger = logging.getLogger("distckpt")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def _run_at(path: str):
+    """The CheckpointManager, read only, of the training run at ``path``; None where none of its steps committed
+    (or it cannot be listed): a hint for a path given to the wrong command, never an error of its own."""
+    if "://" not in path and not os.path.isdir(path):
+        return None
+    try:
+        run = distckpt.CheckpointManager(path, cleanup=False, read_only=True)
+        return run if run.all_steps() else None
+    except (CheckpointError, OSError):
+        return None
+
+
+def _is_checkpoint(path: str) -> bool:
+    """Whether ``path`` holds a checkpoint (a committed one, of distckpt or of a program distckpt reads), even a
+    damaged one: its metadata was found."""
+    try:
+        distckpt.read_metadata(path)
+    except CheckpointNotFoundError:
+        return False
+    except CheckpointError:
+        return True
+    return True
 
 
 _FORMATS = ("dcp", "safetensors", "torch-save", "hf")
@@ -243,47 +313,72 @@ def steps(root: str, as_json: bool, clean: bool) -> None:
     metadata cannot be read is listed as damaged (and the exit code is 1).
     Saves that never committed are not steps; --clean removes their
     leftovers, only those of saves proven dead (safe beside a running trainer).
+    ROOT that is a checkpoint (a step), not a run's root, exits with 3.
     """
     if "://" not in root and not os.path.isdir(root):  # listing must not create the directory
         click.echo(f"error: {root!r} is not a directory", err=True)
         sys.exit(NOT_FOUND)
     try:
-        mgr = distckpt.CheckpointManager(root, cleanup=False, read_only=not clean)
+        mgr = distckpt.CheckpointManager(root, cleanup=False, read_only=True)
+        if not mgr.all_steps() and _is_checkpoint(root):  # before --clean, which must never sweep inside a checkpoint
+            _not_a_run(root)
+        if clean:
+            mgr = distckpt.CheckpointManager(root, cleanup=False)
         removed = mgr.remove_stale_temporaries() if clean else []
-        rows = []
-        held: dict = {}  # (checkpoint, save id, file) -> size: each data file the run's steps store or reference, once
-        for step in mgr.all_steps():
-            try:
-                md = distckpt.read_metadata(mgr.path(step))
-            except CheckpointError as exc:  # one damaged step hides none of the others
-                rows.append({"step": step, "checkpoint": mgr.path(step), "damaged": str(exc)})
-                continue
-            fsd = md.storage_data
-            files = getattr(fsd, "files", {})
-            own = {name: f.size for name, f in files.items() if getattr(f, "save_id", None) is None}
-            for name, f in files.items():
-                if getattr(f, "save_id", None):  # "<checkpoint>/<file>", as the metadata's parser checked it
-                    checkpoint, _, file = name.partition("/")
-                    key = (checkpoint, f.save_id, file)
-                else:
-                    key = (mgr._name(step), getattr(fsd, "save_id", None), name)
-                held[key] = f.size
-            rows.append({"step": step, "checkpoint": mgr.path(step), "bytes": sum(own.values()),
-                         "files_referenced": sum(f.size for n, f in files.items() if n not in own),
-                         "keys": len(md.state_dict_metadata), **_stored_row(distckpt.stored_bytes.stored_bytes(md))})
+        rows, held = _step_rows(mgr)
     except CheckpointError as exc:
         click.echo(f"error: {_shown(str(exc))}", err=True)
         sys.exit(_code(exc))
     damaged = any("damaged" in r for r in rows)
-    run_bytes = sum(held.values())
     if as_json:
-        click.echo(json.dumps({"root": root, "steps": rows, "removed": removed, "run_bytes": run_bytes}, indent=1))
+        click.echo(json.dumps({"root": root, "steps": rows, "removed": removed, "run_bytes": sum(held.values())}, indent=1))
         sys.exit(1 if damaged else 0)
     for path in removed:
         click.echo(f"removed leftover {_shown(path)}")
     if not rows:
         click.echo(f"no committed steps under {_shown(root)}")
         return
+    _say_steps(rows, sum(held.values()))
+    sys.exit(1 if damaged else 0)
+
+
+def _not_a_run(root: str) -> None:
+    """``steps`` given a checkpoint: say which commands take one, and the run it is a step of, if it is one."""
+    parent = os.path.dirname(root.rstrip("/"))
+    run = _run_at(parent) if parent else None
+    of = f"; `distckpt steps {_shown(parent)}` lists the run it is a step of" if run is not None else ""
+    click.echo(f"error: {_shown(root)} is a checkpoint, not the root of a training run: `distckpt verify {_shown(root)}` "
+               f"checks it, `distckpt inspect {_shown(root)}` lists its keys{of}", err=True)
+    sys.exit(NOT_FOUND)
+
+
+def _step_rows(mgr) -> tuple[list, dict]:
+    """A row per committed step of ``mgr``'s run, and the size of each data file its steps store or reference."""
+    rows = []
+    held: dict = {}  # (checkpoint, save id, file) -> size: each data file the run's steps store or reference, once
+    for step in mgr.all_steps():
+        try:
+            md = distckpt.read_metadata(mgr.path(step))
+        except CheckpointError as exc:  # one damaged step hides none of the others
+            rows.append({"step": step, "checkpoint": mgr.path(step), "damaged": str(exc)})
+            continue
+        fsd = md.storage_data
+        files = getattr(fsd, "files", {})
+        own = {name: f.size for name, f in files.items() if getattr(f, "save_id", None) is None}
+        for name, f in files.items():
+            if getattr(f, "save_id", None):  # "<checkpoint>/<file>", as the metadata's parser checked it
+                checkpoint, _, file = name.partition("/")
+                key = (checkpoint, f.save_id, file)
+            else:
+                key = (mgr._name(step), getattr(fsd, "save_id", None), name)
+            held[key] = f.size
+        rows.append({"step": step, "checkpoint": mgr.path(step), "bytes": sum(own.values()),
+                     "files_referenced": sum(f.size for n, f in files.items() if n not in own),
+                     "keys": len(md.state_dict_metadata), **_stored_row(distckpt.stored_bytes.stored_bytes(md))})
+    return rows, held
+
+
+def _say_steps(rows: list, run_bytes: int) -> None:
     for r in rows:
         newest = "  (newest)" if r is rows[-1] else ""
         if "damaged" in r:
@@ -298,7 +393,6 @@ def steps(root: str, as_json: bool, clean: bool) -> None:
     if any(r.get("files_referenced") for r in rows):
         click.echo(f"each step's size is its own data files; the run's {len(rows)} step(s) hold {_human(run_bytes)} of data "
                    "files on the store, with the files of deleted steps they still reference")
-    sys.exit(1 if damaged else 0)
 
 
 @main.command(name="compact")

@@ -44,7 +44,7 @@ from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointE
 from .format.dtypes import itemsize
 from .format.json_text import parse_json
 from .format.values import from_data, to_data
-from .layouts.hf import is_hf_directory
+from .layouts.hf import HF_INDEX_SUFFIX, is_hf_directory
 from .layouts.torch_save import load_torch_save
 from .loading import load, read_metadata
 from .metadata import TensorStorageMetadata
@@ -311,13 +311,18 @@ def to_hf(src: PathLike, dst: PathLike, *, max_shard_size: Union[int, str] = "5G
 
 def from_hf(src: PathLike, dst: PathLike, *, progress: Optional[Callable[[str], None]] = None) -> int:
     """Convert the Hugging Face directory ``src`` (``save_pretrained``'s shards and index, or one
-    ``model.safetensors``) into a new distckpt checkpoint ``dst``, one tensor at a time; return the count of keys."""
+    ``model.safetensors``) into a new distckpt checkpoint ``dst``, one tensor at a time; return the count of keys.
+    ``src`` may also be the directory's index (``<dir>/model.safetensors.index.json``): that index is read."""
     _new_destination(dst, "checkpoint")
-    source = os.fspath(src)
+    source, index = os.fspath(src), None
+    if source.endswith(HF_INDEX_SUFFIX) and "://" not in source and not os.path.isdir(source):
+        source, index = os.path.split(os.path.abspath(source))  # the file a user copies names the directory and its index
     if not is_hf_directory(source):
         raise CheckpointNotFoundError(f"{source}: not a Hugging Face checkpoint directory (no *.safetensors.index.json "
-                                      "and no model.safetensors)")
-    planner = StreamingSavePlanner(source if source.startswith("hf://") else f"hf://{source}")
+                                      "and no model.safetensors); pass the directory save_pretrained wrote, or its "
+                                      "*.safetensors.index.json (one safetensors file converts with --from safetensors)")
+    planner = StreamingSavePlanner(source if source.startswith("hf://") else f"hf://{source}",
+                                   reader_options={} if index is None else {"index": index})
     if progress:
         progress(f"converting {len(planner.keys)} tensors of Hugging Face checkpoint {src} into {dst}")
     save({}, checkpoint_id=dst, planner=planner, no_dist=True)

@@ -265,7 +265,8 @@ def progress_mode() -> str:
     """How save and load report progress (DISTCKPT_PROGRESS): ``off`` (default), ``log`` (each
     rank logs bytes done and rate to the ``distckpt`` logger at INFO, every
     DISTCKPT_PROGRESS_EVERY_S seconds (5) while its data moves, and once at the end) or ``bar`` (a progress
-    bar on standard error, on the coordinator rank)."""
+    bar on standard error, on the coordinator rank; where standard error is not a terminal, the coordinator's
+    lines of ``log`` instead)."""
     mode = os.environ.get("DISTCKPT_PROGRESS", "off").strip().lower() or "off"
     if mode not in ("off", "log", "bar"):
         raise CheckpointError(f"DISTCKPT_PROGRESS={mode!r} is not one of off, log, bar")

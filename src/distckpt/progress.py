@@ -7,6 +7,7 @@ batch; reporting costs nothing when the knob is off (the default).
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from typing import Optional
@@ -27,15 +28,26 @@ def _global_rank() -> int:
         return 0
 
 
+def _stderr_is_terminal() -> bool:
+    try:
+        return sys.stderr is not None and sys.stderr.isatty()
+    except (AttributeError, ValueError):  # replaced by an object without isatty, or closed
+        return False
+
+
 class Progress:
-    """Bytes done out of ``total`` for one phase (``what``: "save" or "load") on this rank.
+    """Bytes done out of ``total`` for one phase (``what``: "save", "load", "verify", ...) on this rank.
 
     With ``bar``, only the coordinator draws one (many ranks sharing a terminal
-    would garble it); with ``log``, every rank logs. ``mode`` overrides the knob.
+    would garble it), and only on a terminal: a bar's frames, each ending in a
+    carriage return, fill a log file, so off a terminal the coordinator logs
+    lines as with ``log``. With ``log``, every rank logs. ``mode`` overrides the knob.
     """
 
     def __init__(self, what: str, total: int, is_coordinator: bool = True, mode: Optional[str] = None):
         mode = mode or knobs.progress_mode()
+        if mode == "bar" and not _stderr_is_terminal():
+            mode = "log" if is_coordinator else "off"
         self.rank = _global_rank() if mode != "off" else 0
         self.what, self.total, self.done = what, total, 0
         self.mode = mode if (mode != "bar" or is_coordinator) else "off"

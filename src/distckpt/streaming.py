@@ -38,13 +38,14 @@ class StreamingSavePlanner(DefaultSavePlanner):
         keys: which keys to save, under which names; None: every key under its own name.
         allow_pickle: values that are not plain data may be read and stored pickled.
         progress: called with a line of text per tensor read.
+        reader_options: options of the storage reader of ``source`` (``index=`` of a Hugging Face directory).
     """
 
     def __init__(self, source: Union[str, os.PathLike], keys: Optional[dict[str, str]] = None, *, allow_pickle: bool = False,
-                 progress: Optional[Callable[[str], None]] = None):
+                 progress: Optional[Callable[[str], None]] = None, reader_options: Optional[dict[str, Any]] = None):
         super().__init__(allow_pickle=allow_pickle)
         self.source = os.fspath(source)
-        self.reader = reader_for(self.source)
+        self.reader = reader_for(self.source, **(reader_options or {}))
         self.reader.reset(self.source)
         self.source_metadata: Metadata = self.reader.read_metadata()
         sdm = self.source_metadata.state_dict_metadata

@@ -38,10 +38,13 @@ class VerifyReport:
 
 
 def verify(checkpoint_id: Union[str, os.PathLike], storage_reader: Optional[BlobStorageReader] = None, *,
-           raise_on_error: bool = True, progress: bool = False) -> VerifyReport:
+           raise_on_error: bool = True, progress: Optional[bool] = None) -> VerifyReport:
     """Check a checkpoint: metadata checksum and structure, every data file's size, save id
     and header checksum, and the CRC-32C of every chunk and value. The data files of other steps that an
     incremental save references are checked as its own are: there, whole, of the save that stored them.
+
+    ``progress``: True reports on standard error as ``DISTCKPT_PROGRESS=bar`` does (log lines off a terminal),
+    False reports nothing, None as ``DISTCKPT_PROGRESS`` says; the phase is named "verify" either way.
 
     Returns a report; if anything is wrong and ``raise_on_error`` is set, raises
     CorruptCheckpointError listing every problem (a missing or uncommitted
@@ -64,8 +67,10 @@ def verify(checkpoint_id: Union[str, os.PathLike], storage_reader: Optional[Blob
         if raise_on_error:
             raise CheckpointNotFoundError(unresolved)
         return VerifyReport(str(checkpoint_id), 0, 0, 0, [unresolved], keys=len(md.state_dict_metadata), stored=stored_bytes(md))
-    bar = Progress("verify", sum(si.length for si in fsd.items.values()), mode="bar") if progress else None
-    checked = check_stored(reader.data_store(md), md, where, threads=reader.thread_count or knobs.io_threads(), progress=bar,
+    mode = "bar" if progress else "off" if progress is False else knobs.progress_mode()
+    # always a Progress of our own: without one the read underneath reports its own, named "load"
+    shown = Progress("verify", sum(si.length for si in fsd.items.values()), mode=mode)
+    checked = check_stored(reader.data_store(md), md, where, threads=reader.thread_count or knobs.io_threads(), progress=shown,
                            extension_registry=reader.extension_registry)
     report = VerifyReport(str(checkpoint_id), checked.files, checked.items, checked.bytes_checked, checked.problems,
                           keys=len(md.state_dict_metadata), stored=stored_bytes(md))

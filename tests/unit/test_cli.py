@@ -123,3 +123,91 @@ def test_what_a_new_user_reads_is_one_count_of_keys_in_plain_lines(tmp_path):
     (path / name).write_bytes(bytes(data))
     res = runner.invoke(main, ["verify", str(path)])
     assert res.exit_code == 1 and "\\n" not in res.output and res.output.count("\n") >= 2, res.output
+
+
+def test_convert_from_hf_takes_the_index_file_users_copy(tmp_path):
+    from safetensors.torch import save_file
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    save_file({"a": torch.ones(2)}, str(hf / "model-00001-of-00002.safetensors"))
+    save_file({"b": torch.arange(3)}, str(hf / "model-00002-of-00002.safetensors"))
+    shards = {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}
+    (hf / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": shards}))
+    runner = CliRunner()
+    res = runner.invoke(main, ["convert", "--from", "hf", str(hf / "model.safetensors.index.json"), str(tmp_path / "all")])
+    assert res.exit_code == 0, res.output
+    assert set(distckpt.read_metadata(tmp_path / "all").state_dict_metadata) == {"a", "b"}
+    # beside another index, the one named is the one read (the directory alone is ambiguous)
+    (hf / "b-only.safetensors.index.json").write_text(json.dumps({"weight_map": {"b": shards["b"]}}))
+    res = runner.invoke(main, ["convert", "--from", "hf", str(hf / "b-only.safetensors.index.json"), str(tmp_path / "b")])
+    assert res.exit_code == 0, res.output
+    assert set(distckpt.read_metadata(tmp_path / "b").state_dict_metadata) == {"b"}
+    res = runner.invoke(main, ["convert", "--from", "hf", str(hf / "typo.safetensors.index.json"), str(tmp_path / "c")])
+    assert res.exit_code == 3 and "typo.safetensors.index.json" in res.output, res.output
+    res = runner.invoke(main, ["convert", "--from", "hf", str(tmp_path / "all"), str(tmp_path / "d")])
+    assert res.exit_code == 3 and "pass the directory" in res.output, res.output
+
+
+def test_verify_and_steps_given_each_others_path_name_the_command_that_takes_it(tmp_path):
+    root = str(tmp_path / "run")
+    mgr = distckpt.CheckpointManager(root)
+    for step in (10, 20):
+        mgr.save(step, {"w": torch.ones(4), "step": step})
+    runner = CliRunner()
+    res = runner.invoke(main, ["verify", root])
+    assert res.exit_code == 3, res.output
+    assert f"`distckpt steps {root}`" in res.output and f"`distckpt verify {mgr.path(20)}`" in res.output
+    before = sorted(os.listdir(mgr.path(10)))
+    for extra in ([], ["--clean"], ["--json"]):
+        res = runner.invoke(main, ["steps", mgr.path(10), *extra])
+        assert res.exit_code == 3, (extra, res.output)
+        assert f"`distckpt verify {mgr.path(10)}`" in res.output and f"`distckpt steps {root}`" in res.output
+    assert sorted(os.listdir(mgr.path(10))) == before  # --clean swept nothing inside the checkpoint
+    lone = str(tmp_path / "lone")
+    distckpt.save({"w": torch.ones(2)}, checkpoint_id=lone)
+    res = runner.invoke(main, ["steps", lone])
+    assert res.exit_code == 3 and f"`distckpt verify {lone}`" in res.output and "distckpt steps" not in res.output
+    res = runner.invoke(main, ["verify", lone])
+    assert res.exit_code == 0 and "distckpt steps" not in res.output
+
+
+def test_verify_progress_off_a_terminal_is_lines_named_verify(tmp_path):
+    path = str(tmp_path / "ck")
+    distckpt.save({"w": torch.randn(1000)}, checkpoint_id=path)
+    runner = CliRunner()  # its standard error is not a terminal, as a log file is not
+    for mode in ("bar", "log"):
+        res = runner.invoke(main, ["verify", path], env={"DISTCKPT_PROGRESS": mode})
+        assert res.exit_code == 0 and res.stdout.startswith("ok: 1 keys"), res.output
+        assert "\r" not in res.stderr and "load" not in res.stderr, (mode, res.stderr)
+        assert "rank 0: verify done" in res.stderr, (mode, res.stderr)
+    res = runner.invoke(main, ["verify", path, "--quiet"], env={"DISTCKPT_PROGRESS": "bar"})
+    assert res.exit_code == 0 and res.output == ""
+    res = runner.invoke(main, ["verify", path], env={"DISTCKPT_PROGRESS": "loud"})
+    assert res.exit_code == 4 and "DISTCKPT_PROGRESS='loud'" in res.stderr
+
+
+def test_help_summarises_every_subcommand():
+    res = CliRunner().invoke(main, ["--help"])
+    assert res.exit_code == 0
+    summary = res.output.split("Exit codes:")[0]
+    missing = [name for name in main.commands if f"distckpt {name} " not in summary]
+    assert not missing, f"--help's summary lacks {missing}"
+
+
+def test_inspect_lists_keys_sorted_and_in_storage_order_on_request(tmp_path):
+    path = str(tmp_path / "ck")
+    # the metadata stores whole tensors first, values after: "a" last, "layers.10" before "layers.2"
+    distckpt.save({"a": 1, "layers": {"10": torch.ones(2), "2": torch.ones(3)}}, checkpoint_id=path)
+    runner = CliRunner()
+
+    def listed(*flags):
+        res = runner.invoke(main, ["inspect", path, *flags])
+        assert res.exit_code == 0, res.output
+        return [line.split()[0] for line in res.output.splitlines()[1:] if not line.startswith("  file ")]
+
+    assert listed() == ["a", "layers.2", "layers.10"]
+    stored = list(distckpt.read_metadata(path).state_dict_metadata)
+    assert listed("--storage-order") == stored == ["layers.10", "layers.2", "a"]
+    doc = json.loads(runner.invoke(main, ["inspect", path, "--json"]).output)
+    assert [row["key"] for row in doc["keys"]] == ["a", "layers.2", "layers.10"]

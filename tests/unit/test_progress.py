@@ -1,6 +1,7 @@
 """Save and load report progress as DISTCKPT_PROGRESS asks: log lines or a bar."""
 
 import logging
+import sys
 
 import pytest
 import torch
@@ -32,6 +33,7 @@ def test_log_mode_reports_every_byte_of_save_and_load(tmp_path, monkeypatch, cap
 
 def test_bar_mode_draws_a_bar_and_off_is_silent(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("DISTCKPT_PROGRESS", "bar")
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)  # capsys's stream, as a terminal
     distckpt.save(_state(), checkpoint_id=tmp_path / "ck")
     assert "distckpt save (rank 0)" in capsys.readouterr().err
     monkeypatch.setenv("DISTCKPT_PROGRESS", "off")
@@ -43,3 +45,11 @@ def test_unknown_mode_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("DISTCKPT_PROGRESS", "loud")
     with pytest.raises(distckpt.CheckpointError, match="DISTCKPT_PROGRESS='loud'"):
         distckpt.save(_state(), checkpoint_id=tmp_path / "ck")
+
+
+def test_bar_mode_off_a_terminal_logs_lines_instead_of_frames(tmp_path, monkeypatch, capsys, caplog):
+    monkeypatch.setenv("DISTCKPT_PROGRESS", "bar")  # capsys's standard error is no terminal, as a log file is not
+    with caplog.at_level(logging.INFO, logger="distckpt"):
+        distckpt.save(_state(), checkpoint_id=tmp_path / "ck")
+    assert "\r" not in capsys.readouterr().err
+    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("rank 0: save done")]
