@@ -14,6 +14,9 @@ Rows, per peer (the best of ``--repeat`` rounds; peers alternate within a round)
   (whose own raw floor is in bench/run.py), both with no training loop beside them; targets 1.1 each. Each ratio
   is of the best times over the rounds (every round times each of the four). The first
   save of each peer (which starts its writer process and allocates its staging memory) is not timed.
+- ``raw-process``, the floor: another process at the writer's nice writes the state's size from its own memory
+  into one file and fsyncs it (no format, no staging); its step ratio is what moving the bytes costs the loop on
+  this machine, whoever moves them.
 - ``peak PSS MB``: the largest sum of the proportional set sizes (PSS: shared memory counted once) of the training
   process and its children (the writer) while the save runs, and ``added MB``: that peak over their sum right
   before the call. The staging memory is allocated by the untimed first save, so the state and its staging copy
@@ -97,11 +100,65 @@ def _mean_step_s(step, until) -> float:
     return statistics.mean(times)
 
 
+_RAW_CHILD = """
+import mmap, os, sys
+os.nice(int(sys.argv[2]))
+data = mmap.mmap(-1, int(sys.argv[1]))  # page-aligned, as a writer's staging arena
+data[::4096] = b"x" * len(data[::4096])  # touched: the floor writes from memory already there
+view = memoryview(data)
+for line in sys.stdin:
+    try:  # around the page cache where the file system allows it, as distckpt writes (DISTCKPT_DIRECT_IO=auto)
+        fd = os.open(line.strip(), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+    except OSError:
+        fd = os.open(line.strip(), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    for at in range(0, len(view), 16 << 20):
+        os.write(fd, view[at:at + (16 << 20)])
+    os.fsync(fd)
+    os.close(fd)
+    print("done", flush=True)
+"""
+
+
+class RawWriter:
+    """The raw floor of a writer process: another process, at the writer's nice, that writes the state's size from
+    its own page-aligned memory into one file (O_DIRECT where the file system takes it, as distckpt's writes) and
+    fsyncs it; no format, no staging, no planning. What it costs the training loop
+    is what moving the bytes costs on this machine, whoever moves them."""
+
+    def __init__(self, nbytes: int) -> None:
+        import subprocess
+        import sys
+
+        from distckpt import knobs
+
+        self.process = subprocess.Popen([sys.executable, "-c", _RAW_CHILD, str(nbytes), str(knobs.async_write_nice())],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def save(self, path: str):
+        from concurrent.futures import Future
+
+        done: Future = Future()
+        self.process.stdin.write(os.path.join(path, "raw") + "\n")
+        os.makedirs(path, exist_ok=True)
+        self.process.stdin.flush()
+        threading.Thread(target=lambda: done.set_result(self.process.stdout.readline()), daemon=True).start()
+        return done
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait(30)
+
+
+_RAW: dict = {}
+
+
 def _saver(peer: str):
     import torch.distributed.checkpoint as dcp
 
     import distckpt
 
+    if peer == "raw-process":
+        return lambda sd, path: _RAW["writer"].save(path)
     if peer == "dcp-process":
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
         return lambda sd, path: dcp.async_save(sd, checkpoint_id=path, async_checkpointer_type=AsyncCheckpointerType.PROCESS)
@@ -164,7 +221,7 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mib", type=int, default=1024, help="size of the state")
     p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--peers", nargs="+", default=["distckpt-thread", "distckpt-process", "dcp-process"])
+    p.add_argument("--peers", nargs="+", default=["distckpt-thread", "distckpt-process", "dcp-process", "raw-process"])
     p.add_argument("--root", default=None, help="the directory to save under (default: $TMPDIR)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
@@ -183,6 +240,8 @@ def main(argv=None) -> dict:
     machine = {"start": machine_state(root)}
     copies = {k: v.clone() for k, v in sd.items()}
     step = _model_and_pipeline()
+    if "raw-process" in args.peers:
+        _RAW["writer"] = RawWriter(sum(t.numel() * t.element_size() for t in sd.values()))
     for peer in args.peers:  # the first save of each: its writer starts, its staging memory is allocated
         _completion(_saver(peer)(sd, os.path.join(root, f"{peer}-warm"))).result()
         shutil.rmtree(os.path.join(root, f"{peer}-warm"), ignore_errors=True)
@@ -198,7 +257,10 @@ def main(argv=None) -> dict:
     for peer, r in best.items():
         print(f"{peer:<18}{r['step_ratio']:11.3f}{r['blocking_over_memcpy']:17.2f}{r['total_over_sync']:12.2f}"
               f"{r['blocking_s']:12.3f}{r['total_s']:9.3f}{r['sync_s']:8.3f}{r['peak_pss_mb']:13.0f}{r['added_mb']:10.0f}")
-    print("targets for distckpt-process: step ratio <= 1.05, blocking/memcpy <= 1.1, total/sync <= 1.1, added <= 256 MB")
+    print("targets for distckpt-process: step ratio <= 1.05, blocking/memcpy <= 1.1, total/sync <= 1.1, added <= 256 MB;"
+          " raw-process is the floor (its blocking and memory are not a save's)")
+    if "writer" in _RAW:
+        _RAW.pop("writer").close()
     machine["end"] = machine_state(root)
     print(describe_machine(machine["start"]), "(at the start)")
     shutil.rmtree(root, ignore_errors=True)

@@ -1,5 +1,5 @@
 """A tiny run of bench/async_process.py, so that it cannot rot: every peer (distckpt's thread and writer process,
-DCP's writer process) saved beside the training loop, each figure in the table and the JSON."""
+DCP's writer process, and the raw floor of a writer process) saved beside the training loop, each figure in the table and the JSON."""
 
 import json
 import subprocess
@@ -13,7 +13,8 @@ def test_async_process_bench_runs_every_peer(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert "step ratio" in out.stdout and "targets for distckpt-process" in out.stdout
     best = json.loads((tmp_path / "r.json").read_text())["best"]
-    assert set(best) == {"distckpt-thread", "distckpt-process", "dcp-process"}
+    assert set(best) == {"distckpt-thread", "distckpt-process", "dcp-process", "raw-process"}
     for peer, row in best.items():
-        assert row["step_ratio"] > 0 and row["total_s"] >= row["blocking_s"] > 0 and row["peak_pss_mb"] > 0, (peer, row)
+        assert row["step_ratio"] > 0 and row["total_s"] >= row["blocking_s"] > 0, (peer, row)
+        assert row["peak_pss_mb"] > 0 or peer == "raw-process", (peer, row)  # a tiny raw write ends before a sample
     assert list((tmp_path / "root").iterdir()) == []
