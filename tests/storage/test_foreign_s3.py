@@ -48,3 +48,26 @@ def test_a_dcp_directory_on_s3_loads(client, bucket, endpoint, tmp_path):
     out = {"w": torch.zeros(32, 4), "step": 0}
     distckpt.load(out, storage_reader=distckpt.DCPReader(f"s3://{bucket}/{prefix}", client=client), no_dist=True)
     assert torch.equal(out["w"], state["w"]) and out["step"] == 7
+
+
+def test_hf_dcp_and_torch_save_on_s3_are_found_by_checkpoint_id_alone(client, bucket, endpoint, tmp_path):
+    from ..unit.test_foreign_on_stores import dcp_directory, hf_directory
+
+    hf, run = hf_directory(tmp_path / "hf"), uuid.uuid4().hex
+    _upload(client, bucket, str(tmp_path / "hf"), f"{run}/hf")
+    out = {"x": torch.zeros(16, 8), "z": torch.zeros(10, dtype=torch.int64)}
+    distckpt.load(out, checkpoint_id=f"s3://{bucket}/{run}/hf", no_dist=True)
+    assert torch.equal(out["x"], hf["x"]) and torch.equal(out["z"], hf["z"])
+    with distckpt.open(f"s3://{bucket}/{run}/hf") as ck:
+        assert torch.equal(ck["x"][:], hf["x"])
+    state = dcp_directory(tmp_path / "d")
+    _upload(client, bucket, str(tmp_path / "d"), f"{run}/dcp")
+    got = {"w": torch.zeros(8, 4), "step": 0}
+    distckpt.load(got, checkpoint_id=f"s3://{bucket}/{run}/dcp", no_dist=True)
+    assert torch.equal(got["w"], state["w"]) and got["step"] == 7
+    saved = {"a": torch.randn(5, 3)}
+    torch.save(saved, str(tmp_path / "model.pt"))
+    client.upload_file(str(tmp_path / "model.pt"), bucket, f"{run}/model.pt")
+    back = {"a": torch.zeros(5, 3)}
+    distckpt.load(back, checkpoint_id=f"s3://{bucket}/{run}/model.pt", no_dist=True)
+    assert torch.equal(back["a"], saved["a"])

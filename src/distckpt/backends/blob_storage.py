@@ -12,6 +12,7 @@ destination where its memory is contiguous.
 
 from __future__ import annotations
 
+import inspect
 import os
 import uuid
 from dataclasses import replace
@@ -350,3 +351,26 @@ class BlobStorageReader(_Located, SharedReads, SharedVerification, StorageReader
                    verified_elsewhere=self.verified_elsewhere, is_coordinator=self.is_coordinator,
                    extension_registry=self.extension_registry, shares=self.shares)
         return done(None)
+
+
+def accepted_options(cls: type, options: dict[str, Any]) -> dict[str, Any]:
+    """The ``options`` that ``cls``'s constructor takes (all of them when it takes ``**kwargs``)."""
+    params = inspect.signature(cls.__init__).parameters
+    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        return dict(options)
+    return {k: v for k, v in options.items() if k in params}
+
+
+def store_at(checkpoint_id: str, options: dict[str, Any]) -> BlobStore:
+    """The store at ``checkpoint_id``, opened as the reader registered for its scheme opens it, with the ``options``
+    that reader takes (``client=``, ``endpoint_url=`` for ``s3://``): how another program's checkpoint is found and
+    read on any store."""
+    entry = scheme_entry(checkpoint_id)
+    if entry is None:
+        raise CheckpointError(f"no store is registered for the scheme of {checkpoint_id!r}; register one with "
+                              "distckpt.backends.register_store(scheme, factory)")
+    cls = entry.reader or BlobStorageReader
+    reader = cls(**accepted_options(cls, options))
+    reader.reset(checkpoint_id)
+    return reader.blob_store()
+

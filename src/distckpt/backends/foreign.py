@@ -1,6 +1,7 @@
 """The storage reader of checkpoints other programs wrote: a layout (distckpt.layouts) read by distckpt's engine.
 
-A :class:`LayoutReader` lists the checkpoint's files on its store (a local directory, or ``s3://bucket/prefix``),
+A :class:`LayoutReader` lists the checkpoint's files on its store (a local directory, or any store registered by
+scheme: ``s3://bucket/prefix``, ``memory://name``, ...),
 asks its layout for the metadata, and hands every read to the read engine, as distckpt's own readers do: the
 same checks, memory budget, lanes and progress. Subclasses say how their layout is read (``describe``).
 """
@@ -24,9 +25,9 @@ from ..format.records import ForeignStorageData
 from ..metadata import Metadata
 from ..planner import LoadPlan, LoadPlanner
 from ..storage import StorageReader
-from .blob_storage import done
+from .blob_storage import done, store_at
 from .filesystem import FsStore
-from .s3 import S3Reader
+from .schemes import FILE, scheme_of
 
 __all__ = ["LayoutReader"]
 
@@ -35,9 +36,11 @@ class LayoutReader(SharedReads, SharedVerification, StorageReader):
     """Reads another program's checkpoint through a layout (see the module docstring).
 
     Args:
-        path: the checkpoint (a directory, or ``s3://bucket/prefix``; may also be given as ``checkpoint_id``).
+        path: the checkpoint (a directory, or a URL of any registered store, ``s3://bucket/prefix``; may also be
+            given as ``checkpoint_id``).
         thread_count: reader threads per rank (default: the DISTCKPT_IO_THREADS knob).
-        s3_options: for an ``s3://`` path, the options of :class:`~distckpt.S3Reader` (``endpoint_url=``, ``client=``...).
+        store_options: for a URL, the options its scheme's reader takes (for ``s3://``, :class:`~distckpt.S3Reader`'s
+            ``endpoint_url=``, ``client=``...).
     """
 
     kind = "foreign"  # how errors name the checkpoint
@@ -47,12 +50,12 @@ class LayoutReader(SharedReads, SharedVerification, StorageReader):
     verify_checksums = False
 
     def __init__(self, path: Union[str, os.PathLike, None] = None, *, thread_count: Optional[int] = None,
-                 shared_reads: Optional[bool] = None, **s3_options: Any):
+                 shared_reads: Optional[bool] = None, **store_options: Any):
         self.path = None if path is None else os.fspath(path)
         self.shared_reads = shared_reads  # as BlobStorageReader's
         self.shares = None
         self.thread_count = thread_count
-        self.s3_options = s3_options
+        self.store_options = store_options
         self.load_id = uuid.uuid4().hex
         self.metadata: Optional[Metadata] = None
         self.is_coordinator = True
@@ -70,8 +73,8 @@ class LayoutReader(SharedReads, SharedVerification, StorageReader):
     def _store(self) -> BlobStore:
         if self.path is None:
             raise CheckpointError(f"{type(self).__name__} needs the checkpoint: {type(self).__name__}(path) or checkpoint_id=")
-        if self.path.startswith("s3://"):
-            return S3Reader(self.path, **self.s3_options).blob_store()
+        if scheme_of(self.path) != FILE:
+            return store_at(self.path, self.store_options)
         path = self.path[len("file://"):] if self.path.startswith("file://") else self.path
         if not os.path.isdir(path):
             raise CheckpointNotFoundError(f"{self.where()} does not exist (no such directory); check the path")

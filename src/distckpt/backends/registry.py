@@ -10,19 +10,21 @@ torch.distributed.checkpoint wrote is read by :class:`DCPReader`, a Hugging Face
 from __future__ import annotations
 
 import copy
-import inspect
 import os
 from typing import Any, Optional, Union
 
 from ..capabilities import OVERWRITE, supports
 from ..errors import CheckpointError
+from ..format import METADATA_FILE
+from ..layouts.dcp import DCP_METADATA_FILE
+from ..layouts.hf import is_hf_listing
 from ..storage import StorageReader, StorageWriter
-from .blob_storage import BlobStorageReader, BlobStorageWriter
+from .blob_storage import BlobStorageReader, BlobStorageWriter, accepted_options, store_at
 from .dcp_reader import DCPReader
 from .hf_reader import HuggingFaceReader
 from .hf_writer import HuggingFaceWriter
-from .schemes import scheme_entry
-from .torch_save_file import TorchSaveReader
+from .schemes import FILE, scheme_entry, scheme_of
+from .torch_save_file import TorchSaveReader, is_torch_save_blob
 
 __all__ = ["writer_for", "reader_for", "check_options", "pick_storage"]
 
@@ -46,11 +48,11 @@ def writer_for(checkpoint_id: Union[str, os.PathLike], **options: Any) -> Storag
     """A new writer for ``checkpoint_id``'s scheme, given the ``options`` its constructor takes
     (``hf://path`` publishes a Hugging Face checkpoint directory)."""
     if HuggingFaceWriter.validate_checkpoint_id(checkpoint_id):
-        return HuggingFaceWriter(**_accepted(HuggingFaceWriter, options))
+        return HuggingFaceWriter(**accepted_options(HuggingFaceWriter, options))
     classes = _classes(checkpoint_id)
     if classes is None:
         raise _unknown(checkpoint_id, "storage_writer")
-    return classes[0](**_accepted(classes[0], options))
+    return classes[0](**accepted_options(classes[0], options))
 
 
 def reader_for(checkpoint_id: Union[str, os.PathLike], **options: Any) -> StorageReader:
@@ -59,11 +61,40 @@ def reader_for(checkpoint_id: Union[str, os.PathLike], **options: Any) -> Storag
     reader, a torch.save file the torch.save reader; anything else the reader of its scheme's store)."""
     for foreign in _FOREIGN_READERS:
         if foreign.validate_checkpoint_id(checkpoint_id):
-            return foreign(**_accepted(foreign, options))
+            return foreign(**accepted_options(foreign, options))
     classes = _classes(checkpoint_id)
     if classes is None:
         raise _unknown(checkpoint_id, "storage_reader")
-    return classes[1](**_accepted(classes[1], options))
+    found = _foreign_on_store(os.fspath(checkpoint_id), options) if scheme_of(checkpoint_id) != FILE else None
+    if found is not None:
+        return found(os.fspath(checkpoint_id), **accepted_options(found, options))
+    return classes[1](**accepted_options(classes[1], options))
+
+
+def _foreign_on_store(checkpoint_id: str, options: dict[str, Any]) -> Optional[type]:
+    """The reader of another program's checkpoint at ``checkpoint_id`` on a store other than a local disk: a Hugging
+    Face or DCP directory (by its listing, where no distckpt metadata is), or a torch.save file (an object that
+    begins as a zip archive does). None where distckpt's own reader is the one to use, or to say what is wrong: a
+    store that cannot be opened or listed, a committed distckpt checkpoint, nothing there. One existence check a
+    load of distckpt's own checkpoint; the listing only where its metadata is absent."""
+    try:
+        store = store_at(checkpoint_id, options)
+    except CheckpointError:  # nothing there (a store that is no prefix of objects), or a store that cannot open
+        store = None
+    try:
+        if store is not None and store.exists(METADATA_FILE):
+            return None
+        names = [] if store is None else list(store.list())
+        if is_hf_listing(names):
+            return HuggingFaceReader
+        if DCP_METADATA_FILE in names:
+            return DCPReader
+        parent, _, name = checkpoint_id.rstrip("/").rpartition("/")
+        if names or not name or "://" not in parent:
+            return None
+        return TorchSaveReader if is_torch_save_blob(store_at(parent, options), name) else None
+    except CheckpointError:
+        return None
 
 
 def check_options(checkpoint_id: Union[str, os.PathLike], options: dict[str, Any]) -> None:
@@ -72,18 +103,11 @@ def check_options(checkpoint_id: Union[str, os.PathLike], options: dict[str, Any
     if classes is None:
         return
     writer, reader = classes
-    unknown = set(options) - set(_accepted(writer, options)) - set(_accepted(reader, options))
+    unknown = set(options) - set(accepted_options(writer, options)) - set(accepted_options(reader, options))
     if unknown:
         raise CheckpointError(
             f"storage options {sorted(unknown)} are not taken by {writer.__name__} or {reader.__name__} "
             f"(the backend of {str(checkpoint_id)!r}); see their arguments")
-
-
-def _accepted(cls: type, options: dict[str, Any]) -> dict[str, Any]:
-    params = inspect.signature(cls.__init__).parameters
-    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
-        return dict(options)
-    return {k: v for k, v in options.items() if k in params}
 
 
 def pick_storage(kind: str, checkpoint_id: Any, given: Any, overwrite: Optional[bool] = None, own_copy: bool = False) -> Any:

@@ -11,10 +11,12 @@ from ..engine.blobs import BlobStore
 from ..errors import CheckpointError, CheckpointNotFoundError
 from ..layouts.torch_save import read_archive, torch_save_layout
 from ..metadata import Metadata
+from .blob_storage import store_at
 from .filesystem import FsStore
 from .foreign import LayoutReader
+from .schemes import FILE, scheme_of
 
-__all__ = ["TorchSaveReader", "is_torch_save_file"]
+__all__ = ["TorchSaveReader", "is_torch_save_file", "is_torch_save_blob"]
 
 _ZIP_MAGIC = b"PK\x03\x04"
 
@@ -33,6 +35,17 @@ def is_torch_save_file(checkpoint_id: Union[str, os.PathLike, None]) -> bool:
         return False
 
 
+def is_torch_save_blob(store: BlobStore, name: str) -> bool:
+    """Whether the object ``name`` of ``store`` begins as a zip archive does, as ``torch.save`` files do."""
+    if not store.exists(name):
+        return False
+    blob = store.open(name)
+    try:
+        return blob.size >= len(_ZIP_MAGIC) and blob.pread(len(_ZIP_MAGIC), 0) == _ZIP_MAGIC
+    finally:
+        blob.close()
+
+
 class TorchSaveReader(LayoutReader):
     """Reads a ``torch.save`` file of a state dict: its tensors, by dotted key, at any sharding (see the module
     docstring). ``path`` is the file."""
@@ -46,10 +59,12 @@ class TorchSaveReader(LayoutReader):
     def _store(self) -> BlobStore:
         if self.path is None:
             raise CheckpointError("TorchSaveReader needs the file: TorchSaveReader(path) or checkpoint_id=")
+        if scheme_of(self.path) != FILE:  # an object: read from the store of its prefix
+            return store_at(self.path.rstrip("/").rpartition("/")[0], self.store_options)
         return FsStore(os.path.dirname(os.path.abspath(self.path)))
 
     def describe(self, store: BlobStore, sizes: dict[str, int]) -> Metadata:
-        name = os.path.basename(self.path)
+        name = self.path.rstrip("/").rpartition("/")[2] if scheme_of(self.path) != FILE else os.path.basename(self.path)
         if name not in sizes:
             raise CheckpointNotFoundError(f"{self.where()} does not exist or is not a regular file; check the path")
         blob = store.open(name)
