@@ -7,6 +7,7 @@ local disk; the docs of each function say why.
 
 from __future__ import annotations
 
+import json
 import os
 
 from .errors import CheckpointError
@@ -381,3 +382,20 @@ def shared_read_bucket_bytes() -> int:
     a quarter of the memory budget: a rank holds one it receives and two it reads ahead to send). A larger chunk
     is sent in pieces of whole rows; a row larger than this goes alone."""
     return _int("DISTCKPT_SHARED_READ_BUCKET_BYTES", max(1, min(64 << 20, memory_budget_bytes() // 4)), minimum=1)
+
+
+def fsspec_options() -> dict:
+    """fsspec's storage options for a save or load at an fsspec URL by ``checkpoint_id`` alone
+    (DISTCKPT_FSSPEC_OPTIONS, a JSON object, default none: the filesystem's own configuration)."""
+    raw = os.environ.get("DISTCKPT_FSSPEC_OPTIONS", "").strip()
+    if not raw:
+        return {}
+    try:
+        value = json.loads(raw)
+    except ValueError as exc:
+        raise CheckpointError(f"DISTCKPT_FSSPEC_OPTIONS is not JSON ({exc}); give a JSON object, as "
+                              "'{\"anon\": false}'") from None
+    if not isinstance(value, dict):
+        raise CheckpointError("DISTCKPT_FSSPEC_OPTIONS must be a JSON object of fsspec storage options")
+    return value
+

@@ -28,8 +28,8 @@ _REPLACEMENT = {
     "FileSystemReader": "distckpt.FileSystemReader",
     "DefaultSavePlanner": "distckpt.DefaultSavePlanner",
     "DefaultLoadPlanner": "distckpt.DefaultLoadPlanner",
-    "FsspecWriter": "distckpt.FileSystemWriter, or checkpoint_id='s3://bucket/prefix'",
-    "FsspecReader": "distckpt.FileSystemReader, or checkpoint_id='s3://bucket/prefix'",
+    "FsspecWriter": "distckpt.backends.FsspecWriter (same arguments), or checkpoint_id='s3://bucket/prefix'",
+    "FsspecReader": "distckpt.backends.FsspecReader (same arguments), or checkpoint_id='s3://bucket/prefix'",
     "HuggingFaceStorageWriter": "distckpt.HuggingFaceWriter",
     "HuggingFaceStorageReader": "distckpt.HuggingFaceReader",
 }

@@ -25,6 +25,7 @@ from ..engine.blobs import LEASES, MAPS, RUNS, BlobReader, BlobStore, BlobWriter
 from .blob_storage import BlobStorageReader, BlobStorageWriter
 from .dcp_reader import DCPReader
 from .filesystem import FileSystemReader, FileSystemWriter
+from .fsspec_store import FsspecReader, FsspecWriter
 from .hf_reader import HuggingFaceReader
 from .hf_writer import HuggingFaceWriter
 from .memory import MemoryReader, MemoryWriter, clear_memory_store
@@ -41,7 +42,7 @@ __all__ = [
     "BlobStorageWriter", "BlobStorageReader", "ObjectClient", "ObjectStore", "ObjectInfo", "Upload",
     "FileSystemWriter", "FileSystemReader", "DCPReader", "HuggingFaceReader", "HuggingFaceWriter", "TorchSaveReader",
     "MemoryWriter", "MemoryReader",
-    "S3Writer", "S3Reader",
+    "S3Writer", "S3Reader", "FsspecWriter", "FsspecReader",
     "clear_memory_store",
     "writer_for", "reader_for", "check_options", "pick_storage",
 ]

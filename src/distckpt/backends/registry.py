@@ -21,6 +21,7 @@ from ..layouts.hf import is_hf_listing
 from ..storage import StorageReader, StorageWriter
 from .blob_storage import BlobStorageReader, BlobStorageWriter, accepted_options, store_at
 from .dcp_reader import DCPReader
+from .fsspec_store import FsspecReader, FsspecWriter  # noqa: F401 - any fsspec URL, after the stores registered
 from .hf_reader import HuggingFaceReader
 from .hf_writer import HuggingFaceWriter
 from .schemes import FILE, scheme_entry, scheme_of

@@ -35,6 +35,13 @@ class SchemeEntry:
 
 
 _SCHEMES: dict[str, SchemeEntry] = {}
+_FALLBACKS: list[Callable[[str], Optional[SchemeEntry]]] = []
+
+
+def register_fallback(find: Callable[[str], Optional[SchemeEntry]]) -> None:
+    """``find(scheme)`` answers for schemes no store is registered for (fsspec's, :mod:`.fsspec_store`); a
+    registered store always comes first."""
+    _FALLBACKS.append(find)
 
 
 def register_store(scheme: str, factory: StoreFactory, *, writer: Optional[type] = None, reader: Optional[type] = None) -> None:
@@ -71,7 +78,14 @@ def scheme_of(checkpoint_id: Any) -> Optional[str]:
 def scheme_entry(checkpoint_id: Any) -> Optional[SchemeEntry]:
     """The registration of ``checkpoint_id``'s scheme, or None."""
     scheme = scheme_of(checkpoint_id)
-    return None if scheme is None else _SCHEMES.get(scheme)
+    if scheme is None:
+        return None
+    entry = _SCHEMES.get(scheme)
+    for find in _FALLBACKS if entry is None and scheme != FILE else ():
+        entry = find(scheme)
+        if entry is not None:
+            break
+    return entry
 
 
 def store_for(checkpoint_id: Any) -> BlobStore:
