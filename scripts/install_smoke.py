@@ -25,11 +25,19 @@ import torch
 
 EXTRAS = {  # the module an extra installs -> the extra's name (pyproject.toml)
     "boto3": "s3",
+    "google.cloud.storage": "gcs",
     "lightning": "lightning",
     "torchtitan": "torchtitan",
     "torch_checkpointing": "torch-checkpointing",
     "accelerate": "accelerate",
 }
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a dotted name whose parent package is not there either
+        return False
 
 
 def check(ok: bool, what: str) -> None:
@@ -129,6 +137,12 @@ def missing_extras(root: str) -> None:
         check(exc.extra == "s3" and "pip install 'distckpt[s3]'" in str(exc), f"s3:// without boto3: {exc}")
     else:
         check(False, "s3:// without boto3 raises MissingDependencyError")
+    try:
+        distckpt.save({"w": torch.ones(3)}, checkpoint_id="gs://bucket/run/step-1", no_dist=True)
+    except MissingDependencyError as exc:
+        check(exc.extra == "gcs" and "pip install 'distckpt[gcs]'" in str(exc), f"gs:// without google-cloud-storage: {exc}")
+    else:
+        check(False, "gs:// without google-cloud-storage raises MissingDependencyError")
     for module, extra in (("distckpt.integrations.lightning", "lightning"), ("distckpt.integrations.torchtitan", "torchtitan"),
                           ("distckpt.integrations.torch_checkpointing", "torch-checkpointing")):
         try:
@@ -145,7 +159,7 @@ def main() -> None:
 
     check(not os.path.abspath(distckpt.__file__).startswith(os.path.dirname(here) + os.sep),
           f"distckpt imports from the installed package ({distckpt.__file__})")
-    present = [m for m in EXTRAS if importlib.util.find_spec(m) is not None]
+    present = [m for m in EXTRAS if _installed(m)]
     check(not present, f"no optional dependency installed (found {present})")
     root = tempfile.mkdtemp(prefix="distckpt-install-smoke-")
     try:

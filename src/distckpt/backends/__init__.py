@@ -26,6 +26,7 @@ from .blob_storage import BlobStorageReader, BlobStorageWriter
 from .dcp_reader import DCPReader
 from .filesystem import FileSystemReader, FileSystemWriter
 from .fsspec_store import FsspecReader, FsspecWriter
+from .gcs import GcsStore  # noqa: F401 (registers gs://)
 from .hf_reader import HuggingFaceReader
 from .hf_writer import HuggingFaceWriter
 from .memory import MemoryReader, MemoryWriter, clear_memory_store
