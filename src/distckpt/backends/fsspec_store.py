@@ -97,8 +97,12 @@ class _SequentialWriter(BlobWriter):
     def abort(self) -> None:
         with self.lock:
             self.ahead.clear()
-            try:
-                self.file.close()  # what was written is a dead save's, which its cleanup removes
+            try:  # an upload not yet made is cancelled where fsspec can; else what was written is a dead save's,
+                discard = getattr(self.file, "discard", None)  # which the save's cleanup removes
+                if callable(discard):
+                    discard()
+                else:
+                    self.file.close()
             except Exception:  # noqa: BLE001 - the save failed already; this is tidying
                 pass
 
