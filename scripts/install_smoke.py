@@ -26,6 +26,7 @@ import torch
 EXTRAS = {  # the module an extra installs -> the extra's name (pyproject.toml)
     "boto3": "s3",
     "google.cloud.storage": "gcs",
+    "azure.storage.blob": "azure",
     "lightning": "lightning",
     "torchtitan": "torchtitan",
     "torch_checkpointing": "torch-checkpointing",
@@ -143,6 +144,12 @@ def missing_extras(root: str) -> None:
         check(exc.extra == "gcs" and "pip install 'distckpt[gcs]'" in str(exc), f"gs:// without google-cloud-storage: {exc}")
     else:
         check(False, "gs:// without google-cloud-storage raises MissingDependencyError")
+    try:
+        distckpt.save({"w": torch.ones(3)}, checkpoint_id="az://container/run/step-1", no_dist=True)
+    except MissingDependencyError as exc:
+        check(exc.extra == "azure" and "pip install 'distckpt[azure]'" in str(exc), f"az:// without azure-storage-blob: {exc}")
+    else:
+        check(False, "az:// without azure-storage-blob raises MissingDependencyError")
     for module, extra in (("distckpt.integrations.lightning", "lightning"), ("distckpt.integrations.torchtitan", "torchtitan"),
                           ("distckpt.integrations.torch_checkpointing", "torch-checkpointing")):
         try:

@@ -16,3 +16,10 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ constraints.txt -nt
   .venv/bin/python -m compileall -q -j 0 .venv/lib >/dev/null 2>&1 || true
   touch "$stamp"
 fi
+# Azurite, the Azure Storage emulator the az:// tests run on loopback, from npm into the virtualenv (the version
+# tests/storage/azurite_server.py names); without npm the az:// tests install nothing and skip, saying why
+azurite=.venv/azurite
+if [ ! -x "$azurite/node_modules/.bin/azurite-blob" ] && command -v npm >/dev/null 2>&1; then
+  npm install --prefix "$azurite" --no-audit --no-fund --loglevel=error azurite@3.35.0 >/dev/null \
+    || echo "setup: npm could not install Azurite into $azurite; the az:// tests will say why" >&2
+fi

@@ -1,8 +1,10 @@
-"""Fixtures of the object-store tests: real S3-compatible and GCS-compatible servers on loopback, clients and buckets."""
+"""Fixtures of the object-store tests: real S3-, GCS- and Azure-compatible servers on loopback, clients and buckets."""
+
+import subprocess
 
 import pytest
 
-from . import gcs_server
+from . import azurite_server, gcs_server
 from .s3_server import new_bucket, s3_server
 
 
@@ -44,3 +46,26 @@ def gcs_client(gcs_endpoint):
 @pytest.fixture(scope="session")
 def gcs_bucket(gcs_client):
     return gcs_server.new_bucket(gcs_client)
+
+
+@pytest.fixture(scope="session")
+def azure_endpoint():
+    """Azurite on loopback for the whole session (skipped, saying why, only where it cannot be installed)."""
+    try:
+        azurite_server.install()
+    except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
+        pytest.skip(f"Azurite cannot be installed: {exc}")
+    with azurite_server.azurite_server() as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def azure_service(azure_endpoint):
+    from azure.storage.blob import BlobServiceClient
+
+    return BlobServiceClient.from_connection_string(azurite_server.connection_string(azure_endpoint))
+
+
+@pytest.fixture(scope="session")
+def azure_container(azure_service):
+    return azurite_server.new_container(azure_service)

@@ -3,6 +3,7 @@ load by URL, a run with retention and incremental saves, the commit race decided
 
 from __future__ import annotations
 
+import sys
 import uuid
 
 import pytest
@@ -121,7 +122,7 @@ def test_a_missing_bucket_names_the_fix(gcs_endpoint):
 
 
 def test_without_the_sdk_the_error_names_the_extra(monkeypatch):
-    monkeypatch.setitem(__import__("sys").modules, "google.cloud.storage", None)
+    monkeypatch.setitem(sys.modules, "google.cloud.storage", None)
     monkeypatch.setattr(gcs, "_CLIENTS", {})
     with pytest.raises(MissingDependencyError, match=r"distckpt\[gcs\]") as info:
         distckpt.save({"w": torch.ones(2)}, checkpoint_id="gs://bucket/ck")

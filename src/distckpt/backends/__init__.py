@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from ..capabilities import COLUMNAR_COMMIT, OVERWRITE, SHARED_VERIFICATION
 from ..engine.blobs import LEASES, MAPS, RUNS, BlobReader, BlobStore, BlobWriter, BufferedWriter, BytesReader
+from .azure import AzureStore  # noqa: F401 (registers az://, abfs://)
 from .blob_storage import BlobStorageReader, BlobStorageWriter
 from .dcp_reader import DCPReader
 from .filesystem import FileSystemReader, FileSystemWriter
