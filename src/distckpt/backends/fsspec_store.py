@@ -98,9 +98,10 @@ class _SequentialWriter(BlobWriter):
         with self.lock:
             self.ahead.clear()
             try:  # an upload not yet made is cancelled where fsspec can; else what was written is a dead save's,
-                discard = getattr(self.file, "discard", None)  # which the save's cleanup removes
-                if callable(discard):
-                    discard()
+                from fsspec.spec import AbstractBufferedFile  # which the save's cleanup removes
+
+                if isinstance(self.file, AbstractBufferedFile):
+                    self.file.discard()
                 else:
                     self.file.close()
             except Exception:  # noqa: BLE001 - the save failed already; this is tidying

@@ -53,6 +53,7 @@ import torch.distributed.checkpoint.state_dict_loader as _dcp_loader
 import torch.distributed.checkpoint.state_dict_saver as _dcp_saver
 
 from ..async_saving import async_save
+from ..backends.blob_storage import BlobStorageWriter
 from ..loading import load, load_state_dict
 from ..saving import save, save_state_dict
 from .announce import DISTCKPT_FORMAT
@@ -145,7 +146,9 @@ def _routed(name: str, fn: Callable, is_save: bool) -> Callable:
 def _where(args: tuple, kwargs: dict) -> str:
     """The place a routed save writes: its ``checkpoint_id``, or that of the storage writer it was given."""
     writer = kwargs.get("storage_writer", args[1] if len(args) > 1 else None)
-    place = kwargs.get("checkpoint_id") or getattr(writer, "checkpoint_id", None) or getattr(writer, "path", None)
+    place = kwargs.get("checkpoint_id")
+    if place is None and isinstance(writer, BlobStorageWriter):  # distckpt's writers name their place; others may not
+        place = writer.checkpoint_id
     return str(place) if place is not None else "the place its storage writer names"
 
 
