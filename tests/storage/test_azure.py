@@ -164,3 +164,13 @@ def test_without_the_sdk_the_error_names_the_extra(monkeypatch):
     with pytest.raises(MissingDependencyError, match=r"distckpt\[azure\]") as info:
         distckpt.save({"w": torch.ones(2)}, checkpoint_id="az://container/ck")
     assert "azure-storage-blob" in str(info.value)
+
+
+def test_an_empty_metadata_blob_is_a_damaged_checkpoint(azure_service, azure_container):
+    """A ranged read of an empty blob answers 416: the store reads it as no bytes, and the loader names the damage."""
+    azure_service.get_blob_client(azure_container, "empty/ck/metadata.json").upload_blob(b"")
+    with pytest.raises(CorruptCheckpointError):
+        distckpt.load({"w": torch.zeros(2)}, checkpoint_id=f"az://{azure_container}/empty/ck")
+    with pytest.raises(CheckpointError, match="cannot read") as info:
+        distckpt.save({"w": torch.ones(2)}, checkpoint_id=f"az://{azure_container}/empty/ck", overwrite=True)
+    assert "failed" not in str(info.value), info.value  # the document's damage, not a failed request

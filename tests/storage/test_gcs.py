@@ -46,7 +46,8 @@ def _state(n=3 << 20):
 
 
 def test_save_and_load_by_url_with_parts_and_parallel_reads(gcs_client, gcs_bucket, monkeypatch):
-    """A 12 MiB tensor goes up as a resumable upload of 5 MiB parts and comes back in parallel 1 MiB ranges."""
+    """A 12 MiB tensor goes up as 5 MiB parts uploaded in parallel and composed, and comes back in parallel 1 MiB
+    ranges; no part object is left."""
     monkeypatch.setenv("DISTCKPT_S3_READ_PIECE_BYTES", str(1 << 20))
     monkeypatch.setenv("DISTCKPT_S3_PART_BYTES", str(5 << 20))
     parts, ranges = [], []
@@ -56,7 +57,7 @@ def test_save_and_load_by_url_with_parts_and_parallel_reads(gcs_client, gcs_buck
     cid = f"gs://{gcs_bucket}/url/step-1"
     sd = _state()
     store = GcsStore(gcs_bucket, "url/step-1")
-    assert store.objects.writer("x", 2 << 20).part_size == 1 << 20
+    assert store.objects.write_buffer_bytes(12 << 20) <= 12 << 20
     md = distckpt.save(sd, checkpoint_id=cid)
     save_id = md.storage_meta.save_id
     assert names(gcs_client, gcs_bucket, "url/step-1") == ["metadata.json", f"saves/{save_id}/data-00000.safetensors"]
@@ -66,6 +67,29 @@ def test_save_and_load_by_url_with_parts_and_parallel_reads(gcs_client, gcs_buck
     assert torch.equal(out["big"], sd["big"]) and torch.equal(out["small"], sd["small"]) and out["step"] == 7
     assert distckpt.verify(cid).ok
     assert parts[:2] == [5 << 20, 5 << 20] and max(ranges) == 1 << 20 and len(ranges) >= 12, (parts, ranges)
+
+
+def test_parts_past_one_compose_are_composed_in_a_tree_and_a_failed_writer_leaves_none(gcs_client, gcs_bucket, monkeypatch):
+    """34 parts of 1 MiB: two composes of parts, one of those two; then a writer whose compose fails deletes its parts."""
+    store = GcsStore(gcs_bucket, f"tree-{uuid.uuid4().hex[:8]}", part_size=1 << 20, upload_concurrency=4)
+    data = torch.randint(0, 256, ((34 << 20) - 5,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1)).numpy()
+    w = store.create("big")
+    for at in range(0, len(data), 3 << 20):
+        w.pwrite(memoryview(data[at: at + (3 << 20)]), at)
+    w.close(True)
+    assert names(gcs_client, gcs_bucket, store.prefix) == ["big"]
+    back = bytearray(len(data))
+    assert store.open("big").readinto(memoryview(back), 0) == len(data) and bytes(back) == data.tobytes()
+
+    def broken(self, bucket, sources, name):
+        raise distckpt.StorageIOError(f"composing {name} failed (injected)")
+
+    monkeypatch.setattr(gcs.GcsWriter, "_compose", broken)
+    w = store.create("broken")
+    w.pwrite(memoryview(data[: 3 << 20]), 0)
+    with pytest.raises(distckpt.StorageIOError, match="injected"):
+        w.close(True)
+    assert names(gcs_client, gcs_bucket, store.prefix) == ["big"]
 
 
 def test_a_run_with_retention_and_incremental_saves(gcs_client, gcs_bucket):
@@ -127,3 +151,12 @@ def test_without_the_sdk_the_error_names_the_extra(monkeypatch):
     with pytest.raises(MissingDependencyError, match=r"distckpt\[gcs\]") as info:
         distckpt.save({"w": torch.ones(2)}, checkpoint_id="gs://bucket/ck")
     assert "google-cloud-storage" in str(info.value)
+
+
+def test_an_empty_metadata_object_is_a_damaged_checkpoint(gcs_client, gcs_bucket):
+    gcs_client.bucket(gcs_bucket).blob("empty/ck/metadata.json").upload_from_string(b"")
+    with pytest.raises(CorruptCheckpointError):
+        distckpt.load({"w": torch.zeros(2)}, checkpoint_id=f"gs://{gcs_bucket}/empty/ck")
+    with pytest.raises(CheckpointError, match="cannot read") as info:
+        distckpt.save({"w": torch.ones(2)}, checkpoint_id=f"gs://{gcs_bucket}/empty/ck", overwrite=True)
+    assert "failed" not in str(info.value), info.value  # the document's damage, not a failed request

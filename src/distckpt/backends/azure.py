@@ -209,6 +209,10 @@ class AzureObjects(ObjectClient):
                                                                                   length=limit or None).readall())
         except CheckpointNotFoundError:
             return None
+        except StorageIOError as exc:
+            if _status(exc.__cause__) == 416:
+                return b""  # a range of an empty blob
+            raise
 
     def head(self, key: str) -> Optional[ObjectInfo]:
         try:
@@ -320,7 +324,7 @@ class AzureWriter(InOrderWriter):
         block = f"{self.upload}-{len(self.blocks):08d}"
         blob = self.objects._blob(self.key)
         self.blocks.append((block, _pool().submit(self.objects._run, "uploading", self.key,
-                                                  lambda: blob.stage_block(block, bytes(part)))))
+                                                  lambda: blob.stage_block(block, part, length=len(part)))))
 
     def _finish(self) -> None:
         for _, f in self.blocks:

@@ -4,7 +4,7 @@ The layout, the commit and the lifecycle of a run are :mod:`.objects`'s, over th
 ``overwrite`` the commit is an upload conditional on ``ifGenerationMatch=0`` (created only where no live object
 is, decided by the service): of two saves racing to one prefix exactly one wins. Reads are ranged downloads of the
 generation seen when the object was opened, so an object replaced during a load is an error, not a mix of two
-saves. An object larger than one part goes up as a resumable upload, part by part.
+saves. An object larger than one part goes up in parts uploaded in parallel and composed into it.
 
 Credentials and project come from the usual Google configuration (Application Default Credentials,
 ``GOOGLE_CLOUD_PROJECT``); ``STORAGE_EMULATOR_HOST`` points the client at an emulator (anonymous credentials).
@@ -18,6 +18,8 @@ import http.client
 import os
 import threading
 import time
+import uuid
+from concurrent.futures import Future, wait
 from typing import Any, Callable, Iterable, Optional, Union
 
 from .. import knobs, process_state
@@ -34,7 +36,8 @@ __all__ = ["GcsStore", "GcsObjects", "gcs_store", "parse_gs_url"]
 SCHEME = "gs://"
 SAVE_ID_TAG = "distckpt-save-id"  # custom metadata of an object put with a tag: the committed save, on metadata.json
 FEATURE, EXTRA, PACKAGE = "gs:// checkpoints", "gcs", "google-cloud-storage"
-CHUNK_MULTIPLE = 256 << 10  # a resumable upload's parts are multiples of 256 KiB, except the last
+MIN_PART_BYTES = 1 << 20
+MAX_COMPOSE = 32  # sources of one compose request
 FIX = "check the endpoint (STORAGE_EMULATOR_HOST, where set), the network and the credentials"
 _ENV = ("STORAGE_EMULATOR_HOST", "GOOGLE_CLOUD_PROJECT", "GOOGLE_APPLICATION_CREDENTIALS", "HTTPS_PROXY", "https_proxy",
         "HTTP_PROXY", "http_proxy", "NO_PROXY", "no_proxy")
@@ -148,8 +151,8 @@ def gcs_error(action: str, where: str, exc: BaseException) -> CheckpointError:
 
 
 def _retry() -> Any:
-    """The SDK's retry of the requests it repeats itself (resumable uploads, downloads resumed where they stopped):
-    bounded in time to about the attempts knob's worth of read timeouts."""
+    """The SDK's retry of the requests it repeats itself (downloads, resumed where they stopped): bounded in time to
+    about the attempts knob's worth of read timeouts."""
     retry = _sdk("google.api_core.retry")
     budget = (knobs.s3_max_attempts() - 1) * (knobs.s3_read_timeout_s() + 2.0) + 0.1
     return retry.Retry(predicate=_transient, initial=0.1, maximum=2.0, multiplier=2.0, timeout=budget)
@@ -162,10 +165,11 @@ def _age(when: Any) -> Optional[float]:
 class GcsObjects(ObjectClient):
     """One bucket through google-cloud-storage: the primitives of :class:`~distckpt.backends.objects.ObjectStore`."""
 
-    def __init__(self, bucket: str, *, client: Any = None, part_size: Optional[int] = None):
+    def __init__(self, bucket: str, *, client: Any = None, part_size: Optional[int] = None,
+                 upload_concurrency: Optional[int] = None):
         self.bucket_name = bucket
         self.given_client = client
-        self.part_size = part_size
+        self.part_size, self.upload_concurrency = part_size, upload_concurrency
         self.requests = Requests("GCS", FIX, _transient, _no_answer, gcs_error, _failures)
 
     @property
@@ -258,55 +262,87 @@ class GcsObjects(ObjectClient):
         bucket = self.bucket
         self._run("renewing", key, lambda: bucket.copy_blob(bucket.blob(key), bucket, key, timeout=timeouts(), retry=None))
 
-    def _part_size(self, buffer_bytes: Optional[int]) -> int:
-        """Parts of a resumable upload: multiples of 256 KiB; one in flight and one filling within ``buffer_bytes``."""
-        part = knobs.s3_part_bytes() if self.part_size is None else self.part_size
+    def _parts(self, buffer_bytes: Optional[int]) -> tuple[int, int]:
+        """Part size, and parts uploading at once: each part in flight is held twice (its bytes, and the SDK's copy
+        in the request), the one that fills once, all within ``buffer_bytes``, but always at least one."""
+        part = max(MIN_PART_BYTES, knobs.s3_part_bytes() if self.part_size is None else self.part_size)
+        concurrency = knobs.s3_upload_concurrency() if self.upload_concurrency is None else self.upload_concurrency
         if buffer_bytes is not None:
-            part = min(part, buffer_bytes // 2)
-        return max(CHUNK_MULTIPLE, part // CHUNK_MULTIPLE * CHUNK_MULTIPLE)
+            part = max(MIN_PART_BYTES, min(part, buffer_bytes // 3))
+            concurrency = max(1, min(concurrency, (buffer_bytes // part - 1) // 2))
+        return part, concurrency
 
     def writer(self, key: str, buffer_bytes: Optional[int] = None) -> BlobWriter:
-        return GcsWriter(self, key, self._part_size(buffer_bytes))
+        return GcsWriter(self, key, *self._parts(buffer_bytes))
 
     def write_buffer_bytes(self, buffer_bytes: Optional[int] = None) -> int:
-        return 2 * self._part_size(buffer_bytes)  # the part that fills, and the SDK's copy of the one going up
+        part, concurrency = self._parts(buffer_bytes)
+        return (2 * concurrency + 1) * part
 
     def reader(self, key: str, missing: Callable[[Optional[BaseException]], CheckpointError]) -> BlobReader:
         return GcsReader(self, key, missing)
 
 
 class GcsWriter(InOrderWriter):
-    """One object: whole in one upload when it is smaller than a part, else a resumable upload whose parts go up in
-    order as they fill (the service keeps what each part sent; the SDK resumes a part cut short)."""
+    """One object: whole in one upload when it is smaller than a part, else parts uploaded in parallel as objects of
+    their own beside it (``<key>.part-<upload>-<n>``, at most ``concurrency`` at once), composed into the object at
+    close (32 sources a compose, in a tree) and then deleted. Parts of a save killed meanwhile are objects under its
+    prefix like its others: cleanup of dead saves removes them."""
 
-    def __init__(self, objects: GcsObjects, key: str, part_size: int):
+    def __init__(self, objects: GcsObjects, key: str, part_size: int, concurrency: int):
         super().__init__(objects.url(key), part_size)
-        self.objects, self.key = objects, key
-        self.upload: Any = None  # the SDK's resumable writer, once a part went out
+        self.objects, self.key, self.concurrency = objects, key, concurrency
+        self.upload = uuid.uuid4().hex[:12]
+        self.parts: list[tuple[str, Future]] = []
+        self.made: list[str] = []  # every part and intermediate object written, to delete at the end
 
     def _whole(self, data: bytes) -> None:
         self.objects.put(self.key, data)
 
     def _send(self, part: bytearray) -> None:
-        def send() -> None:
-            if self.upload is None:
-                fileio = _sdk("google.cloud.storage.fileio")
-                self.upload = fileio.BlobWriter(self.objects.bucket.blob(self.key), chunk_size=self.part_size,
-                                                retry=_retry(), timeout=timeouts(), checksum=None)
-            self.upload.write(part)
-
-        self.objects.requests.run("uploading", self.where, send, attempts=1)  # the SDK retries within its bound
+        in_flight = [f for _, f in self.parts if not f.done()]
+        if len(in_flight) >= self.concurrency:
+            in_flight[0].result()
+        for _, f in self.parts:
+            if f.done():
+                f.result()  # a part that failed stops the object here
+        name = f"{self.key}.part-{self.upload}-{len(self.parts):05d}"
+        data = bytes(part)  # the SDK takes bytes; the bytearray goes when this returns
+        self.made.append(name)
+        self.parts.append((name, _pool().submit(self.objects.put, name, data)))
 
     def _finish(self) -> None:
-        self.objects.requests.run("uploading", self.where, self.upload.close, attempts=1)
+        for _, f in self.parts:
+            f.result()
+        names = [name for name, _ in self.parts]
+        bucket = self.objects.bucket
+        level = 0
+        while len(names) > MAX_COMPOSE:  # compose groups of 32 in parallel, then the groups, until one compose is left
+            groups = [names[i: i + MAX_COMPOSE] for i in range(0, len(names), MAX_COMPOSE)]
+            names = [f"{self.key}.part-{self.upload}-c{level}-{i:05d}" for i in range(len(groups))]
+            self.made += names
+            futures = [_pool().submit(self._compose, bucket, group, name) for group, name in zip(groups, names)]
+            for future in futures:
+                future.result()
+            level += 1
+        self._compose(bucket, names, self.key)
+        self.objects.delete(self.made)  # a failure fails the save, whose discard removes what is left
+        self.made, self.parts = [], []
+
+    def _compose(self, bucket: Any, sources: list[str], name: str) -> None:
+        self.objects._run("composing", name, lambda: bucket.blob(name).compose(
+            [bucket.blob(s) for s in sources], timeout=timeouts(), retry=None))
 
     def _give_up(self) -> None:
-        upload, self.upload = self.upload, None
-        if upload is not None:
+        for _, f in self.parts:
+            f.cancel()
+        wait([f for _, f in self.parts])
+        if self.made and self.objects.requests.gone is None:
             try:
-                upload.terminate()  # the resumable session is cancelled (it holds no object either way)
-            except Exception:  # noqa: BLE001 - best effort: an unfinished session expires by itself within a week
-                pass
+                self.objects.delete(self.made)
+            except CheckpointError:
+                pass  # the save is discarded, and cleanup removes what is left under its prefix
+        self.made, self.parts = [], []
 
 
 class GcsReader(PiecewiseReader):
@@ -348,8 +384,10 @@ class GcsReader(PiecewiseReader):
 class GcsStore(ObjectStore):
     """One checkpoint prefix (or one save's data prefix) in a bucket."""
 
-    def __init__(self, bucket: str, prefix: str, *, client: Any = None, part_size: Optional[int] = None):
-        super().__init__(GcsObjects(bucket, client=client, part_size=part_size), prefix)
+    def __init__(self, bucket: str, prefix: str, *, client: Any = None, part_size: Optional[int] = None,
+                 upload_concurrency: Optional[int] = None):
+        super().__init__(GcsObjects(bucket, client=client, part_size=part_size, upload_concurrency=upload_concurrency),
+                         prefix)
 
 
 def gcs_store(checkpoint_id: str) -> GcsStore:
