@@ -16,9 +16,12 @@ from distckpt.backends import azure
 from distckpt.backends.azure import AzureStore, parse_az_url
 from distckpt.backends.leases import Lease, simulate_process_death
 from distckpt.faults import Fault, inject
+from distckpt.testing import run_ranks
 from distckpt.testing.blob_store_suite import BlobStoreSuite
 from distckpt.testing.states import blank_like, seeded
 from distckpt.testing.storage_suite import StorageSuite
+
+from ..distributed import workers
 
 
 def names(service, container, prefix, uncommitted=False):
@@ -174,3 +177,13 @@ def test_an_empty_metadata_blob_is_a_damaged_checkpoint(azure_service, azure_con
     with pytest.raises(CheckpointError, match="cannot read") as info:
         distckpt.save({"w": torch.ones(2)}, checkpoint_id=f"az://{azure_container}/empty/ck", overwrite=True)
     assert "failed" not in str(info.value), info.value  # the document's damage, not a failed request
+
+
+@pytest.mark.slow
+def test_two_ranks_save_and_one_and_three_load_resharded(azure_container):
+    """Ranks are processes of their own: each makes its own client (clients are per process) from the environment."""
+    cid = f"az://{azure_container}/ranks-{uuid.uuid4().hex[:8]}/ckpt"
+    run_ranks(workers.save_all_layouts, 2, cid, timeout_s=180)
+    for world in (1, 3):
+        results = run_ranks(workers.load_all_layouts, world, [cid], timeout_s=180)
+        assert all(r == {} for r in results), results

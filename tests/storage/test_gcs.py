@@ -14,9 +14,12 @@ from distckpt import CheckpointError, CorruptCheckpointError, MissingDependencyE
 from distckpt.backends import gcs
 from distckpt.backends.gcs import GcsStore
 from distckpt.faults import Fault, inject
+from distckpt.testing import run_ranks
 from distckpt.testing.blob_store_suite import BlobStoreSuite
 from distckpt.testing.states import blank_like, seeded
 from distckpt.testing.storage_suite import StorageSuite
+
+from ..distributed import workers
 
 
 def names(client, bucket, prefix):
@@ -160,3 +163,13 @@ def test_an_empty_metadata_object_is_a_damaged_checkpoint(gcs_client, gcs_bucket
     with pytest.raises(CheckpointError, match="cannot read") as info:
         distckpt.save({"w": torch.ones(2)}, checkpoint_id=f"gs://{gcs_bucket}/empty/ck", overwrite=True)
     assert "failed" not in str(info.value), info.value  # the document's damage, not a failed request
+
+
+@pytest.mark.slow
+def test_two_ranks_save_and_one_and_three_load_resharded(gcs_bucket):
+    """Ranks are processes of their own: each makes its own client (clients are per process) from the environment."""
+    cid = f"gs://{gcs_bucket}/ranks-{uuid.uuid4().hex[:8]}/ckpt"
+    run_ranks(workers.save_all_layouts, 2, cid, timeout_s=180)
+    for world in (1, 3):
+        results = run_ranks(workers.load_all_layouts, world, [cid], timeout_s=180)
+        assert all(r == {} for r in results), results
