@@ -316,6 +316,12 @@ def test_parts_upload_in_parallel_and_large_reads_come_back_in_pieces(bucket):
     assert back == raw.tobytes()
     tail = bytearray(100)
     assert blob.readinto(memoryview(tail), len(raw) - 50) == 50 and tail[:50] == raw[-50:].tobytes()
+    gets = []  # the engine reads through readv: several views, read in pieces at once too
+    real_get = type(blob)._get
+    blob._get = lambda views, offset: gets.append(offset) or real_get(blob, views, offset)
+    parts = [bytearray(10 << 20), bytearray(20 << 20), bytearray(10 << 20)]
+    assert blob.readv([memoryview(p) for p in parts], 0) == len(raw)
+    assert b"".join(parts) == raw.tobytes() and sorted(gets) == [0, 16 << 20, 32 << 20]
 
 
 def test_parts_in_flight_fit_the_writers_share_of_the_memory_budget(client, bucket, monkeypatch):

@@ -322,18 +322,26 @@ class ObjectReader(BlobReader):
 
     def identity(self) -> Optional[tuple]:
         return (self.etag,) if self.etag else None
+
     def readinto(self, buf: memoryview, offset: int) -> int:
-        view = memoryview(buf).cast("B")[: max(0, self.size - offset)]
-        piece = knobs.s3_read_piece_bytes()
-        if len(view) < 2 * piece:
-            return self.readv([view], offset)
-        starts = range(0, len(view), piece)
-        futures = [_pool().submit(self.readv, [view[s: s + piece]], offset + s) for s in starts]
-        return sum(f.result() for f in futures)
+        return self.readv([buf], offset)
 
     def readv(self, views: list, offset: int) -> int:
-        """Fill ``views`` from ``offset``; a body cut short is asked for again from where it stopped,
-        up to the request attempts (DISTCKPT_S3_MAX_ATTEMPTS), each conditional on the same ETag."""
+        """Fill ``views`` from ``offset``: a large read in pieces (DISTCKPT_S3_READ_PIECE_BYTES) fetched in
+        parallel, each piece the views' bytes it covers."""
+        views = [memoryview(v).cast("B") for v in views]
+        want = min(sum(len(v) for v in views), max(0, self.size - offset))
+        piece = knobs.s3_read_piece_bytes()
+        if want < 2 * piece:
+            return self._get(views, offset)
+        futures = [_pool().submit(self._get, part, offset + start) for start, part in _pieces(views, want, piece)]
+        for f in futures:  # every piece ends before any failure is raised: none writes into the views after
+            f.exception()
+        return sum(f.result() for f in futures)
+
+    def _get(self, views: list, offset: int) -> int:
+        """Fill ``views`` from ``offset`` with one ranged GET; a body cut short is asked for again from where it
+        stopped, up to the request attempts (DISTCKPT_S3_MAX_ATTEMPTS), each conditional on the same ETag."""
         views = [memoryview(v).cast("B") for v in views]
         want = min(sum(len(v) for v in views), max(0, self.size - offset))
         if want == 0:
@@ -369,6 +377,25 @@ class ObjectReader(BlobReader):
             except stream_errors() as exc:
                 raise s3_error("reading", self.where, exc) from exc
         return total
+
+
+def _pieces(views: list, want: int, piece: int) -> list[tuple[int, list]]:
+    """The first ``want`` bytes of ``views`` (seen as one buffer) cut into pieces of ``piece`` bytes: (where each
+    starts, the slices of the views it covers)."""
+    out: list[tuple[int, list]] = []
+    at, current, held, start = 0, [], 0, 0
+    for v in views:
+        v = v[: max(0, want - at)]
+        while len(v):
+            take = min(len(v), piece - held)
+            current.append(v[:take])
+            v, at, held = v[take:], at + take, held + take
+            if held == piece:
+                out.append((start, current))
+                current, held, start = [], 0, at
+    if current:
+        out.append((start, current))
+    return out
 
 
 BODY_PIECE_BYTES = 1 << 20
