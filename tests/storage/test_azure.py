@@ -65,9 +65,9 @@ def test_save_and_load_by_url_with_blocks_and_parallel_reads(azure_service, azur
     monkeypatch.setenv("DISTCKPT_S3_READ_PIECE_BYTES", str(1 << 20))
     monkeypatch.setenv("DISTCKPT_S3_PART_BYTES", str(5 << 20))
     blocks, ranges = [], []
-    send, read_range = azure.AzureWriter._send, azure.AzureReader._read_range
-    monkeypatch.setattr(azure.AzureWriter, "_send", lambda self, part: (blocks.append(len(part)), send(self, part)))
-    monkeypatch.setattr(azure.AzureReader, "_read_range", lambda self, v, o: (ranges.append(sum(map(len, v))),
+    send, read_range = azure.AzureBlobWriter._send, azure.AzureBlobReader._read_range
+    monkeypatch.setattr(azure.AzureBlobWriter, "_send", lambda self, part: (blocks.append(len(part)), send(self, part)))
+    monkeypatch.setattr(azure.AzureBlobReader, "_read_range", lambda self, v, o: (ranges.append(sum(map(len, v))),
                                                                               read_range(self, v, o)))
     cid = f"az://{azure_container}/url/step-1"
     sd = _state()
@@ -187,3 +187,27 @@ def test_two_ranks_save_and_one_and_three_load_resharded(azure_container):
     for world in (1, 3):
         results = run_ranks(workers.load_all_layouts, world, [cid], timeout_s=180)
         assert all(r == {} for r in results), results
+
+
+class _CountingService:
+    """A service client that counts the containers asked of it: proof that the given one is used."""
+
+    def __init__(self, service):
+        self.service, self.asked = service, 0
+
+    def get_container_client(self, name):
+        self.asked += 1
+        return self.service.get_container_client(name)
+
+    def __getattr__(self, name):
+        return getattr(self.service, name)
+
+
+def test_a_manager_on_az_takes_a_service_as_a_storage_option(azure_service, azure_container):
+    service = _CountingService(azure_service)
+    mgr = distckpt.CheckpointManager(f"az://{azure_container}/{uuid.uuid4().hex}", keep_last=1, storage_options={"service": service})
+    for step in (1, 2):
+        mgr.save(step, {"w": torch.full((4,), float(step))})
+    out = {"w": torch.zeros(4)}
+    assert mgr.load(out) == 2 and torch.equal(out["w"], torch.full((4,), 2.0))
+    assert mgr.all_steps() == [2] and service.asked > 0

@@ -54,9 +54,9 @@ def test_save_and_load_by_url_with_parts_and_parallel_reads(gcs_client, gcs_buck
     monkeypatch.setenv("DISTCKPT_S3_READ_PIECE_BYTES", str(1 << 20))
     monkeypatch.setenv("DISTCKPT_S3_PART_BYTES", str(5 << 20))
     parts, ranges = [], []
-    send, read_range = gcs.GcsWriter._send, gcs.GcsReader._read_range
-    monkeypatch.setattr(gcs.GcsWriter, "_send", lambda self, part: (parts.append(len(part)), send(self, part)))
-    monkeypatch.setattr(gcs.GcsReader, "_read_range", lambda self, v, o: (ranges.append(sum(map(len, v))), read_range(self, v, o)))
+    send, read_range = gcs.GcsObjectWriter._send, gcs.GcsObjectReader._read_range
+    monkeypatch.setattr(gcs.GcsObjectWriter, "_send", lambda self, part: (parts.append(len(part)), send(self, part)))
+    monkeypatch.setattr(gcs.GcsObjectReader, "_read_range", lambda self, v, o: (ranges.append(sum(map(len, v))), read_range(self, v, o)))
     cid = f"gs://{gcs_bucket}/url/step-1"
     sd = _state()
     store = GcsStore(gcs_bucket, "url/step-1")
@@ -87,7 +87,7 @@ def test_parts_past_one_compose_are_composed_in_a_tree_and_a_failed_writer_leave
     def broken(self, bucket, sources, name):
         raise distckpt.StorageIOError(f"composing {name} failed (injected)")
 
-    monkeypatch.setattr(gcs.GcsWriter, "_compose", broken)
+    monkeypatch.setattr(gcs.GcsObjectWriter, "_compose", broken)
     w = store.create("broken")
     w.pwrite(memoryview(data[: 3 << 20]), 0)
     with pytest.raises(distckpt.StorageIOError, match="injected"):
@@ -173,3 +173,28 @@ def test_two_ranks_save_and_one_and_three_load_resharded(gcs_bucket):
     for world in (1, 3):
         results = run_ranks(workers.load_all_layouts, world, [cid], timeout_s=180)
         assert all(r == {} for r in results), results
+
+
+class _Counting:
+    """A client that counts the buckets asked of it: proof that the given client is the one used."""
+
+    def __init__(self, client):
+        self.client, self.asked = client, 0
+
+    def bucket(self, name):
+        self.asked += 1
+        return self.client.bucket(name)
+
+    def __getattr__(self, name):
+        return getattr(self.client, name)
+
+
+def test_a_manager_on_gs_takes_a_client_as_a_storage_option(gcs_client, gcs_bucket):
+    client = _Counting(gcs_client)
+    mgr = distckpt.CheckpointManager(f"gs://{gcs_bucket}/{uuid.uuid4().hex}", keep_last=1, storage_options={"client": client})
+    for step in (1, 2):
+        mgr.save(step, {"w": torch.full((4,), float(step))})
+    out = {"w": torch.zeros(4)}
+    assert mgr.load(out) == 2 and torch.equal(out["w"], torch.full((4,), 2.0))
+    assert mgr.all_steps() == [2] and client.asked > 0
+    assert isinstance(distckpt.backends.writer_for(f"gs://{gcs_bucket}/x"), gcs.GcsWriter)

@@ -29,12 +29,13 @@ from .. import knobs, process_state
 from ..engine.blobs import BlobReader, BlobWriter
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StorageIOError
 from ..extras import import_or_explain
+from .blob_storage import BlobStorageReader, BlobStorageWriter
 from .object_requests import InOrderWriter, PiecewiseReader, Requests, ViewSink, timeouts
 from .objects import ObjectClient, ObjectInfo, ObjectStore, Upload
 from .s3_objects import _pool
 from .schemes import register_store
 
-__all__ = ["AzureStore", "AzureObjects", "azure_store", "parse_az_url"]
+__all__ = ["AzureStore", "AzureObjects", "AzureWriter", "AzureReader", "azure_store", "parse_az_url"]
 
 SCHEMES = ("az", "abfs", "abfss")
 SAVE_ID_TAG = "distckpt_save_id"  # blob metadata of a blob put with a tag (metadata names are C# identifiers)
@@ -263,14 +264,14 @@ class AzureObjects(ObjectClient):
         return part, concurrency
 
     def writer(self, key: str, buffer_bytes: Optional[int] = None) -> BlobWriter:
-        return AzureWriter(self, key, *self._parts(buffer_bytes))
+        return AzureBlobWriter(self, key, *self._parts(buffer_bytes))
 
     def write_buffer_bytes(self, buffer_bytes: Optional[int] = None) -> int:
         part, concurrency = self._parts(buffer_bytes)
         return (concurrency + 1) * part
 
     def reader(self, key: str, missing: Callable[[Optional[BaseException]], CheckpointError]) -> BlobReader:
-        return AzureReader(self, key, missing)
+        return AzureBlobReader(self, key, missing)
 
     def uploads(self, prefix: str) -> list[Upload]:
         """Blobs under ``prefix`` with staged blocks and no committed content: what a writer killed before its Put
@@ -301,7 +302,7 @@ class AzureObjects(ObjectClient):
             self.delete([upload.key])
 
 
-class AzureWriter(InOrderWriter):
+class AzureBlobWriter(InOrderWriter):
     """One blob: whole in one Put Blob when it is smaller than a part, else blocks staged in parallel (at most
     ``concurrency`` at once, each a part) and committed in order by one Put Block List."""
 
@@ -344,7 +345,7 @@ class AzureWriter(InOrderWriter):
         self.blocks = []
 
 
-class AzureReader(PiecewiseReader):
+class AzureBlobReader(PiecewiseReader):
     """Ranged downloads conditional on the ETag the blob had when it was opened."""
 
     def __init__(self, objects: AzureObjects, key: str, missing: Callable[[Optional[BaseException]], CheckpointError]):
@@ -399,5 +400,53 @@ def azure_store(checkpoint_id: str) -> AzureStore:
     return AzureStore(container, prefix, account=account, scheme=scheme)
 
 
+class _AtAzUrl:
+    """What the Azure writer and reader share: the store of their checkpoint id, with their service and part options."""
+
+    service: Any = None
+    part_size: Optional[int] = None
+    upload_concurrency: Optional[int] = None
+
+    def canonical(self, checkpoint_id: Union[str, os.PathLike]) -> str:
+        parse_az_url(checkpoint_id)
+        return os.fspath(checkpoint_id)
+
+    def open_store(self, checkpoint_id: str) -> AzureStore:
+        container, account, prefix, scheme = parse_az_url(checkpoint_id)
+        return AzureStore(container, prefix, account=account, scheme=scheme, service=self.service,
+                          part_size=self.part_size, upload_concurrency=self.upload_concurrency)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Union[str, os.PathLike]) -> bool:
+        try:
+            return os.fspath(checkpoint_id).partition("://")[0] in SCHEMES
+        except TypeError:
+            return False
+
+
+class AzureWriter(_AtAzUrl, BlobStorageWriter):
+    """Writes a checkpoint at ``az://container/prefix`` (or ``abfs://``); ``service``: a ready
+    ``azure.storage.blob.BlobServiceClient`` (default: one from the environment, see the module text); ``part_size``,
+    ``upload_concurrency``: as :class:`~distckpt.S3Writer`'s. A CheckpointManager on ``az://`` passes its
+    ``**storage_options`` here."""
+
+    def __init__(self, url: Union[str, os.PathLike, None] = None, *, service: Any = None,
+                 thread_count: Optional[int] = None, part_size: Optional[int] = None,
+                 upload_concurrency: Optional[int] = None, overwrite: Optional[bool] = None,
+                 compression: Optional[str] = None, compression_level: Optional[int] = None):
+        super().__init__(url, sync_files=True, thread_count=thread_count, overwrite=overwrite, compression=compression,
+                         compression_level=compression_level)
+        self.service, self.part_size, self.upload_concurrency = service, part_size, upload_concurrency
+
+
+class AzureReader(_AtAzUrl, BlobStorageReader):
+    """Reads a checkpoint at ``az://container/prefix`` (``service`` as :class:`AzureWriter`'s)."""
+
+    def __init__(self, url: Union[str, os.PathLike, None] = None, *, service: Any = None, verify_checksums: bool = True,
+                 thread_count: Optional[int] = None, shared_reads: Optional[bool] = None):
+        super().__init__(url, verify_checksums=verify_checksums, thread_count=thread_count, shared_reads=shared_reads)
+        self.service = service
+
+
 for _scheme in SCHEMES:
-    register_store(_scheme, azure_store)
+    register_store(_scheme, azure_store, writer=AzureWriter, reader=AzureReader)

@@ -26,12 +26,13 @@ from .. import knobs, process_state
 from ..engine.blobs import BlobReader, BlobWriter
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StorageIOError
 from ..extras import import_or_explain
+from .blob_storage import BlobStorageReader, BlobStorageWriter
 from .object_requests import InOrderWriter, PiecewiseReader, Requests, ViewSink, timeouts
 from .objects import ObjectClient, ObjectInfo, ObjectStore
 from .s3_objects import _pool
 from .schemes import register_store
 
-__all__ = ["GcsStore", "GcsObjects", "gcs_store", "parse_gs_url"]
+__all__ = ["GcsStore", "GcsObjects", "GcsWriter", "GcsReader", "gcs_store", "parse_gs_url"]
 
 SCHEME = "gs://"
 SAVE_ID_TAG = "distckpt-save-id"  # custom metadata of an object put with a tag: the committed save, on metadata.json
@@ -273,17 +274,17 @@ class GcsObjects(ObjectClient):
         return part, concurrency
 
     def writer(self, key: str, buffer_bytes: Optional[int] = None) -> BlobWriter:
-        return GcsWriter(self, key, *self._parts(buffer_bytes))
+        return GcsObjectWriter(self, key, *self._parts(buffer_bytes))
 
     def write_buffer_bytes(self, buffer_bytes: Optional[int] = None) -> int:
         part, concurrency = self._parts(buffer_bytes)
         return (2 * concurrency + 1) * part
 
     def reader(self, key: str, missing: Callable[[Optional[BaseException]], CheckpointError]) -> BlobReader:
-        return GcsReader(self, key, missing)
+        return GcsObjectReader(self, key, missing)
 
 
-class GcsWriter(InOrderWriter):
+class GcsObjectWriter(InOrderWriter):
     """One object: whole in one upload when it is smaller than a part, else parts uploaded in parallel as objects of
     their own beside it (``<key>.part-<upload>-<n>``, at most ``concurrency`` at once), composed into the object at
     close (32 sources a compose, in a tree) and then deleted. Parts of a save killed meanwhile are objects under its
@@ -345,7 +346,7 @@ class GcsWriter(InOrderWriter):
         self.made, self.parts = [], []
 
 
-class GcsReader(PiecewiseReader):
+class GcsObjectReader(PiecewiseReader):
     """Ranged downloads of the generation the object had when it was opened."""
 
     def __init__(self, objects: GcsObjects, key: str, missing: Callable[[Optional[BaseException]], CheckpointError]):
@@ -396,4 +397,50 @@ def gcs_store(checkpoint_id: str) -> GcsStore:
     return GcsStore(bucket, prefix)
 
 
-register_store("gs", gcs_store)
+class _AtGsUrl:
+    """What the gs:// writer and reader share: the store of their checkpoint id, with their client and part options."""
+
+    client: Any = None
+    part_size: Optional[int] = None
+    upload_concurrency: Optional[int] = None
+
+    def canonical(self, checkpoint_id: Union[str, os.PathLike]) -> str:
+        parse_gs_url(checkpoint_id)
+        return os.fspath(checkpoint_id)
+
+    def open_store(self, checkpoint_id: str) -> GcsStore:
+        bucket, prefix = parse_gs_url(checkpoint_id)
+        return GcsStore(bucket, prefix, client=self.client, part_size=self.part_size,
+                        upload_concurrency=self.upload_concurrency)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Union[str, os.PathLike]) -> bool:
+        try:
+            return os.fspath(checkpoint_id).startswith(SCHEME)
+        except TypeError:
+            return False
+
+
+class GcsWriter(_AtGsUrl, BlobStorageWriter):
+    """Writes a checkpoint at ``gs://bucket/prefix``; ``client``: a ready ``google.cloud.storage.Client`` (default:
+    one from the environment); ``part_size``, ``upload_concurrency``: as :class:`~distckpt.S3Writer`'s. A
+    CheckpointManager on ``gs://`` passes its ``**storage_options`` here."""
+
+    def __init__(self, url: Union[str, os.PathLike, None] = None, *, client: Any = None, thread_count: Optional[int] = None,
+                 part_size: Optional[int] = None, upload_concurrency: Optional[int] = None, overwrite: Optional[bool] = None,
+                 compression: Optional[str] = None, compression_level: Optional[int] = None):
+        super().__init__(url, sync_files=True, thread_count=thread_count, overwrite=overwrite, compression=compression,
+                         compression_level=compression_level)
+        self.client, self.part_size, self.upload_concurrency = client, part_size, upload_concurrency
+
+
+class GcsReader(_AtGsUrl, BlobStorageReader):
+    """Reads a checkpoint at ``gs://bucket/prefix`` (``client`` as :class:`GcsWriter`'s)."""
+
+    def __init__(self, url: Union[str, os.PathLike, None] = None, *, client: Any = None, verify_checksums: bool = True,
+                 thread_count: Optional[int] = None, shared_reads: Optional[bool] = None):
+        super().__init__(url, verify_checksums=verify_checksums, thread_count=thread_count, shared_reads=shared_reads)
+        self.client = client
+
+
+register_store("gs", gcs_store, writer=GcsWriter, reader=GcsReader)
