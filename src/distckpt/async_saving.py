@@ -34,6 +34,7 @@ from . import knobs, process_state
 from ._sequence import split_stateful, storage_by_position, tell_rank
 from .backends.direct_io import release_bounce_buffers
 from .backends.registry import pick_storage
+from .capabilities import WRITES_WHILE_STAGING, supports
 from .distributed import Coordinator, dist, new_gloo_group
 from .engine.filling import count, fail, new_counter
 from .errors import CheckpointError, RankFailuresError
@@ -363,12 +364,17 @@ def async_save(
 
 def _staged(state_dict: STATE_DICT_TYPE, pool: BufferPool, storage_writer: StorageWriter, planner: SavePlanner,
             process: bool) -> Any:
-    """The state copied into ``pool``; for a writer process, its buffers only allocated (filled once the ranks
-    agree, while the writer starts: :func:`_write_in_process`) and checked to travel there: (the staged state,
-    its sources, their buffers)."""
+    """The state copied into ``pool``. For a writer process, checked to travel there too, and where the storage
+    writer can write while the copy goes on (WRITES_WHILE_STAGING), only its buffers allocated: (the staged state,
+    its sources, their buffers), filled once the ranks agree, while the writer starts (:func:`_write_in_process`)."""
+    state = split_stateful(state_dict)[0]
     if not process:
-        return stage(split_stateful(state_dict)[0], pool)
-    staged = allocate(split_stateful(state_dict)[0], pool)
+        return stage(state, pool)
+    if not supports(storage_writer, WRITES_WHILE_STAGING):  # it might read a buffer before it is filled: fill first
+        staged = stage(state, pool)
+        check_picklable(staged, storage_writer, planner)
+        return staged, None, None
+    staged = allocate(state, pool)
     check_picklable(staged[0], storage_writer, planner)
     return staged
 
@@ -380,6 +386,11 @@ def _write_in_process(channel: Optional[_Channel], handle: AsyncSaveHandle, stag
     soon as it is filled (:mod:`distckpt.engine.filling`). A copy that fails fails the save on every rank's
     handle, through the writers, and raises here."""
     state, sources, buffers = staged
+    if sources is None:  # filled already: nothing to wait for
+        _hand_to_writer(channel, handle, (state, storage_writer, planner, None), number, coordinator_rank,
+                        handle.checkpoint_id, lambda: return_pool(pool), on_commit)
+        handle.staged.set_result(None)
+        return
     counter = new_counter()
     lock, users = threading.Lock(), [2]  # the pool goes back once the writer is done with it and the copy has ended
 

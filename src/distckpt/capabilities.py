@@ -25,6 +25,7 @@ __all__ = [
     "SHARED_VERIFICATION",
     "SHARED_READS",
     "OVERWRITE",
+    "WRITES_WHILE_STAGING",
     "supports",
     "plans_on_columns",
     "keeps_plans",
@@ -59,6 +60,13 @@ part in the exchange of every rank (failed or not)."""
 OVERWRITE = "overwrite"
 """A StorageWriter with an ``overwrite`` attribute (None: the DISTCKPT_OVERWRITE setting; or a bool) that a
 save's ``overwrite=`` argument sets, on a copy of a writer the caller gave."""
+
+WRITES_WHILE_STAGING = "writes-while-staging"
+"""A StorageWriter whose ``write_data`` reads the state's tensor bytes only through distckpt's write engine, and
+passes its ``staging_fill`` attribute (:class:`distckpt.engine.filling.Filling`, or None) to it: the engine waits
+for each staging buffer another process is still filling before it reads it, and for the whole fill before it
+reports the write. An async save from a writer process hands such a writer its save before the copy into staging
+ends; any other writer gets it once the copy is done. A subclass that reads tensor bytes itself must not keep it."""
 
 _COLUMNAR = "_distckpt_plans_on_columns"
 _KEEPS = "_distckpt_keeps_plans"

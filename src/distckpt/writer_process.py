@@ -42,8 +42,9 @@ from typing import Any, Callable, Optional
 from . import faults, knobs
 from ._sequence import tell_rank
 from .distributed import JSON, Coordinator, describe, dist, rebuild
-from .engine.filling import Filling, filling
+from .engine.filling import Filling
 from .errors import CheckpointError, StorageIOError
+from .planning.tensors import is_dtensor, local_tensor
 from .saving import run_save
 
 __all__ = ["WriterProcess", "WriterProcessError", "check_picklable", "packed_job", "rendezvous_of"]
@@ -194,15 +195,56 @@ class WriterProcess:
         self._conn.close()
 
 
+def _tensor_of(data: bytes, dtype: str, shape: tuple) -> Any:
+    """A tensor rebuilt from its bytes (:class:`_JobPickler`)."""
+    import torch
+
+    want = getattr(torch, dtype)
+    if not data:
+        return torch.empty(shape, dtype=want)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(want).reshape(shape)
+
+
+def _dtensor_of(local: Any, mesh: Any, placements: tuple, shape: tuple, stride: tuple) -> Any:
+    """A DTensor rebuilt around its local shard (:class:`_JobPickler`)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
+class _JobPickler(ForkingPickler):
+    """The staged state's tensors travel as handles to the shared memory they are in. A DTensor travels as its local
+    shard, mesh and placements (torch's own reduction of a second DTensor of one mesh shared the wrapper's storage,
+    which has no memory: a segfault). A plain tensor in host memory that is not shared (a DeviceMesh's small mesh
+    tensor, a planner's) travels by value: sharing it would move its storage into shared memory in place."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        import torch
+
+        if is_dtensor(obj):
+            return _dtensor_of, (local_tensor(obj), obj.device_mesh, tuple(obj.placements), tuple(obj.shape),
+                                 tuple(obj.stride()))
+        if (type(obj) is torch.Tensor and obj.device.type == "cpu" and obj.layout == torch.strided
+                and not obj.is_shared() and not obj.requires_grad):
+            flat = obj.detach().contiguous().reshape(-1)
+            data = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+            return _tensor_of, (data, str(obj.dtype).removeprefix("torch."), tuple(obj.shape))
+        return NotImplemented
+
+
 def packed_job(staged: Any, storage_writer: Any, planner: Any, fill: Optional[tuple] = None) -> bytes:
     """A save for the writer process, pickled once the ranks agreed to it (:func:`check_picklable` came before):
-    its tensors as handles to the shared memory they are staged into. ``fill``: (the counter of
-    :mod:`distckpt.engine.filling`, the buffers in the order they are filled) while the training process still
-    copies into them; None once they are full."""
+    its staged tensors as handles to the shared memory they are staged into (:class:`_JobPickler`). ``fill``: (the
+    counter of :mod:`distckpt.engine.filling`, the buffers in the order they are filled) while the training process
+    still copies into them; None once they are full."""
     import torch.multiprocessing  # noqa: F401 - registers the reductions that send tensors as shared-memory handles
 
     try:
-        return bytes(ForkingPickler.dumps((staged, storage_writer, planner, fill)))
+        buf = io.BytesIO()
+        with warnings.catch_warnings():  # the mesh is rebuilt in the writer, which makes no compiled graphs
+            warnings.filterwarnings("ignore", message=".*pickling/unpickling of the DeviceMesh.*")
+            _JobPickler(buf, pickle.HIGHEST_PROTOCOL).dump((staged, storage_writer, planner, fill))
+        return buf.getvalue()
     except Exception as exc:  # noqa: BLE001 - what does not pickle: a user's writer, planner or value
         raise CheckpointError(f"async_save with PROCESS cannot hand this save to its writer process ({type(exc).__name__}: "
                               f"{exc}): the storage writer, the planner and every value of the state must be picklable. "
@@ -319,10 +361,9 @@ def _serve(conn: Any, meeting: Optional[dict]) -> None:
             coord.vote("async save (rebuilt in the writer process)", rebuilt, False)
             staged, storage_writer, planner, fill = unpacked
             tell_rank(planner, coord.rank)
-            # the write starts on the buffers already filled while the training process copies into the rest
-            waits = None if fill is None else Filling(fill[0], fill[1], knobs.collective_timeout_s())
-            with filling(waits):
-                metadata = run_save(staged, storage_writer, planner, coord)
+            if fill is not None:  # the write starts on the buffers already filled while the training process
+                storage_writer.staging_fill = Filling(fill[0], fill[1], knobs.collective_timeout_s())  # copies the rest
+            metadata = run_save(staged, storage_writer, planner, coord)
         except BaseException as exc:  # noqa: BLE001 - delivered on the training process's handle
             info = _packed(exc)
         # the planner and the storage writer hold the state too (a planner keeps the state dict it planned)

@@ -158,3 +158,39 @@ def test_a_copy_that_fails_after_the_writers_started_fails_the_save_on_every_ran
     for rank, got in enumerate(out):
         assert got["error"] is not None and not got["error"].startswith("untyped"), (rank, got)
         assert not got["committed"] and got["after"], (rank, got)
+
+
+@pytest.mark.parametrize("how", ["hugging-face-writer", "transforming-planner"])
+def test_a_writer_that_may_read_before_the_copy_ends_writes_the_copied_bytes(tmp_path, how):
+    """Writers and planners that do not wait on the staging (a Hugging Face publish, a planner making new tensors
+    from the staged ones) get the save once the copy has ended; a second save, reusing the first's staging, shows
+    stale bytes where they would not."""
+    from safetensors.torch import load_file
+
+    for i in range(2):
+        sd = {"a": torch.full((64,), 7.0 + i), "b": torch.full((64,), 5.0 + i).as_subclass(workers.SlowCopy)}
+        path = str(tmp_path / f"ck{i}")
+        if how == "hugging-face-writer":
+            writer, planner = distckpt.HuggingFaceWriter(path), None
+        else:
+            writer, planner = None, workers.Rescaled()
+        distckpt.async_save(sd, checkpoint_id=path, storage_writer=writer, planner=planner, no_dist=True,
+                            async_checkpointer_type="process").result(timeout=120)
+        if how == "hugging-face-writer":
+            got = load_file(str(next((tmp_path / f"ck{i}").glob("*.safetensors"))))
+        else:
+            got = {"a": torch.empty(64), "b": torch.empty(64)}
+            distckpt.load(got, checkpoint_id=path, no_dist=True)
+        assert bool((got["a"] == 7.0 + i).all()) and bool((got["b"] == 5.0 + i).all()), (i, got)
+
+
+def test_a_copy_failing_on_a_rank_that_writes_none_of_it_commits_nowhere(tmp_path):
+    out = run_ranks(workers.a_copy_fails_on_a_rank_whose_writer_writes_nothing_of_it, 2, str(tmp_path), timeout_s=300,
+                    env=TIMEOUTS)
+    assert out[0]["raised"] is None and out[1]["raised"] == "RuntimeError", out
+    assert all(got["error"] is not None and not got["committed"] for got in out), out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_dtensors_of_one_mesh_save_from_writer_processes(tmp_path, world):
+    assert run_ranks(workers.dtensors_of_one_mesh_travel_to_the_writer, world, str(tmp_path), timeout_s=300) == [True] * world

@@ -176,3 +176,54 @@ def a_copy_fails_while_the_writers_write(rank: int, world: int, root: str) -> di
     again = distckpt.async_save(_state(world, 3.0), checkpoint_id=f"{root}/after", async_checkpointer_type="process")
     again.result(timeout=120)
     return {"raised": raised, "error": error, "committed": committed, "after": _loads(f"{root}/after", world, 3.0)}
+
+
+class SlowCopy(torch.Tensor):
+    """A source whose copy into staging takes a while (a large or GPU state): the writer starts before it ends."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.copy_:
+            time.sleep(0.5)
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+class Rescaled(distckpt.DefaultSavePlanner):
+    """DCP's transform_object hook: a new tensor made from the staged one, just before it is written."""
+
+    def transform_object(self, write_item, object):
+        return object * 1 if isinstance(object, torch.Tensor) else object
+
+
+def a_copy_fails_on_a_rank_whose_writer_writes_nothing_of_it(rank: int, world: int, root: str) -> dict:
+    """A replicated key that deduplication gives rank 0 to write fails to copy on rank 1: rank 1 raises, and the
+    save commits nowhere (rank 1's writer wrote nothing of it, and must still fail)."""
+    sd = {f"own{rank}": torch.full((256,), float(rank)), "replicated": torch.full((64,), 3.0)}
+    if rank == 1:
+        sd["replicated"] = sd["replicated"].as_subclass(_Unreadable)
+    raised = None
+    try:
+        handle = distckpt.async_save(sd, checkpoint_id=f"{root}/ck", async_checkpointer_type="process")
+    except Exception as exc:  # noqa: BLE001 - rank 1's call raises what stopped its copy
+        raised = type(exc).__name__
+        handle = async_saving._STATE.in_flight[-1]
+    try:
+        handle.result(timeout=120)
+        error = None
+    except distckpt.CheckpointError as exc:
+        error = type(exc).__name__
+    return {"raised": raised, "error": error, "committed": os.path.exists(f"{root}/ck/metadata.json")}
+
+
+def dtensors_of_one_mesh_travel_to_the_writer(rank: int, world: int, root: str) -> bool:
+    """Several DTensors on one mesh (the mesh's own small tensor once shared by fd: a segfault in torch)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    full = {f"t{i}": torch.arange(32, dtype=torch.float32).reshape(8, 4) + i for i in range(3)}
+    sd = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}
+    distckpt.async_save(sd, checkpoint_id=f"{root}/mesh", async_checkpointer_type="process").result(timeout=120)
+    out = {k: distribute_tensor(torch.zeros(8, 4), mesh, [Shard(0)]) for k in full}
+    distckpt.load(out, checkpoint_id=f"{root}/mesh")
+    return all(torch.equal(out[k].full_tensor(), full[k]) for k in full)

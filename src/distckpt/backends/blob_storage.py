@@ -21,7 +21,7 @@ from typing import Any, Optional, Union
 from torch.futures import Future
 
 from .. import knobs
-from ..capabilities import COLUMNAR_COMMIT, OVERWRITE, SHARED_READS, SHARED_VERIFICATION, keeps_plans
+from ..capabilities import COLUMNAR_COMMIT, OVERWRITE, SHARED_READS, SHARED_VERIFICATION, WRITES_WHILE_STAGING, keeps_plans
 from ..engine.blobs import BlobStore
 from ..engine.commit import columns_document, objects_document, publish
 from ..engine.read import read_items
@@ -123,7 +123,8 @@ class BlobStorageWriter(_Located, StorageWriter):
     ``OVERWRITE``: a save's ``overwrite=`` sets its ``overwrite``.
     """
 
-    capabilities = frozenset({COLUMNAR_COMMIT, OVERWRITE})
+    capabilities = frozenset({COLUMNAR_COMMIT, OVERWRITE, WRITES_WHILE_STAGING})
+    staging_fill: Any = None  # staging a writer process's training process is still filling (WRITES_WHILE_STAGING)
 
     def __init__(self, store: Location = None, *, sync_files: Optional[bool] = None, thread_count: Optional[int] = None,
                  overwrite: Optional[bool] = None, compression: Optional[str] = None,
@@ -198,7 +199,8 @@ class BlobStorageWriter(_Located, StorageWriter):
         staging.prepare()
         results = write_file(staging, sd["file"], sd["save_id"], sd["rank"], plan, planner,
                              threads=self.thread_count or knobs.io_threads(), sync=self._sync(),
-                             is_coordinator=self.is_coordinator, codec_of=self._codec_of(), reuse=self.reuse)
+                             is_coordinator=self.is_coordinator, codec_of=self._codec_of(), reuse=self.reuse,
+                             filling=self.staging_fill)
         return done(results)
 
     def _codec_of(self):

@@ -6,25 +6,30 @@ process counts the buffers it has filled, in order, in a small shared counter, a
 it reads the bytes of a tensor, until the buffer that holds them is counted. The write of the first tensors thus
 overlaps the copy of the last ones, and a save's total time approaches the longer of the two instead of their sum.
 
-The counter is published after the copy it counts has returned, and read before the bytes it guards; the GIL's
-lock is taken and released between the two on each side, which orders them on every architecture torch runs on.
+The storage writer carries the filling to the engine (its ``staging_fill``; writers that declare
+:data:`~distckpt.capabilities.WRITES_WHILE_STAGING`), so every thread of its write waits on it. A write whose items
+are not read from the staged tensors themselves (a planner that transforms them, resolves them one by one) waits
+for the whole fill first; every write waits for the whole fill before it reports, so that a copy that failed on
+this rank fails the save although none of its bytes were written here.
+
+The training process stores the counter after the copy it counts has returned (torch's copy drops the GIL and
+takes it back: a mutex released and acquired between the copy's stores and the counter's); the writer reads the
+counter, takes a lock, then reads the bytes. x86 keeps stores in order anyway; on weaker memory models the mutex
+operations between them are the barriers.
 """
 
 from __future__ import annotations
 
 import bisect
-import contextlib
-import contextvars
 import os
 import threading
 import time
-from typing import Iterator, Optional
 
 import torch
 
 from ..errors import CheckpointError
 
-__all__ = ["Filling", "new_counter", "filling", "current"]
+__all__ = ["Filling", "new_counter", "count", "fail"]
 
 _FILLED, _FAILED = 0, 1
 
@@ -68,12 +73,19 @@ class Filling:
         except RuntimeError:  # a wrapper with no storage of its own (a DTensor): wait for the whole state
             ptr = None
         if ptr is None:
-            need = self._total
-        else:
-            j = bisect.bisect_right(self._starts, ptr) - 1
-            if j < 0 or ptr >= self._spans[j][1]:
-                return  # not staged memory: nothing to wait for
-            need = self._spans[j][2]
+            self._until(self._total)
+            return
+        j = bisect.bisect_right(self._starts, ptr) - 1
+        if j >= 0 and ptr < self._spans[j][1]:  # else not staged memory: nothing to wait for
+            self._until(self._spans[j][2])
+
+    def wait_all(self) -> None:
+        """Return once every buffer is filled; raise as :meth:`wait` does (a failed copy, even once all are counted)."""
+        self._until(self._total)
+
+    def _until(self, need: int) -> None:
+        if self._seen >= max(need, 1) and not int(self._counter[_FAILED]):
+            return
         pause, last, since = 5e-5, self._seen, time.monotonic()
         while True:
             filled, failed = (int(v) for v in self._counter.tolist())
@@ -96,21 +108,3 @@ class Filling:
                                       "(DISTCKPT_TIMEOUT_S bounds the wait)")
             time.sleep(pause)
             pause = min(pause * 2, 2e-3)
-
-
-_CURRENT: contextvars.ContextVar[Optional[Filling]] = contextvars.ContextVar("distckpt_filling", default=None)
-
-
-@contextlib.contextmanager
-def filling(what: Optional[Filling]) -> Iterator[None]:
-    """Saves run in this context write from staging that ``what`` says is filled (None: all of it is)."""
-    token = _CURRENT.set(what)
-    try:
-        yield
-    finally:
-        _CURRENT.reset(token)
-
-
-def current() -> Optional[Filling]:
-    """The filling the write engine waits on, taken in the thread that starts a rank's write."""
-    return _CURRENT.get()

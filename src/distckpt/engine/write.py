@@ -22,11 +22,11 @@ from ..planner import SavePlan, SavePlanner, WriteItemType
 from ..planning.resharding import volume
 from ..progress import Progress
 from ..storage import WriteResult
-from . import filling
 from .blobs import BlobStore, BlobWriter
 from .budget import ByteBudget
 from .device_copy import PendingCopies, caller_streams, to_host
 from .encoding import Encoding
+from .filling import Filling
 from .reuse import Reuse, Stored, chunk_key, digests, new_hasher
 from .tensor_bytes import flat_bytes, host_bytes, is_lazy_view, memory_at
 from .windows import windows
@@ -44,7 +44,8 @@ def identity_codec(fqn: str) -> ChunkCodec:
 
 def write_file(store: BlobStore, name: str, save_id: str, rank: int, plan: SavePlan, planner: SavePlanner,
                *, threads: int, sync: bool, is_coordinator: bool = True,
-               codec_of: Callable[[str], ChunkCodec] = identity_codec, reuse: Optional[Reuse] = None) -> list[WriteResult]:
+               codec_of: Callable[[str], ChunkCodec] = identity_codec, reuse: Optional[Reuse] = None,
+               filling: Optional[Filling] = None) -> list[WriteResult]:
     """Write one rank's items into data files; return a WriteResult per item, plus a FileResult per file.
 
     Items keep plan order and are split into up to ``threads`` contiguous runs
@@ -61,8 +62,15 @@ def write_file(store: BlobStore, name: str, save_id: str, rank: int, plan: SaveP
 
     With ``reuse`` (an incremental save, :mod:`.reuse`), an item whose bytes hash as its fingerprint from the
     previous save is not written: its result points at the stored bytes, in a data file of another checkpoint.
+
+    With ``filling``, the staged tensors are still being copied in by another process (:mod:`.filling`): each is
+    read once its buffer is filled, and the results are returned once the whole fill has ended.
     """
-    return _RankWrite(store, save_id, rank, plan, planner, threads, sync, is_coordinator, codec_of, reuse).run(name)
+    write = _RankWrite(store, save_id, rank, plan, planner, threads, sync, is_coordinator, codec_of, reuse, filling)
+    results = write.run(name)
+    if filling is not None:  # a copy that failed on this rank fails the save, whatever this rank wrote
+        filling.wait_all()
+    return results
 
 
 def _entries(plan: SavePlan, planner: SavePlanner, codecs: list[ChunkCodec], threads: int,
@@ -123,7 +131,7 @@ class _RankWrite:
 
     def __init__(self, store: BlobStore, save_id: str, rank: int, plan: SavePlan, planner: SavePlanner,
                  threads: int, sync: bool, is_coordinator: bool, codec_of: Callable[[str], ChunkCodec],
-                 reuse: Optional[Reuse] = None) -> None:
+                 reuse: Optional[Reuse] = None, filling: Optional[Filling] = None) -> None:
         self.store, self.save_id, self.rank, self.plan, self.planner, self.sync = store, save_id, rank, plan, planner, sync
         items = plan.items
         self.columns = items if isinstance(items, WriteColumns) and items.intact and resolves_in_bulk(planner) else None
@@ -131,7 +139,10 @@ class _RankWrite:
                                                  (item.index.fqn for item in items))]
         self.reuse, self.keys, self.digests, self.reused = reuse, [], [], {}
         self.hashers: dict = {}  # item -> the content hash of its bytes, taken as they are written (from cache, as the CRC)
-        self.filling = filling.current()  # staging another process is still copying into (a writer process's save)
+        self.filling = filling  # staging another process is still copying into (a writer process's save)
+        if filling is not None and self.columns is None:
+            filling.wait_all()  # items resolved one by one may be made from the staged tensors (a transform): whole
+            self.filling = None
         if reuse is not None:
             self.find_unchanged(reuse, threads)
         if self.columns is not None:
@@ -357,8 +368,6 @@ class _RankWrite:
             fqn, tensor, want = item.index.fqn, self.planner.resolve_data(item), item.tensor_data.properties.dtype
         if not isinstance(tensor, torch.Tensor):
             raise CheckpointError(f"resolve_data for tensor item {fqn!r} returned {type(tensor).__name__}")
-        if self.filling is not None and self.columns is None:
-            self.filling.wait(tensor)
         copied = 0
         if tensor.dtype == torch.bool and want == torch.bool and tensor.numel():
             raw = tensor.view(torch.uint8)
