@@ -26,6 +26,7 @@ import logging
 import math
 import os
 import re
+import shlex
 import sys
 from typing import Iterator, Optional
 
@@ -66,9 +67,16 @@ def _code(exc: CheckpointError) -> int:
 
 def _natural(key: str) -> tuple:
     """``key``'s place in a sorted listing: runs of digits compare by value, so ``layers.10`` follows ``layers.2``
-    (the metadata stores whole tensors first, which puts an optimizer's step counters before a sharded model)."""
+    (the metadata stores whole tensors first, which puts an optimizer's step counters before a sharded model). A
+    run compares by its length without leading zeros, then its digits: by value, at any length (int() refuses a
+    run of over 4,300 digits)."""
     parts = re.split(r"([0-9]+)", key)
-    return [int(part) if i % 2 else part for i, part in enumerate(parts)], key
+    return [(len(part.lstrip("0")), part.lstrip("0")) if i % 2 else part for i, part in enumerate(parts)], key
+
+
+def _command(*words: str) -> str:
+    """A command line to suggest: each path quoted as a shell needs it, and safe to print (:func:`_shown`)."""
+    return _shown(" ".join(shlex.quote(w) for w in words))
 
 
 def _human(n: int) -> str:
@@ -162,9 +170,9 @@ def verify_cmd(checkpoint: str, quiet: bool) -> None:
             run = _run_at(checkpoint)
             if run is not None:
                 newest = run.all_steps()[-1]
-                click.echo(f"{_shown(checkpoint)} is the root of a training run, not a checkpoint: `distckpt steps "
-                           f"{_shown(checkpoint)}` lists its steps; `distckpt verify {_shown(run.path(newest))}` checks "
-                           "the newest", err=True)
+                click.echo(f"{_shown(checkpoint)} is the root of a training run, not a checkpoint: "
+                           f"`{_command('distckpt', 'steps', checkpoint)}` lists its steps; "
+                           f"`{_command('distckpt', 'verify', run.path(newest))}` checks the newest", err=True)
         sys.exit(NOT_FOUND)
     except CheckpointError as exc:
         if not quiet:
@@ -344,11 +352,13 @@ def steps(root: str, as_json: bool, clean: bool) -> None:
 
 def _not_a_run(root: str) -> None:
     """``steps`` given a checkpoint: say which commands take one, and the run it is a step of, if it is one."""
-    parent = os.path.dirname(root.rstrip("/"))
+    local = "://" not in root
+    parent = os.path.dirname(os.path.abspath(root) if local else root.rstrip("/"))  # a step named from inside its run
     run = _run_at(parent) if parent else None
-    of = f"; `distckpt steps {_shown(parent)}` lists the run it is a step of" if run is not None else ""
-    click.echo(f"error: {_shown(root)} is a checkpoint, not the root of a training run: `distckpt verify {_shown(root)}` "
-               f"checks it, `distckpt inspect {_shown(root)}` lists its keys{of}", err=True)
+    of = f"; `{_command('distckpt', 'steps', parent)}` lists the run it is a step of" if run is not None else ""
+    click.echo(f"error: {_shown(root)} is a checkpoint, not the root of a training run: "
+               f"`{_command('distckpt', 'verify', root)}` checks it, `{_command('distckpt', 'inspect', root)}` lists "
+               f"its keys{of}", err=True)
     sys.exit(NOT_FOUND)
 
 

@@ -40,14 +40,17 @@ class Progress:
 
     With ``bar``, only the coordinator draws one (many ranks sharing a terminal
     would garble it), and only on a terminal: a bar's frames, each ending in a
-    carriage return, fill a log file, so off a terminal the coordinator logs
-    lines as with ``log``. With ``log``, every rank logs. ``mode`` overrides the knob.
+    carriage return, fill a log file, so off a terminal the coordinator writes
+    lines to stderr instead (as ``log`` words them, whatever logging is
+    configured: a bar was asked for, so something shows). With ``log``, every
+    rank logs through the ``distckpt`` logger. ``mode`` overrides the knob.
     """
 
     def __init__(self, what: str, total: int, is_coordinator: bool = True, mode: Optional[str] = None):
         mode = mode or knobs.progress_mode()
+        self.to_stderr = False
         if mode == "bar" and not _stderr_is_terminal():
-            mode = "log" if is_coordinator else "off"
+            mode, self.to_stderr = ("log" if is_coordinator else "off"), True
         self.rank = _global_rank() if mode != "off" else 0
         self.what, self.total, self.done = what, total, 0
         self.mode = mode if (mode != "bar" or is_coordinator) else "off"
@@ -83,5 +86,17 @@ class Progress:
     def _log(self, when: str) -> None:
         elapsed = max(time.monotonic() - self.start, 1e-9)
         pct = 100.0 * self.done / self.total if self.total else 100.0
-        logger.info("rank %d: %s %s: %.3f of %.3f GB (%.0f%%) in %.1f s, %.2f GB/s", self.rank, self.what, when,
-                    self.done / 1e9, self.total / 1e9, pct, elapsed, self.done / elapsed / 1e9)
+        line = (f"rank {self.rank}: {self.what} {when}: {_amount(self.done)} of {_amount(self.total)} ({pct:.0f}%) in "
+                f"{elapsed:.1f} s, {_amount(self.done / elapsed)}/s")
+        if self.to_stderr:
+            print(f"distckpt: {line}", file=sys.stderr, flush=True)
+        else:
+            logger.info("%s", line)
+
+
+def _amount(n: float) -> str:
+    """Bytes in the decimal unit that shows them best (a progress line of a small checkpoint reads kB, not 0.000 GB)."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"

@@ -99,3 +99,12 @@ def test_the_plugin_says_at_its_first_save_that_distckpt_saves_where_and_in_whic
     said = [line for line in said if "saved by distckpt" in line]
     assert len(said) == 1, said
     assert str(tmp_path / "ckpt") in said[0] and "step=1.ckpt" in said[0] and "metadata.json" in said[0]
+
+
+def test_the_start_up_line_names_an_object_store_place_as_given(monkeypatch):
+    from distckpt.integrations import lightning as integration
+
+    said = []
+    monkeypatch.setattr(integration, "rank_zero_info", said.append)
+    integration._announce("s3://bucket/run/epoch=1.ckpt")
+    assert "at s3://bucket/run (" in said[0] and "s3:/bucket" not in said[0].replace("s3://", ""), said

@@ -211,3 +211,27 @@ def test_inspect_lists_keys_sorted_and_in_storage_order_on_request(tmp_path):
     assert listed("--storage-order") == stored == ["layers.10", "layers.2", "a"]
     doc = json.loads(runner.invoke(main, ["inspect", path, "--json"]).output)
     assert [row["key"] for row in doc["keys"]] == ["a", "layers.2", "layers.10"]
+
+
+def test_inspect_sorts_keys_with_digit_runs_of_any_length(tmp_path):
+    path = str(tmp_path / "ck")
+    long_run = "9" * 5000  # int() refuses over 4,300 digits
+    distckpt.save({f"k{long_run}": torch.ones(1), "k10": torch.ones(1), "k010": torch.ones(1), "k2": torch.ones(1)},
+                  checkpoint_id=path)
+    res = CliRunner().invoke(main, ["inspect", path])
+    assert res.exit_code == 0, res.output
+    keys = [line.split()[0] for line in res.output.splitlines()[1:] if not line.startswith("  file ")]
+    assert keys == ["k2", "k010", "k10", f"k{long_run}"]
+
+
+def test_suggested_commands_quote_paths_and_find_the_run_of_a_step_named_from_inside_it(tmp_path, monkeypatch):
+    root = tmp_path / "my run"
+    mgr = distckpt.CheckpointManager(str(root))
+    mgr.save(10, {"w": torch.ones(2)})
+    runner = CliRunner()
+    res = runner.invoke(main, ["verify", str(root)])
+    assert res.exit_code == 3 and f"`distckpt steps '{root}'`" in res.output, res.output
+    monkeypatch.chdir(root)
+    step = os.path.basename(mgr.path(10))
+    res = runner.invoke(main, ["steps", step])
+    assert res.exit_code == 3 and f"`distckpt steps '{root}'` lists the run it is a step of" in res.output, res.output

@@ -141,7 +141,8 @@ class DistckptModelParallelStrategy(ModelParallelStrategy):
 
 
 def _announce(path: Any) -> None:
-    where = os.path.dirname(os.path.abspath(os.fspath(path)))
+    text = os.fspath(path)
+    where = text.rstrip("/").rpartition("/")[0] if "://" in text else os.path.dirname(os.path.abspath(text))
     announce("Lightning", f"{where} (each .ckpt a checkpoint directory; the first {os.path.basename(os.fspath(path))})",
              say=rank_zero_info)
 
