@@ -43,12 +43,17 @@ class Requests:
         self.service, self.fix = service, fix
         self.transient, self.unreachable, self.error, self.failures = transient, unreachable, error, failures
         self.gone: Optional[str] = None  # what the endpoint failed to answer, once it stopped answering
+        self.gone_at = 0.0
 
     def run(self, action: str, where: str, call: Callable[[], T], attempts: Optional[int] = None) -> T:
         """``call()``, tried again after a transient failure; a typed error naming ``where`` after the last."""
         if self.gone is not None:
-            raise StorageIOError(f"{self.service} {action} {where} skipped: the endpoint stopped answering earlier in this "
-                                 f"operation ({self.gone}); {self.fix}")
+            # the requests that follow a failure at once (its cleanup) are skipped; a later operation of a long-lived
+            # store (a manager's next save, its retention) tries again: the endpoint may be back
+            if time.monotonic() - self.gone_at < _latch_s():
+                raise StorageIOError(f"{self.service} {action} {where} skipped: the endpoint stopped answering earlier in "
+                                     f"this operation ({self.gone}); {self.fix}")
+            self.gone = None
         attempts = knobs.s3_max_attempts() if attempts is None else attempts
         for attempt in range(attempts):
             try:
@@ -60,9 +65,16 @@ class Requests:
                     time.sleep(backoff_s(attempt))
                     continue
                 if self.unreachable(exc):
-                    self.gone = f"{action} {where}: {type(exc).__name__}"
+                    self.gone, self.gone_at = f"{action} {where}: {type(exc).__name__}", time.monotonic()
                 raise self.error(action, where, exc) from exc
         raise AssertionError("unreachable")  # the loop returns or raises
+
+
+def _latch_s() -> float:
+    """How long requests after an unanswered one are skipped: one request's bound (connect and read timeouts), the
+    time the cleanup of the failed operation takes to begin, not the life of the store."""
+    connect, read = timeouts()
+    return connect + read
 
 
 def timeouts() -> tuple[float, float]:
