@@ -122,3 +122,99 @@ class TestFsspecBlobStore(BlobStoreSuite):
 class TestFsspecStorage(StorageSuite):
     def checkpoint_id(self, tmp_path, name):
         return f"{SCHEME}://bucket/{tmp_path.name}/{name}"
+
+
+class _TornFileSystem(MemoryFileSystem):
+    """fsspec's memory filesystem whose writes of a step's metadata, when ``tear`` is set, stop half-way (a dropped
+    upload on sftp, hdfs, ftp, where a write is not atomic)."""
+
+    protocol = "fstorn"
+    store: dict = {}
+    pseudo_dirs = [""]
+    tear = False
+
+    def pipe_file(self, path, value, **kwargs):
+        if type(self).tear and "/step-1/metadata.json" in path:
+            with self.open(path, "wb") as f:
+                f.write(value[: len(value) // 2])
+            raise ConnectionResetError("connection lost mid-upload")
+        return super().pipe_file(path, value, **kwargs)
+
+
+fsspec.register_implementation("fstorn", _TornFileSystem, clobber=True)
+
+
+def test_an_overwrite_whose_metadata_write_is_cut_short_keeps_the_old_checkpoint():
+    cid = f"fstorn://bucket/{uuid.uuid4().hex[:8]}/step-1"
+    distckpt.save({"w": torch.ones(4)}, checkpoint_id=cid, no_dist=True)
+    _TornFileSystem.tear = True
+    try:
+        with pytest.raises(distckpt.CheckpointError):
+            distckpt.save({"w": torch.full((4,), 2.0)}, checkpoint_id=cid, no_dist=True, overwrite=True)
+    finally:
+        _TornFileSystem.tear = False
+    out = {"w": torch.zeros(4)}
+    distckpt.load(out, checkpoint_id=cid, no_dist=True)  # the old checkpoint, whole
+    assert torch.equal(out["w"], torch.ones(4))
+
+
+@pytest.fixture
+def ftp_server(tmp_path, monkeypatch):
+    """pyftpdlib on loopback: a filesystem of real directories, absolute paths and listings fsspec caches, that makes
+    no parent directory itself (as real FTP servers do not)."""
+    import logging
+    import socket
+    import threading
+
+    ftpd = pytest.importorskip("pyftpdlib")  # noqa: F841 - a test dependency (pyproject's test extra)
+    from pyftpdlib.authorizers import DummyAuthorizer
+    from pyftpdlib.handlers import FTPHandler
+    from pyftpdlib.servers import FTPServer
+
+    logging.getLogger("pyftpdlib").setLevel(logging.ERROR)
+    auth = DummyAuthorizer()
+    auth.add_user("alice", "pw", str(tmp_path), perm="elradfmwMT")
+    handler = type("Handler", (FTPHandler,), {"authorizer": auth})
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = FTPServer(("127.0.0.1", port), handler)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"timeout": 0.1}, daemon=True)
+    thread.start()
+    monkeypatch.setenv("DISTCKPT_FSSPEC_OPTIONS", '{"username": "alice", "password": "pw"}')
+    yield f"ftp://127.0.0.1:{port}", tmp_path
+    server.close_all()
+
+
+def test_a_run_on_an_ftp_server_keeps_its_policy_and_nothing_else(ftp_server):
+    url, root = ftp_server
+    mgr = distckpt.CheckpointManager(f"{url}/data/run", keep_last=1, no_dist=True)
+    for step in (1, 2, 3):
+        mgr.save(step, {"w": torch.full((3,), float(step))})
+    assert mgr.all_steps() == [3]
+    out = {"w": torch.zeros(3)}
+    assert mgr.load(out) == 3 and torch.equal(out["w"], torch.full((3,), 3.0))
+    left = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+    assert [p for p in left if "step-0000000003" not in p] == [] and not any("tmp" in p for p in left), left
+
+
+class _NoRanges(MemoryFileSystem):
+    """A filesystem whose server ignores ranges (an http server without Range support): every read is whole."""
+
+    protocol = "fsnorange"
+    store: dict = {}
+    pseudo_dirs = [""]
+
+    def cat_file(self, path, start=None, end=None, **kwargs):
+        return super().cat_file(path, **kwargs)
+
+
+fsspec.register_implementation("fsnorange", _NoRanges, clobber=True)
+
+
+def test_a_server_that_ignores_ranges_is_a_typed_error_naming_the_object():
+    cid = f"fsnorange://bucket/{uuid.uuid4().hex[:8]}"
+    distckpt.save({"a": torch.ones(64), "b": torch.ones(64)}, checkpoint_id=cid, no_dist=True)
+    with pytest.raises(distckpt.StorageIOError, match="ignores ranges") as raised:
+        distckpt.load({"a": torch.zeros(64), "b": torch.zeros(64)}, checkpoint_id=cid, no_dist=True)
+    assert "data-" in str(raised.value)

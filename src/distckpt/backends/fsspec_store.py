@@ -18,6 +18,7 @@ from __future__ import annotations
 import datetime
 import threading
 import time
+import uuid
 import warnings
 from typing import Any, Callable, Iterable, Optional, Union
 
@@ -58,13 +59,14 @@ class _SequentialWriter(BlobWriter):
     """Streams an object through an fsspec file opened for writing. Positional writes arrive in order from the
     write engine; one that arrives ahead of the end waits in memory until the bytes before it are written."""
 
-    def __init__(self, fs: Any, key: str, where: str):
+    def __init__(self, fs: Any, path: str, where: str):
         self.where = where
         self.lock = threading.Lock()
         self.end = 0
         self.ahead: dict[int, bytes] = {}
         try:
-            self.file = fs.open(key, "wb")
+            fs.makedirs(fs._parent(path), exist_ok=True)  # a filesystem with directories (ftp, sftp) needs them
+            self.file = fs.open(path, "wb")
         except Exception as exc:  # noqa: BLE001 - any filesystem's failure, typed
             raise _io_error("opening for writing", where, exc) from exc
 
@@ -129,32 +131,74 @@ class _Reader(BlobReader):
             data = self.fs.cat_file(self.key, start=offset, end=end)
         except Exception as exc:  # noqa: BLE001
             raise _io_error("reading", self.where, exc) from exc
+        if len(data) != end - offset:
+            raise StorageIOError(f"{self.where}: a read of bytes {offset}-{end} returned {len(data)} bytes (a server "
+                                 "that ignores ranges, or an object that changed while it was read); read it through a "
+                                 "store that serves ranges")
         view[: len(data)] = data
         return len(data)
 
 
 class FsspecObjects(ObjectClient):
-    """The primitives of an object store over an fsspec filesystem; keys are the filesystem's paths."""
+    """The primitives of an object store over an fsspec filesystem. Keys are the filesystem's paths without the
+    ``root`` they begin with (``/`` where its paths are absolute, as ftp's and sftp's), which
+    :class:`~distckpt.backends.objects.ObjectStore` strips from its prefix."""
 
-    def __init__(self, fs: Any, protocol: str):
-        self.fs, self.protocol = fs, protocol
+    def __init__(self, fs: Any, protocol: str, root: str = ""):
+        self.fs, self.protocol, self.root = fs, protocol, root
+        self._made: set = set()
+
+    def _path(self, key: str, fresh: bool = False) -> str:
+        """The filesystem's path of ``key``; ``fresh``: its listings cached by fsspec dropped first (ftp's, sftp's,
+        http's), so that what another process wrote or deleted is seen."""
+        path = self.root + key
+        if fresh:
+            self.fs.invalidate_cache(path)
+            self.fs.invalidate_cache(self.fs._parent(path))
+        return path
 
     def url(self, key: str) -> str:
-        return f"{self.protocol}://{key}"
+        try:
+            return self.fs.unstrip_protocol(self._path(key))  # with the host, where the URL named one
+        except Exception:  # noqa: BLE001 - a filesystem that cannot say: the protocol and path
+            return f"{self.protocol}://{self._path(key)}"
+
+    def _parent_made(self, path: str) -> None:
+        parent = self.fs._parent(path)
+        if parent and parent not in self._made:
+            self.fs.makedirs(parent, exist_ok=True)
+            self._made.add(parent)
 
     def put(self, key: str, data: bytes, *, if_absent: bool = False, tag: Optional[str] = None) -> bool:
-        # no conditional create in fsspec: a check, then the write (the module docstring says what that leaves)
+        # no conditional create in fsspec: a check, then the write (the module docstring says what that leaves). The
+        # bytes go to a temporary name first and are moved into place, so that a document replaced (an overwrite's
+        # commit) is never seen half-written where the filesystem renames in one step
+        path = self._path(key, fresh=True)
+        temporary = f"{path}.distckpt-tmp-{uuid.uuid4().hex[:12]}"
         try:
-            if if_absent and self.fs.exists(key):
+            if if_absent and self.fs.exists(path):
                 return False
-            self.fs.pipe_file(key, bytes(data))
+            self._parent_made(path)
+            self.fs.pipe_file(temporary, bytes(data))
+            try:
+                self.fs.mv(temporary, path)
+            except OSError:  # a rename that does not replace (sftp's): the old one goes first
+                if not self.fs.exists(path):
+                    raise
+                self.fs.rm_file(path)
+                self.fs.mv(temporary, path)
             return True
         except Exception as exc:  # noqa: BLE001
+            try:
+                self.fs.rm_file(temporary)
+            except Exception:  # noqa: BLE001 - not made, or gone: the failure above is the one to report
+                pass
             raise _io_error("writing", self.url(key), exc) from exc
 
     def get(self, key: str, limit: Optional[int] = None) -> Optional[bytes]:
+        path = self._path(key, fresh=True)
         try:
-            return self.fs.cat_file(key, start=0, end=limit) if limit is not None else self.fs.cat_file(key)
+            return self.fs.cat_file(path, start=0, end=limit) if limit is not None else self.fs.cat_file(path)
         except FileNotFoundError:
             return None
         except Exception as exc:  # noqa: BLE001
@@ -162,7 +206,7 @@ class FsspecObjects(ObjectClient):
 
     def _info(self, key: str) -> Optional[dict]:
         try:
-            info = self.fs.info(key)
+            info = self.fs.info(self._path(key, fresh=True))
         except FileNotFoundError:
             return None
         except Exception as exc:  # noqa: BLE001
@@ -176,7 +220,7 @@ class FsspecObjects(ObjectClient):
     def list(self, prefix: str, delimiter: bool = False) -> Iterable[ObjectInfo]:
         base = prefix.rsplit("/", 1)[0] if "/" in prefix else prefix
         try:
-            found = self.fs.find(base, detail=True) if base else {}
+            found = self.fs.find(self._path(base, fresh=True), detail=True) if base else {}
         except FileNotFoundError:
             found = {}
         except Exception as exc:  # noqa: BLE001
@@ -184,6 +228,7 @@ class FsspecObjects(ObjectClient):
         out: dict[str, ObjectInfo] = {}
         for path, info in found.items():
             key = self.fs._strip_protocol(path)
+            key = key[len(self.root):] if self.root and key.startswith(self.root) else key
             if not key.startswith(prefix) or info.get("type", "file") != "file":
                 continue
             rest = key[len(prefix):]
@@ -196,35 +241,43 @@ class FsspecObjects(ObjectClient):
 
     def delete(self, keys: list[str]) -> None:
         for key in keys:
+            path = self._path(key)
             try:
-                self.fs.rm_file(key)
+                self.fs.rm_file(path)
             except FileNotFoundError:
                 pass
-            except Exception as exc:  # noqa: BLE001
-                raise _io_error("deleting", self.url(key), exc) from exc
+            except Exception as exc:  # noqa: BLE001 - gone already is no error, whatever the filesystem calls it (ftp: 550)
+                try:
+                    gone = not self.fs.exists(self._path(key, fresh=True))
+                except Exception:  # noqa: BLE001
+                    gone = False
+                if not gone:
+                    raise _io_error("deleting", self.url(key), exc) from exc
 
     def touch(self, key: str) -> None:
         data = self.get(key)
         if data is None:
             raise CheckpointNotFoundError(f"{self.url(key)} does not exist")
         try:
-            self.fs.touch(key, truncate=False)
+            self.fs.touch(self._path(key), truncate=False)
         except (NotImplementedError, ValueError):  # a filesystem that cannot touch without truncating: write it again
             self.put(key, data)
         except Exception as exc:  # noqa: BLE001
             raise _io_error("renewing", self.url(key), exc) from exc
 
     def writer(self, key: str, buffer_bytes: Optional[int] = None) -> BlobWriter:
-        return _SequentialWriter(self.fs, key, self.url(key))
+        return _SequentialWriter(self.fs, self._path(key), self.url(key))
 
     def reader(self, key: str, missing: Callable[[Optional[BaseException]], CheckpointError]) -> BlobReader:
         info = self._info(key)
         if info is None:
             raise missing(None)
-        return _Reader(self.fs, key, info, self.url(key))
+        return _Reader(self.fs, self._path(key), info, self.url(key))
 
 
-def _filesystem(protocol: str, options: dict[str, Any]) -> Any:
+def _filesystem(url: str, protocol: str, options: dict[str, Any]) -> tuple[Any, str]:
+    """The filesystem of ``url`` and the path in it: the host a URL names (``ftp://host/...``, ``hdfs://namenode/...``)
+    is the filesystem's, as fsspec's own ``url_to_fs`` reads it."""
     import fsspec  # a dependency of torch: always there, imported only where an fsspec URL is used
     from fsspec.implementations.local import LocalFileSystem
 
@@ -233,7 +286,7 @@ def _filesystem(protocol: str, options: dict[str, Any]) -> Any:
             # the disk store checks links, file kinds and ownership, and commits by rename; fsspec's would not
             raise CheckpointError(f"{protocol}:// is the local disk through fsspec; pass the path itself (or file://), "
                                   "which the disk store saves to and loads from")
-        return fsspec.filesystem(protocol, **options)
+        return fsspec.core.url_to_fs(url, **options)
     except CheckpointError:
         raise
     except ImportError as exc:  # the protocol's own package (hdfs, sftp...) is missing: fsspec names it
@@ -250,13 +303,14 @@ class FsspecStore(ObjectStore):
         protocol, sep, _ = checkpoint_id.partition("://")
         if not sep:
             raise CheckpointError(f"{checkpoint_id!r} is no URL; an fsspec store takes protocol://path")
-        fs = _filesystem(protocol, storage_options)
-        path = fs._strip_protocol(checkpoint_id).rstrip("/")
-        if not path:
+        fs, path = _filesystem(checkpoint_id, protocol, storage_options)
+        path = path.rstrip("/")
+        root = "/" if path.startswith("/") else ""
+        if not path.strip("/"):
             raise CheckpointError(f"{checkpoint_id!r} names no path under {protocol}://; add one, as "
                                   f"{protocol}://bucket/run/step-100")
         _warn_once(protocol)
-        super().__init__(FsspecObjects(fs, protocol), path)
+        super().__init__(FsspecObjects(fs, protocol, root), path[len(root):])
 
 
 def _warn_once(protocol: str) -> None:
