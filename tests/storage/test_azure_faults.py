@@ -91,3 +91,36 @@ def test_a_lost_answer_to_the_conditional_puts_is_recognised_as_ours(azure_conta
     assert manager.all_steps() == [2]
     out = {"big": torch.zeros(3 << 20), "step": 0}
     assert manager.load(out) == 2 and torch.equal(out["big"], _state()["big"])
+
+
+def test_a_service_the_user_gave_is_bounded_by_the_knobs_too(azure_endpoint, azure_container, monkeypatch):
+    """A BlobServiceClient made as users make one (the SDK's own timeouts and retries) still gives up on a hung
+    endpoint within the knobs' timeouts and attempts: every request carries its bounds."""
+    import threading
+
+    from azure.storage.blob import BlobServiceClient
+
+    from distckpt.backends.azure import AzureWriter
+
+    monkeypatch.setenv("DISTCKPT_S3_READ_TIMEOUT_S", "1")
+    monkeypatch.setenv("DISTCKPT_S3_CONNECT_TIMEOUT_S", "1")
+    monkeypatch.setenv("DISTCKPT_S3_MAX_ATTEMPTS", "2")
+    with FaultProxy(azure_endpoint, timeout_s=300) as proxy:
+        service = BlobServiceClient.from_connection_string(connection_string(proxy.url))
+        cid = f"az://{azure_container}/{uuid.uuid4().hex[:8]}/step-1"
+        proxy.add(Rule("hang"))
+        done: dict = {}
+
+        def save():
+            began = time.monotonic()
+            try:
+                distckpt.save({"w": torch.ones(4)}, storage_writer=AzureWriter(cid, service=service), no_dist=True)
+            except Exception as exc:  # noqa: BLE001 - looked at below
+                done["exc"] = exc
+            done["took"] = time.monotonic() - began
+
+        thread = threading.Thread(target=save, daemon=True)
+        thread.start()
+        thread.join(30)
+        assert "took" in done and done["took"] < 15, done
+        assert isinstance(done.get("exc"), distckpt.CheckpointError), done

@@ -100,6 +100,13 @@ def _service(account: Optional[str]) -> Any:
     return blob.BlobServiceClient(f"https://{account}.blob.core.windows.net", credential=credential, **options)
 
 
+def _bounds() -> dict[str, Any]:
+    """Each request's own bounds, also on a service client a user gave (whose settings are its own): the knobs'
+    timeouts, and no retries of the SDK's (``Requests`` makes them, within the knobs' attempts)."""
+    connect, read = timeouts()
+    return {"retry_total": 0, "connection_timeout": connect, "read_timeout": read}
+
+
 def azure_service(account: Optional[str] = None) -> Any:
     """This process's client for ``account`` and the environment (clients are kept per process: not fork-safe)."""
     environment = hashlib.sha256(repr([os.environ.get(k) for k in _ENV] + list(timeouts())).encode()).hexdigest()
@@ -184,7 +191,7 @@ class AzureObjects(ObjectClient):
 
     def check(self) -> None:
         try:
-            found = self._run("checking the container of", "", lambda: self.container.exists())
+            found = self._run("checking the container of", "", lambda: self.container.exists(**_bounds()))
         except StorageIOError as exc:
             if _status(exc.__cause__) == 403:
                 return  # a credential for blobs alone may not see the container; its first request will tell
@@ -197,7 +204,7 @@ class AzureObjects(ObjectClient):
         metadata = None if tag is None else {SAVE_ID_TAG: tag}
         try:  # overwrite=False is Put Blob with If-None-Match: *
             self._run("writing", key, lambda: self._blob(key).upload_blob(bytes(data), overwrite=not if_absent,
-                                                                          metadata=metadata))
+                                                                          metadata=metadata, **_bounds()))
         except StorageIOError as exc:
             if if_absent and _status(exc.__cause__) in (409, 412):
                 return False  # a blob is there (or our own Put Blob landed and its answer was lost)
@@ -207,7 +214,8 @@ class AzureObjects(ObjectClient):
     def get(self, key: str, limit: Optional[int] = None) -> Optional[bytes]:
         try:
             return self._run("reading", key, lambda: self._blob(key).download_blob(offset=0 if limit else None,
-                                                                                  length=limit or None).readall())
+                                                                                  length=limit or None,
+                                                                                  **_bounds()).readall())
         except CheckpointNotFoundError:
             return None
         except StorageIOError as exc:
@@ -217,7 +225,7 @@ class AzureObjects(ObjectClient):
 
     def head(self, key: str) -> Optional[ObjectInfo]:
         try:
-            props = self._run("looking up", key, lambda: self._blob(key).get_blob_properties())
+            props = self._run("looking up", key, lambda: self._blob(key).get_blob_properties(**_bounds()))
         except CheckpointNotFoundError:
             return None
         return ObjectInfo(key, int(props.size or 0), _age(props.last_modified), (props.metadata or {}).get(SAVE_ID_TAG))
@@ -227,16 +235,16 @@ class AzureObjects(ObjectClient):
             container = self.container
             if not delimiter:
                 return [ObjectInfo(b.name, int(b.size or 0), _age(b.last_modified)) for b in
-                        container.list_blobs(name_starts_with=prefix)]
+                        container.list_blobs(name_starts_with=prefix, **_bounds())]
             return [ObjectInfo(b.name) if not hasattr(b, "size") else ObjectInfo(b.name, int(b.size or 0), _age(b.last_modified))
-                    for b in container.walk_blobs(name_starts_with=prefix, delimiter="/")]
+                    for b in container.walk_blobs(name_starts_with=prefix, delimiter="/", **_bounds())]
 
         return sorted(self._run("listing", prefix, listing), key=lambda o: o.key)
 
     def delete(self, keys: list[str]) -> None:
         def one(key: str) -> None:
             try:
-                self._run("deleting", key, lambda: self._blob(key).delete_blob())
+                self._run("deleting", key, lambda: self._blob(key).delete_blob(**_bounds()))
             except CheckpointNotFoundError:
                 pass  # gone already
 
@@ -249,8 +257,9 @@ class AzureObjects(ObjectClient):
         blob = self._blob(key)
 
         def renew() -> None:
-            props = blob.get_blob_properties()
-            blob.set_blob_metadata(props.metadata or {}, etag=props.etag, match_condition=_sdk("azure.core").MatchConditions.IfNotModified)
+            props = blob.get_blob_properties(**_bounds())
+            blob.set_blob_metadata(props.metadata or {}, etag=props.etag,
+                                   match_condition=_sdk("azure.core").MatchConditions.IfNotModified, **_bounds())
 
         self._run("renewing", key, renew)
 
@@ -278,9 +287,9 @@ class AzureObjects(ObjectClient):
         Block List left (Azure discards such blocks after a week; they are billed until then)."""
         def listing() -> list[Upload]:
             container = self.container
-            committed = {b.name for b in container.list_blobs(name_starts_with=prefix)}
+            committed = {b.name for b in container.list_blobs(name_starts_with=prefix, **_bounds())}
             return [Upload(b.name, b.name, _age(b.last_modified))
-                    for b in container.list_blobs(name_starts_with=prefix, include=["uncommittedblobs"])
+                    for b in container.list_blobs(name_starts_with=prefix, include=["uncommittedblobs"], **_bounds())
                     if b.name not in committed]
 
         return self._run("listing the uploads under", prefix, listing)
@@ -290,11 +299,11 @@ class AzureObjects(ObjectClient):
         blocks, commit an empty block list first (which discards them), then delete."""
         blob = self._blob(upload.key)
         try:
-            self._run("aborting the upload of", upload.key, blob.delete_blob)
+            self._run("aborting the upload of", upload.key, lambda: blob.delete_blob(**_bounds()))
         except CheckpointNotFoundError:
             try:
                 self._run("aborting the upload of", upload.key, lambda: blob.commit_block_list(
-                    [], match_condition=_sdk("azure.core").MatchConditions.IfMissing))
+                    [], match_condition=_sdk("azure.core").MatchConditions.IfMissing, **_bounds()))
             except StorageIOError as exc:
                 if _status(exc.__cause__) not in (409, 412):
                     raise
@@ -325,13 +334,13 @@ class AzureBlobWriter(InOrderWriter):
         block = f"{self.upload}-{len(self.blocks):08d}"
         blob = self.objects._blob(self.key)
         self.blocks.append((block, _pool().submit(self.objects._run, "uploading", self.key,
-                                                  lambda: blob.stage_block(block, part, length=len(part)))))
+                                                  lambda: blob.stage_block(block, part, length=len(part), **_bounds()))))
 
     def _finish(self) -> None:
         for _, f in self.blocks:
             f.result()
         ids = [block for block, _ in self.blocks]
-        self.objects._run("uploading", self.key, lambda: self.objects._blob(self.key).commit_block_list(ids))
+        self.objects._run("uploading", self.key, lambda: self.objects._blob(self.key).commit_block_list(ids, **_bounds()))
 
     def _give_up(self) -> None:
         for _, f in self.blocks:
@@ -352,7 +361,7 @@ class AzureBlobReader(PiecewiseReader):
         self.objects, self.key, self.missing = objects, key, missing
         self.where = objects.url(key)
         try:
-            props = objects._run("opening", key, lambda: objects._blob(key).get_blob_properties())
+            props = objects._run("opening", key, lambda: objects._blob(key).get_blob_properties(**_bounds()))
         except CheckpointNotFoundError as exc:
             raise missing(exc) from exc
         self.size, self.etag = int(props.size or 0), props.etag
@@ -368,7 +377,7 @@ class AzureBlobReader(PiecewiseReader):
         def download() -> None:
             sink.seek(0)  # an attempt after a body cut short starts the piece again
             blob.download_blob(offset=offset, length=sink.size, etag=self.etag, match_condition=unchanged,
-                               max_concurrency=1, validate_content=False).readinto(sink)
+                               max_concurrency=1, validate_content=False, **_bounds()).readinto(sink)
 
         try:
             self.objects._run("reading", self.key, download)
