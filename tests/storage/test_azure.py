@@ -54,7 +54,7 @@ def _state(n=3 << 20):
 
 def test_the_spellings_of_an_azure_url():
     assert parse_az_url("az://ct/run/step-1") == ("ct", None, "run/step-1", "az")
-    assert parse_az_url("abfs://ct@acct.dfs.core.windows.net/run/") == ("ct", "acct", "run", "abfs")
+    assert parse_az_url("abfs://ct@acct.dfs.core.windows.net/run/") == ("ct", "acct.dfs.core.windows.net", "run", "abfs")
     with pytest.raises(CheckpointError, match="needs a container and a prefix"):
         parse_az_url("az://ct")
 
@@ -211,3 +211,19 @@ def test_a_manager_on_az_takes_a_service_as_a_storage_option(azure_service, azur
     out = {"w": torch.zeros(4)}
     assert mgr.load(out) == 2 and torch.equal(out["w"], torch.full((4,), 2.0))
     assert mgr.all_steps() == [2] and service.asked > 0
+
+
+@pytest.mark.parametrize("host,endpoint", [
+    ("acct.dfs.core.windows.net", "https://acct.blob.core.windows.net/"),
+    ("acct.dfs.core.chinacloudapi.cn", "https://acct.blob.core.chinacloudapi.cn/"),
+    ("acct.blob.core.usgovcloudapi.net", "https://acct.blob.core.usgovcloudapi.net/"),
+])
+def test_an_abfs_account_keeps_its_cloud(monkeypatch, host, endpoint):
+    """An id naming an account of another cloud reaches that cloud's endpoint (an account of the same name in the
+    public cloud is another account); nothing is sent: the client's URL is looked at."""
+    monkeypatch.delenv("AZURE_STORAGE_CONNECTION_STRING", raising=False)
+    monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_KEY", "a2V5a2V5a2V5a2V5")
+    container, account, prefix, scheme = parse_az_url(f"abfss://ckpts@{host}/run/step-1")
+    store = AzureStore(container, prefix, account=account, scheme=scheme)
+    assert store.objects.container.url.startswith(endpoint) and host in store.describe()
+

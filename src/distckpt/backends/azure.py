@@ -68,7 +68,7 @@ def parse_az_url(checkpoint_id: Union[str, os.PathLike]) -> tuple[str, Optional[
         raise CheckpointError(f"{text!r} is not an az:// (or abfs://) checkpoint id")
     container, _, prefix = rest.partition("/")
     container, _, host = container.partition("@")
-    account = host.split(".", 1)[0] or None
+    account = host or None  # the host as the id gives it: the account and its cloud (chinacloudapi.cn, usgovcloudapi.net)
     prefix = prefix.strip("/")
     if not container or not prefix:
         raise CheckpointError(f"checkpoint id {text!r} needs a container and a prefix inside it, as in "
@@ -97,7 +97,17 @@ def _service(account: Optional[str]) -> Any:
     if credential is None:
         identity = import_or_explain("azure.identity", FEATURE, EXTRA, package="azure-identity")
         credential = identity.DefaultAzureCredential()
-    return blob.BlobServiceClient(f"https://{account}.blob.core.windows.net", credential=credential, **options)
+    return blob.BlobServiceClient(_blob_endpoint(account), credential=credential, **options)
+
+
+def _blob_endpoint(account: str) -> str:
+    """The blob endpoint of ``account``: a name alone is in Azure's public cloud; a host (``acct.dfs.core.chinacloudapi.cn``,
+    as an abfs:// id names it) keeps its cloud, with the blob service in place of the one named."""
+    name, dot, rest = account.partition(".")
+    if not dot:
+        return f"https://{name}.blob.core.windows.net"
+    _, _, suffix = rest.partition(".")  # the service (dfs, blob) goes, the cloud's domain stays
+    return f"https://{name}.blob.{suffix}"
 
 
 def _bounds() -> dict[str, Any]:
