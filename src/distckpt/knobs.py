@@ -105,6 +105,13 @@ def io_threads() -> int:
     return _int("DISTCKPT_IO_THREADS", max(1, min(4, cpus // local)), minimum=1)
 
 
+def object_write_streams() -> int:
+    """Data files one rank writes at once to an object store (DISTCKPT_OBJECT_WRITE_STREAMS, default the larger of
+    4 and DISTCKPT_IO_THREADS): its writes wait on the network more than on the CPU, and an object store serves
+    several objects at once better than one large one (bench/object_stores.py, docs/performance.md)."""
+    return _int("DISTCKPT_OBJECT_WRITE_STREAMS", max(4, io_threads()), minimum=1)
+
+
 def io_batch_bytes() -> int:
     """Adjacent items are written or read together, one system call and one task per batch
     of up to this many bytes (DISTCKPT_IO_BATCH_BYTES, default 8 MiB)."""

@@ -2,6 +2,10 @@
 
 import uuid
 
+import torch
+
+import distckpt
+
 from distckpt.backends.filesystem import FsStore
 from distckpt.backends.memory import MemoryStore
 from distckpt.testing.blob_store_suite import BlobStoreSuite
@@ -63,3 +67,23 @@ class TestFsBlobStore(BlobStoreSuite):
 class TestMemoryBlobStore(BlobStoreSuite):
     def make_store(self, tmp_path, name):
         return MemoryStore(f"{tmp_path.name}/{name}")
+
+
+def test_an_object_store_writes_several_data_files_a_rank_where_a_disk_writes_its_threads(tmp_path, monkeypatch):
+    """Writes to an object store wait on the network: a rank writes DISTCKPT_OBJECT_WRITE_STREAMS files at once (4 by
+    default) whatever its CPU share; a disk writes as many as its I/O threads."""
+    monkeypatch.setenv("DISTCKPT_MIN_FILE_BYTES", str(1 << 20))
+    monkeypatch.setenv("DISTCKPT_IO_THREADS", "1")
+    sd = {f"t{i}": torch.randn(1 << 18) for i in range(8)}  # 8 MiB
+
+    def files(cid: str) -> int:
+        distckpt.save(sd, checkpoint_id=cid, no_dist=True)
+        out = {k: torch.empty_like(v) for k, v in sd.items()}
+        distckpt.load(out, checkpoint_id=cid, no_dist=True)
+        assert all(torch.equal(out[k], v) for k, v in sd.items())
+        return len(distckpt.read_metadata(cid).storage_data.files)
+
+    assert files(f"memory://streams-{uuid.uuid4().hex}") == 4
+    assert files(str(tmp_path / "disk")) == 1
+    monkeypatch.setenv("DISTCKPT_OBJECT_WRITE_STREAMS", "2")
+    assert files(f"memory://streams-{uuid.uuid4().hex}") == 2

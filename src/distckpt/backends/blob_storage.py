@@ -198,7 +198,7 @@ class BlobStorageWriter(_Located, StorageWriter):
         staging = self.store.staging(self.save_id)
         staging.prepare()
         results = write_file(staging, sd["file"], sd["save_id"], sd["rank"], plan, planner,
-                             threads=self.thread_count or knobs.io_threads(), sync=self._sync(),
+                             threads=self.thread_count or staging.write_streams(), sync=self._sync(),
                              is_coordinator=self.is_coordinator, codec_of=self._codec_of(), reuse=self.reuse,
                              filling=self.staging_fill)
         return done(results)

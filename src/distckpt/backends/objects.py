@@ -160,6 +160,9 @@ class ObjectStore(BlobStore):
         self._save_id: Optional[str] = None  # that vanish during a load (see data_store)
         self._a_save = False  # one save's data store (staging), not a checkpoint
 
+    def write_streams(self) -> int:
+        return knobs.object_write_streams()
+
     def _sub(self, prefix: str) -> "ObjectStore":
         sub = copy.copy(self)
         sub.prefix, sub._checkpoint, sub._save_id, sub._a_save = prefix.strip("/"), None, None, False

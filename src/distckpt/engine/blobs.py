@@ -11,7 +11,7 @@ import abc
 import threading
 from typing import Callable, Iterable, Optional, Union
 
-from .. import faults
+from .. import faults, knobs
 from ..errors import CheckpointError
 from ..format import METADATA_FILE
 
@@ -178,6 +178,12 @@ class BlobStore(abc.ABC):
     """
 
     capabilities: frozenset = frozenset()
+
+    def write_streams(self) -> int:
+        """Data files one rank writes at once, each from a thread of its own (a writer's ``thread_count`` overrides
+        it): the CPU's share (DISTCKPT_IO_THREADS) where writes cost CPU; a store whose writes wait on a network says
+        more."""
+        return knobs.io_threads()
 
     def prepare(self) -> None:
         """Create the checkpoint's location if needed (called on every rank)."""
