@@ -5,7 +5,6 @@ import uuid
 import torch
 
 import distckpt
-
 from distckpt.backends.filesystem import FsStore
 from distckpt.backends.memory import MemoryStore
 from distckpt.testing.blob_store_suite import BlobStoreSuite
