@@ -27,7 +27,7 @@ def _slowest(fn) -> float:
 
 
 def _raw(bucket: str, prefix: str, sd: dict, threads: int, write: bool) -> None:
-    """The floor: this rank's tensor bytes as objects, ``threads`` at a time (distckpt's I/O threads), each uploaded
+    """The floor: this rank's tensor bytes as objects, ``threads`` at a time (distckpt's write streams), each uploaded
     or downloaded whole through the client, with no format, checksum or metadata."""
     from google.cloud import storage
 
@@ -77,8 +77,8 @@ def rounds(rank: int, world: int, bucket: str, total: int, tensors: int, repeat:
                 save = lambda: dcp.save(sd, storage_writer=FsspecWriter(where, token="anon"))  # noqa: E731
                 load = lambda: dcp.load(back, storage_reader=FsspecReader(where, token="anon"))  # noqa: E731
             else:
-                save = lambda: _raw(bucket, f"{peer}-{r + 1}/{rank}", sd, knobs.io_threads(), True)  # noqa: E731
-                load = lambda: _raw(bucket, f"{peer}-{r + 1}/{rank}", back, knobs.io_threads(), False)  # noqa: E731
+                save = lambda: _raw(bucket, f"{peer}-{r + 1}/{rank}", sd, knobs.object_write_streams(), True)  # noqa: E731
+                load = lambda: _raw(bucket, f"{peer}-{r + 1}/{rank}", back, knobs.object_write_streams(), False)  # noqa: E731
             took = _slowest(save), _slowest(load)
             if r >= 0:
                 out[peer]["save"].append(took[0])

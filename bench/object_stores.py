@@ -8,7 +8,7 @@ Peers, alternating each round, slowest rank of each operation, best of ``--repea
   distckpt  distckpt.save / load with checkpoint_id="gs://bucket/..." (google-cloud-storage)
   dcp       torch.distributed.checkpoint through fsspec's gcsfs (FsspecWriter / FsspecReader), where gcsfs is installed
   raw       the floor: each rank's tensor bytes as one object each, uploaded and downloaded whole by the same client
-            with as many threads as distckpt's I/O threads; no format, checksum or metadata
+            with as many threads as distckpt's write streams (DISTCKPT_OBJECT_WRITE_STREAMS); no format, checksum or metadata
 
 The emulator keeps objects in its memory and runs on the same cores as the ranks, so the figures are the client's
 and the format's costs on this machine, not a network's: see docs/performance.md for what they say and do not.
