@@ -22,6 +22,7 @@ import threading
 import time
 import traceback
 import weakref
+from datetime import timedelta
 from typing import Any, Callable, NamedTuple, Optional, TypeVar
 
 import torch
@@ -32,6 +33,7 @@ from .errors import (
     ProcessGroupBrokenError,
     RankFailuresError,
     RemoteRankError,
+    StalledRanksError,
     WrappedException,
     describe_type,
 )
@@ -141,6 +143,7 @@ class Coordinator:
         self.transport_failed = False  # a collective timed out or broke: this group is no longer in step
         self._number: Optional[int] = None
         self._own_failure: Optional[BaseException] = None  # raised by this rank's global step, if it failed
+        self._phase = ""  # the phase whose collectives run now, for the error of one that stalls
         faults.set_rank(self.rank)
 
     def begin(self, operation: str, checkpoint_id: Any = None, number: Optional[int] = None) -> str:
@@ -161,9 +164,8 @@ class Coordinator:
         (save or load), before any of them does work that the others would wait for."""
         if not self.use_dist:
             return
-        from datetime import timedelta
-
         self._check_not_broken(operation)
+        self._phase = "arrival"
         limit = min(knobs.arrival_timeout_s(), self.timeout_s)
         mine = self._row(0, 0)
         out = [torch.zeros_like(mine) for _ in range(self.world_size)]
@@ -190,10 +192,12 @@ class Coordinator:
             self._in_step(operation, table)  # ranks in other operations: raised alike on every rank, still in step
             return
         self.transport_failed = True
-        raise CheckpointError(
-            f"{self.identity}: rank {self.rank} waited {limit:.0f}s for the other ranks of the group to call {operation} "
-            f"({reason}). Every rank of the group must call {operation}; to {operation} from one process alone, pass "
-            f"no_dist=True. If ranks arrive this far apart, raise DISTCKPT_ARRIVAL_TIMEOUT_S.")
+        absent = absent_ranks(self.group, self.identity, self.rank, self.world_size, limit)
+        raise StalledRanksError(
+            f"{self.identity}, phase arrival: rank {self.rank} waited {limit:.0f}s for {_named(absent)} to call "
+            f"{operation} ({reason}). Every rank of the group must call {operation}; to {operation} from one process "
+            f"alone, pass no_dist=True. If ranks arrive this far apart, raise DISTCKPT_ARRIVAL_TIMEOUT_S.",
+            "arrival", absent or (), limit)
 
     @property
     def number(self) -> int:
@@ -420,30 +424,43 @@ class Coordinator:
         self._check_not_broken("a checkpoint collective")
         begun = time.monotonic()
         try:
-            faults.point("collective", self.identity)
+            faults.point("collective", f"{self.identity}: {self._phase}")
             return fn()
         except CheckpointError:
             self.transport_failed = True
             raise
         except Exception as exc:
             self.transport_failed = True
-            if isinstance(exc, RuntimeError) and time.monotonic() - begun < 0.9 * self.timeout_s:
-                # torch's backend failed before any wait ran out: a peer died, or the group was torn down
+            # torch's backend failed before any wait ran out: a peer died, or the group was torn down
+            at_once = isinstance(exc, RuntimeError) and time.monotonic() - begun < 0.9 * self.timeout_s
+            if at_once:
                 mark_broken(self.group, f"{self.identity} on rank {self.rank}: {exc}")
-                raise ProcessGroupBrokenError(
-                    f"a collective of the checkpoint failed on rank {self.rank}: {exc}. Another rank died, or an earlier "
-                    f"collective timed out and torch's backend tore the group down; the group can no longer carry "
-                    f"collectives: {_REBUILD}.") from exc
-            raise CheckpointError(
-                f"a collective of the checkpoint failed on rank {self.rank}: {exc}. "
-                "Another rank probably died or timed out; check its log.") from exc
+            raise self._stalled(exc, at_once) from exc
+
+    def _stalled(self, exc: BaseException, at_once: bool) -> CheckpointError:
+        """The error of a collective that failed (``at_once``) or waited out the timeout: the phase, and the ranks
+        that did not report reaching it to the group's store; the live ranks report there as they fail."""
+        absent = absent_ranks(self.group, self.identity, self.rank, self.world_size, self.timeout_s)
+        where = f"{self.identity}, phase {self._phase or 'unknown'!r}: rank {self.rank}"
+        if at_once:
+            return ProcessGroupBrokenError(
+                f"{where}: a collective failed at once ({exc}), waiting for {_named(absent)}. A rank died, or an "
+                f"earlier collective timed out and torch's backend tore the group down; the group can no longer carry "
+                f"collectives: {_REBUILD}.")
+        return StalledRanksError(
+            f"{where} waited {self.timeout_s:.0f}s (DISTCKPT_TIMEOUT_S) for {_named(absent)} ({exc}). A rank that is "
+            f"stopped, hung or dead never reaches the phase: check its log; if it was only slow, raise "
+            f"DISTCKPT_TIMEOUT_S.", self._phase, absent or (), self.timeout_s)
+
+    def absent(self) -> str:
+        """The ranks that have not reported failing in this operation, in words, once this rank has: for a wait
+        outside the coordinator (a shared read) that failed, so that it names the ranks it waited for."""
+        return _named(absent_ranks(self.group, self.identity, self.rank, self.world_size, self.timeout_s))
 
     def _wait(self, work: Any) -> None:
         """Wait for a collective, at most the configured timeout (DISTCKPT_TIMEOUT_S or the constructor's)."""
-        from datetime import timedelta
-
         if not work.wait(timeout=timedelta(seconds=self.timeout_s)):
-            raise CheckpointError(f"rank {self.rank}: a checkpoint collective did not finish within {self.timeout_s:.0f}s")
+            raise TimeoutError(f"a collective did not finish within {self.timeout_s:.0f}s")
 
     def _to_tensor(self, payload: bytes, size: int) -> torch.Tensor:
         t = torch.zeros(size, dtype=torch.uint8)
@@ -463,6 +480,7 @@ class Coordinator:
         Every phase of every operation begins with this exchange, of one shape: ranks whose calls are out of
         step (one loads while another saves) meet in a collective of one size, and find out together. Where
         the sizes differed, gloo would end the process instead of raising."""
+        self._phase = phase
         mine = self._row(a, b)
         rows = [torch.zeros_like(mine) for _ in range(self.world_size)]
         self._collective(lambda: self._wait(dist.all_gather(rows, mine, group=self.group, async_op=True)))
@@ -541,9 +559,57 @@ class Coordinator:
 def new_gloo_group(ranks: Optional[list[int]]) -> Any:
     """A gloo group over ``ranks`` (None: every rank) whose own operations end at the checkpoint timeout
     (``DISTCKPT_TIMEOUT_S``), not torch's default 30 minutes. Collective: every rank of the job calls it."""
-    from datetime import timedelta
-
     return dist.new_group(ranks=ranks, backend="gloo", timeout=timedelta(seconds=knobs.collective_timeout_s()))
+
+
+def _store_of(group: Any) -> Any:
+    """The key-value store ``group`` was built on (torch's private lookups: None where they are gone)."""
+    try:
+        if group is None or group == dist.group.WORLD:
+            return dist.distributed_c10d._get_default_store()
+        return dist.distributed_c10d._get_process_group_store(group)
+    except Exception:  # noqa: BLE001 - the ranks then go unnamed, not the error
+        return None
+
+
+def absent_ranks(group: Any, identity: str, rank: int, world_size: int, timeout_s: float) -> Optional[list[int]]:
+    """The ranks of ``group`` that have not reported failing in operation ``identity``, once this rank has, after
+    waiting a grace for the other live ranks to report (their own waits end up to a few seconds apart). None where
+    the store does not answer: its host (global rank 0 under init_process_group) is stalled or gone too."""
+    store = _store_of(group)
+    if store is None:
+        return None
+    grace = min(10.0, max(2.0, timeout_s / 10))
+    found: list = []
+    # a thread: a store whose host is stopped keeps some calls (check) waiting past any timeout set on it
+    census = threading.Thread(target=_census, args=(store, f"distckpt/stalled/{identity}/", rank, world_size, grace,
+                                                    found), daemon=True)
+    census.start()
+    census.join(2 * grace + 1)
+    return found[0] if found else None
+
+
+def _census(store: Any, key: str, rank: int, world_size: int, grace: float, found: list) -> None:
+    try:
+        store.set(f"{key}{rank}", b"1")
+        deadline = time.monotonic() + grace
+        while True:
+            absent = [r for r in range(world_size) if not store.check([f"{key}{r}"])]
+            if not absent or time.monotonic() >= deadline:
+                found.append(absent)
+                return
+            time.sleep(0.1)
+    except Exception:  # noqa: BLE001 - the store's own failure: the ranks go unnamed
+        return
+
+
+def _named(absent: Optional[list[int]]) -> str:
+    if absent is None:
+        return ("ranks it cannot name (the group's store did not answer: its host, global rank 0 under "
+                "init_process_group, is stalled or gone)")
+    if not absent:
+        return "the other ranks (every rank reported failing too: they were in different collectives)"
+    return f"rank{'s' if len(absent) > 1 else ''} {', '.join(map(str, absent))}, which did not reach this phase"
 
 
 def describe(exc: BaseException) -> dict:

@@ -36,6 +36,7 @@ __all__ = [
     "CheckpointClosedError",
     "MissingDependencyError",
     "ProcessGroupBrokenError",
+    "StalledRanksError",
 ]
 
 
@@ -254,3 +255,13 @@ class ProcessGroupBrokenError(CheckpointError):
     stopped past the group's timeout and torch's backend tore the group down). Every later checkpoint call on that
     group raises this at once; the group must be rebuilt (``destroy_process_group`` and ``init_process_group``
     again; under torchrun, a restart of the job)."""
+
+
+class StalledRanksError(CheckpointError, TimeoutError):
+    """A phase of a save or load waited the checkpoint timeout (``DISTCKPT_TIMEOUT_S``, or
+    ``DISTCKPT_ARRIVAL_TIMEOUT_S`` for the arrival) for other ranks. ``phase`` names the phase, ``ranks`` the ranks
+    that did not report having reached it (empty where the group's store could not tell), ``timeout_s`` the bound."""
+
+    def __init__(self, message: str, phase: str = "", ranks: tuple = (), timeout_s: float = 0.0):
+        super().__init__(message)
+        self.phase, self.ranks, self.timeout_s = phase, tuple(ranks), timeout_s

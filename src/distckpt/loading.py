@@ -126,9 +126,9 @@ def run_load(state_dict: STATE_DICT_TYPE, reader: Optional[StorageReader], plann
     failure: Optional[BaseException] = None
     try:
         read_step()
-    except PeerLost:  # the ranks are out of step: the vote would wait out the timeout again, and hide why
+    except PeerLost as exc:  # the ranks are out of step: the vote would wait out the timeout again, and hide why
         coord.transport_failed = True
-        raise
+        raise PeerLost(f"{exc} In phase 'load read' of {coord.identity}, this rank waited for {coord.absent()}.") from exc
     except Exception as exc:  # noqa: BLE001 - reported to every rank by the vote
         failure = exc
     coord.vote("load read", failure, False)

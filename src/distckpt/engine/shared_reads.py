@@ -94,6 +94,7 @@ class Peers:
     def receive(self, buf: torch.Tensor, src: int, everyone: bool) -> None:
         """Receive ``buf`` from ``src``; ``everyone``: the message goes to every rank but ``src`` (a broadcast)."""
         wire = buf if self.device.type == "cpu" else torch.empty_like(buf, device=self.device)
+        faults.point("collective", "shared read")
         if everyone:
             work = dist.broadcast(wire, group=self.group, group_src=src, async_op=True)
         else:
@@ -111,8 +112,9 @@ class Peers:
         except CheckpointError:
             raise
         except Exception as exc:  # a peer died or the group broke
-            raise PeerLost(f"rank {self.rank}: shared read, {what}, failed: {exc}. The other rank probably died "
-                           "or timed out; check its log.") from exc
+            raise PeerLost(f"rank {self.rank}: shared read, {what}, failed: {exc}. The other rank probably died, "
+                           f"stopped, or waited out the timeout ({self.timeout_s:.0f}s, DISTCKPT_TIMEOUT_S) on "
+                           "another; check its log.") from exc
 
 
 class Endpoint:

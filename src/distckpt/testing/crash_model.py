@@ -38,7 +38,8 @@ from .multiprocess import RankFailure, run_ranks
 __all__ = ["ENV", "state", "blank", "record_points", "killed_save", "timed_kill_save", "check_consistent", "sweep"]
 
 ENV = {"DISTCKPT_FSYNC": "1", "DISTCKPT_TIMEOUT_S": "30"}
-SURVIVOR_ERRORS = (None, "RankFailuresError", "CheckpointError", "StorageIOError", "ProcessGroupBrokenError")
+SURVIVOR_ERRORS = (None, "RankFailuresError", "CheckpointError", "StorageIOError", "ProcessGroupBrokenError",
+                   "StalledRanksError")
 
 
 def state(step: int) -> dict:
