@@ -440,7 +440,9 @@ class Coordinator:
     def _stalled(self, exc: BaseException, at_once: bool) -> CheckpointError:
         """The error of a collective that failed (``at_once``) or waited out the timeout: the phase, and the ranks
         that did not report reaching it to the group's store; the live ranks report there as they fail."""
-        absent = absent_ranks(self.group, self.identity, self.rank, self.world_size, self.timeout_s)
+        # a group torn down fails every rank at once: who reported is looked up, not waited for (the error stays
+        # immediate); a wait that ran out gives the others a grace to report theirs
+        absent = absent_ranks(self.group, self.identity, self.rank, self.world_size, 0.0 if at_once else self.timeout_s)
         where = f"{self.identity}, phase {self._phase or 'unknown'!r}: rank {self.rank}"
         if at_once:
             return ProcessGroupBrokenError(
@@ -574,12 +576,13 @@ def _store_of(group: Any) -> Any:
 
 def absent_ranks(group: Any, identity: str, rank: int, world_size: int, timeout_s: float) -> Optional[list[int]]:
     """The ranks of ``group`` that have not reported failing in operation ``identity``, once this rank has, after
-    waiting a grace for the other live ranks to report (their own waits end up to a few seconds apart). None where
-    the store does not answer: its host (global rank 0 under init_process_group) is stalled or gone too."""
+    waiting a grace for the other live ranks to report (a tenth of the timeout, 0.5-3 s: the ranks waiting in one
+    collective time out close together; 0 for ``timeout_s`` 0). None where the store does not answer: its host
+    (global rank 0 under init_process_group) is stalled or gone too."""
     store = _store_of(group)
     if store is None:
         return None
-    grace = min(10.0, max(2.0, timeout_s / 10))
+    grace = min(3.0, max(0.5, timeout_s / 10)) if timeout_s > 0 else 0.0
     found: list = []
     # a thread: a store whose host is stopped keeps some calls (check) waiting past any timeout set on it
     census = threading.Thread(target=_census, args=(store, f"distckpt/stalled/{identity}/", rank, world_size, grace,
