@@ -37,6 +37,7 @@ from .errors import (
     WrappedException,
     describe_type,
 )
+from .stall_census import absent_ranks, named
 
 try:
     import torch.distributed as dist
@@ -194,7 +195,7 @@ class Coordinator:
         self.transport_failed = True
         absent = absent_ranks(self.group, self.identity, self.rank, self.world_size, limit)
         raise StalledRanksError(
-            f"{self.identity}, phase arrival: rank {self.rank} waited {limit:.0f}s for {_named(absent)} to call "
+            f"{self.identity}, phase arrival: rank {self.rank} waited {limit:.0f}s for {named(absent)} to call "
             f"{operation} ({reason}). Every rank of the group must call {operation}; to {operation} from one process "
             f"alone, pass no_dist=True. If ranks arrive this far apart, raise DISTCKPT_ARRIVAL_TIMEOUT_S.",
             "arrival", absent or (), limit)
@@ -446,18 +447,18 @@ class Coordinator:
         where = f"{self.identity}, phase {self._phase or 'unknown'!r}: rank {self.rank}"
         if at_once:
             return ProcessGroupBrokenError(
-                f"{where}: a collective failed at once ({exc}), waiting for {_named(absent)}. A rank died, or an "
+                f"{where}: a collective failed at once ({exc}), waiting for {named(absent)}. A rank died, or an "
                 f"earlier collective timed out and torch's backend tore the group down; the group can no longer carry "
                 f"collectives: {_REBUILD}.")
         return StalledRanksError(
-            f"{where} waited {self.timeout_s:.0f}s (DISTCKPT_TIMEOUT_S) for {_named(absent)} ({exc}). A rank that is "
+            f"{where} waited {self.timeout_s:.0f}s (DISTCKPT_TIMEOUT_S) for {named(absent)} ({exc}). A rank that is "
             f"stopped, hung or dead never reaches the phase: check its log; if it was only slow, raise "
             f"DISTCKPT_TIMEOUT_S.", self._phase, absent or (), self.timeout_s)
 
     def absent(self) -> str:
         """The ranks that have not reported failing in this operation, in words, once this rank has: for a wait
         outside the coordinator (a shared read) that failed, so that it names the ranks it waited for."""
-        return _named(absent_ranks(self.group, self.identity, self.rank, self.world_size, self.timeout_s))
+        return named(absent_ranks(self.group, self.identity, self.rank, self.world_size, self.timeout_s))
 
     def _wait(self, work: Any) -> None:
         """Wait for a collective, at most the configured timeout (DISTCKPT_TIMEOUT_S or the constructor's)."""
@@ -562,57 +563,6 @@ def new_gloo_group(ranks: Optional[list[int]]) -> Any:
     """A gloo group over ``ranks`` (None: every rank) whose own operations end at the checkpoint timeout
     (``DISTCKPT_TIMEOUT_S``), not torch's default 30 minutes. Collective: every rank of the job calls it."""
     return dist.new_group(ranks=ranks, backend="gloo", timeout=timedelta(seconds=knobs.collective_timeout_s()))
-
-
-def _store_of(group: Any) -> Any:
-    """The key-value store ``group`` was built on (torch's private lookups: None where they are gone)."""
-    try:
-        if group is None or group == dist.group.WORLD:
-            return dist.distributed_c10d._get_default_store()
-        return dist.distributed_c10d._get_process_group_store(group)
-    except Exception:  # noqa: BLE001 - the ranks then go unnamed, not the error
-        return None
-
-
-def absent_ranks(group: Any, identity: str, rank: int, world_size: int, timeout_s: float) -> Optional[list[int]]:
-    """The ranks of ``group`` that have not reported failing in operation ``identity``, once this rank has, after
-    waiting a grace for the other live ranks to report (a tenth of the timeout, 0.5-3 s: the ranks waiting in one
-    collective time out close together; 0 for ``timeout_s`` 0). None where the store does not answer: its host
-    (global rank 0 under init_process_group) is stalled or gone too."""
-    store = _store_of(group)
-    if store is None:
-        return None
-    grace = min(3.0, max(0.5, timeout_s / 10)) if timeout_s > 0 else 0.0
-    found: list = []
-    # a thread: a store whose host is stopped keeps some calls (check) waiting past any timeout set on it
-    census = threading.Thread(target=_census, args=(store, f"distckpt/stalled/{identity}/", rank, world_size, grace,
-                                                    found), daemon=True)
-    census.start()
-    census.join(2 * grace + 1)
-    return found[0] if found else None
-
-
-def _census(store: Any, key: str, rank: int, world_size: int, grace: float, found: list) -> None:
-    try:
-        store.set(f"{key}{rank}", b"1")
-        deadline = time.monotonic() + grace
-        while True:
-            absent = [r for r in range(world_size) if not store.check([f"{key}{r}"])]
-            if not absent or time.monotonic() >= deadline:
-                found.append(absent)
-                return
-            time.sleep(0.1)
-    except Exception:  # noqa: BLE001 - the store's own failure: the ranks go unnamed
-        return
-
-
-def _named(absent: Optional[list[int]]) -> str:
-    if absent is None:
-        return ("ranks it cannot name (the group's store did not answer: its host, global rank 0 under "
-                "init_process_group, is stalled or gone)")
-    if not absent:
-        return "the other ranks (every rank reported failing too: they were in different collectives)"
-    return f"rank{'s' if len(absent) > 1 else ''} {', '.join(map(str, absent))}, which did not reach this phase"
 
 
 def describe(exc: BaseException) -> dict:

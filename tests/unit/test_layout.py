@@ -17,7 +17,8 @@ ROOMS = {
     **dict.fromkeys(["metadata", "planner", "storage", "stateful", "errors", "extras", "knobs", "capabilities",
                      "gc_pause", "progress", "faults", "process_state"], "protocol"),
     **dict.fromkeys(["saving", "loading", "async_saving", "staging", "distributed", "verification", "streaming",
-                     "_sequence", "torch_classes", "torch_save_reader", "stored_bytes", "writer_process"], "sequences"),
+                     "_sequence", "torch_classes", "torch_save_reader", "stored_bytes", "writer_process", "stall_census"],
+                   "sequences"),
     **dict.fromkeys(["manager", "cli", "convert", "optim", "tiers", "opening", "diffing", "compaction", "run_references",
                      "__init__"], "top"),
     # DCP's module names, each a face over the rooms (torch.distributed.checkpoint.<name>); nothing imports them
