@@ -78,7 +78,9 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
     try:
         if "nccl" in backend and torch.cuda.is_available():  # one device per rank, as torchrun users set it
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+        # a client of the store the parent holds, as torchrun's workers are clients of their agent's
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s))
         result = fn(rank, world_size, *args)
         # tensors cross as bytes: torch's shared-memory handles die with this process
@@ -109,7 +111,10 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.
     """
     ctx = _context(start_method)
     queue = ctx.Queue()
-    port = free_port()
+    # the parent holds the group's store from a port it bound itself: a port found free and then closed could be
+    # taken by another test's group in between, whose ranks would then join this one
+    store = _parent_store(collective_timeout_s)
+    port = store.port
     caller_env = dict(os.environ)
     procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, collective_timeout_s, dict(env or {}), backend,
                                               caller_env), daemon=True)
@@ -149,6 +154,12 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.
     if errors and not allow_failures:
         raise RankError(errors)
     return [results[r] if r in results else RankFailure(r, errors[r], procs[r].exitcode) for r in range(world_size)]
+
+
+def _parent_store(timeout_s: float) -> Any:
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
 
 
 class RankFailure:
