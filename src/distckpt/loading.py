@@ -157,7 +157,7 @@ def _plan_shared_reads(local_step, reader: StorageReader, planner: LoadPlanner, 
     whether any rank failed and whether any may read a chunk another rank needs too (a replicated destination, a
     chunk read partly); only then do the ranks exchange their chunk lists."""
     failure: Optional[BaseException] = None
-    plan, share = None, False
+    plan, share, alone = None, False, set()
     try:
         plan = local_step()
         alone = planner.keys_held_alone() if isinstance(planner, DefaultLoadPlanner) else set()
@@ -169,7 +169,7 @@ def _plan_shared_reads(local_step, reader: StorageReader, planner: LoadPlanner, 
     listed: list = []
 
     def table() -> bytes:
-        chunks, raw = reader.read_chunks(plan)
+        chunks, raw = reader.read_chunks(plan, alone)
         listed.extend(chunks)
         return raw
 

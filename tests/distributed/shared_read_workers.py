@@ -152,3 +152,24 @@ def load_expecting_failure(rank, world_size, path):
     except distckpt.CheckpointError as exc:
         return {"error": type(exc).__name__, "text": str(exc)[:3000]}
     return {"error": None}
+
+
+def load_listing_chunks(rank, world_size, path):
+    """Load the mixed state; return whether it is bit-exact and the keys of the chunks this rank listed for the
+    coordinator."""
+    _own_node(rank)
+    want = {**_replicated(), **_sharded(world_size, True)}
+    sd = {**_zeros_like(_replicated()), **_sharded(world_size, False)}
+    reader = distckpt.FileSystemReader(path, shared_reads=True)
+    listed = []
+    table_of = reader.read_chunks
+
+    def read_chunks(plan, held_alone=None):
+        chunks, raw = table_of(plan, held_alone)
+        listed.extend(chunks)
+        return chunks, raw
+
+    reader.read_chunks = read_chunks
+    distckpt.load(sd, storage_reader=reader)
+    where = {(info.file, info.offset): index.fqn for index, info in reader.metadata.storage_data.items.items()}
+    return {"exact": all(_equal(sd[k], v) for k, v in want.items()), "listed": sorted({where[c[:2]] for c in listed})}

@@ -160,3 +160,18 @@ def test_every_shared_chunk_has_one_sender_among_its_needers_and_travels_whole(l
         n, row = rows[(key[0], key[1] // 1000)]
         assert pieces[0][2] == 0 and pieces[-1][3] == n and all(a[3] == b[2] for a, b in zip(pieces, pieces[1:]))
         assert all((p[3] - p[2]) % row == 0 or p[3] == n for p in pieces)
+
+
+def test_chunks_no_other_rank_can_need_stay_out_of_the_tables(tmp_path):
+    """A chunk read whole into a rank's shard of a sharded key (FSDP at the world size it was saved at) is that
+    rank's alone: its table lists only what another rank may need (the replicated keys). Resharded to three ranks,
+    the shards' chunks are read in parts, and are listed."""
+    path = str(tmp_path / "ck")
+    run_ranks(workers.save_state, 2, path, "mixed")
+    results = run_ranks(workers.load_listing_chunks, 2, path)
+    assert all(r["exact"] for r in results), results
+    for r in results:
+        assert r["listed"] and not any(k.startswith("fsdp.") for k in r["listed"]), r
+    results = run_ranks(workers.load_listing_chunks, 3, path)
+    assert all(r["exact"] for r in results), results
+    assert any("fsdp.w" in r["listed"] for r in results), results

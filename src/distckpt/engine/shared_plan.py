@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections.abc import Sequence
 from typing import Any, NamedTuple, Optional
 
 import numpy as np
@@ -17,46 +18,59 @@ from ..item_columns import BYTES, ReadColumns
 from ..metadata import Metadata
 from ..planner import LoadItemType, LoadPlan
 from .chunk_reads import ChunkShapes
+from .share_assignment import plan_shares
 from .shared_verification import partial_chunks
 
 __all__ = ["Shares", "Message", "planned_chunks", "may_share", "encode_table", "decode_table", "plan_shares",
            "fingerprint", "node_number", "SEND", "RECEIVE", "ERROR_BYTES"]
 
 SEND, RECEIVE = 1, 2
-# chunk count, the bucket size this rank proposes, whether it verifies checksums, the checkpoint it reads (fingerprint)
-_TABLE = struct.Struct("<QQQQQ")
+# chunk count, the bucket size this rank proposes, whether it verifies checksums, the checkpoint it reads (fingerprint),
+# its node, the bytes it reads that no other rank can need (not listed)
+_TABLE = struct.Struct("<QQQQQQ")
 _COLUMNS = 6
 _ALIGN = 64  # pieces start at multiples of this in a message, so that any dtype views them in place
 ERROR_BYTES = 512  # a failed piece's message, in every message's tail
 Key = tuple  # (file name, offset)
 
 
-def planned_chunks(md: Metadata, plan: LoadPlan) -> list[tuple[int, ...]]:
+def planned_chunks(md: Metadata, plan: LoadPlan, held_alone: Optional[set] = None) -> tuple[list[tuple[int, ...]], int]:
     """The stored chunks ``plan`` reads, each once: (file, offset, length, bytes of one row, or the whole length
     where a chunk is not cut: values, chunks through a codec, scalars; and the range of its bytes this rank needs,
-    whole rows: first, end). Empty chunks are left out."""
+    whole rows: first, end); and the bytes of the chunks left out as this rank's own. Left out: empty chunks, and
+    chunks no other rank can need, read whole and only into keys of ``held_alone`` (no other rank holds an element
+    of this rank's part of them)."""
     fsd: FileStorageData = md.storage_data
     locations = fsd.items
     shapes = ChunkShapes(md)
     at: dict = {}
     out: list[list] = []
     apart: set = set()  # offsets that items of other lengths share (views of one storage): read by this rank alone
+    alone = held_alone or set()
+    own: dict[int, bool] = {}  # chunks read only into keys held alone: whether an item reads it whole
 
-    def add(name: str, offset: int, length: int, rows: Optional[int], codec: str, span: Optional[tuple]) -> None:
+    def add(name: str, offset: int, length: int, rows: Optional[int], codec: str, span: Optional[tuple], fqn: str,
+            whole: bool) -> None:
         if length <= 0:
             return
         row = length // rows if rows and codec == "identity" and length % rows == 0 else length
         first, end = (0, length) if span is None or row == length else (span[0] * row, span[1] * row)
         j = at.get((name, offset))
         if j is None:
-            at[(name, offset)] = len(out)
+            j = at[(name, offset)] = len(out)
             out.append([name, offset, length, row, first, end])
+            if fqn in alone:
+                own[j] = whole
         elif out[j][2] != length:
             apart.add(j)
         elif out[j][3] != row:  # one storage viewed with two shapes (tied weights): travels whole
             out[j][3:] = [length, 0, length]
         else:
             out[j][4], out[j][5] = min(out[j][4], first), max(out[j][5], end)
+        if j in own and fqn not in alone:
+            del own[j]
+        elif j in own:
+            own[j] = own[j] or whole
 
     items = plan.items
     if isinstance(items, ReadColumns) and items.intact and isinstance(locations, ChunkLocations):
@@ -68,8 +82,9 @@ def planned_chunks(md: Metadata, plan: LoadPlan) -> list[tuple[int, ...]]:
                 raise CorruptCheckpointError(f"key {items.fqn[i]!r} chunk {list(items.chunk_offsets[i])} has no storage "
                                              "entry in the metadata")
             size = items.size[i]
+            # a column item reads its chunk whole, into the key of the chunk
             add(names[locations.file_no[row]], locations.begin[row], locations.length[row], size[0] if size else None,
-                "identity", None)
+                "identity", None, items.fqn[i], True)
         items = items.general + [items.column_item(i) for i, code in enumerate(items.code) if code == BYTES]
     for item in items:
         index = item.storage_index
@@ -79,8 +94,12 @@ def planned_chunks(md: Metadata, plan: LoadPlan) -> list[tuple[int, ...]]:
                                          "the metadata")
         shape = shapes.get(index) if item.type == LoadItemType.TENSOR else None
         span = (item.storage_offsets[0], item.storage_offsets[0] + item.lengths[0]) if shape else None
-        add(info.file, info.offset, info.length, shape[0] if shape else None, info.codec, span)
-    return [tuple(c) for j, c in enumerate(out) if j not in apart]
+        whole = item.type != LoadItemType.TENSOR or (shape is not None and not any(item.storage_offsets)
+                                                     and tuple(item.lengths) == tuple(shape))
+        add(info.file, info.offset, info.length, shape[0] if shape else None, info.codec, span, item.dest_index.fqn, whole)
+    mine = {j for j, whole in own.items() if whole and j not in apart}
+    return ([tuple(c) for j, c in enumerate(out) if j not in apart and j not in mine],
+            sum(out[j][2] for j in mine))
 
 
 def may_share(md: Metadata, plan: LoadPlan, held_alone: set) -> bool:
@@ -120,23 +139,24 @@ def node_number(name: str) -> int:
 
 
 def encode_table(md: Metadata, chunks: list[tuple], bucket: int, verify: bool, cached: bool = False,
-                 always: bool = True, node: int = 0) -> bytes:
+                 always: bool = True, node: int = 0, own_bytes: int = 0) -> bytes:
     """``chunks`` as six little-endian int64 columns (file number, offset, length, row bytes, the range needed:
     first and end byte), after a header (count, bucket, flags: whether this rank verifies checksums, reads through
-    its node's page cache, shares whatever the nodes; the checkpoint's :func:`fingerprint`; this rank's node)."""
+    its node's page cache, shares whatever the nodes; the checkpoint's :func:`fingerprint`; this rank's node; the
+    bytes it reads that are left out of the table as its own)."""
     file_no = {name: i for i, name in enumerate(md.storage_data.files)}
     table = np.array([(file_no[c[0]],) + tuple(c[1:]) for c in chunks], dtype="<i8")
     flags = (_VERIFY if verify else 0) | (_CACHED if cached else 0) | (_ALWAYS if always else 0)
-    return (_TABLE.pack(len(chunks), bucket, flags, fingerprint(md), node)
+    return (_TABLE.pack(len(chunks), bucket, flags, fingerprint(md), node, own_bytes)
             + table.reshape(-1, _COLUMNS).T.copy().tobytes())
 
 
-def decode_table(raw: bytes) -> tuple[np.ndarray, int, bool, int, int, bool, bool]:
-    """The (6, n) table, the bucket size, the verify flag, the fingerprint, the node and the cached and always flags
-    :func:`encode_table` wrote."""
+def decode_table(raw: bytes) -> tuple[np.ndarray, int, bool, int, int, bool, bool, int]:
+    """The (6, n) table, the bucket size, the verify flag, the fingerprint, the node, the cached and always flags and
+    the bytes left out as the rank's own, as :func:`encode_table` wrote them."""
     if len(raw) < _TABLE.size:
         raise CorruptCheckpointError("chunk table from a rank is truncated")
-    n, bucket, flags, print_, node = _TABLE.unpack_from(raw)
+    n, bucket, flags, print_, node, own_bytes = _TABLE.unpack_from(raw)
     verify = flags & _VERIFY
     if len(raw) != _TABLE.size + 8 * _COLUMNS * n or bucket < 1:
         raise CorruptCheckpointError("chunk table from a rank has the wrong length")
@@ -144,131 +164,49 @@ def decode_table(raw: bytes) -> tuple[np.ndarray, int, bool, int, int, bool, boo
     if n and (table[2].min() < 1 or table[3].min() < 1 or table[0].min() < 0 or table[1].min() < 0
               or (table[4] < 0).any() or (table[5] > table[2]).any() or (table[4] >= table[5]).any()):
         raise CorruptCheckpointError("chunk table from a rank has negative, empty or out-of-chunk entries")
-    return table, bucket, bool(verify), print_, node, bool(flags & _CACHED), bool(flags & _ALWAYS)
+    if own_bytes >= 1 << 62:
+        raise CorruptCheckpointError("chunk table from a rank claims more bytes of its own than any checkpoint holds")
+    return table, bucket, bool(verify), print_, node, bool(flags & _CACHED), bool(flags & _ALWAYS), own_bytes
 
 
-def _overlap(spans: list[tuple[int, int]]) -> bool:
-    """Whether any two of the byte ranges meet."""
-    spans = sorted(spans)
-    return any(b[0] < a[1] for a, b in zip(spans, spans[1:]))
+class EveryRankBut(Sequence):
+    """The ranks of a group but one, in order, without listing them: a message to every other rank names its
+    receivers so, and a rank walking thousands of such messages holds a number, not thousands of tuples."""
 
+    __slots__ = ("world", "src")
 
-def _pick_readers(tables: list[np.ndarray], verify: bool, verifying: Optional[list[bool]] = None,
-                  kinds: Optional[list[int]] = None, nodes: Optional[list[int]] = None) -> tuple[dict, dict, dict]:
-    """For every chunk: the ranks (with its row in their table) that need it, its length and row bytes; and for
-    each chunk to share, the rank that reads it.
+    def __init__(self, world: int, src: int) -> None:
+        self.world, self.src = world, src
 
-    A chunk is shared where several ranks need it and some of its bytes are needed twice, or where checksums are
-    verified (its checksum covers it whole: read once, it need not be read again in parts). Unverified chunks whose
-    parts go to different ranks are read by each, its own part: storage serves each byte once either way.
+    def __len__(self) -> int:
+        return self.world - 1
 
-    ``kinds``: which checkpoint each rank reads (equal numbers, the same one); a chunk is shared only among the
-    ranks reading one checkpoint, and only where they agree on its length (else each reads its own: views of one
-    storage, or forged metadata). ``verifying``: whether each rank verifies checksums; a chunk that a rank
-    verifying them needs is read by such a rank, so that no rank is sent bytes checked less than it asked.
-    ``nodes``: each rank's node, where ranks of one node need not share (their reads go through one page cache):
-    a chunk only ranks of one node need is read by each of them."""
-    needers: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
-    sizes: dict[tuple[int, int, int], tuple[int, int]] = {}
-    spans: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
-    apart: set = set()
-    for rank, table in enumerate(tables):
-        kind = kinds[rank] if kinds is not None else 0
-        for j, (f, o, n, row, first, end) in enumerate(table.T.tolist()):
-            key = (kind, f, o)
-            listed = needers.setdefault(key, [])
-            if listed and listed[-1][0] == rank:
-                raise CorruptCheckpointError(f"chunk table from rank {rank} lists file {f} offset {o} twice")
-            listed.append((rank, j))
-            spans.setdefault(key, []).append((first, end))
-            known = sizes.get(key)
-            if known is None or known == (n, row):
-                sizes[key] = (n, row)
-            elif known[0] != n:
-                apart.add(key)
-            else:  # one storage viewed with two shapes: sent whole
-                sizes[key] = (n, n)
-    load = [0] * len(tables)
-    shared = []
-    for key, ranks in needers.items():
-        if key in apart:
-            for (r, j) in ranks:
-                load[r] += int(tables[r][2, j])
-        elif (len(ranks) > 1 and (verify or _overlap(spans[key]))
-              and (nodes is None or len({nodes[r] for r, _ in ranks}) > 1)):
-            shared.append(key)
-        else:
-            for (r, _), (first, end) in zip(ranks, spans[key]):
-                load[r] += sizes[key][0] if verify else end - first
-    # each set of ranks needing the same chunks splits them into runs that are contiguous in the files, one run per
-    # rank, sized to even out what every rank reads: a rank reading every other chunk would have its storage
-    # read ahead into the chunks between (page cache read-ahead, an object store's larger ranges)
-    by_set: dict[tuple[int, ...], list[tuple[int, int]]] = {}
-    for key in shared:
-        by_set.setdefault(tuple(sorted(r for r, _ in needers[key])), []).append(key)
-    reader: dict[tuple[int, int], int] = {}
-    for ranks, keys in sorted(by_set.items(), key=lambda kv: -sum(sizes[k][0] for k in kv[1])):
-        keys.sort()
-        total = sum(sizes[k][0] for k in keys)
-        order = sorted(ranks, key=lambda r: (load[r], r))
-        if verifying is not None and any(verifying[r] for r in order):
-            order = [r for r in order if verifying[r]]
-        level = (total + sum(load[r] for r in ranks)) / len(ranks)
-        at = 0
-        for key in keys:
-            while at < len(order) - 1 and load[order[at]] + sizes[key][0] / 2 > level:
-                at += 1
-            reader[key] = order[at]
-            load[order[at]] += sizes[key][0]
-    return needers, sizes, reader
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return tuple(self)[i]
+        if not -len(self) <= i < len(self):
+            raise IndexError(i)
+        i %= len(self)
+        return i if i < self.src else i + 1
 
+    def __contains__(self, rank: object) -> bool:
+        return isinstance(rank, int) and 0 <= rank < self.world and rank != self.src
 
-def plan_shares(tables: list[np.ndarray], bucket: int, verify: bool = True, verifying: Optional[list[bool]] = None,
-                kinds: Optional[list[int]] = None, nodes: Optional[list[int]] = None) -> list[bytes]:
-    """The coordinator's step: every rank's table of chunks -> one payload per rank (:meth:`Shares.decode`),
-    the messages it sends or receives, in the one order every rank walks them (``verify``: whether the ranks
-    verify checksums; ``verifying``, ``kinds``, ``nodes``: each rank's, see :func:`_pick_readers`)."""
-    needers, sizes, reader = _pick_readers(tables, verify, verifying, kinds, nodes)
-    groups: dict[tuple[int, tuple[int, ...]], list[tuple[int, int]]] = {}
-    for key, src in reader.items():
-        receivers = tuple(sorted(r for r, _ in needers[key] if r != src))
-        groups.setdefault((src, receivers), []).append(key)
-    messages: list[tuple[int, tuple[int, ...], list[tuple[tuple[int, int], int, int]]]] = []
-    for (src, receivers), keys in sorted(groups.items()):
-        pieces: list = []
-        held = 0
-        for key in sorted(keys):
-            length, row = sizes[key]
-            step = max(row, bucket // row * row)
-            for b0 in range(0, length, step):
-                b1 = min(length, b0 + step)
-                if pieces and held + (b1 - b0) > bucket:
-                    messages.append((src, receivers, pieces))
-                    pieces, held = [], 0
-                pieces.append((key, b0, b1))
-                held += b1 - b0
-        if pieces:
-            messages.append((src, receivers, pieces))
-    # one order for every rank: the senders' messages taken in turn, so that while one message travels, its
-    # receivers' own next messages are being read (exchange reads ahead)
-    by_src: dict[int, list] = {}
-    for message in messages:
-        by_src.setdefault(message[0], []).append(message)
-    turns = [by_src[src] for src in sorted(by_src)]
-    messages = [m for at in range(max((len(t) for t in turns), default=0)) for t in turns if at < len(t) for m in (t[at],)]
-    world = len(tables)
-    rows: list[list[int]] = [[] for _ in tables]
-    count = [0] * world
-    row_of = {key: dict(ranks) for key, ranks in needers.items() if key in reader}  # chunk -> {rank: its row there}
-    for src, receivers, pieces in messages:
-        # a message to every other rank says so in one number (-1), not with the list of every rank
-        head = [src, -1, len(pieces)] if len(receivers) == world - 1 else [src, len(receivers), len(pieces), *receivers]
-        for rank in (src,) + receivers:
-            rows[rank] += head
-            for key, b0, b1 in pieces:
-                rows[rank] += [row_of[key][rank], b0, b1]
-            count[rank] += 1
-    return [struct.pack("<QQ", bucket, count[r]) + np.array(rows[r], dtype="<i8").tobytes() for r in range(world)]
+    def __iter__(self):
+        yield from range(self.src)
+        yield from range(self.src + 1, self.world)
+
+    def __radd__(self, other: tuple) -> tuple:
+        return tuple(other) + tuple(self)
+
+    def __eq__(self, other: object) -> bool:
+        return tuple(self) == tuple(other) if isinstance(other, (tuple, EveryRankBut)) else NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return f"EveryRankBut(world={self.world}, src={self.src})"
 
 
 class Message(NamedTuple):
@@ -316,7 +254,7 @@ class Shares:
             for _ in range(count):
                 src, n_recv, n_pieces = row[at:at + 3]
                 if n_recv == -1:  # every other rank
-                    receivers, n_recv = tuple(r for r in range(world) if r != src), 0
+                    receivers, n_recv = EveryRankBut(world, src), 0
                 elif n_recv < 0:
                     raise ValueError("negative receiver count")
                 else:
@@ -334,7 +272,7 @@ class Shares:
                     at += 3
                 if not 0 <= src < world or any(not 0 <= r < world for r in receivers) or not pieces:
                     raise ValueError("rank out of range")
-                if src in receivers or len(set(receivers)) != len(receivers):
+                if not isinstance(receivers, EveryRankBut) and (src in receivers or len(set(receivers)) != len(receivers)):
                     raise ValueError(f"message from rank {src} lists a receiver twice, or its sender")
                 if peers.rank != src and peers.rank not in receivers:
                     raise ValueError(f"a message from rank {src} to ranks {list(receivers)} is not this rank's")

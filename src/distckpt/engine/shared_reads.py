@@ -289,12 +289,13 @@ class SharedReads:
         build and exchange their chunk tables."""
         return may_share(self.metadata, plan, held_alone)
 
-    def read_chunks(self, plan: LoadPlan) -> tuple[list, bytes]:
-        """The chunks ``plan`` reads, and their table for the coordinator. Every rank."""
-        chunks = planned_chunks(self.metadata, plan)
+    def read_chunks(self, plan: LoadPlan, held_alone: Optional[set] = None) -> tuple[list, bytes]:
+        """The chunks ``plan`` reads that another rank may need too, and their table for the coordinator (``held_alone``
+        as for :meth:`may_share_reads`: chunks read whole into those keys are left out). Every rank."""
+        chunks, own_bytes = planned_chunks(self.metadata, plan, held_alone)
         cached = self.store is not None and PAGE_CACHE in self.store.capabilities
         table = encode_table(self.metadata, chunks, knobs.shared_read_bucket_bytes(), self.verify_checksums, cached,
-                             self.shared_read_mode() == "on", node_number(knobs.node_id()))
+                             self.shared_read_mode() == "on", node_number(knobs.node_id()), own_bytes)
         return chunks, table
 
     def assign_readers(self, tables: list[bytes]) -> list[bytes]:
@@ -305,7 +306,7 @@ class SharedReads:
         by_node = all(d[5] for d in decoded) and not any(d[6] for d in decoded)
         return plan_shares([d[0] for d in decoded], min(d[1] for d in decoded), any(d[2] for d in decoded),
                            verifying=[d[2] for d in decoded], kinds=[prints.setdefault(d[3], len(prints)) for d in decoded],
-                           nodes=[d[4] for d in decoded] if by_node else None)
+                           nodes=[d[4] for d in decoded] if by_node else None, own_bytes=[d[7] for d in decoded])
 
     def accept_readers(self, chunks: list, payload: bytes, peers: Peers) -> None:
         """Take this rank's part of the shared reads; the next ``read_data`` sends and receives it. Every rank."""
