@@ -391,6 +391,13 @@ def shared_read_bucket_bytes() -> int:
     return _int("DISTCKPT_SHARED_READ_BUCKET_BYTES", max(1, min(64 << 20, memory_budget_bytes() // 4)), minimum=1)
 
 
+def shared_read_min_bytes() -> int:
+    """The fewest bytes a rank reads for the others in a shared read (DISTCKPT_SHARED_READ_MIN_BYTES; default 4 MiB):
+    chunks that many ranks need but that come to less than this a rank are read by fewer ranks, so that a small
+    state at thousands of ranks travels in a few messages, not one from every rank."""
+    return _int("DISTCKPT_SHARED_READ_MIN_BYTES", 4 << 20, minimum=1)
+
+
 def fsspec_options() -> dict:
     """fsspec's storage options for a save or load at an fsspec URL by ``checkpoint_id`` alone
     (DISTCKPT_FSSPEC_OPTIONS, a JSON object, default none: the filesystem's own configuration)."""

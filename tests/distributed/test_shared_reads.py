@@ -23,9 +23,13 @@ def _load(path, kind, ranks, shared=None, env=None, one_node=False):
 def test_a_replicated_state_at_four_ranks_is_read_once(tmp_path):
     path = str(tmp_path / "ck")
     run_ranks(workers.save_state, 4, path, "replicated")
-    read, data, results = _load(path, "replicated", 4)
+    read, data, results = _load(path, "replicated", 4, env={"DISTCKPT_SHARED_READ_MIN_BYTES": "65536"})
     assert read <= 1.02 * data, (read, data)
     assert all(r["read"] < 0.6 * data for r in results), [r["read"] for r in results]  # the reads are spread
+    # under DISTCKPT_SHARED_READ_MIN_BYTES (4 MiB) a rank, the state (2.5 MB) is read by one rank, sent in one message
+    read, data, results = _load(path, "replicated", 4)
+    assert read <= 1.02 * data and sum(r["read"] > 0.9 * data for r in results) == 1, [r["read"] for r in results]
+    assert all(r["messages"] == 1 for r in results), results
     alone, _, _ = _load(path, "replicated", 4, shared=False)  # the switch: every rank reads what it needs
     assert alone >= 3.9 * data, (alone, data)
 

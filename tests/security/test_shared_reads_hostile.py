@@ -105,7 +105,8 @@ def test_parameters_that_require_grad_and_inference_tensors_load_as_direct_reads
     path = str(tmp_path / "ck")
     workers.save_plain(0, 1, path)
     started = time.monotonic()
-    results = run_ranks(workers.load_plain, 2, path, "requires_grad", env={"DISTCKPT_TIMEOUT_S": "10"}, timeout_s=60)
+    results = run_ranks(workers.load_plain, 2, path, "requires_grad", timeout_s=60,
+                        env={"DISTCKPT_TIMEOUT_S": "10", "DISTCKPT_SHARED_READ_MIN_BYTES": "1"})  # both ranks read
     assert time.monotonic() - started < 9
     assert all(r["error"] is None and r["bad"] == [] for r in results), results
     assert {"send", "receive"} <= set(results[0]["roles"].values()), results  # each rank sends and receives

@@ -19,7 +19,7 @@ def _overlap(spans: list[tuple[int, int]]) -> bool:
 
 def _pick_readers(tables: list[np.ndarray], verify: bool, verifying: Optional[list[bool]] = None,
                   kinds: Optional[list[int]] = None, nodes: Optional[list[int]] = None,
-                  own_bytes: Optional[list[int]] = None) -> tuple[dict, dict, dict]:
+                  own_bytes: Optional[list[int]] = None, min_run: int = 1) -> tuple[dict, dict, dict]:
     """For every chunk: the ranks (with its row in their table) that need it, its length and row bytes; and for
     each chunk to share, the rank that reads it.
 
@@ -80,6 +80,10 @@ def _pick_readers(tables: list[np.ndarray], verify: bool, verifying: Optional[li
             order = [r for r in order if verifying[r]]
         level2 = 2 * (total + sum(load[r] for r in ranks))  # the level, times 2 len(ranks): exact in integers
         m = len(ranks)
+        readers = max(1, -(-total // min_run))  # a small set's chunks: fewer readers, min_run bytes or so each
+        if readers < len(order):
+            order = order[:readers]
+            m, level2 = readers, 2 * (total + sum(load[r] for r in order))
         at = 0
         for key in keys:
             while at < len(order) - 1 and 2 * m * load[order[at]] + m * sizes[key][0] > level2:
@@ -91,11 +95,11 @@ def _pick_readers(tables: list[np.ndarray], verify: bool, verifying: Optional[li
 
 def plan_shares(tables: list[np.ndarray], bucket: int, verify: bool = True, verifying: Optional[list[bool]] = None,
                 kinds: Optional[list[int]] = None, nodes: Optional[list[int]] = None,
-                own_bytes: Optional[list[int]] = None) -> list[bytes]:
+                own_bytes: Optional[list[int]] = None, min_run: int = 1) -> list[bytes]:
     """The coordinator's step: every rank's table of chunks -> one payload per rank (:meth:`Shares.decode`),
     the messages it sends or receives, in the one order every rank walks them (``verify``: whether the ranks
     verify checksums; ``verifying``, ``kinds``, ``nodes``: each rank's, see :func:`_pick_readers`)."""
-    needers, sizes, reader = _pick_readers(tables, verify, verifying, kinds, nodes, own_bytes)
+    needers, sizes, reader = _pick_readers(tables, verify, verifying, kinds, nodes, own_bytes, min_run)
     groups: dict[tuple[int, tuple[int, ...]], list[tuple[int, int]]] = {}
     for key, src in reader.items():
         receivers = tuple(sorted(r for r, _ in needers[key] if r != src))

@@ -43,7 +43,8 @@ def _inputs(draw):
     kinds = draw(st.none() | st.lists(st.integers(0, 1), min_size=world, max_size=world))
     nodes = draw(st.none() | st.lists(st.integers(0, 2), min_size=world, max_size=world))
     own = draw(st.none() | st.lists(st.integers(0, 100), min_size=world, max_size=world))
-    return tables, bucket, verify, verifying, kinds, nodes, own
+    min_run = draw(st.sampled_from([1, 1, 10, 50, 1000]))
+    return tables, bucket, verify, verifying, kinds, nodes, own, min_run
 
 
 def _answer(plan, tables, *args):

@@ -190,10 +190,12 @@ def _rank_sets(e: _Entries, k: _Classes, chunks: np.ndarray) -> _Sets:
 
 
 def _assign(sets: list[np.ndarray], set_of: np.ndarray, sizes: np.ndarray, first_seen: np.ndarray, load: np.ndarray,
-            verifying: Optional[list[bool]]) -> np.ndarray:
+            verifying: Optional[list[bool]], min_run: int) -> np.ndarray:
     """The reader of each shared chunk (given in key order with its size and first sighting): each set, largest
     total first, splits its chunks into runs, one a rank, the least loaded ranks first, up to the level that evens
-    out the set's ranks. A rank takes the next chunk while its load plus half the chunk stays within the level."""
+    out the set's ranks. A rank takes the next chunk while its load plus half the chunk stays within the level.
+    A set whose chunks come to less than ``min_run`` bytes a rank is read by fewer ranks, the least loaded, about
+    ``min_run`` each: at thousands of ranks a small state is not sent in thousands of tiny messages."""
     reader = np.zeros(sizes.size, dtype=np.int64)
     if not sizes.size:
         return reader
@@ -212,6 +214,10 @@ def _assign(sets: list[np.ndarray], set_of: np.ndarray, sizes: np.ndarray, first
         before = np.concatenate(([0], np.cumsum(z)))
         edge = 2 * before[:-1] + z  # increasing: twice the bytes before a chunk plus the chunk
         m, level2 = len(ranks), 2 * (int(totals[s]) + int(load[ranks].sum()))
+        readers = max(1, -(-int(totals[s]) // min_run))
+        if readers < len(order):  # the level of the ranks that read
+            order = order[:readers]
+            m, level2 = readers, 2 * (int(totals[s]) + int(load[order].sum()))
         at = 0
         for a, q in enumerate(order.tolist()):
             if at == keys.size:
@@ -329,13 +335,14 @@ def _ramp(lengths: np.ndarray) -> np.ndarray:
 
 def plan_shares(tables: list[np.ndarray], bucket: int, verify: bool = True, verifying: Optional[list[bool]] = None,
                 kinds: Optional[list[int]] = None, nodes: Optional[list[int]] = None,
-                own_bytes: Optional[list[int]] = None) -> list[bytes]:
+                own_bytes: Optional[list[int]] = None, min_run: int = 1) -> list[bytes]:
     """Every rank's table of chunks (:func:`~distckpt.engine.shared_plan.encode_table`'s columns) -> one payload per
     rank (:meth:`~distckpt.engine.shared_plan.Shares.decode`): the messages it sends or receives, in the one order
     every rank walks them. ``verify``: whether the ranks verify checksums; ``verifying``: whether each does;
     ``kinds``: which checkpoint each rank reads (equal numbers, the same one); ``nodes``: each rank's node, where
     ranks of one node need not share (their reads go through one page cache); ``own_bytes``: what each reads that
-    it left out of its table (no other rank can need it), weighed with what it reads for itself alone."""
+    it left out of its table (no other rank can need it), weighed with what it reads for itself alone; ``min_run``:
+    the fewest bytes worth a rank's reading for the others (a smaller state is read by fewer ranks)."""
     world = len(tables)
     k = _classes(tables, kinds)
     e = _entries(k, np.array([np.asarray(t).reshape(6, -1).shape[1] for t in tables], dtype=np.int64))
@@ -344,7 +351,8 @@ def plan_shares(tables: list[np.ndarray], bucket: int, verify: bool = True, veri
         chunks.load[:] += np.asarray(own_bytes, dtype=np.int64)
     shared = np.flatnonzero(chunks.shared)
     sets = _rank_sets(e, k, shared)
-    reader = _assign(sets.ranks, sets.of_chunk, chunks.length[shared], e.first_seen[shared], chunks.load, verifying)
+    reader = _assign(sets.ranks, sets.of_chunk, chunks.length[shared], e.first_seen[shared], chunks.load, verifying,
+                     max(1, int(min_run)))
     messages = _messages(sets.ranks, sets.of_chunk, reader, chunks.length[shared], chunks.row[shared], bucket)
     ends = np.append(e.start, e.cls.size)
     count = ends[shared + 1] - e.start[shared]

@@ -306,7 +306,8 @@ class SharedReads:
         by_node = all(d[5] for d in decoded) and not any(d[6] for d in decoded)
         return plan_shares([d[0] for d in decoded], min(d[1] for d in decoded), any(d[2] for d in decoded),
                            verifying=[d[2] for d in decoded], kinds=[prints.setdefault(d[3], len(prints)) for d in decoded],
-                           nodes=[d[4] for d in decoded] if by_node else None, own_bytes=[d[7] for d in decoded])
+                           nodes=[d[4] for d in decoded] if by_node else None, own_bytes=[d[7] for d in decoded],
+                           min_run=knobs.shared_read_min_bytes())
 
     def accept_readers(self, chunks: list, payload: bytes, peers: Peers) -> None:
         """Take this rank's part of the shared reads; the next ``read_data`` sends and receives it. Every rank."""
