@@ -12,7 +12,7 @@ from typing import Any, Optional, Union
 
 from . import backends
 from .async_saving import async_save
-from .backends.blob_storage import BlobStorageWriter
+from .backends.blob_storage import BlobStorageReader, BlobStorageWriter
 from .compaction import CompactReport, compact
 from .distributed import JSON as _JSON
 from .distributed import Coordinator
@@ -23,6 +23,7 @@ from .format import METADATA_FILE
 from .format.json_text import parse_json
 from .loading import load
 from .metadata import STATE_DICT_TYPE, Metadata
+from .prefetching import Prefetch
 from .run_references import RunFiles
 from .saving import save
 
@@ -119,6 +120,7 @@ class CheckpointManager:
         self._base: Optional[tuple] = None
         self._since_full = 0
         self._in_flight: Any = None  # this manager's last async save
+        self._prefetch: Optional[tuple[int, Prefetch]] = None  # the step a prefetch reads, and the prefetch
         self._store = _root_store(self.root, self.storage_options)
         self._files = RunFiles(self._store)
         self.keep_last = keep_last
@@ -309,7 +311,45 @@ class CheckpointManager:
                 self._previous = None
 
     def load(self, state_dict: STATE_DICT_TYPE, step: Optional[int] = None, **kwargs: Any) -> int:
-        """Load checkpoint ``step`` (default: the newest committed) into ``state_dict``; return the step."""
+        """Load checkpoint ``step`` (default: the newest committed) into ``state_dict``; return the step. What a
+        :meth:`prefetch` of that step read is copied from memory, and its memory given back after."""
+        step = self._committed_step(step)
+        reader = kwargs.setdefault("storage_reader", backends.reader_for(self.root, **self.storage_options))
+        ahead, self._prefetch = self._prefetch, None
+        if self.no_dist:
+            kwargs.setdefault("no_dist", True)
+        try:
+            if ahead is not None and ahead[0] == step and isinstance(reader, BlobStorageReader):
+                ahead[1].attach(reader)
+            load(state_dict, checkpoint_id=self.path(step), process_group=self.process_group,
+                 coordinator_rank=self.coordinator_rank, **kwargs)
+        finally:
+            if ahead is not None:
+                ahead[1].release()
+                if isinstance(reader, BlobStorageReader):
+                    reader.prefetched = None
+        return step
+
+    def prefetch(self, step: Optional[int] = None, state_dict: Optional[STATE_DICT_TYPE] = None,
+                 max_bytes: Optional[int] = None) -> Prefetch:
+        """Start reading checkpoint ``step`` (default: the newest committed) into host memory in the background, for
+        the :meth:`load` of that step that follows: call it first thing, then build the model. This rank alone reads
+        (no collective): the chunks it will load into ``state_dict`` where given (shapes and placements are enough),
+        else the files it wrote itself (a restart at the world size that saved). At most ``max_bytes`` (default:
+        DISTCKPT_MEMORY_BUDGET_BYTES) are held. Returns the prefetch (``wait()``, ``cancel()``, ``nbytes``)."""
+        step = self._committed_step(step)
+        if self._prefetch is not None:
+            self._prefetch[1].release()
+        reader = backends.reader_for(self.root, **self.storage_options)
+        if not isinstance(reader, BlobStorageReader):
+            raise CheckpointError(f"CheckpointManager({self.root!r}).prefetch: the checkpoints here are read by "
+                                  f"{type(reader).__name__}, which reads no bytes ahead; load without prefetch")
+        ahead = Prefetch(self.path(step), reader, state_dict=state_dict, max_bytes=max_bytes, rank=self._coord.rank,
+                         world_size=self._coord.world_size)
+        self._prefetch = (step, ahead)
+        return ahead
+
+    def _committed_step(self, step: Optional[int]) -> int:
         if step is None:
             step = self.latest_step()
             if step is None:
@@ -317,11 +357,6 @@ class CheckpointManager:
         elif self._name(step) and step not in self.all_steps():
             raise CheckpointNotFoundError(
                 f"no committed checkpoint of step {step} under {self.root!r}; committed steps: {self.all_steps()}")
-        kwargs.setdefault("storage_reader", backends.reader_for(self.root, **self.storage_options))
-        if self.no_dist:
-            kwargs.setdefault("no_dist", True)
-        load(state_dict, checkpoint_id=self.path(step), process_group=self.process_group,
-             coordinator_rank=self.coordinator_rank, **kwargs)
         return step
 
     def _writer(self):

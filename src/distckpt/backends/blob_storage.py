@@ -24,6 +24,7 @@ from .. import knobs
 from ..capabilities import COLUMNAR_COMMIT, OVERWRITE, SHARED_READS, SHARED_VERIFICATION, WRITES_WHILE_STAGING, keeps_plans
 from ..engine.blobs import BlobStore
 from ..engine.commit import columns_document, objects_document, publish
+from ..engine.prefetched import PrefetchCache, PrefetchedStore
 from ..engine.read import read_items
 from ..engine.references import data_files
 from ..engine.reuse import Reuse
@@ -284,6 +285,7 @@ class BlobStorageReader(_Located, SharedReads, SharedVerification, StorageReader
         self.store: Optional[BlobStore] = None  # the store of the data files, from set_up_storage_reader
         self.verified_elsewhere: set = set()
         self.extension_registry: Any = None  # rebuilds the stream transforms items were written through (None: the default)
+        self.prefetched: Optional[PrefetchCache] = None  # bytes a prefetch read of the checkpoint (distckpt.prefetching)
 
     def reset(self, checkpoint_id=None) -> None:
         self.metadata = None
@@ -320,6 +322,15 @@ class BlobStorageReader(_Located, SharedReads, SharedVerification, StorageReader
             raise CorruptCheckpointError(f"checkpoint {self._checkpoint_id()!r}: metadata has no data-file table")
         return data_files(self._store(), metadata.storage_data)
 
+    def _data_files(self, metadata: Metadata) -> BlobStore:
+        """The data store, through the prefetched bytes where a prefetch read this very save."""
+        store = data_files(self._store(), metadata.storage_data)
+        cache = self.prefetched
+        if (cache is not None and cache.save_id is not None and cache.save_id == metadata.storage_data.save_id
+                and cache.checkpoint_id == self.checkpoint_id):
+            return PrefetchedStore(store, cache)
+        return store
+
     def data_file_sizes(self, metadata: Metadata) -> dict[str, int]:
         """The data files of the checkpoint ``metadata`` describes, with their sizes as stored now."""
         if not isinstance(metadata.storage_data, FileStorageData):
@@ -333,7 +344,7 @@ class BlobStorageReader(_Located, SharedReads, SharedVerification, StorageReader
                                          "written by a distckpt storage layer")
         self.metadata = metadata
         self.is_coordinator = is_coordinator
-        self.store = data_files(self._store(), metadata.storage_data)
+        self.store = self._data_files(metadata)
         self.verified_elsewhere = set()
         self.shares = None
 

@@ -27,7 +27,7 @@ __all__ = ["ReferencingStore", "SaveFiles", "data_files", "check_references", "c
            "UNKNOWN"]
 
 
-class _ReadOnly(BlobStore):
+class ReadOnlyStore(BlobStore):
     """A store to read from only."""
 
     def create(self, name: str, buffer_bytes: Optional[int] = None) -> BlobWriter:
@@ -46,7 +46,7 @@ class _ReadOnly(BlobStore):
         return []
 
 
-class SaveFiles(_ReadOnly):
+class SaveFiles(ReadOnlyStore):
     """The data files of save ``save_id`` of one checkpoint, looked for in ``places`` in order.
 
     A file is taken from the first place that holds it with a header naming the save: a checkpoint saved
@@ -100,7 +100,7 @@ class SaveFiles(_ReadOnly):
         return sorted(names)
 
 
-class ReferencingStore(_ReadOnly):
+class ReferencingStore(ReadOnlyStore):
     """The data files of a checkpoint that references files of other checkpoints: its own from ``own``, each
     referenced one from ``location.referenced(checkpoint, save_id)``."""
 

@@ -44,6 +44,7 @@ from ..errors import CheckpointError
 from ..metadata import Metadata
 from ..planner import LoadPlan
 from .blobs import PAGE_CACHE, BlobStore
+from .prefetched import PrefetchedStore
 from .shared_plan import (
     ERROR_BYTES,
     RECEIVE,
@@ -293,6 +294,10 @@ class SharedReads:
         """The chunks ``plan`` reads that another rank may need too, and their table for the coordinator (``held_alone``
         as for :meth:`may_share_reads`: chunks read whole into those keys are left out). Every rank."""
         chunks, own_bytes = planned_chunks(self.metadata, plan, held_alone)
+        if isinstance(self.store, PrefetchedStore):  # what a prefetch holds, this rank copies from memory itself
+            held = [self.store.holds(c[0], c[1], c[2]) for c in chunks]
+            own_bytes += sum(c[2] for c, h in zip(chunks, held) if h)
+            chunks = [c for c, h in zip(chunks, held) if not h]
         cached = self.store is not None and PAGE_CACHE in self.store.capabilities
         table = encode_table(self.metadata, chunks, knobs.shared_read_bucket_bytes(), self.verify_checksums, cached,
                              self.shared_read_mode() == "on", node_number(knobs.node_id()), own_bytes)

@@ -1,0 +1,162 @@
+"""Reading a restore's bytes ahead: while a job builds its model, compiles and warms up, a thread reads the data files
+of the checkpoint this rank will load into host memory (page-locked where CUDA is), within a byte budget. The load
+then copies those bytes from memory and reads only the rest from storage, checking them like any other read.
+
+A prefetch is one rank's business: it reads the metadata and the files on its own and takes part in no collective,
+so it cannot stall the others or be stalled by them. What it reads: the chunks the rank's local load plan reads
+where the caller gives the state dict to load into (a plan needs only shapes and placements), else the data files
+this rank wrote, where the world is the size that saved the checkpoint (a restart's case: each rank reads its own
+shards back). Bytes past the budget are left to the load.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from . import knobs
+from .engine.device_copy import host_buffer
+from .engine.prefetched import PrefetchCache
+from .engine.shared_plan import planned_chunks
+from .errors import CheckpointError
+from .planning import DefaultLoadPlanner
+
+__all__ = ["Prefetch"]
+
+log = logging.getLogger("distckpt")
+_PIECE = 64 << 20  # bytes read at once: a cancel waits for one piece at most
+
+
+class Prefetch:
+    """A prefetch of checkpoint ``checkpoint_id`` by this rank, running in a thread from the start.
+
+    ``reader``: the storage reader the load will use (its store and options: a distckpt BlobStorageReader);
+    ``state_dict``: what the load will fill (only shapes and placements are read), else this rank's own files;
+    ``max_bytes``: the most bytes held (default: DISTCKPT_MEMORY_BUDGET_BYTES); ``rank``, ``world_size``: this
+    rank's (default: the default process group's, else 0 and 1).
+    """
+
+    def __init__(self, checkpoint_id: str, reader: Any, *, state_dict: Optional[dict] = None,
+                 max_bytes: Optional[int] = None, rank: Optional[int] = None, world_size: Optional[int] = None) -> None:
+        if max_bytes is not None and (not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes < 0):
+            raise CheckpointError(f"prefetch(max_bytes={max_bytes!r}): a number of bytes, 0 or more")
+        self.checkpoint_id, self.reader, self.state_dict = checkpoint_id, reader, state_dict
+        self.max_bytes = knobs.memory_budget_bytes() if max_bytes is None else max_bytes
+        self.rank, self.world_size = _rank_and_world(rank, world_size)
+        self.cache: Optional[PrefetchCache] = None
+        self.error: Optional[BaseException] = None
+        self.seconds = 0.0
+        self._cancel = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="distckpt-prefetch", daemon=True)
+        self._thread.start()
+
+    @property
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes read so far."""
+        return self.cache.nbytes if self.cache is not None else 0
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        """Wait for the prefetch to finish (at most ``timeout`` seconds); the bytes it holds. A prefetch that failed
+        holds what it read before; its error is ``error`` (the load reads the rest)."""
+        self._thread.join(timeout)
+        return self.nbytes
+
+    def cancel(self) -> None:
+        """Stop reading (within one piece of 64 MiB); what was read stays usable."""
+        self._cancel.set()
+        self._thread.join()
+
+    def attach(self, reader: Any) -> None:
+        """Hand what was read to ``reader`` for the load about to run: a prefetch still running stops where it is."""
+        self.cancel()
+        if self.cache is not None:
+            reader.prefetched = self.cache
+
+    def release(self) -> None:
+        """Give the memory back."""
+        self.cancel()
+        if self.cache is not None:
+            self.cache.release()
+
+    def _run(self) -> None:
+        started = time.monotonic()
+        try:
+            self._read()
+        except Exception as exc:  # noqa: BLE001 - the load reads what the prefetch could not; the error is kept for the caller
+            self.error = exc
+            log.warning("prefetch of %s stopped after %d bytes: %s; the load reads the rest from storage",
+                        self.checkpoint_id, self.nbytes, exc)
+        finally:
+            self.seconds = time.monotonic() - started
+
+    def _read(self) -> None:
+        reader = self.reader
+        reader.reset(self.checkpoint_id)
+        md = reader.read_metadata()
+        store = reader.data_store(md)
+        self.cache = PrefetchCache(reader.checkpoint_id, md.storage_data.save_id)
+        pinned = torch.cuda.is_available()
+        left = self.max_bytes
+        for name, start, length in self._wanted(md):
+            if self._cancel.is_set() or left <= 0:
+                return
+            length = min(length, left)
+            blob = store.open(name)
+            try:
+                buf = host_buffer(length, pinned)
+                view = memoryview(buf.numpy()).cast("B")
+                got = 0
+                while got < length and not self._cancel.is_set():
+                    n = blob.readinto(view[got:got + min(_PIECE, length - got)], start + got)
+                    if n <= 0:
+                        break
+                    got += n
+                if got:
+                    self.cache.add(name, blob.size, blob.identity(), start, buf[:got])
+                    left -= got
+            finally:
+                blob.close()
+
+    def _wanted(self, md: Any) -> list[tuple[str, int, int]]:
+        """(file, first byte, length) runs to read, in file order."""
+        if self.state_dict is not None:
+            planner = DefaultLoadPlanner()
+            planner.set_up_planner(self.state_dict, md, False)
+            chunks, _ = planned_chunks(md, planner.create_local_plan())
+            return _runs([(c[0], c[1], c[2]) for c in chunks])
+        files = md.storage_data.files
+        saved_world = 1 + max((info.rank for info in files.values()), default=0)
+        if saved_world != self.world_size:
+            log.info("prefetch of %s: saved by %d ranks, loaded by %d; without the state dict to load into, this rank "
+                     "cannot tell what it will read, and reads nothing ahead", self.checkpoint_id, saved_world,
+                     self.world_size)
+            return []
+        return [(name, 0, info.size) for name, info in sorted(files.items()) if info.rank == self.rank]
+
+
+def _runs(pieces: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
+    """Byte ranges merged where they touch or overlap, per file, in file order."""
+    out: list[list] = []
+    for name, start, length in sorted(pieces):
+        if out and out[-1][0] == name and start <= out[-1][1] + out[-1][2]:
+            out[-1][2] = max(out[-1][2], start + length - out[-1][1])
+        else:
+            out.append([name, start, length])
+    return [tuple(r) for r in out]
+
+
+def _rank_and_world(rank: Optional[int], world_size: Optional[int]) -> tuple[int, int]:
+    if rank is not None and world_size is not None:
+        return rank, world_size
+    if dist.is_available() and dist.is_initialized():
+        return (dist.get_rank() if rank is None else rank), (dist.get_world_size() if world_size is None else world_size)
+    return (0 if rank is None else rank), (1 if world_size is None else world_size)

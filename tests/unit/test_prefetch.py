@@ -1,0 +1,109 @@
+"""CheckpointManager.prefetch: a restore's bytes read ahead in the background; the load copies them from memory and
+reads only the rest, checked like any other read; a step replaced since is read from storage again."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import distckpt
+from distckpt import CheckpointManager
+from distckpt.errors import CheckpointError, CorruptCheckpointError
+from distckpt.testing.read_counts import FileReads
+
+
+def _state(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(256, 1024, generator=g), "b": torch.randn(4096, generator=g).to(torch.bfloat16),
+            "step": 7, "ids": torch.arange(1000)}
+
+
+def _empty() -> dict:
+    return {"w": torch.zeros(256, 1024), "b": torch.zeros(4096, dtype=torch.bfloat16), "step": 0,
+            "ids": torch.zeros(1000, dtype=torch.int64)}
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return all(torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)
+
+
+def _data_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.startswith("data-"))
+
+
+def test_a_load_after_a_prefetch_reads_nothing_from_storage_and_is_exact(tmp_path):
+    mgr = CheckpointManager(str(tmp_path), no_dist=True)
+    mgr.save(3, _state())
+    ahead = mgr.prefetch()
+    held = ahead.wait(60)
+    assert ahead.done and ahead.error is None and held >= _data_bytes(mgr.path(3)) > 1 << 20
+    reads = FileReads()
+    sd = _empty()
+    assert mgr.load(sd) == 3
+    # only the metadata document is read: every data byte, headers included, comes from memory
+    assert _equal(sd, _state()) and reads.total == os.path.getsize(os.path.join(mgr.path(3), "metadata.json")), reads.total
+    assert ahead.nbytes == 0  # its memory went back after the load
+
+
+def test_a_prefetch_within_its_budget_leaves_the_rest_to_the_load(tmp_path):
+    mgr = CheckpointManager(str(tmp_path), no_dist=True)
+    mgr.save(1, _state())
+    data = _data_bytes(mgr.path(1))
+    ahead = mgr.prefetch(max_bytes=data // 2)
+    assert ahead.wait(60) == data // 2
+    reads = FileReads()
+    sd = _empty()
+    mgr.load(sd)
+    assert _equal(sd, _state()) and 0 < reads.total <= data, (reads.total, data)
+
+
+def test_a_prefetch_given_the_state_dict_reads_only_what_it_loads(tmp_path):
+    mgr = CheckpointManager(str(tmp_path), no_dist=True)
+    mgr.save(1, _state())
+    part = {"b": torch.zeros(4096, dtype=torch.bfloat16)}
+    ahead = mgr.prefetch(state_dict=part)
+    assert ahead.wait(60) == 4096 * 2  # b's bytes alone
+    reads = FileReads()
+    mgr.load(part)
+    # the metadata and the data file's header (checked before any chunk is read) come from storage, b from memory
+    assert torch.equal(part["b"], _state()["b"]) and reads.total < 4096 * 2, reads.total
+
+
+def test_a_step_replaced_after_its_prefetch_is_read_from_storage(tmp_path):
+    """The prefetch holds the bytes of a save that is no longer the step: the load reads the new one."""
+    path = str(tmp_path / "ck")
+    distckpt.save(_state(0), checkpoint_id=path)
+    ahead = distckpt.prefetching.Prefetch(path, distckpt.FileSystemReader(), rank=0, world_size=1)
+    ahead.wait(60)
+    distckpt.save(_state(1), storage_writer=distckpt.FileSystemWriter(path, overwrite=True))
+    reader = distckpt.FileSystemReader(path)
+    ahead.attach(reader)
+    sd = _empty()
+    distckpt.load(sd, storage_reader=reader, no_dist=True)
+    assert _equal(sd, _state(1))
+
+
+def test_prefetched_bytes_are_checked_like_any_read(tmp_path):
+    mgr = CheckpointManager(str(tmp_path), no_dist=True)
+    mgr.save(2, _state())
+    ahead = mgr.prefetch()
+    ahead.wait(60)
+    for ranges in ahead.cache.files.values():  # a bit flipped in memory after the prefetch read it
+        ranges.buffers[0][ranges.buffers[0].numel() // 2] ^= 0x10
+    with pytest.raises(CorruptCheckpointError, match="checksum mismatch"):
+        mgr.load(_empty())
+
+
+def test_a_cancelled_prefetch_and_one_of_another_step_leave_the_load_to_storage(tmp_path):
+    mgr = CheckpointManager(str(tmp_path), no_dist=True)
+    mgr.save(1, _state(0))
+    mgr.save(2, _state(1))
+    ahead = mgr.prefetch(1)
+    ahead.cancel()
+    sd = _empty()
+    assert mgr.load(sd) == 2 and _equal(sd, _state(1))  # the prefetch was of step 1: released, not used
+    assert ahead.nbytes == 0
+    with pytest.raises(CheckpointError, match="max_bytes"):
+        mgr.prefetch(max_bytes=-1)
