@@ -26,10 +26,11 @@ def _check(results, phase: str, victim: int) -> None:
         assert seconds < LIMIT_S, (rank, seconds, message)
 
 
-def _run(phase: str, world_size: int, victim: int, root):
+def _run(phase: str, world_size: int, victim: int, root, store_on_rank_0: bool = False):
     # shared reads on one node too (auto leaves them to the page cache), so that the exchange phase runs
     env = {"DISTCKPT_TIMEOUT_S": str(TIMEOUT_S), "DISTCKPT_ARRIVAL_TIMEOUT_S": str(TIMEOUT_S), "DISTCKPT_SHARED_READS": "1"}
-    return run_ranks(w.stall_at, world_size, str(root), phase, victim, env=env, timeout_s=240, allow_failures=True)
+    return run_ranks(w.stall_at, world_size, str(root), phase, victim, env=env, timeout_s=240, allow_failures=True,
+                     store_on_rank_0=store_on_rank_0)
 
 
 def test_a_rank_stopped_at_the_plan_vote_is_named_by_the_others(tmp_path):
@@ -45,7 +46,8 @@ def test_a_rank_stopped_at_any_phase_is_named_at_8_ranks(tmp_path, phase):
 
 @pytest.mark.slow
 def test_a_stopped_rank_0_is_named_as_the_silent_store_host_at_8_ranks(tmp_path):
-    """Rank 0 hosts the group's store too: the others cannot take a census, and say that its host is stalled."""
-    results = _run("plan vote", 8, 0, tmp_path)
+    """Where rank 0 hosts the group's store too (init_method="tcp://" without torchrun's agent), the others cannot
+    take a census, and say that its host is stalled."""
+    results = _run("plan vote", 8, 0, tmp_path, store_on_rank_0=True)
     _check(results, "plan vote", 0)
     assert all("store did not answer" in r[1] for r in results[1:]), results

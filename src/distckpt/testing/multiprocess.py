@@ -78,10 +78,13 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
     try:
         if "nccl" in backend and torch.cuda.is_available():  # one device per rank, as torchrun users set it
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        # a client of the store the parent holds, as torchrun's workers are clients of their agent's
-        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=timeout_s))
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=timeout_s))
+        if port > 0:  # a client of the store the parent holds, as torchrun's workers are clients of their agent's
+            store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=timeout_s))
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                    timeout=timedelta(seconds=timeout_s))
+        else:  # rank 0 hosts the store (init_method="tcp://" without torchrun)
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{-port}", rank=rank, world_size=world_size,
+                                    timeout=timedelta(seconds=timeout_s))
         result = fn(rank, world_size, *args)
         # tensors cross as bytes: torch's shared-memory handles die with this process
         buf = io.BytesIO()
@@ -99,7 +102,7 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
 
 def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.0,
               collective_timeout_s: float = 60.0, env: Optional[dict] = None, allow_failures: bool = False,
-              backend: str = "gloo", start_method: Optional[str] = None) -> list[Any]:
+              backend: str = "gloo", start_method: Optional[str] = None, store_on_rank_0: bool = False) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` new processes; return each rank's result.
 
     Raises RankError if any rank raised, exited abnormally, or did not finish
@@ -107,14 +110,16 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.
     failed rank's entry is a :class:`RankFailure` instead. ``backend`` is the
     process group's (``"nccl"`` needs one CUDA device per rank; with ``"gloo"``
     the ranks may share a device, each selecting it themselves). ``start_method`` is multiprocessing's
-    (default: ``"forkserver"`` where the platform has it, else ``"spawn"``).
+    (default: ``"forkserver"`` where the platform has it, else ``"spawn"``). The group's store is held by this
+    process, as torchrun's agent holds it; ``store_on_rank_0``: by rank 0, as ``init_method="tcp://"`` has it
+    without torchrun (then a port found free is used, which another process could take first).
     """
     ctx = _context(start_method)
     queue = ctx.Queue()
     # the parent holds the group's store from a port it bound itself: a port found free and then closed could be
     # taken by another test's group in between, whose ranks would then join this one
-    store = _parent_store(collective_timeout_s)
-    port = store.port
+    store = None if store_on_rank_0 else _parent_store(collective_timeout_s)
+    port = -free_port() if store is None else store.port
     caller_env = dict(os.environ)
     procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, collective_timeout_s, dict(env or {}), backend,
                                               caller_env), daemon=True)
