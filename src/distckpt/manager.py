@@ -325,7 +325,7 @@ class CheckpointManager:
                  coordinator_rank=self.coordinator_rank, **kwargs)
         finally:
             if ahead is not None:
-                ahead[1].release()
+                ahead[1].release(wait=False)
                 if isinstance(reader, BlobStorageReader):
                     reader.prefetched = None
         return step

@@ -24,6 +24,7 @@ from .engine.device_copy import host_buffer
 from .engine.prefetched import PrefetchCache
 from .engine.shared_plan import planned_chunks
 from .errors import CheckpointError
+from .format.checksum import crc32c
 from .planning import DefaultLoadPlanner
 
 __all__ = ["Prefetch"]
@@ -81,11 +82,17 @@ class Prefetch:
         if self.cache is not None:
             reader.prefetched = self.cache
 
-    def release(self) -> None:
-        """Give the memory back."""
+    def release(self, wait: bool = True) -> None:
+        """Give the memory back (``wait=False``: from a thread of its own, off the caller's way: freeing a few GiB of
+        buffers takes tens of milliseconds)."""
         self.cancel()
-        if self.cache is not None:
-            self.cache.release()
+        cache = self.cache
+        if cache is None:
+            return
+        if wait:
+            cache.release()
+        else:
+            threading.Thread(target=cache.release, name="distckpt-prefetch-release", daemon=True).start()
 
     def _run(self) -> None:
         started = time.monotonic()
@@ -106,7 +113,9 @@ class Prefetch:
         self.cache = PrefetchCache(reader.checkpoint_id, md.storage_data.save_id)
         pinned = torch.cuda.is_available()
         left = self.max_bytes
-        for name, start, length in self._wanted(md):
+        wanted = self._wanted(md)
+        chunks = _chunks_in(md, {name for name, _, _ in wanted})
+        for name, start, length in wanted:
             if self._cancel.is_set() or left <= 0:
                 return
             length = min(length, left)
@@ -123,8 +132,20 @@ class Prefetch:
                 if got:
                     self.cache.add(name, blob.size, blob.identity(), start, buf[:got])
                     left -= got
+                    self._verify(chunks.get(name, ()), start, view[:got])
             finally:
                 blob.close()
+
+    def _verify(self, chunks: Any, start: int, data: memoryview) -> None:
+        """Check the chunks wholly inside ``data`` (file bytes from ``start``) against their checksums here, in the
+        background: the load then copies them without checking again. One that fails is left to the load, which
+        reads it from memory, checks it and fails naming it, as a load from storage would."""
+        for index, info in chunks:
+            if self._cancel.is_set():
+                return
+            a = info.offset - start
+            if 0 <= a and a + info.length <= len(data) and crc32c(data[a:a + info.length]) == info.crc32c:
+                self.cache.verified.setdefault(info.file, set()).add(index)
 
     def _wanted(self, md: Any) -> list[tuple[str, int, int]]:
         """(file, first byte, length) runs to read, in file order."""
@@ -141,6 +162,17 @@ class Prefetch:
                      self.world_size)
             return []
         return [(name, 0, info.size) for name, info in sorted(files.items()) if info.rank == self.rank]
+
+
+def _chunks_in(md: Any, files: set) -> dict[str, list]:
+    """The chunks stored as they are (no codec) with a checksum, of each of ``files``: (index, location)."""
+    out: dict[str, list] = {}
+    if not files:
+        return out
+    for index, info in md.storage_data.items.items():
+        if info.file in files and info.codec == "identity" and info.crc32c is not None:
+            out.setdefault(info.file, []).append((index, info))
+    return out
 
 
 def _runs(pieces: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:

@@ -44,7 +44,8 @@ def test_a_load_after_a_prefetch_reads_nothing_from_storage_and_is_exact(tmp_pat
     assert mgr.load(sd) == 3
     # only the metadata document is read: every data byte, headers included, comes from memory
     assert _equal(sd, _state()) and reads.total == os.path.getsize(os.path.join(mgr.path(3), "metadata.json")), reads.total
-    assert ahead.nbytes == 0  # its memory went back after the load
+    ahead.release()  # the load gave it back from a thread; this waits for it
+    assert ahead.nbytes == 0
 
 
 def test_a_prefetch_within_its_budget_leaves_the_rest_to_the_load(tmp_path):
@@ -86,14 +87,25 @@ def test_a_step_replaced_after_its_prefetch_is_read_from_storage(tmp_path):
 
 
 def test_prefetched_bytes_are_checked_like_any_read(tmp_path):
+    """The prefetch checks each chunk it holds whole as it reads it (the load then copies it unchecked); a chunk
+    damaged on storage fails that check, and the load, reading it from memory, fails naming it."""
     mgr = CheckpointManager(str(tmp_path), no_dist=True)
     mgr.save(2, _state())
+    md = distckpt.read_metadata(mgr.path(2))
+    index = next(i for i in md.storage_data.items if i.fqn == "w")
+    info = md.storage_data.items[index]
+    with open(os.path.join(mgr.path(2), info.file), "r+b") as f:  # a bit flipped in w's bytes on storage
+        f.seek(info.offset + info.length // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x10]))
     ahead = mgr.prefetch()
     ahead.wait(60)
-    for ranges in ahead.cache.files.values():  # a bit flipped in memory after the prefetch read it
-        ranges.buffers[0][ranges.buffers[0].numel() // 2] ^= 0x10
-    with pytest.raises(CorruptCheckpointError, match="checksum mismatch"):
+    checked = set().union(*ahead.cache.verified.values())
+    assert index not in checked and {i.fqn for i in checked} >= {"b", "ids"}, checked
+    with pytest.raises(CorruptCheckpointError, match="checksum mismatch") as err:
         mgr.load(_empty())
+    assert "'w'" in str(err.value)
 
 
 def test_a_cancelled_prefetch_and_one_of_another_step_leave_the_load_to_storage(tmp_path):
@@ -104,6 +116,7 @@ def test_a_cancelled_prefetch_and_one_of_another_step_leave_the_load_to_storage(
     ahead.cancel()
     sd = _empty()
     assert mgr.load(sd) == 2 and _equal(sd, _state(1))  # the prefetch was of step 1: released, not used
+    ahead.release()
     assert ahead.nbytes == 0
     with pytest.raises(CheckpointError, match="max_bytes"):
         mgr.prefetch(max_bytes=-1)

@@ -345,7 +345,8 @@ class BlobStorageReader(_Located, SharedReads, SharedVerification, StorageReader
         self.metadata = metadata
         self.is_coordinator = is_coordinator
         self.store = self._data_files(metadata)
-        self.verified_elsewhere = set()
+        # chunks a prefetch of this save checked as it read them, from files that are still those it read
+        self.verified_elsewhere = self.store.verified() if isinstance(self.store, PrefetchedStore) else set()
         self.shares = None
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:

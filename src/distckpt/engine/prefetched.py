@@ -14,6 +14,7 @@ from typing import Iterable, Optional
 
 import torch
 
+from ..errors import CheckpointError, CorruptCheckpointError
 from .blobs import MAPS, BlobReader, BlobStore
 from .references import ReadOnlyStore
 
@@ -33,6 +34,18 @@ class _FileRanges:
         self.starts.insert(at, start)
         self.buffers.insert(at, buf)
 
+    def stretch(self, offset: int, n: int) -> tuple[Optional[torch.Tensor], int]:
+        """From ``offset``, up to ``n`` bytes: the cached bytes that start there (None where none are), and where
+        (relative to ``offset``) the next cached range begins, or ``n``."""
+        at = bisect.bisect_right(self.starts, offset) - 1
+        if at >= 0:
+            start, buf = self.starts[at], self.buffers[at]
+            if offset < start + buf.numel():
+                end = min(start + buf.numel(), offset + n)
+                return buf[offset - start:end - start], end - offset
+        following = self.starts[at + 1] if at + 1 < len(self.starts) else None
+        return None, n if following is None else min(n, following - offset)
+
     def covering(self, offset: int, n: int) -> Optional[memoryview]:
         """The cached bytes [offset, offset + n), where one range holds them all."""
         at = bisect.bisect_right(self.starts, offset) - 1
@@ -50,6 +63,7 @@ class PrefetchCache:
     def __init__(self, checkpoint_id: str, save_id: Optional[str]) -> None:
         self.checkpoint_id, self.save_id = checkpoint_id, save_id
         self.files: dict[str, _FileRanges] = {}
+        self.verified: dict[str, set] = {}  # per file, the chunks (MetadataIndex) checked as they were read
         self.nbytes = 0
         self._lock = threading.Lock()
 
@@ -68,40 +82,55 @@ class PrefetchCache:
 
     def release(self) -> None:
         with self._lock:
-            self.files, self.nbytes = {}, 0
+            self.files, self.verified, self.nbytes = {}, {}, 0
 
 
 class _PrefetchedReader(BlobReader):
     """A data file's reader that copies what the prefetch holds of this version of it and reads the rest."""
 
-    def __init__(self, inner: BlobReader, ranges: Optional[_FileRanges]) -> None:
+    def __init__(self, name: str, inner: BlobReader, ranges: Optional[_FileRanges], trusted: bool) -> None:
         self.inner, self.size = inner, inner.size
         self.small_reads_are_cheap = inner.small_reads_are_cheap
         same = ranges is not None and (ranges.size, ranges.identity) == (inner.size, inner.identity())
+        if trusted and not same:  # its prefetched chunks were taken as checked: their bytes must come from memory
+            inner.close()
+            raise CorruptCheckpointError(f"data file {name!r} changed while it was being loaded (it was replaced); "
+                                         "load again")
         self.ranges = ranges if same else None
 
-    def _cached(self, views: list, offset: int) -> Optional[int]:
+    def _fill(self, views: list, offset: int, cached_only: bool) -> Optional[int]:
+        """Fill ``views`` from ``offset``: each stretch the prefetch holds from memory, the others from the file
+        (where ``cached_only``, up to the first stretch not held). The bytes filled; None where nothing of the
+        first stretch is held (the file's own reader then reads it all)."""
         total = sum(len(v) for v in views)
-        held = self.ranges.covering(offset, total) if self.ranges is not None and total else None
-        if held is None:
+        if self.ranges is None or not total:
             return None
+        flat = [memoryview(v).cast("B") for v in views]
         at = 0
-        for v in views:
-            n = len(v)
-            memoryview(v).cast("B")[:] = held[at:at + n]
-            at += n
-        return total
+        while at < total:
+            held, step = self.ranges.stretch(offset + at, total - at)
+            if held is not None:
+                _copy_into(flat, at, held)
+                at += held.numel()
+            elif at == 0 and step == total or cached_only:
+                return at or None
+            else:
+                got = self.inner.readv(_slices(flat, at, at + step), offset + at)
+                at += got
+                if got < step:  # the file ends here
+                    break
+        return at
 
     def readinto(self, buf: memoryview, offset: int) -> int:
-        got = self._cached([buf], offset)
+        got = self._fill([buf], offset, False)
         return self.inner.readinto(buf, offset) if got is None else got
 
     def readv(self, views: list, offset: int) -> int:
-        got = self._cached(views, offset)
+        got = self._fill(views, offset, False)
         return self.inner.readv(views, offset) if got is None else got
 
     def readv_cached(self, views: list, offset: int) -> Optional[int]:
-        got = self._cached(views, offset)
+        got = self._fill(views, offset, True)
         return self.inner.readv_cached(views, offset) if got is None else got
 
     def identity(self) -> Optional[tuple]:
@@ -111,19 +140,62 @@ class _PrefetchedReader(BlobReader):
         self.inner.close()
 
 
+def _slices(flat: list, a: int, b: int) -> list:
+    """The pieces of the concatenation of ``flat`` from byte ``a`` to ``b``."""
+    out, pos = [], 0
+    for v in flat:
+        n = len(v)
+        lo, hi = max(a, pos), min(b, pos + n)
+        if lo < hi:
+            out.append(v[lo - pos:hi - pos])
+        pos += n
+        if pos >= b:
+            break
+    return out
+
+
+def _copy_into(flat: list, at: int, data: torch.Tensor) -> None:
+    """``data`` into the concatenation of ``flat`` from byte ``at``: torch's copy, which runs without the
+    interpreter's lock and on its threads (a memoryview's holds the lock, one copy at a time)."""
+    done = 0
+    for piece in _slices(flat, at, at + data.numel()):
+        n = len(piece)
+        torch.frombuffer(piece, dtype=torch.uint8).copy_(data[done:done + n])
+        done += n
+
+
 class PrefetchedStore(ReadOnlyStore):
     """A checkpoint's data store, its readers served first from a :class:`PrefetchCache`."""
 
     def __init__(self, inner: BlobStore, cache: PrefetchCache) -> None:
         self.inner, self.cache = inner, cache
         self.capabilities = inner.capabilities - {MAPS}  # reads go through the readers, where the prefetched bytes are
+        self.trusted: set = set()  # files whose prefetched chunks the load takes as checked (verified())
 
     def holds(self, name: str, offset: int, n: int) -> bool:
         """Whether the prefetch read bytes [offset, offset + n) of ``name``."""
         return self.cache.holds(name, offset, n)
 
+    def verified(self) -> set:
+        """The chunks the prefetch checked against their checksums, of files still the version it read (a file
+        replaced later fails the load's open of it, instead of handing over bytes no one checked)."""
+        out: set = set()
+        for name, checked in self.cache.verified.items():
+            ranges = self.cache.files.get(name)
+            try:
+                blob = self.inner.open(name)
+            except CheckpointError:
+                continue
+            try:
+                if ranges is not None and (ranges.size, ranges.identity) == (blob.size, blob.identity()):
+                    out |= checked
+                    self.trusted.add(name)
+            finally:
+                blob.close()
+        return out
+
     def open(self, name: str) -> BlobReader:
-        return _PrefetchedReader(self.inner.open(name), self.cache.files.get(name))
+        return _PrefetchedReader(name, self.inner.open(name), self.cache.files.get(name), name in self.trusted)
 
     def list(self) -> Iterable[str]:
         return self.inner.list()

@@ -262,12 +262,14 @@ class Read:
             rows = np.array([w[4] for w in whole], dtype=np.int64)
             order = np.lexsort((np.frombuffer(begin, dtype=np.int64)[rows], np.frombuffer(file_no, dtype=np.int64)[rows]))
             whole = [whole[i] for i in order.tolist()]
+        checked = self.verified_elsewhere  # chunks checked already (by a prefetch as it read them): read unchecked
         for fqn, offsets, dest, size, row, at, dtype in whole:
             # the planner gave a destination of the chunk's shape; in place where it is host memory of the stored
             # dtype, whose bytes are then exactly the chunk's length (the job keeps ``dest`` alive while it reads)
             if dest.dtype == dtype and dest.is_cpu and dest.is_contiguous() and not dest.is_conj() and not dest.is_neg():
                 n = length[row]  # the last None: commit_tensor does nothing (resolves_columns)
-                add((fqn, offsets, dest, memory_at(dest.data_ptr(), n), names[file_no[row]], begin[row], n, crc[row], None))
+                want = None if checked and MetadataIndex(fqn, offsets) in checked else crc[row]
+                add((fqn, offsets, dest, memory_at(dest.data_ptr(), n), names[file_no[row]], begin[row], n, want, None))
             else:  # another dtype, or memory not writable in place: the general path, through a buffer
                 index = MetadataIndex(fqn, offsets, 0)
                 zeros = torch.Size([0] * len(size))
@@ -285,7 +287,8 @@ class Read:
                 same = dest.dtype == sdm[index.fqn].properties.dtype and tuple(dest.shape) == shape
                 view = writable_bytes(dest) if same else None
                 if view is not None:
-                    add((index.fqn, index.offset, dest, view, info.file, info.offset, info.length, info.crc32c, items[0]))
+                    want = None if index in checked else info.crc32c
+                    add((index.fqn, index.offset, dest, view, info.file, info.offset, info.length, want, items[0]))
                     continue
             if self.row_ranges(index, items, shape, add):
                 continue
@@ -442,7 +445,9 @@ class Read:
         crcs = [0] * len(views)
         checked = self.verify and any(job[_CRC] is not None for job in batch)  # None: read partly, checked elsewhere
         position = first[_BEGIN]
-        for pieces in windows(views, self.direct_window(blob, views, position)):
+        # unchecked bytes (a prefetch checked them) go in one read: windows only keep what a checksum reads in cache
+        window = self.direct_window(blob, views, position) if checked else sum(len(v) for v in views)
+        for pieces in windows(views, window):
             want = sum(len(piece) for _, piece in pieces)
             got = blob.readv([piece for _, piece in pieces], position)
             if got != want:

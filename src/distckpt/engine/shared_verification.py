@@ -131,4 +131,4 @@ class SharedVerification:
 
     def skip_verification(self, chunks: set) -> None:
         """Chunks this rank reads only partly and another rank of the load verifies whole."""
-        self.verified_elsewhere = set(chunks)
+        self.verified_elsewhere = set(self.verified_elsewhere) | set(chunks)  # a prefetch's checked chunks stay
