@@ -27,7 +27,8 @@ from . import resume_workers, throttle
 from .measure import warm_memory
 
 
-def run(gib: float, ranks: int, mbps: float, build_s: float | None, repeat: int, where: str) -> dict:
+def run(gib: float, ranks: int, mbps: float, build_s: float | None, repeat: int, where: str,
+        max_bytes: int | None = None) -> dict:
     total = int(gib * (1 << 30))
     with tempfile.TemporaryDirectory(prefix="distckpt-resume-", dir=where) as scratch:
         limit = (throttle.throttled_reads(mbps, scratch, 3 * total + (1 << 30)) if mbps > 0
@@ -37,10 +38,11 @@ def run(gib: float, ranks: int, mbps: float, build_s: float | None, repeat: int,
             data = sum(held)
             build = build_s if build_s is not None else (data / (mbps * 1e6) if mbps > 0 else 1.0)
             warm_memory(min(8.0, 2.5 * gib))
-            rounds = run_ranks(resume_workers.rounds, ranks, total, location, repeat, build, timeout_s=3600)[0]
+            ahead = max_bytes if max_bytes is not None else 2 * total // ranks  # all of a rank's share by default
+            rounds = run_ranks(resume_workers.rounds, ranks, total, location, repeat, build, ahead, timeout_s=3600)[0]
     rows = {peer: min(runs) for peer, runs in rounds.items()}
-    return {"gib": gib, "ranks": ranks, "mbps": mbps, "build_s": build, "state_bytes": data,
-            "rows": {peer: {"resume_s": r[0], "load_s": r[1]} for peer, r in rows.items()}}
+    return {"gib": gib, "ranks": ranks, "mbps": mbps, "build_s": build, "state_bytes": data, "prefetch_max_bytes": ahead,
+            "rows": {peer: {"resume_s": r[0], "load_s": r[1], "peak_extra_bytes": r[2]} for peer, r in rows.items()}}
 
 
 def table(result: dict) -> str:
@@ -49,11 +51,14 @@ def table(result: dict) -> str:
     lines = [f"sharded state of {result['state_bytes'] / 2**30:.2f} GiB restored by {result['ranks']} ranks from one device "
              f"read at {result['mbps'] or 'full'} MB/s in all; model built in {result['build_s']:.2f} s; slowest rank, best "
              "of the rounds",
-             f"  {'peer':9} {'resume s':>9} {'/cold':>7} {'load s':>8} {'/memcpy':>8}"]
+             f"  {'peer':9} {'resume s':>9} {'/cold':>7} {'load s':>8} {'/memcpy':>8} {'peak MiB':>9}"]
     for peer in ("dcp", "cold", "prefetch", "memcpy"):
         r = rows[peer]
         lines.append(f"  {peer:9} {r['resume_s']:9.3f} {r['resume_s'] / cold:7.2f} {r['load_s']:8.3f} "
-                     f"{r['load_s'] / rows['memcpy']['load_s']:8.2f}")
+                     f"{r['load_s'] / rows['memcpy']['load_s']:8.2f} {r['peak_extra_bytes'] / 2**20:9.0f}")
+    lines.append(f"  peak MiB: the most memory a rank held above its start during the restore (its state: "
+                 f"{result['state_bytes'] / result['ranks'] / 2**20:.0f} MiB; prefetch at most "
+                 f"{result['prefetch_max_bytes'] / 2**20:.0f} MiB)")
     lines.append("  goals: prefetch resume <= 0.6x cold where the build takes as long as the read; its load <= 1.2x memcpy")
     return "\n".join(lines)
 
@@ -66,9 +71,10 @@ def main(argv=None) -> dict:
     p.add_argument("--build-s", type=float, default=None)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--where", default=os.environ.get("TMPDIR", "/tmp"), help="a directory on a real disk")
+    p.add_argument("--max-bytes", type=int, default=None, help="the prefetch's budget a rank (default: its share)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
-    result = run(a.gib, a.ranks, a.mbps, a.build_s, a.repeat, a.where)
+    result = run(a.gib, a.ranks, a.mbps, a.build_s, a.repeat, a.where, a.max_bytes)
     print(table(result), flush=True)
     if a.json:
         with open(a.json, "w") as f:

@@ -10,6 +10,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from distckpt.format.checksum import crc32c
+
 from .measure import drop_cache
 from .states import gpt_like
 
@@ -54,9 +56,37 @@ def save(rank, world_size, total, location):
     return sum(v.to_local().numel() * v.to_local().element_size() for v in sd.values())
 
 
-def _restore(peer: str, location: str, total: int, rank: int, world: int, build_s: float, shapes: dict) -> tuple[float, float]:
+class _PeakRss:
+    """This process's resident memory, sampled every 5 ms: the most above what it held at the start."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.start = self.peak = _rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, _rss())
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return max(self.peak, _rss()) - self.start
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _restore(peer: str, location: str, total: int, rank: int, world: int, build_s: float, shapes: dict,
+             max_bytes: int, expected: dict) -> tuple[float, float, int]:
     """From "process group up": (seconds until the state is loaded and training could step, seconds of the load
-    call itself)."""
+    call itself, the most memory held above the start meanwhile)."""
+    rss = _PeakRss()
     import torch.distributed.checkpoint as dcp
 
     from distckpt import CheckpointManager
@@ -64,7 +94,7 @@ def _restore(peer: str, location: str, total: int, rank: int, world: int, build_
     t0 = time.perf_counter()
     mgr = CheckpointManager(os.path.join(location, "distckpt"))
     if peer == "prefetch":
-        mgr.prefetch(max_bytes=1 << 40)  # first thing: the read runs while the model is built
+        mgr.prefetch(max_bytes=max_bytes)  # first thing: the read runs while the model is built
     time.sleep(build_s)  # building the model, compiling, warming up the data loader
     dest = _local(total, rank, world, False, shapes)
     t1 = time.perf_counter()
@@ -73,25 +103,30 @@ def _restore(peer: str, location: str, total: int, rank: int, world: int, build_
     else:
         mgr.load(dest)
     t2 = time.perf_counter()
-    return t2 - t0, t2 - t1
+    peak = rss.stop()
+    if {k: crc32c(memoryview(v.to_local().numpy()).cast("B")) for k, v in dest.items()} != expected:
+        raise AssertionError(f"{peer} restored other bytes than were saved")
+    del dest
+    return t2 - t0, t2 - t1, peak
 
 
-def rounds(rank, world_size, total, location, repeat, build_s):
+def rounds(rank, world_size, total, location, repeat, build_s, max_bytes):
     """Every peer restores, ``repeat`` rounds in shuffled order after one warm-up round, page caches emptied before
     each; per peer and round: the slowest rank's resume and load seconds. Also a memcpy of this rank's state."""
     out: dict = {}
     shapes = shapes_of(total)
+    expected = {k: crc32c(memoryview(v.to_local().numpy()).cast("B")) for k, v in _local(total, rank, world_size, True).items()}
     for r in range(-1, repeat):
         order = list(PEERS)
         random.Random(r).shuffle(order)
         for peer in order:
             drop_cache(location)
             dist.barrier()
-            resume, load = _restore(peer, location, total, rank, world_size, build_s, shapes)
-            times = torch.tensor([resume, load], dtype=torch.float64)
+            resume, load, peak = _restore(peer, location, total, rank, world_size, build_s, shapes, max_bytes, expected)
+            times = torch.tensor([resume, load, peak], dtype=torch.float64)
             dist.all_reduce(times, op=dist.ReduceOp.MAX)
             if r >= 0:
-                out.setdefault(peer, []).append((float(times[0]), float(times[1])))
+                out.setdefault(peer, []).append((float(times[0]), float(times[1]), int(times[2])))
             dist.barrier()
     state = _local(total, rank, world_size, True)
     dest = _local(total, rank, world_size, False, shapes)
@@ -104,5 +139,5 @@ def rounds(rank, world_size, total, location, repeat, build_s):
         best = took if best is None else min(best, took)
     copy = torch.tensor([best], dtype=torch.float64)
     dist.all_reduce(copy, op=dist.ReduceOp.MAX)
-    out["memcpy"] = [(float(copy[0]), float(copy[0]))]
+    out["memcpy"] = [(float(copy[0]), float(copy[0]), 0)]
     return out
