@@ -313,12 +313,13 @@ class CheckpointManager:
     def load(self, state_dict: STATE_DICT_TYPE, step: Optional[int] = None, **kwargs: Any) -> int:
         """Load checkpoint ``step`` (default: the newest committed) into ``state_dict``; return the step. What a
         :meth:`prefetch` of that step read is copied from memory, and its memory given back after."""
-        step = self._committed_step(step)
-        reader = kwargs.setdefault("storage_reader", backends.reader_for(self.root, **self.storage_options))
-        ahead, self._prefetch = self._prefetch, None
-        if self.no_dist:
-            kwargs.setdefault("no_dist", True)
+        ahead, self._prefetch = self._prefetch, None  # used by this load or by none: its memory goes back after it
+        reader = None
         try:
+            step = self._committed_step(step)
+            reader = kwargs.setdefault("storage_reader", backends.reader_for(self.root, **self.storage_options))
+            if self.no_dist:
+                kwargs.setdefault("no_dist", True)
             if ahead is not None and ahead[0] == step and isinstance(reader, BlobStorageReader):
                 ahead[1].attach(reader)
             load(state_dict, checkpoint_id=self.path(step), process_group=self.process_group,
@@ -348,6 +349,13 @@ class CheckpointManager:
                          world_size=self._coord.world_size)
         self._prefetch = (step, ahead)
         return ahead
+
+    def _drop_prefetch(self, step: int) -> None:
+        """A prefetch of a step about to go gives its memory back."""
+        ahead = self._prefetch
+        if ahead is not None and ahead[0] == step:
+            self._prefetch = None
+            ahead[1].release(wait=False)
 
     def _committed_step(self, step: Optional[int]) -> int:
         if step is None:
@@ -390,6 +398,7 @@ class CheckpointManager:
             return []
         kept = self._files.kept_files([self._name(step) for step in sorted(keep)] + self._other_steps())
         for step in gone:
+            self._drop_prefetch(step)
             self._files.delete(self._name(step), kept)
         self._sweep(kept)
         return gone
@@ -401,6 +410,7 @@ class CheckpointManager:
             raise CheckpointError(f"CheckpointManager({self.root!r}, read_only=True) does not delete checkpoints")
         if self.incremental:
             self._wait_for_previous_async()  # a save in flight may reference the step; its commit must see it kept
+        self._drop_prefetch(step)
         self._delete(step)
 
     def compact(self, step: int) -> "CompactReport":

@@ -1,12 +1,14 @@
 """Reading a restore's bytes ahead: while a job builds its model, compiles and warms up, a thread reads the data files
-of the checkpoint this rank will load into host memory (page-locked where CUDA is), within a byte budget. The load
-then copies those bytes from memory and reads only the rest from storage, checking them like any other read.
+of the checkpoint this rank will load into host memory, within a byte budget. The load then copies those bytes from
+memory and reads only the rest from storage.
 
 A prefetch is one rank's business: it reads the metadata and the files on its own and takes part in no collective,
 so it cannot stall the others or be stalled by them. What it reads: the chunks the rank's local load plan reads
-where the caller gives the state dict to load into (a plan needs only shapes and placements), else the data files
-this rank wrote, where the world is the size that saved the checkpoint (a restart's case: each rank reads its own
-shards back). Bytes past the budget are left to the load.
+where the caller gives the state dict to load into (a plan needs only shapes and placements; Stateful objects are
+left out, since their ``state_dict()`` may run collectives), else the data files this rank wrote, where the world
+is the size that saved the checkpoint (a restart's case: each rank reads its own shards back). Bytes past the
+budget are left to the load. Each chunk read whole is checked against its checksum as it is read, in the
+background; the load then copies it without checking it again.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any, Optional
 
 import torch
@@ -26,6 +29,7 @@ from .engine.shared_plan import planned_chunks
 from .errors import CheckpointError
 from .format.checksum import crc32c
 from .planning import DefaultLoadPlanner
+from .stateful import Stateful
 
 __all__ = ["Prefetch"]
 
@@ -46,6 +50,11 @@ class Prefetch:
                  max_bytes: Optional[int] = None, rank: Optional[int] = None, world_size: Optional[int] = None) -> None:
         if max_bytes is not None and (not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes < 0):
             raise CheckpointError(f"prefetch(max_bytes={max_bytes!r}): a number of bytes, 0 or more")
+        if state_dict is not None and not isinstance(state_dict, Mapping):
+            raise CheckpointError(f"prefetch(state_dict=...): a dict of what the load will fill, not a "
+                                  f"{type(state_dict).__name__}")
+        if state_dict is not None:  # a Stateful's state_dict() may run collectives, which a prefetch must not join
+            state_dict = {k: v for k, v in state_dict.items() if isinstance(v, torch.Tensor) or not isinstance(v, Stateful)}
         self.checkpoint_id, self.reader, self.state_dict = checkpoint_id, reader, state_dict
         self.max_bytes = knobs.memory_budget_bytes() if max_bytes is None else max_bytes
         self.rank, self.world_size = _rank_and_world(rank, world_size)
@@ -111,17 +120,22 @@ class Prefetch:
         md = reader.read_metadata()
         store = reader.data_store(md)
         self.cache = PrefetchCache(reader.checkpoint_id, md.storage_data.save_id)
-        pinned = torch.cuda.is_available()
         left = self.max_bytes
         wanted = self._wanted(md)
         chunks = _chunks_in(md, {name for name, _, _ in wanted})
         for name, start, length in wanted:
             if self._cancel.is_set() or left <= 0:
                 return
-            length = min(length, left)
             blob = store.open(name)
             try:
-                buf = host_buffer(length, pinned)
+                version = (blob.size, blob.identity())  # before the read: bytes are bound to the version they came from
+                length = min(length, max(0, blob.size - start), left)  # a file shorter than its table holds no more
+                if length <= 0:
+                    continue
+                # plain memory: the load copies these bytes into its destinations, never straight to a device, and
+                # torch's page-locked allocator would round each buffer up to a power of two and keep it after release
+                buf = host_buffer(length, False)
+                left -= length
                 view = memoryview(buf.numpy()).cast("B")
                 got = 0
                 while got < length and not self._cancel.is_set():
@@ -129,28 +143,29 @@ class Prefetch:
                     if n <= 0:
                         break
                     got += n
-                if got:
-                    self.cache.add(name, blob.size, blob.identity(), start, buf[:got])
-                    left -= got
-                    self._verify(chunks.get(name, ()), start, view[:got])
+                if got and (blob.size, blob.identity()) == version:  # changed meanwhile: neither kept nor checked
+                    checked = self._checked(chunks.get(name, ()), start, view[:got])
+                    self.cache.add(name, version[0], version[1], start, buf[:got], checked)
             finally:
                 blob.close()
 
-    def _verify(self, chunks: Any, start: int, data: memoryview) -> None:
-        """Check the chunks wholly inside ``data`` (file bytes from ``start``) against their checksums here, in the
-        background: the load then copies them without checking again. One that fails is left to the load, which
-        reads it from memory, checks it and fails naming it, as a load from storage would."""
+    def _checked(self, chunks: Any, start: int, data: memoryview) -> set:
+        """The chunks wholly inside ``data`` (file bytes from ``start``) that match their checksums, checked here,
+        in the background: the load then copies them without checking again. One that fails is left to the load,
+        which reads it from memory, checks it and fails naming it, as a load from storage would."""
+        out: set = set()
         for index, info in chunks:
             if self._cancel.is_set():
-                return
+                break
             a = info.offset - start
             if 0 <= a and a + info.length <= len(data) and crc32c(data[a:a + info.length]) == info.crc32c:
-                self.cache.verified.setdefault(info.file, set()).add(index)
+                out.add(index)
+        return out
 
     def _wanted(self, md: Any) -> list[tuple[str, int, int]]:
         """(file, first byte, length) runs to read, in file order."""
         if self.state_dict is not None:
-            planner = DefaultLoadPlanner()
+            planner = DefaultLoadPlanner(allow_partial_load=True)  # keys the checkpoint lacks are the load's to report
             planner.set_up_planner(self.state_dict, md, False)
             chunks, _ = planned_chunks(md, planner.create_local_plan())
             return _runs([(c[0], c[1], c[2]) for c in chunks])

@@ -101,7 +101,7 @@ def test_prefetched_bytes_are_checked_like_any_read(tmp_path):
         f.write(bytes([byte[0] ^ 0x10]))
     ahead = mgr.prefetch()
     ahead.wait(60)
-    checked = set().union(*ahead.cache.verified.values())
+    checked = set().union(*(r.checked for r in ahead.cache.files.values()))
     assert index not in checked and {i.fqn for i in checked} >= {"b", "ids"}, checked
     with pytest.raises(CorruptCheckpointError, match="checksum mismatch") as err:
         mgr.load(_empty())
@@ -120,3 +120,85 @@ def test_a_cancelled_prefetch_and_one_of_another_step_leave_the_load_to_storage(
     assert ahead.nbytes == 0
     with pytest.raises(CheckpointError, match="max_bytes"):
         mgr.prefetch(max_bytes=-1)
+
+
+@pytest.mark.parametrize("how", ["in place", "renamed over"])
+def test_a_file_changed_between_two_stretches_of_a_prefetch_loses_what_was_checked_with_it(tmp_path, monkeypatch, how):
+    """Found by a hostile review: a prefetch reads a and c (b between them) of one file in two stretches; another
+    writer changes a's bytes between the two. The first stretch and its checked chunks go with the old version:
+    the load checks a, and fails naming it, as a load without the prefetch does."""
+    mgr = CheckpointManager(str(tmp_path), no_dist=True)
+    g = torch.Generator().manual_seed(0)
+    full = {k: torch.randn(65536, generator=g) for k in "abc"}
+    mgr.save(1, full)
+    md = distckpt.read_metadata(mgr.path(1))
+    info = next(v for i, v in md.storage_data.items.items() if i.fqn == "a")
+    path = os.path.join(mgr.path(1), info.file)
+    checked = distckpt.prefetching.Prefetch._checked
+    stretches = []
+
+    def checked_then_another_writer(self, chunks, start, data):
+        out = checked(self, chunks, start, data)
+        stretches.append(start)
+        if len(stretches) == 1:
+            bad = torch.full((16,), 1234.5).numpy().tobytes()
+            if how == "in place":
+                with open(path, "r+b") as f:
+                    f.seek(info.offset)
+                    f.write(bad)
+            else:
+                raw = bytearray(open(path, "rb").read())
+                raw[info.offset:info.offset + len(bad)] = bad
+                with open(path + ".new", "wb") as f:
+                    f.write(raw)
+                os.rename(path + ".new", path)
+        return out
+
+    monkeypatch.setattr(distckpt.prefetching.Prefetch, "_checked", checked_then_another_writer)
+    want = {"a": torch.zeros(65536), "c": torch.zeros(65536)}
+    mgr.prefetch(1, state_dict=want).wait(30)
+    assert len(stretches) == 2, stretches
+    with pytest.raises(CorruptCheckpointError, match="checksum mismatch") as err:
+        mgr.load(want, 1)
+    assert "'a'" in str(err.value)
+
+
+def test_a_prefetch_holds_no_more_than_its_budget_of_files_shorter_than_their_table(tmp_path, monkeypatch):
+    """Found by a hostile review: buffers were sized by the table's lengths and only the bytes read were counted."""
+    mgr = CheckpointManager(str(tmp_path), no_dist=True)
+    mgr.save(1, _state())
+    md = distckpt.read_metadata(mgr.path(1))
+    sizes = {name: info.size for name, info in md.storage_data.files.items()}
+    allocated = []
+    host_buffer = distckpt.prefetching.host_buffer
+    monkeypatch.setattr(distckpt.prefetching, "host_buffer", lambda n, pinned: allocated.append(n) or host_buffer(n, pinned))
+    monkeypatch.setattr(distckpt.prefetching.Prefetch, "_wanted",
+                        lambda self, md: [(name, 0, 4 * size) for name, size in sizes.items()])  # a table that lies
+    ahead = mgr.prefetch(1, max_bytes=1 << 30)
+    ahead.wait(30)
+    assert sum(allocated) <= sum(sizes.values()), (allocated, sizes)
+
+
+def test_a_prefetch_of_a_step_that_goes_gives_its_memory_back_and_stateful_objects_are_left_out(tmp_path):
+    mgr = CheckpointManager(str(tmp_path), no_dist=True, keep_last=1)
+    mgr.save(1, _state())
+    ahead = mgr.prefetch(1)
+    ahead.wait(30)
+    mgr.save(2, _state(1))  # retention deletes step 1
+    ahead.release()
+    assert ahead.nbytes == 0 and mgr.all_steps() == [2]
+    with pytest.raises(distckpt.errors.CheckpointNotFoundError):
+        mgr.load(_empty(), 1)
+
+    class App:  # a Stateful: its state_dict() may run collectives, which a prefetch must not
+        def state_dict(self):
+            raise AssertionError("a prefetch called state_dict()")
+
+        def load_state_dict(self, sd):
+            pass
+
+    part = {"app": App(), "b": torch.zeros(4096, dtype=torch.bfloat16)}
+    ahead = mgr.prefetch(state_dict=part)
+    assert ahead.wait(30) == 4096 * 2 and ahead.error is None, ahead.error
+    with pytest.raises(CheckpointError, match="a dict"):
+        mgr.prefetch(state_dict=[1, 2])

@@ -1,9 +1,9 @@
 """Bytes of a checkpoint's data files read ahead of a load (:mod:`distckpt.prefetching`), and the store through which
-the load finds them: a read wholly inside a prefetched range is a memory copy, any other goes to storage.
+the load finds them: each stretch of a read that a prefetched range holds is a memory copy, the rest goes to storage.
 
-A range is bound to the version of its file that it was read from (its size and identity): a file replaced since is
-read from storage again. The bytes take the load's own path from there, so they are checked against their checksums
-like any other read.
+A range is bound to the version of its file that it was read from (its size and identity, taken before the read and
+found unchanged after it), and so are the chunks the prefetch checked against their checksums in it: a file replaced
+since is read from storage again, and its chunks are checked by the load.
 """
 
 from __future__ import annotations
@@ -22,17 +22,20 @@ __all__ = ["PrefetchCache", "PrefetchedStore"]
 
 
 class _FileRanges:
-    """One file's prefetched ranges: (start, bytes) sorted by start, none overlapping."""
+    """One version of a file's prefetched ranges: (start, bytes) sorted by start, none overlapping, and the chunks
+    checked in them."""
 
     def __init__(self, size: int, identity: Optional[tuple]) -> None:
         self.size, self.identity = size, identity
         self.starts: list[int] = []
         self.buffers: list[torch.Tensor] = []
+        self.checked: set = set()
 
-    def add(self, start: int, buf: torch.Tensor) -> None:
+    def add(self, start: int, buf: torch.Tensor, checked: set) -> None:
         at = bisect.bisect_left(self.starts, start)
         self.starts.insert(at, start)
         self.buffers.insert(at, buf)
+        self.checked |= checked
 
     def stretch(self, offset: int, n: int) -> tuple[Optional[torch.Tensor], int]:
         """From ``offset``, up to ``n`` bytes: the cached bytes that start there (None where none are), and where
@@ -63,16 +66,20 @@ class PrefetchCache:
     def __init__(self, checkpoint_id: str, save_id: Optional[str]) -> None:
         self.checkpoint_id, self.save_id = checkpoint_id, save_id
         self.files: dict[str, _FileRanges] = {}
-        self.verified: dict[str, set] = {}  # per file, the chunks (MetadataIndex) checked as they were read
         self.nbytes = 0
         self._lock = threading.Lock()
 
-    def add(self, name: str, size: int, identity: Optional[tuple], start: int, buf: torch.Tensor) -> None:
+    def add(self, name: str, size: int, identity: Optional[tuple], start: int, buf: torch.Tensor,
+            checked: set = frozenset()) -> None:
+        """Bytes of ``name`` from ``start``, read from the version (``size``, ``identity``), and the chunks
+        (MetadataIndex) wholly in them that matched their checksums. Another version's ranges go, with their chunks."""
         with self._lock:
             ranges = self.files.get(name)
             if ranges is None or (ranges.size, ranges.identity) != (size, identity):
+                if ranges is not None:
+                    self.nbytes -= sum(b.numel() for b in ranges.buffers)
                 ranges = self.files[name] = _FileRanges(size, identity)
-            ranges.add(start, buf)
+            ranges.add(start, buf, checked)
             self.nbytes += buf.numel()
 
     def holds(self, name: str, offset: int, n: int) -> bool:
@@ -82,20 +89,21 @@ class PrefetchCache:
 
     def release(self) -> None:
         with self._lock:
-            self.files, self.verified, self.nbytes = {}, {}, 0
+            self.files, self.nbytes = {}, 0
 
 
 class _PrefetchedReader(BlobReader):
     """A data file's reader that copies what the prefetch holds of this version of it and reads the rest."""
 
-    def __init__(self, name: str, inner: BlobReader, ranges: Optional[_FileRanges], trusted: bool) -> None:
+    def __init__(self, name: str, inner: BlobReader, ranges: Optional[_FileRanges], trusted: bool,
+                 where: str = "checkpoint") -> None:
         self.inner, self.size = inner, inner.size
         self.small_reads_are_cheap = inner.small_reads_are_cheap
         same = ranges is not None and (ranges.size, ranges.identity) == (inner.size, inner.identity())
         if trusted and not same:  # its prefetched chunks were taken as checked: their bytes must come from memory
             inner.close()
-            raise CorruptCheckpointError(f"data file {name!r} changed while it was being loaded (it was replaced); "
-                                         "load again")
+            raise CorruptCheckpointError(f"{where}: data file {name!r} changed while it was being loaded (it was "
+                                         "replaced); load again")
         self.ranges = ranges if same else None
 
     def _fill(self, views: list, offset: int, cached_only: bool) -> Optional[int]:
@@ -180,22 +188,24 @@ class PrefetchedStore(ReadOnlyStore):
         """The chunks the prefetch checked against their checksums, of files still the version it read (a file
         replaced later fails the load's open of it, instead of handing over bytes no one checked)."""
         out: set = set()
-        for name, checked in self.cache.verified.items():
-            ranges = self.cache.files.get(name)
+        for name, ranges in self.cache.files.items():
+            if not ranges.checked:
+                continue
             try:
                 blob = self.inner.open(name)
             except CheckpointError:
                 continue
             try:
-                if ranges is not None and (ranges.size, ranges.identity) == (blob.size, blob.identity()):
-                    out |= checked
+                if (ranges.size, ranges.identity) == (blob.size, blob.identity()):
+                    out |= ranges.checked
                     self.trusted.add(name)
             finally:
                 blob.close()
         return out
 
     def open(self, name: str) -> BlobReader:
-        return _PrefetchedReader(name, self.inner.open(name), self.cache.files.get(name), name in self.trusted)
+        return _PrefetchedReader(name, self.inner.open(name), self.cache.files.get(name), name in self.trusted,
+                                 self.inner.describe())
 
     def list(self) -> Iterable[str]:
         return self.inner.list()

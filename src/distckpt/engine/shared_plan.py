@@ -29,6 +29,7 @@ SEND, RECEIVE = 1, 2
 # its node, the bytes it reads that no other rank can need (not listed)
 _TABLE = struct.Struct("<QQQQQQ")
 _COLUMNS = 6
+_MOST = 1 << 48  # no offset, length or byte count of a table reaches this
 _ALIGN = 64  # pieces start at multiples of this in a message, so that any dtype views them in place
 ERROR_BYTES = 512  # a failed piece's message, in every message's tail
 Key = tuple  # (file name, offset)
@@ -164,8 +165,9 @@ def decode_table(raw: bytes) -> tuple[np.ndarray, int, bool, int, int, bool, boo
     if n and (table[2].min() < 1 or table[3].min() < 1 or table[0].min() < 0 or table[1].min() < 0
               or (table[4] < 0).any() or (table[5] > table[2]).any() or (table[4] >= table[5]).any()):
         raise CorruptCheckpointError("chunk table from a rank has negative, empty or out-of-chunk entries")
-    if own_bytes >= 1 << 62:
-        raise CorruptCheckpointError("chunk table from a rank claims more bytes of its own than any checkpoint holds")
+    # bytes and offsets far past any checkpoint's (2**48 is 256 TiB) would overflow the planner's integer sums
+    if own_bytes >= _MOST or (n and (table[1].max() >= _MOST or table[2].max() >= _MOST)):
+        raise CorruptCheckpointError("chunk table from a rank has offsets or lengths past any checkpoint's (2**48 bytes)")
     return table, bucket, bool(verify), print_, node, bool(flags & _CACHED), bool(flags & _ALWAYS), own_bytes
 
 
@@ -270,7 +272,8 @@ class Shares:
                         raise ValueError("piece outside its chunk")
                     pieces.append(((name, offset), b0, b1))
                     at += 3
-                if not 0 <= src < world or any(not 0 <= r < world for r in receivers) or not pieces:
+                if (not 0 <= src < world or not pieces
+                        or not isinstance(receivers, EveryRankBut) and any(not 0 <= r < world for r in receivers)):
                     raise ValueError("rank out of range")
                 if not isinstance(receivers, EveryRankBut) and (src in receivers or len(set(receivers)) != len(receivers)):
                     raise ValueError(f"message from rank {src} lists a receiver twice, or its sender")

@@ -88,9 +88,10 @@ class Peers:
         faults.point("collective", "shared read")
         if len(receivers) == self.world_size - 1:
             works = [dist.broadcast(wire, group=self.group, group_src=self.rank, async_op=True)]
+            self._wait(works, "sending to every other rank")
         else:
             works = [dist.isend(wire, group=self.group, group_dst=r) for r in receivers]
-        self._wait(works, f"sending to ranks {list(receivers)}")
+            self._wait(works, f"sending to ranks {list(receivers)}")
 
     def receive(self, buf: torch.Tensor, src: int, everyone: bool) -> None:
         """Receive ``buf`` from ``src``; ``everyone``: the message goes to every rank but ``src`` (a broadcast)."""
