@@ -89,22 +89,9 @@ def save_replicated(keys: int, path: str) -> None:
 
 def mixed_worker(world: int, items: int, path: str, repeat: int) -> dict:
     """In a fresh interpreter: torch's fake process group of ``world`` ranks, this process its middle rank."""
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     from bench import planning_scale as ps
 
-    rank = world // 2
-    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
-    mesh = init_device_mesh("cpu", (world,))
-    state = {}
-    for i in range(items):
-        fqn, off, size, glob = ps._tensor_item_args(rank, i // 2, world, i % 2 == 0)
-        state[fqn] = torch.zeros(size) if i % 2 == 0 else DTensor.from_local(
-            torch.zeros(size), mesh, [Shard(0)], run_check=False, shape=torch.Size(glob), stride=(glob[1], 1))
+    _, state = ps.middle_rank_state(world, items)
     return {"state": "mixed", "keys": items, **_rank_and_coordinator(world, path, state, True, repeat)}
 
 

@@ -166,8 +166,9 @@ def dcp_path(world: int, items: int) -> dict:
             "scattered_bytes": sum(map(len, replies)), "metadata_bytes": len(buf.getvalue()), "load_decode_s": t_decode}
 
 
-def _load_plan_worker(world: int, items: int, doc_path: str, peer: str) -> float:
-    """Seconds the default load planner of ``peer`` takes to plan a middle rank's reads (run in a subprocess)."""
+def middle_rank_state(world: int, items: int) -> tuple[int, dict]:
+    """On torch's fake process group of ``world`` ranks, this process its middle rank: the rank and its state of
+    ``items`` items (the replicated ones plain tensors, the sharded ones DTensors)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
@@ -184,6 +185,12 @@ def _load_plan_worker(world: int, items: int, doc_path: str, peer: str) -> float
         else:
             state[fqn] = DTensor.from_local(torch.zeros(size), mesh, [Shard(0)], run_check=False, shape=torch.Size(glob),
                                             stride=(glob[1], 1))
+    return rank, state
+
+
+def _load_plan_worker(world: int, items: int, doc_path: str, peer: str) -> float:
+    """Seconds the default load planner of ``peer`` takes to plan a middle rank's reads (run in a subprocess)."""
+    rank, state = middle_rank_state(world, items)
     raw = open(doc_path, "rb").read()
     if peer == "distckpt":
         from distckpt.format.codec import parse_metadata
