@@ -86,8 +86,9 @@ class Prefetch:
         self._thread.join()
 
     def attach(self, reader: Any) -> None:
-        """Hand what was read to ``reader`` for the load about to run: a prefetch still running stops where it is."""
-        self.cancel()
+        """Hand what was read to ``reader`` for the load about to run, once the prefetch is done: what it still has
+        to read, the load would read from the same storage, and then not from memory."""
+        self._thread.join()
         if self.cache is not None:
             reader.prefetched = self.cache
 
@@ -137,14 +138,19 @@ class Prefetch:
                 buf = host_buffer(length, False)
                 left -= length
                 view = memoryview(buf.numpy()).cast("B")
+                inside = sorted((c for c in chunks.get(name, ()) if start <= c[1].offset), key=lambda c: c[1].offset)
+                checked: set = set()
                 got = 0
                 while got < length and not self._cancel.is_set():
                     n = blob.readinto(view[got:got + min(_PIECE, length - got)], start + got)
                     if n <= 0:
                         break
                     got += n
+                    # the chunks this piece completed, checked while the next piece is read (the read waits on storage)
+                    done = [c for c in inside if c[1].offset + c[1].length <= start + got]
+                    inside = inside[len(done):]
+                    checked |= self._checked(done, start, view[:got])
                 if got and (blob.size, blob.identity()) == version:  # changed meanwhile: neither kept nor checked
-                    checked = self._checked(chunks.get(name, ()), start, view[:got])
                     self.cache.add(name, version[0], version[1], start, buf[:got], checked)
             finally:
                 blob.close()
