@@ -12,8 +12,9 @@ Two states, each loaded at the world size it was saved at:
 Timed, best of ``--repeat``: the metadata parse (every rank), the rank's local plan (the default load planner, on
 torch's fake process group of that size for the DTensors), its table of chunks another rank may need, the
 coordinator's assignment over every rank's table (``assign_readers``: decoding the tables and ``plan_shares``; in
-both states every rank's table is the same, so the coordinator is given ``ranks`` copies of the middle rank's, which
-is what it receives), and the rank's decoding of its answer. ``rank s`` is the sum of the rank's own steps.
+both states every rank's table is the same, so the coordinator is given ``ranks`` copies of the middle rank's: it
+receives one, from the first rank holding it, and the others' digests in the vote), and the rank's decoding of its
+answer. ``rank s`` is the sum of the rank's own steps.
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ def _rank_and_coordinator(world: int, path: str, state: dict, alone_from_planner
     gc.enable()
     return {"ranks": world, "parse_s": parse_s, "local_plan_s": plan_s, "table_s": table_s, "assign_s": assign_s,
             "decode_s": decode_s, "rank_s": parse_s + plan_s + table_s + decode_s, "listed_chunks": len(chunks),
-            "table_bytes": len(table), "gathered_bytes": len(table) * world, "payload_bytes": len(payloads[rank]),
+            # the ranks' tables are alike: the first rank of the class sends it, the others only its digest in the vote
+            "table_bytes": len(table), "gathered_bytes": len(table), "payload_bytes": len(payloads[rank]),
             "scattered_bytes": sum(map(len, payloads)), "messages": len(shares.messages)}
 
 

@@ -286,13 +286,19 @@ class Coordinator:
     def vote(self, phase: str, failure: Optional[BaseException], flag: bool) -> bool:
         """Whether any rank raised ``flag``, in one small all_gather, unless a rank brings ``failure``
         or is in another operation: then every rank raises, naming who and why (a second exchange)."""
+        return any(self.vote_values(phase, failure, int(flag)))
+
+    def vote_values(self, phase: str, failure: Optional[BaseException], value: int) -> list[int]:
+        """Every rank's ``value`` (0 to 2**63 - 1), in the vote's one small all_gather (see :meth:`vote`)."""
+        if not 0 <= value < 1 << 63:
+            raise CheckpointError(f"checkpoint {phase}: a vote carries a number from 0 to 2**63 - 1, not {value}")
         if not self.use_dist:
             if failure is not None:
                 self._single(phase, lambda: _raise(failure))
-            return flag
-        table = self._rows(phase, int(failure is not None), int(flag))
+            return [value]
+        table = self._rows(phase, int(failure is not None), value)
         if not any(r[0] for r in table):
-            return any(r[1] for r in table)
+            return [r[1] for r in table]
 
         def local() -> bytes:
             if failure is not None:

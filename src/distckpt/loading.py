@@ -11,6 +11,7 @@ from .backends.registry import pick_storage
 from .capabilities import SHARED_READS, SHARED_VERIFICATION, declares, keeps_plans, supports
 from .distributed import RAW, Coordinator, Wire
 from .engine.shared_delivery import answer_failed
+from .engine.shared_plan import table_marks
 from .engine.shared_reads import PeerLost, Peers, Shares
 from .errors import CheckpointError, CorruptCheckpointError
 from .format.codec import dumps, loads
@@ -154,27 +155,40 @@ def _shares_reads(reader: StorageReader) -> bool:
 
 def _plan_shared_reads(local_step, reader: StorageReader, planner: LoadPlanner, coord: Coordinator) -> LoadPlan:
     """This rank's plan, once every rank has planned, and its part of the shared reads. One fixed-size vote tells
-    whether any rank failed and whether any may read a chunk another rank needs too (a replicated destination, a
-    chunk read partly); only then do the ranks exchange their chunk lists."""
+    whether any rank failed, whether any may read a chunk another rank needs too (a replicated destination, a
+    chunk read partly), and which ranks hold the same chunk table; only then does the first rank of each table send
+    it to the coordinator (ranks of a replicated state send one table between them, not one each)."""
     failure: Optional[BaseException] = None
-    plan, share, alone = None, False, set()
+    plan, mark, listed, raw = None, 0, [], b""
     try:
         plan = local_step()
         alone = planner.keys_held_alone() if isinstance(planner, DefaultLoadPlanner) else set()
         share = reader.may_share_reads(plan, alone)
+        listed, raw = reader.read_chunks(plan, alone)
+        digest, _ = table_marks(raw)
+        mark = digest << 1 | int(share)  # the table's digest and the flag, in one number of the vote
     except Exception as exc:  # noqa: BLE001 - reported to every rank by the vote
         failure = exc
-    if not coord.vote("load planning", failure, share):
+    marks = coord.vote_values("load planning", failure, mark)
+    if not any(m & 1 for m in marks):
         return plan
-    listed: list = []
+    first: dict[int, int] = {}
+    for rank, m in enumerate(marks):
+        first.setdefault(m >> 1, rank)
+    sender = first[mark >> 1] == coord.rank
 
-    def table() -> bytes:
-        chunks, raw = reader.read_chunks(plan, alone)
-        listed.extend(chunks)
-        return raw
+    def assign(tables: list[bytes]) -> list[bytes]:
+        whole = [tables[first[m >> 1]] for m in marks]
+        return [table_marks(t)[1].to_bytes(8, "little") + p for t, p in zip(whole, _in_one_mode(reader.assign_readers)(whole))]
 
-    payload = coord.reduce_scatter("load planning", table, _in_one_mode(reader.assign_readers), RAW, RAW)
-    reader.accept_readers(listed, payload, Peers(coord.group, coord.rank, coord.world_size, coord.device, coord.timeout_s))
+    answer = coord.reduce_scatter("load planning", lambda: raw if sender else b"", assign, RAW, RAW)
+    collided = None
+    if answer[:8] != table_marks(raw)[1].to_bytes(8, "little"):  # planned on another rank's table of the same digest
+        collided = CheckpointError("the coordinator planned this rank's shared reads on another rank's chunk table "
+                                   "(their digests collided); load again")
+    coord.vote("load planning", collided, False)  # every rank raises together, none waits in the exchange
+    reader.accept_readers(listed, answer[8:], Peers(coord.group, coord.rank, coord.world_size, coord.device,
+                                                    coord.timeout_s))
     return plan
 
 

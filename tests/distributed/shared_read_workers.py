@@ -173,3 +173,30 @@ def load_listing_chunks(rank, world_size, path):
     distckpt.load(sd, storage_reader=reader)
     where = {(info.file, info.offset): index.fqn for index, info in reader.metadata.storage_data.items.items()}
     return {"exact": all(_equal(sd[k], v) for k, v in want.items()), "listed": sorted({where[c[:2]] for c in listed})}
+
+
+def load_many_replicated(rank, world_size, path, collide=False):
+    """Load ``many_replicated``'s state; whether exact, and the bytes this rank moved in the planning phase.
+    ``collide``: every rank's table claims one digest (as two tables whose digests collided would)."""
+    import distckpt.loading as loading
+    from distckpt.distributed import phase_bytes
+
+    if collide:
+        marks = loading.table_marks
+        loading.table_marks = lambda raw: (1, marks(raw)[1])
+    want = many_replicated()
+    sd = {k: torch.zeros_like(v) for k, v in want.items() if not (collide and rank == 1 and k == "t0")}
+    try:
+        distckpt.load(sd, storage_reader=distckpt.FileSystemReader(path, shared_reads=True))
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    return {"error": None, "exact": all(_equal(sd[k], want[k]) for k in sd), "planning": phase_bytes.get("load planning")}
+
+
+def many_replicated() -> dict:
+    return {f"t{i}": torch.full((8, 8), float(i)) for i in range(300)}
+
+
+def save_many_replicated(rank, world_size, path):
+    distckpt.save(many_replicated(), checkpoint_id=path)
+    return True

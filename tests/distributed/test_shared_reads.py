@@ -179,3 +179,17 @@ def test_chunks_no_other_rank_can_need_stay_out_of_the_tables(tmp_path):
     results = run_ranks(workers.load_listing_chunks, 3, path)
     assert all(r["exact"] for r in results), results
     assert any("fsdp.w" in r["listed"] for r in results), results
+
+
+def test_ranks_with_one_table_send_it_once_and_a_collision_of_digests_fails_every_rank(tmp_path):
+    """A replicated state: every rank's chunk table is the same, and only the first rank sends it to the
+    coordinator (the others' digests travel in the vote). Where two different tables claimed one digest, the answer's
+    check tells, and every rank raises at once."""
+    path = str(tmp_path / "ck")
+    run_ranks(workers.save_many_replicated, 1, path)
+    results = run_ranks(workers.load_many_replicated, 3, path)
+    assert all(r["error"] is None and r["exact"] for r in results), results
+    table = 48 * 300  # six columns of 8 bytes a chunk
+    assert results[0]["planning"] > results[1]["planning"] + table == results[2]["planning"] + table, results
+    results = run_ranks(workers.load_many_replicated, 3, path, True, timeout_s=60)
+    assert all(r["error"] and "digests collided" in r["error"] for r in results), results

@@ -21,7 +21,7 @@ from .chunk_reads import ChunkShapes
 from .share_assignment import plan_shares
 from .shared_verification import partial_chunks
 
-__all__ = ["Shares", "Message", "planned_chunks", "may_share", "encode_table", "decode_table", "plan_shares",
+__all__ = ["Shares", "Message", "planned_chunks", "may_share", "encode_table", "decode_table", "table_marks", "plan_shares",
            "fingerprint", "node_number", "SEND", "RECEIVE", "ERROR_BYTES"]
 
 SEND, RECEIVE = 1, 2
@@ -150,6 +150,14 @@ def encode_table(md: Metadata, chunks: list[tuple], bucket: int, verify: bool, c
     flags = (_VERIFY if verify else 0) | (_CACHED if cached else 0) | (_ALWAYS if always else 0)
     return (_TABLE.pack(len(chunks), bucket, flags, fingerprint(md), node, own_bytes)
             + table.reshape(-1, _COLUMNS).T.copy().tobytes())
+
+
+def table_marks(raw: bytes) -> tuple[int, int]:
+    """Two independent hashes of a chunk table: a digest below 2**62 (ranks with equal tables send one of them) and
+    a check the coordinator's answer carries (a rank planned on another's table of the same digest finds out)."""
+    digest = int.from_bytes(hashlib.blake2b(raw, digest_size=8, person=b"distckpt-table").digest(), "little") >> 2
+    check = int.from_bytes(hashlib.blake2b(raw, digest_size=8, person=b"distckpt-check").digest(), "little")
+    return digest, check
 
 
 def decode_table(raw: bytes) -> tuple[np.ndarray, int, bool, int, int, bool, bool, int]:
