@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import os
 
-import torch
-
 from distckpt import CheckpointManager
 from distckpt.testing.read_counts import FileReads
 
