@@ -85,6 +85,9 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
         else:  # rank 0 hosts the store (init_method="tcp://" without torchrun)
             dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{-port}", rank=rank, world_size=world_size,
                                     timeout=timedelta(seconds=timeout_s))
+        # every rank past its connections before any runs: a rank whose function returns at once would otherwise
+        # exit, closing its side, while another still finished connecting to it ("connectFullMesh failed")
+        dist.barrier()
         result = fn(rank, world_size, *args)
         # tensors cross as bytes: torch's shared-memory handles die with this process
         buf = io.BytesIO()
