@@ -13,12 +13,17 @@ from distckpt.format.checksum import crc32c
 from distckpt.testing.read_counts import FileReads
 
 from .measure import drop_cache
-from .states import gpt_like
+from .states import gpt_like, many_small
+
+
+def _state(total: int, chunks: int) -> dict:
+    """The replicated state: GPT-like weights of ``total`` bytes, or ``chunks`` small tensors (1-64 KiB each)."""
+    return many_small(chunks, seed=0) if chunks else gpt_like(total, seed=0)
 
 PEERS = ("shared", "alone", "dcp", "raw")
 
 
-def save_copies(rank, world_size, total, location, copies):
+def save_copies(rank, world_size, total, location, copies, chunks=0):
     """One process: save the replicated state with distckpt and with DCP, and copy each ``copies`` times (each rank
     of the load reads its own copy, as a node would through its own page cache, from one shared device)."""
     import shutil
@@ -27,7 +32,7 @@ def save_copies(rank, world_size, total, location, copies):
 
     import distckpt
 
-    sd = gpt_like(total, seed=0)
+    sd = _state(total, chunks)
     distckpt.save(sd, checkpoint_id=os.path.join(location, "distckpt"))
     dcp.save(sd, checkpoint_id=os.path.join(location, "dcp"))
     for peer in ("distckpt", "dcp"):
@@ -109,12 +114,12 @@ def _load(peer, dest, path, rank, world_size):
         _raw(dest, path, rank, world_size)
 
 
-def load_rounds(rank, world_size, total, location, repeat):
+def load_rounds(rank, world_size, total, location, repeat, chunks=0):
     """Every peer loads the replicated state at every rank, ``repeat`` rounds in shuffled order, page caches
     emptied before each; per (peer, round): the slowest rank's time and the bytes all ranks read from storage.
     Each rank is a node of its own (DISTCKPT_NODE_ID), reading its own copy, as nodes of a cluster would."""
     os.environ["DISTCKPT_NODE_ID"] = f"node{rank}"
-    want = gpt_like(total, seed=0)
+    want = _state(total, chunks)
     like = {k: (v.shape, v.dtype) for k, v in want.items()}
     expected = {k: crc32c(memoryview(v.numpy()).cast("B")) for k, v in want.items()}
     want = None  # checked by checksum: a copy of the state per rank would not fit beside the loads at 2 GiB
