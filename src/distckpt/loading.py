@@ -156,34 +156,41 @@ def _shares_reads(reader: StorageReader) -> bool:
 def _plan_shared_reads(local_step, reader: StorageReader, planner: LoadPlanner, coord: Coordinator) -> LoadPlan:
     """This rank's plan, once every rank has planned, and its part of the shared reads. One fixed-size vote tells
     whether any rank failed, whether any may read a chunk another rank needs too (a replicated destination, a
-    chunk read partly), and which ranks hold the same chunk table; only then does the first rank of each table send
-    it to the coordinator (ranks of a replicated state send one table between them, not one each)."""
+    chunk read partly), and which of those ranks hold the same chunk table; only then does the first rank of each
+    table send it to the coordinator (ranks of a replicated state send one between them, not one each). A rank that
+    may share nothing builds its table only where another may, and sends it."""
     failure: Optional[BaseException] = None
-    plan, mark, listed, raw = None, 0, [], b""
+    plan, alone, mark, listed, raw = None, set(), 0, [], b""
     try:
         plan = local_step()
         alone = planner.keys_held_alone() if isinstance(planner, DefaultLoadPlanner) else set()
-        share = reader.may_share_reads(plan, alone)
-        listed, raw = reader.read_chunks(plan, alone)
-        digest, _ = table_marks(raw)
-        mark = digest << 1 | int(share)  # the table's digest and the flag, in one number of the vote
+        if reader.may_share_reads(plan, alone):
+            listed, raw = reader.read_chunks(plan, alone)
+            mark = table_marks(raw)[0] << 1 | 1  # the table's digest and the flag, in one number of the vote
     except Exception as exc:  # noqa: BLE001 - reported to every rank by the vote
         failure = exc
     marks = coord.vote_values("load planning", failure, mark)
-    if not any(m & 1 for m in marks):
+    if not any(marks):
         return plan
     first: dict[int, int] = {}
     for rank, m in enumerate(marks):
-        first.setdefault(m >> 1, rank)
-    sender = first[mark >> 1] == coord.rank
+        first.setdefault(m if m else -1 - rank, rank)  # a rank that voted 0 sends its own table
+    sender = first[mark if mark else -1 - coord.rank] == coord.rank
+
+    def table() -> bytes:
+        if not mark:
+            listed[:], built = reader.read_chunks(plan, alone)
+            raw_of[0] = built
+        return raw_of[0] if sender else b""
 
     def assign(tables: list[bytes]) -> list[bytes]:
-        whole = [tables[first[m >> 1]] for m in marks]
+        whole = [tables[first[m if m else -1 - r]] for r, m in enumerate(marks)]
         return [table_marks(t)[1].to_bytes(8, "little") + p for t, p in zip(whole, _in_one_mode(reader.assign_readers)(whole))]
 
-    answer = coord.reduce_scatter("load planning", lambda: raw if sender else b"", assign, RAW, RAW)
+    raw_of = [raw]
+    answer = coord.reduce_scatter("load planning", table, assign, RAW, RAW)
     collided = None
-    if answer[:8] != table_marks(raw)[1].to_bytes(8, "little"):  # planned on another rank's table of the same digest
+    if answer[:8] != table_marks(raw_of[0])[1].to_bytes(8, "little"):  # planned on another table of its digest
         collided = CheckpointError("the coordinator planned this rank's shared reads on another rank's chunk table "
                                    "(their digests collided); load again")
     coord.vote("load planning", collided, False)  # every rank raises together, none waits in the exchange

@@ -200,3 +200,14 @@ def many_replicated() -> dict:
 def save_many_replicated(rank, world_size, path):
     distckpt.save(many_replicated(), checkpoint_id=path)
     return True
+
+
+def load_where_one_rank_may_share(rank, world_size, path):
+    """Rank 0 loads a replicated key beside its shards (it may share), rank 1 only its shards (it may not): rank 1
+    votes no table, then builds and sends its own once rank 0's vote asks for the exchange."""
+    _own_node(rank)
+    want = {**_sharded(world_size, True), **({"layer0.w": _replicated()["layer0.w"]} if rank == 0 else {})}
+    sd = {**_sharded(world_size, False), **({"layer0.w": torch.zeros_like(want["layer0.w"])} if rank == 0 else {})}
+    reader = distckpt.FileSystemReader(path, shared_reads=True)
+    distckpt.load(sd, storage_reader=reader)
+    return {"exact": all(_equal(sd[k], v) for k, v in want.items()), "shares": reader.shares is not None}

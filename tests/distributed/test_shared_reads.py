@@ -193,3 +193,10 @@ def test_ranks_with_one_table_send_it_once_and_a_collision_of_digests_fails_ever
     assert results[0]["planning"] > results[1]["planning"] + table == results[2]["planning"] + table, results
     results = run_ranks(workers.load_many_replicated, 3, path, True, timeout_s=60)
     assert all(r["error"] and "digests collided" in r["error"] for r in results), results
+
+
+def test_a_rank_that_may_share_nothing_joins_the_exchange_another_rank_asks_for(tmp_path):
+    path = str(tmp_path / "ck")
+    run_ranks(workers.save_state, 2, path, "mixed")
+    results = run_ranks(workers.load_where_one_rank_may_share, 2, path)
+    assert all(r["exact"] and r["shares"] for r in results), results

@@ -49,15 +49,10 @@ class _FileRanges:
         following = self.starts[at + 1] if at + 1 < len(self.starts) else None
         return None, n if following is None else min(n, following - offset)
 
-    def covering(self, offset: int, n: int) -> Optional[memoryview]:
-        """The cached bytes [offset, offset + n), where one range holds them all."""
+    def holds(self, offset: int, n: int) -> bool:
+        """Whether one range holds all of bytes [offset, offset + n)."""
         at = bisect.bisect_right(self.starts, offset) - 1
-        if at < 0:
-            return None
-        start, buf = self.starts[at], self.buffers[at]
-        if offset + n > start + buf.numel():
-            return None
-        return memoryview(buf.numpy()).cast("B")[offset - start:offset - start + n]
+        return at >= 0 and offset + n <= self.starts[at] + self.buffers[at].numel()
 
 
 class PrefetchCache:
@@ -85,7 +80,7 @@ class PrefetchCache:
     def holds(self, name: str, offset: int, n: int) -> bool:
         """Whether bytes [offset, offset + n) of ``name`` were prefetched (of whichever version)."""
         ranges = self.files.get(name)
-        return ranges is not None and ranges.covering(offset, n) is not None
+        return ranges is not None and ranges.holds(offset, n)
 
     def release(self) -> None:
         with self._lock:
