@@ -13,6 +13,7 @@ from typing import Any, Optional, Union
 from . import backends
 from .async_saving import async_save
 from .backends.blob_storage import BlobStorageReader, BlobStorageWriter
+from .backends.run_guard import Deleting, deleting, drop_dead
 from .compaction import CompactReport, compact
 from .distributed import JSON as _JSON
 from .distributed import Coordinator
@@ -396,11 +397,12 @@ class CheckpointManager:
         gone = [step for step in steps if step not in keep]
         if not gone:
             return []
-        kept = self._files.kept_files([self._name(step) for step in sorted(keep)] + self._other_steps())
-        for step in gone:
-            self._drop_prefetch(step)
-            self._files.delete(self._name(step), kept)
-        self._sweep(kept)
+        with deleting(self._store) as guard:
+            kept = self._kept(guard, [self._name(step) for step in sorted(keep)] + self._other_steps())
+            for step in gone:
+                self._drop_prefetch(step)
+                self._files.delete(self._name(step), kept)
+            self._sweep(kept, guard)
         return gone
 
     def delete(self, step: int) -> None:
@@ -439,14 +441,21 @@ class CheckpointManager:
     def _delete(self, step: int) -> None:
         name = self._name(step)
         others = [self._name(s) for s in self.all_steps() if s != step]
-        kept = self._files.kept_files(others + self._other_steps())
-        self._files.delete(name, kept)
-        self._sweep(kept)
+        with deleting(self._store) as guard:
+            kept = self._kept(guard, others + self._other_steps())
+            self._files.delete(name, kept)
+            self._sweep(kept, guard)
 
-    def _sweep(self, kept: Optional[dict]) -> None:
+    def _kept(self, guard: Deleting, names: list[str]) -> Optional[dict]:
+        """What checkpoints ``names`` reference (the mark), or None (keep everything) where a save in flight may come
+        to reference files of the run (run_guard.py)."""
+        kept = self._files.kept_files(names)
+        return None if kept is None or guard.savers_live() else kept
+
+    def _sweep(self, kept: Optional[dict], guard: Deleting) -> None:
         """Remove what retired steps hold that no kept step references (only with every kept step's table read)."""
         if kept is not None and REFERENCES in self._store.capabilities:
-            self._store.remove_incomplete_below("step-", self._marked)
+            self._store.remove_incomplete_below("step-", lambda: self._marked(guard))
 
     def remove_stale_temporaries(self) -> list[str]:
         """Remove what crashed saves and deletions left behind under ``root``; return what was removed.
@@ -457,16 +466,18 @@ class CheckpointManager:
             raise CheckpointError(f"CheckpointManager({self.root!r}, read_only=True) does not clean up")
         if REFERENCES not in self._store.capabilities:
             return self._store.remove_incomplete_below("step-")
-        return self._store.remove_incomplete_below("step-", self._marked)
+        drop_dead(self._store)  # the records of deleters and saves that crashed
+        with deleting(self._store) as guard:
+            return self._store.remove_incomplete_below("step-", lambda: self._marked(guard))
 
-    def _marked(self) -> Optional[dict]:
+    def _marked(self, guard: Deleting) -> Optional[dict]:
         """The mark phase of a sweep: what the committed steps (of either spelling) reference. The store calls it once
         it has listed the retired steps it may prune, and it is read again until no step came or went during the read:
         another process may commit a step and retire the one before it meanwhile, and the new step references only
         what a step read here references or holds (a step retired after the listing is not pruned)."""
         for _ in range(_MARK_TRIES):
             names = self._committed_steps()
-            kept = self._files.kept_files(names)
+            kept = self._kept(guard, names)
             if kept is None or self._committed_steps() == names:
                 return kept
         return None

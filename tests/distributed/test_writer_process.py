@@ -39,7 +39,7 @@ def test_a_state_that_cannot_travel_to_the_writer_is_a_typed_error_naming_thread
 
 @pytest.mark.parametrize("spec", [
     "kill:write:1",  # rank 1's writer dies mid-write; rank 0's lives and must not wait past the timeout
-    "enospc:write:0",  # a full disk in rank 0's writer
+    pytest.param("enospc:write:0", marks=pytest.mark.slow),  # a full disk in rank 0's writer
     pytest.param("kill:collective:0", marks=pytest.mark.slow),  # before anything is written
     pytest.param("kill:rename:0", marks=pytest.mark.slow),  # in the commit
 ])
@@ -160,7 +160,7 @@ def test_a_copy_that_fails_after_the_writers_started_fails_the_save_on_every_ran
         assert not got["committed"] and got["after"], (rank, got)
 
 
-@pytest.mark.parametrize("how", ["hugging-face-writer", "transforming-planner"])
+@pytest.mark.parametrize("how", [pytest.param("hugging-face-writer", marks=pytest.mark.slow), "transforming-planner"])
 def test_a_writer_that_may_read_before_the_copy_ends_writes_the_copied_bytes(tmp_path, how):
     """Writers and planners that do not wait on the staging (a Hugging Face publish, a planner making new tensors
     from the staged ones) get the save once the copy has ended; a second save, reusing the first's staging, shows
@@ -184,6 +184,7 @@ def test_a_writer_that_may_read_before_the_copy_ends_writes_the_copied_bytes(tmp
         assert bool((got["a"] == 7.0 + i).all()) and bool((got["b"] == 5.0 + i).all()), (i, got)
 
 
+@pytest.mark.slow  # guard that stays: test_a_copy_that_fails_after_the_writers_started_fails_the_save_on_every_rank
 def test_a_copy_failing_on_a_rank_that_writes_none_of_it_commits_nowhere(tmp_path):
     out = run_ranks(workers.a_copy_fails_on_a_rank_whose_writer_writes_nothing_of_it, 2, str(tmp_path), timeout_s=300,
                     env=TIMEOUTS)
@@ -191,6 +192,6 @@ def test_a_copy_failing_on_a_rank_that_writes_none_of_it_commits_nowhere(tmp_pat
     assert all(got["error"] is not None and not got["committed"] for got in out), out
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_dtensors_of_one_mesh_save_from_writer_processes(tmp_path, world):
     assert run_ranks(workers.dtensors_of_one_mesh_travel_to_the_writer, world, str(tmp_path), timeout_s=300) == [True] * world

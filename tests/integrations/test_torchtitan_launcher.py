@@ -79,6 +79,7 @@ def _tensors(path: Path) -> dict[str, torch.Tensor]:
     return sd
 
 
+@pytest.mark.slow  # guard that stays: tests/integrations/test_torchtitan.py (its CheckpointManager through distckpt)
 def test_torchtitan_train_selects_distckpt_and_resumes_bit_identically(tmp_path):
     _assets(tmp_path)
     first, losses = _launch(tmp_path)

@@ -41,7 +41,9 @@ class S3IncrementalMachine(IncrementalMachine):
         pass
 
 
-TestS3IncrementalMachine = S3IncrementalMachine.TestCase
+# a larger sweep: tests/crash/test_incremental_machine.py runs the same machine on disk and memory in every run, and
+# tests/storage/test_s3.py's manager machine the S3 store
+TestS3IncrementalMachine = pytest.mark.slow(S3IncrementalMachine.TestCase)
 TestS3IncrementalMachine.settings = settings(settings.get_profile("machines"), stateful_step_count=12, deadline=None)
 
 
@@ -76,6 +78,7 @@ def test_overwriting_a_referenced_step_on_s3_keeps_what_later_steps_reference(bu
     assert stray_objects(root, mgr) == []
 
 
+@pytest.mark.slow  # guard that stays: tests/security/test_run_lifecycle_hostile.py (disk and memory: the same ObjectStore)
 def test_the_lifecycle_reads_documents_and_headers_as_parsed_on_s3(bucket):
     """tests/security/test_run_lifecycle_hostile.py's checks, on S3: an overwrite in an incremental run, retention after
     each way of writing a document again, and a referenced file whose header was written again."""

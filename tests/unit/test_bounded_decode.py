@@ -146,6 +146,7 @@ _MEASURE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # guards that stay: test_a_load_stops_at_the_knob, tests/security's zstd bombs (bounded memory)
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads the peak RSS from /proc")
 def test_verify_checks_a_value_that_decodes_to_300_mib_in_bounded_memory(tmp_path):
     small, big = str(tmp_path / "small"), str(tmp_path / "big")

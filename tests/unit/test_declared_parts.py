@@ -8,6 +8,7 @@ they mix in), except where the object is not one of ours: the allowlist below, e
 """
 
 import ast
+import functools
 import pathlib
 
 import distckpt
@@ -39,9 +40,10 @@ ALLOWED = {
 }
 
 
-def _modules():
-    for path in sorted(SRC.rglob("*.py")):
-        yield path.relative_to(SRC).as_posix(), ast.parse(path.read_text())
+@functools.lru_cache(maxsize=1)
+def _modules() -> tuple:
+    """(module, its syntax tree) of every source file: parsed once for the three tests."""
+    return tuple((path.relative_to(SRC).as_posix(), ast.parse(path.read_text())) for path in sorted(SRC.rglob("*.py")))
 
 
 def _base_names(cls: ast.ClassDef) -> set[str]:
@@ -72,7 +74,8 @@ def _members(cls: ast.ClassDef) -> set[str]:
     return names
 
 
-def protocol_names() -> set[str]:
+@functools.lru_cache(maxsize=1)
+def protocol_names() -> frozenset:
     """Every member of the protocol classes, of distckpt's classes deriving from them, and of what those mix in."""
     classes: dict[str, list[ast.ClassDef]] = {}
     for _, tree in _modules():
@@ -91,7 +94,7 @@ def protocol_names() -> set[str]:
         before = len(ancestors)
         ancestors |= {b for name in list(ancestors) for c in classes.get(name, []) for b in _base_names(c) if b in classes}
         grown = len(ancestors) > before
-    return {m for name in ancestors for c in classes.get(name, []) for m in _members(c)} - {"__init__"}
+    return frozenset({m for name in ancestors for c in classes.get(name, []) for m in _members(c)} - {"__init__"})
 
 
 def probes():

@@ -43,6 +43,7 @@ from ..planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
 from ..planning.columnar import PlannedMetadata
 from ..storage import StorageReader, StorageWriter
 from .leases import Lease
+from .run_guard import Referencing, referencing
 from .schemes import scheme_entry, store_for
 
 
@@ -144,6 +145,7 @@ class BlobStorageWriter(_Located, StorageWriter):
         # an incremental save (engine/reuse.py): unchanged chunks are referenced in the previous step, not written
         self.reuse: Optional[Reuse] = None
         self._lease: Optional[Lease] = None
+        self._referencing: Optional[Referencing] = None  # this save's record among the run's (run_guard.py)
 
     def _replaces(self) -> bool:
         """Whether this save may replace a committed checkpoint: ``overwrite``, else the DISTCKPT_OVERWRITE setting."""
@@ -185,7 +187,12 @@ class BlobStorageWriter(_Located, StorageWriter):
         if self.store is None:  # prepare_global_plan called without set_up_storage_writer
             self.store = self._store()
         self._lease = Lease(self.store, save_id)
-        return [replace(p, storage_data={"file": f"data-{i:05d}.safetensors", "save_id": save_id, "rank": i})
+        references = False
+        if self.reuse is not None:  # an incremental save: it may reference earlier steps unless a deleter is at work
+            self._referencing = referencing(self.store.parent())
+            references = self._referencing.allowed
+        return [replace(p, storage_data={"file": f"data-{i:05d}.safetensors", "save_id": save_id, "rank": i,
+                                         "references": references})
                 for i, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
@@ -196,6 +203,8 @@ class BlobStorageWriter(_Located, StorageWriter):
             raise CheckpointError(f"{type(self).__name__}.write_data: the writer was reset after planning (reset() forgets "
                                   "the save in progress); plan again after reset, or use one writer per save")
         self.save_id = sd["save_id"]
+        if self.reuse is not None and not sd.get("references"):
+            self.reuse.previous = {}  # the coordinator saw a deleter at work (run_guard.py): every chunk is written
         staging = self.store.staging(self.save_id)
         staging.prepare()
         results = write_file(staging, sd["file"], sd["save_id"], sd["rank"], plan, planner,
@@ -231,6 +240,9 @@ class BlobStorageWriter(_Located, StorageWriter):
         self._release_lease()
 
     def _release_lease(self) -> None:
+        guard, self._referencing = self._referencing, None
+        if guard is not None:
+            guard.release()
         lease = self._lease
         if lease is not None:
             self._lease = None

@@ -21,6 +21,7 @@ from .direct_io import pwrite_all
 from .fs_objects import create_exclusive, is_real_dir, open_regular, prune_dir, remove_tree
 from .leases import save_is_dead
 from .replaced import carry_foreign
+from .run_guard import deleting
 
 __all__ = ["RunParts", "hidden_name", "parse_hidden", "TMP_MARK", "LEASE_MARK", "RETIRED_MARK", "TRASH"]
 
@@ -57,15 +58,20 @@ class RunParts:
         """Remove the checkpoint this one replaced (now at ``old``), or retire it where later steps of its run reference
         its files (format 4.0): they stay where ``referenced`` finds them."""
         save_id = _committed_save_id(type(self)(old, follow_root=False))
-        parent, base = os.path.split(os.path.abspath(self.root))
-        keep = set() if save_id is None else referenced_by_siblings(type(self)(parent), base, save_id)
-        if keep == set():
+        if save_id is None:  # no document names its save: no reference can name it either
             remove_tree(old)
             return
-        retired = self._sibling(save_id, RETIRED_MARK)
-        os.rename(old, retired)
-        if keep is not None:  # None: a sibling's metadata could not be read; everything stays until cleanup knows
-            prune_dir(retired, keep)
+        with deleting(self.parent()) as guard:
+            keep = referenced_by_siblings(self.parent(), os.path.basename(os.path.abspath(self.root)), save_id)
+            if keep is not None and guard.savers_live():
+                keep = None  # a save in flight may come to reference any of it: the next deleter decides
+            if keep == set():
+                remove_tree(old)
+                return
+            retired = self._sibling(save_id, RETIRED_MARK)
+            os.rename(old, retired)
+            if keep is not None:  # None: a sibling's metadata could not be read; everything stays until cleanup knows
+                prune_dir(retired, keep)
 
     def _lease_path(self, save_id: str) -> str:
         parent, base = os.path.split(os.path.abspath(self.root))
@@ -103,6 +109,18 @@ class RunParts:
             os.unlink(self._lease_path(save_id))
         except FileNotFoundError:
             pass
+
+    def lease_ids(self) -> list[str]:
+        parent, base = os.path.split(os.path.abspath(self.root))
+        try:
+            names = os.listdir(parent)
+        except FileNotFoundError:
+            return []
+        found = (_lease_of(name) for name in names)
+        return sorted(tag for checkpoint, tag in found if checkpoint == base)
+
+    def parent(self) -> "RunParts":
+        return type(self)(os.path.dirname(os.path.abspath(self.root)))
 
     def incomplete_saves(self) -> list[str]:
         parent, base = os.path.split(os.path.abspath(self.root))
@@ -193,6 +211,12 @@ class RunParts:
                 if not os.path.lexists(staging) and save_is_dead(self.child(base), tag, None):
                     self.child(base).drop_lease(tag)
         return removed
+
+
+def _lease_of(name: str) -> tuple[str, str]:
+    """(checkpoint, save id) of a lease's file name; empty strings for any other name."""
+    parsed = parse_hidden(name)
+    return (parsed[0], parsed[2]) if parsed is not None and parsed[1] == LEASE_MARK else ("", "")
 
 
 def _holds_replaced(staging: "RunParts") -> bool:

@@ -87,6 +87,15 @@ def holder_is_dead(record: bytes, age_s: Optional[float]) -> bool:
     return age_s is not None and age_s > knobs.lease_stale_s()
 
 
+def is_holder_record(record: bytes) -> bool:
+    """Whether ``record`` is a lease record as :func:`holder` writes it (not something else found at a lease's name)."""
+    try:
+        who = parse_json(record, "a lease record")
+    except (ValueError, UnicodeDecodeError):
+        return False
+    return isinstance(who, dict) and type(who.get("pid")) is int and isinstance(who.get("host"), str)
+
+
 def save_is_dead(store: "BlobStore", save_id: str, staging_age_s: Optional[float]) -> bool:
     """Whether the save ``save_id`` of ``store`` is proven dead (see the module text).
 
@@ -116,8 +125,14 @@ class Lease:
     def __init__(self, store: "BlobStore", save_id: str):
         self.store = store
         self.save_id = save_id
-        store.put_lease(save_id, json.dumps(holder()).encode())
+        # held before the record exists: a reader in another thread of this process finds the record only while
+        # this process holds it (a record of this process's that it does not hold is a dead holder's)
         _renewer.add(self)
+        try:
+            store.put_lease(save_id, json.dumps(holder()).encode())
+        except BaseException:
+            _renewer.discard(self)
+            raise
 
     def renew(self) -> None:
         self.store.renew_lease(self.save_id)

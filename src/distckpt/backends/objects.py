@@ -36,6 +36,7 @@ from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpoint
 from ..format import METADATA_FILE
 from ..format.codec import stored_files
 from .leases import Lease, save_is_dead
+from .run_guard import deleting
 
 __all__ = ["ObjectClient", "ObjectInfo", "ObjectStore", "Upload"]
 
@@ -292,15 +293,18 @@ class ObjectStore(BlobStore):
     def _drop_replaced(self, save_id: str) -> None:
         """Delete the objects of the save a commit replaced, or retire them where later steps of its run reference
         some (format 4.0): those stay where ``referenced`` finds them."""
-        keep: Optional[set] = set()
-        if "/" in self.prefix:
-            parent, name = self.prefix.rsplit("/", 1)
-            keep = referenced_by_siblings(self._sub(parent), name, save_id)
-        if keep == set():
-            self._delete_prefix(self.staging(save_id).prefix + "/")
-            self._delete_keys([self.key(f"{RETIRED}/{checked_save_id(save_id, self.describe())}")])
-        elif keep is not None:
-            self._prune_retired(save_id, keep)
+        parent = self.parent()
+        with deleting(parent) as guard:
+            keep: Optional[set] = set()
+            if parent is not None:
+                keep = referenced_by_siblings(parent, self.prefix.rsplit("/", 1)[1], save_id)
+                if keep is not None and guard.savers_live():
+                    keep = None  # a save in flight may come to reference any of it: the next deleter decides
+            if keep == set():
+                self._delete_prefix(self.staging(save_id).prefix + "/")
+                self._delete_keys([self.key(f"{RETIRED}/{checked_save_id(save_id, self.describe())}")])
+            elif keep is not None:
+                self._prune_retired(save_id, keep)
 
     def _committed_save_id(self) -> Optional[str]:
         """The save id the commit tagged the metadata object with, or None (no checkpoint). A metadata object
@@ -411,6 +415,9 @@ class ObjectStore(BlobStore):
         # a retired step keeps its referenced objects where its save put them: the save id is in every key
         return SaveFiles([sibling.staging(save_id)], save_id, f"{sibling.describe()} (save {save_id})", exact=True)
 
+    def parent(self) -> Optional["ObjectStore"]:
+        return self._sub(self.prefix.rsplit("/", 1)[0]) if "/" in self.prefix else None
+
     def retire(self, save_id: str, keep: set) -> None:
         """Uncommit (the metadata object goes first), then delete the save's objects that no kept step references.
         A marker (``retired/<save id>``) tells cleanup that what is left is kept on purpose, not a dead save's."""
@@ -447,7 +454,7 @@ class ObjectStore(BlobStore):
                 child.drop_lease(save_id)
                 removed.append(staging.describe())
             committed = child._committed_save_id()
-            for save_id in child._lease_ids():  # leases left by saves that ended without giving them back
+            for save_id in child.lease_ids():  # leases left by saves that ended without giving them back
                 if (save_id == committed or not child.staging(save_id).sizes()) and save_is_dead(child, save_id, None):
                     child.drop_lease(save_id)
         return removed
@@ -466,7 +473,7 @@ class ObjectStore(BlobStore):
     def _lease_name(self, save_id: str) -> str:
         return f"{LEASE_DIR}/{checked_save_id(save_id, self.describe())}"
 
-    def _lease_ids(self) -> list[str]:
+    def lease_ids(self) -> list[str]:
         base = f"{self.prefix}/{LEASE_DIR}/"
         return sorted(k[len(base):] for k in self._keys(base) if _SAVE_ID.match(k[len(base):]))
 

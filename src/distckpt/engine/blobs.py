@@ -135,7 +135,8 @@ RUNS = "runs"
 ``remove_incomplete_below`` (what CheckpointManager needs)."""
 
 LEASES = "leases"
-"""A store that keeps leases of saves in flight: ``put_lease``, ``renew_lease``, ``read_lease``, ``drop_lease``."""
+"""A store that keeps leases of saves in flight: ``put_lease``, ``renew_lease``, ``read_lease``, ``drop_lease``,
+``lease_ids``."""
 
 MAPS = "maps"
 """A store whose blobs lie in memory that can be mapped, read-only, in place: ``map(name, size)`` (a tmpfs: a
@@ -144,7 +145,7 @@ reader that would copy each byte into fresh memory can view the blob's own pages
 
 REFERENCES = "references"
 """A store whose checkpoints may reference data files of their siblings (a run of incremental saves):
-``referenced``, ``retire``, and ``remove_incomplete_below`` that keeps what it is told to keep."""
+``referenced``, ``retire``, ``parent``, and ``remove_incomplete_below`` that keeps what it is told to keep."""
 
 Keep = Optional[Union[dict, Callable[[], Optional[dict]]]]
 """What ``remove_incomplete_below`` is told to keep: (checkpoint, save id) -> data file names, or a function that
@@ -298,6 +299,11 @@ class BlobStore(abc.ABC):
         other checkpoints reference, where :meth:`referenced` finds them. It disappears whole first."""
         raise CheckpointError(f"{type(self).__name__} cannot keep files of a deleted checkpoint (no retire())")
 
+    def parent(self) -> Optional["BlobStore"]:
+        """The store of the location this checkpoint is directly under (the root of its run), or None where it has
+        none (a checkpoint at the top of a bucket)."""
+        return None
+
     # ---- leases: which saves in flight are alive (see leases.py); kept beside the staging stores.
     # A store that keeps none (these defaults) has its leftovers removed only by their age, and
     # only where it can tell that age: never, with these defaults.
@@ -314,6 +320,10 @@ class BlobStore(abc.ABC):
 
     def drop_lease(self, save_id: str) -> None:
         """Remove the lease of ``save_id`` (no error if it is gone)."""
+
+    def lease_ids(self) -> list[str]:
+        """The save ids this location holds leases of (sorted)."""
+        return []
 
     def sizes(self) -> dict[str, int]:
         """The blobs of this store and their sizes: what a commit checks its data files against."""

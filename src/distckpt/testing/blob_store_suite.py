@@ -176,6 +176,7 @@ class BlobStoreSuite:
         step.prepare()
         self.commit_one(step, payload, save_id=save_id)
         sibling = parent.child("step-2")
+        assert sibling.parent() is not None and sibling.parent().describe() == parent.describe()
         assert sibling.referenced("step-1", save_id).open("data-00000.safetensors").pread(len(payload), 0) == payload
         step.retire(save_id, {"data-00000.safetensors"})
         assert not parent.child("step-1").is_committed()
@@ -215,6 +216,10 @@ class BlobStoreSuite:
         record, age = store.read_lease(save_id)
         assert record == b"holder" and (age is None or age >= 0)
         store.renew_lease(save_id)
+        other = _save_id()
+        store.put_lease(other, b"holder")
+        assert store.lease_ids() == sorted([save_id, other])
         store.drop_lease(save_id)
-        assert store.read_lease(save_id) is None
+        store.drop_lease(other)
+        assert store.read_lease(save_id) is None and store.lease_ids() == []
         store.drop_lease(save_id)  # gone already: no error
