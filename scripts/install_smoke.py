@@ -31,6 +31,7 @@ EXTRAS = {  # the module an extra installs -> the extra's name (pyproject.toml)
     "torchtitan": "torchtitan",
     "torch_checkpointing": "torch-checkpointing",
     "accelerate": "accelerate",
+    "prometheus_client": "metrics",
 }
 
 
@@ -150,6 +151,14 @@ def missing_extras(root: str) -> None:
         check(exc.extra == "azure" and "pip install 'distckpt[azure]'" in str(exc), f"az:// without azure-storage-blob: {exc}")
     else:
         check(False, "az:// without azure-storage-blob raises MissingDependencyError")
+    try:
+        from distckpt.metrics import PrometheusMetrics
+
+        PrometheusMetrics()
+    except MissingDependencyError as exc:
+        check(exc.extra == "metrics" and "pip install 'distckpt[metrics]'" in str(exc), f"PrometheusMetrics: {exc}")
+    else:
+        check(False, "PrometheusMetrics without prometheus_client raises MissingDependencyError")
     for module, extra in (("distckpt.integrations.lightning", "lightning"), ("distckpt.integrations.torchtitan", "torchtitan"),
                           ("distckpt.integrations.torch_checkpointing", "torch-checkpointing")):
         try:

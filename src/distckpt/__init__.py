@@ -34,6 +34,7 @@ _LAZY = {
     "Stateful": "stateful",
     **dict.fromkeys(["StorageReader", "StorageWriter"], "storage"),
     **dict.fromkeys(["VerifyReport", "verify"], "verification"),
+    **dict.fromkeys(["Event", "observe"], "events"),
     # the rest of the error family, importable here as before; distckpt.errors is their home
     **dict.fromkeys(["DTypeMismatchError", "FormatVersionError", "InvalidStepError", "MissingDependencyError", "MissingKeyError",
                      "NotRegularFileError", "ProcessGroupBrokenError", "RelayoutError", "RemoteRankError",
@@ -74,6 +75,7 @@ __all__ = [
     "load_state_dict",
     "verify",
     "release_buffers",
+    "observe",
     # the managers
     "CheckpointManager",
     "TieredCheckpointManager",

@@ -23,14 +23,16 @@ Saves stay in step across ranks by construction:
 from __future__ import annotations
 
 import atexit
+import contextvars
 import enum
 import os
 import sys
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Optional, Union
 
-from . import knobs, process_state
+from . import events, knobs, process_state
 from ._sequence import split_stateful, storage_by_position, tell_rank
 from .backends.direct_io import release_bounce_buffers
 from .backends.registry import pick_storage
@@ -322,6 +324,22 @@ def async_save(
     THREAD, the default, from the thread. DCP's DefaultStager and BlockingAsyncStager are accepted (distckpt's
     own staging serves both); another ``async_stager``, or ``use_collectives=False``, raises CheckpointError.
     """
+    start = time.perf_counter()
+    rank = dist.get_rank(process_group) if not no_dist and dist is not None and dist.is_initialized() else 0
+    with events.context(checkpoint_id=events.named(checkpoint_id), rank=rank):
+        with events.phase("async_save", "stage"):  # what the caller waits for
+            handle = _begin(state_dict, checkpoint_id, storage_writer, planner, process_group, coordinator_rank,
+                            max_in_flight, wait_for_previous, on_commit, no_dist, async_checkpointer_type, async_stager,
+                            use_collectives, overwrite)
+        events.when_done(handle, "async_save", "total", start, blocked_seconds=time.perf_counter() - start)
+    return handle
+
+
+def _begin(state_dict: STATE_DICT_TYPE, checkpoint_id: Any, storage_writer: Optional[StorageWriter],
+           planner: Optional[SavePlanner], process_group: Any, coordinator_rank: int, max_in_flight: int,
+           wait_for_previous: bool, on_commit: Optional[Callable[[Metadata], None]], no_dist: bool,
+           async_checkpointer_type: Any, async_stager: Any, use_collectives: bool, overwrite: Optional[bool]) -> AsyncSaveHandle:
+    """:func:`async_save`, until it returns."""
     _check_dcp_async_options(async_checkpointer_type, async_stager, use_collectives)
     if max_in_flight < 1:
         raise CheckpointError("max_in_flight must be at least 1")
@@ -358,7 +376,9 @@ def async_save(
         _write_in_process(channel, handle, staged, storage_writer, planner, number, coordinator_rank, pool, on_commit)
     else:
         handle.staged.set_result(None)
-        executor.submit(_background, handle, staged, storage_writer, planner, coord, channel, number, pool, on_commit)
+        # in this call's context: the background's events carry its step and checkpoint
+        executor.submit(contextvars.copy_context().run, _background, handle, staged, storage_writer, planner, coord, channel,
+                        number, pool, on_commit)
     return handle
 
 

@@ -6,6 +6,7 @@ import os
 import warnings
 from typing import Any, NamedTuple, Optional, Union
 
+from . import events
 from ._sequence import prepare, storage_by_position
 from .backends.registry import pick_storage
 from .capabilities import SHARED_READS, SHARED_VERIFICATION, declares, keeps_plans, supports
@@ -75,10 +76,11 @@ def load(
     coord = Coordinator(process_group, coordinator_rank, no_dist=no_dist)
     coord.begin("load", checkpoint_id)
     coord.arrive("load")
-    ready = prepare("reader", checkpoint_id, storage_reader, planner, DefaultLoadPlanner, coord.rank, state_dict)
-    plain, objects = ready.plain, ready.objects
-    with gc_paused():
-        run_load(plain, ready.storage, ready.planner, coord, failure=ready.failure)
+    with events.context(checkpoint_id=events.named(checkpoint_id), rank=coord.rank), events.phase("load", "total"):
+        ready = prepare("reader", checkpoint_id, storage_reader, planner, DefaultLoadPlanner, coord.rank, state_dict)
+        plain, objects = ready.plain, ready.objects
+        with gc_paused():
+            run_load(plain, ready.storage, ready.planner, coord, failure=ready.failure)
     for key in sorted(plain, key=str):  # one order on every rank: a load_state_dict may run collectives
         if key in objects:
             objects[key].load_state_dict(plain[key])
@@ -104,6 +106,31 @@ def run_load(state_dict: STATE_DICT_TYPE, reader: Optional[StorageReader], plann
     def global_step(all_plans: list[LoadPlan]) -> list[LoadPlan]:
         return reader.prepare_global_plan(planner.create_global_plan(all_plans))
 
+    with events.phase("load", "plan"):
+        central_plan = _plan(local_step, global_step, reader, planner, coord)
+
+    def read_step() -> None:
+        try:
+            final_plan = planner.finish_plan(central_plan)
+            reader.read_data(final_plan, planner).wait()
+        except Exception as exc:
+            _answer_peers(reader, exc)
+            raise
+
+    failure: Optional[BaseException] = None
+    with events.phase("load", "read"):
+        try:
+            read_step()
+        except PeerLost as exc:  # the ranks are out of step: the vote would wait out the timeout again, and hide why
+            coord.transport_failed = True
+            raise PeerLost(f"{exc} In phase 'load read' of {coord.identity}, this rank waited for {coord.absent()}.") from exc
+        except Exception as exc:  # noqa: BLE001 - reported to every rank by the vote
+            failure = exc
+        coord.vote("load read", failure, False)
+
+
+def _plan(local_step, global_step, reader: StorageReader, planner: LoadPlanner, coord: Coordinator) -> LoadPlan:
+    """Planning: every rank's plan, agreed (the way depends on what the reader declares)."""
     if coord.use_dist and _plans_stay(planner, reader) and _shares_reads(reader):
         # every plan stays as its rank made it; ranks list the chunks they read, so that each chunk several
         # ranks need is read by one of them and sent to the others (engine/shared_reads.py)
@@ -115,24 +142,7 @@ def run_load(state_dict: STATE_DICT_TYPE, reader: Optional[StorageReader], plann
     else:
         wire = Wire(lambda p: dumps(encode_load_plan(p)), lambda b: decode_load_plan(loads(b, "load plan")))
         central_plan = coord.reduce_scatter("load planning", local_step, global_step, wire, wire)
-
-    def read_step() -> None:
-        try:
-            final_plan = planner.finish_plan(central_plan)
-            reader.read_data(final_plan, planner).wait()
-        except Exception as exc:
-            _answer_peers(reader, exc)
-            raise
-
-    failure: Optional[BaseException] = None
-    try:
-        read_step()
-    except PeerLost as exc:  # the ranks are out of step: the vote would wait out the timeout again, and hide why
-        coord.transport_failed = True
-        raise PeerLost(f"{exc} In phase 'load read' of {coord.identity}, this rank waited for {coord.absent()}.") from exc
-    except Exception as exc:  # noqa: BLE001 - reported to every rank by the vote
-        failure = exc
-    coord.vote("load read", failure, False)
+    return central_plan
 
 
 def _answer_peers(reader: StorageReader, exc: BaseException) -> None:

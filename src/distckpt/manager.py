@@ -10,7 +10,7 @@ import re
 import secrets
 from typing import Any, Optional, Union
 
-from . import backends
+from . import backends, events
 from .async_saving import async_save
 from .backends.blob_storage import BlobStorageReader, BlobStorageWriter
 from .backends.run_guard import Deleting, deleting, drop_dead
@@ -226,15 +226,16 @@ class CheckpointManager:
         if self.incremental:
             self._wait_for_previous_async()  # its commit sets the base this save chooses from
         reuse = self._reuse(step, kwargs["storage_writer"])
-        try:
-            md = save(state_dict, checkpoint_id=path, process_group=self.process_group,
-                      coordinator_rank=self.coordinator_rank, **kwargs)
-        except BaseException:
-            self._previous = None  # whatever this save left, the next one writes every chunk
-            raise
-        self._committed(reuse)
-        if self._coord.is_coordinator:
-            self._retain_after_commit()
+        with events.context(step=step):
+            try:
+                md = save(state_dict, checkpoint_id=path, process_group=self.process_group,
+                          coordinator_rank=self.coordinator_rank, **kwargs)
+            except BaseException:
+                self._previous = None  # whatever this save left, the next one writes every chunk
+                raise
+            self._committed(reuse)
+            if self._coord.is_coordinator:
+                self._retain_after_commit()
         return md
 
     def _reuse(self, step: int, writer: Any) -> Optional[Reuse]:
@@ -294,8 +295,9 @@ class CheckpointManager:
                 self._retain_after_commit()
 
         try:
-            handle = async_save(state_dict, checkpoint_id=self._writable_path(step), process_group=self.process_group,
-                                coordinator_rank=self.coordinator_rank, on_commit=on_commit, **kwargs)
+            with events.context(step=step):  # the background's retention, in this context, carries the step too
+                handle = async_save(state_dict, checkpoint_id=self._writable_path(step), process_group=self.process_group,
+                                    coordinator_rank=self.coordinator_rank, on_commit=on_commit, **kwargs)
         except BaseException:
             self._previous = None
             raise
@@ -323,8 +325,9 @@ class CheckpointManager:
                 kwargs.setdefault("no_dist", True)
             if ahead is not None and ahead[0] == step and isinstance(reader, BlobStorageReader):
                 ahead[1].attach(reader)
-            load(state_dict, checkpoint_id=self.path(step), process_group=self.process_group,
-                 coordinator_rank=self.coordinator_rank, **kwargs)
+            with events.context(step=step):
+                load(state_dict, checkpoint_id=self.path(step), process_group=self.process_group,
+                     coordinator_rank=self.coordinator_rank, **kwargs)
         finally:
             if ahead is not None:
                 ahead[1].release(wait=False)
@@ -397,7 +400,9 @@ class CheckpointManager:
         gone = [step for step in steps if step not in keep]
         if not gone:
             return []
-        with deleting(self._store) as guard:
+        with events.phase("retention", "total", checkpoint_id=self.root) as record, deleting(self._store) as guard:
+            if record is not None:
+                record.files = len(gone)  # the steps it deletes
             kept = self._kept(guard, [self._name(step) for step in sorted(keep)] + self._other_steps())
             for step in gone:
                 self._drop_prefetch(step)
@@ -428,7 +433,10 @@ class CheckpointManager:
         def on_coordinator(_: list) -> list:
             if step not in self.all_steps():
                 raise CheckpointNotFoundError(f"no committed checkpoint of step {step} under {self.root!r}")
-            report = compact(self.path(step), **self.storage_options)
+            with events.phase("compaction", "total", step=step, checkpoint_id=self.path(step)):
+                with events.phase("compaction", "copy"):
+                    report = compact(self.path(step), **self.storage_options)
+                    events.add_bytes(report.bytes_copied, report.files)
             self._retain_after_commit()
             return [report.checkpoint_id, report.files, report.bytes_copied]
 

@@ -12,7 +12,7 @@ import threading
 import time
 from typing import Optional
 
-from . import knobs
+from . import events, knobs
 
 __all__ = ["Progress"]
 
@@ -53,6 +53,7 @@ class Progress:
             mode, self.to_stderr = ("log" if is_coordinator else "off"), True
         self.rank = _global_rank() if mode != "off" else 0
         self.what, self.total, self.done = what, total, 0
+        events.add_bytes(total)  # the bytes of the phase this runs in, for whatever observes it (events.py)
         self.mode = mode if (mode != "bar" or is_coordinator) else "off"
         self.lock = threading.Lock()
         self.start = self.last_log = time.monotonic()

@@ -7,6 +7,7 @@ import warnings
 from dataclasses import replace
 from typing import Any, Optional, Union
 
+from . import events
 from ._sequence import call_set_up, prepare, storage_by_position
 from .capabilities import COLUMNAR_COMMIT, declares, plans_on_columns, supports
 from .distributed import Coordinator, Wire
@@ -59,9 +60,11 @@ def save(
     coord = Coordinator(process_group, coordinator_rank, no_dist=no_dist)
     coord.begin("save", checkpoint_id)
     coord.arrive("save")
-    ready = prepare("writer", checkpoint_id, storage_writer, planner, DefaultSavePlanner, coord.rank, state_dict, overwrite)
-    with gc_paused():
-        return run_save(ready.plain, ready.storage, ready.planner, coord, failure=ready.failure)
+    with events.context(checkpoint_id=events.named(checkpoint_id), rank=coord.rank), events.phase("save", "total"):
+        ready = prepare("writer", checkpoint_id, storage_writer, planner, DefaultSavePlanner, coord.rank, state_dict,
+                        overwrite)
+        with gc_paused():
+            return run_save(ready.plain, ready.storage, ready.planner, coord, failure=ready.failure)
 
 
 def save_state_dict(
@@ -121,8 +124,9 @@ class _Save:
 
     def run(self) -> Metadata:
         try:
-            central_plan = self.coord.reduce_scatter("save planning", self.local_step, self.global_step,
-                                                     Wire(self.enc_plan, decode_plan), Wire(encode_reply, self.dec_reply))
+            with events.phase("save", "plan"):
+                central_plan = self.coord.reduce_scatter("save planning", self.local_step, self.global_step,
+                                                         Wire(self.enc_plan, decode_plan), Wire(encode_reply, self.dec_reply))
         except CheckpointError:
             self.discard()  # the coordinator may have taken the save's lease already
             raise
@@ -130,10 +134,12 @@ class _Save:
             central_plan = self.dec_reply(central_plan)
         central_plan = self.cached_central(central_plan)
         try:
-            return self.coord.all_reduce("save write", lambda: self.write_step(central_plan), self.finish_step,
-                                         Wire(lambda r: encode_results(r, central_plan, self.via_keep and self.written is central_plan),
-                                              decode_results),
-                                         Wire(_enc_metadata, lambda b: lazy_metadata(b, "metadata from the coordinator")))
+            with events.phase("save", "write"):  # the write on every rank, and the commit on the coordinator
+                return self.coord.all_reduce("save write", lambda: self.write_step(central_plan), self.finish_step,
+                                             Wire(lambda r: encode_results(r, central_plan,
+                                                                           self.via_keep and self.written is central_plan),
+                                                  decode_results),
+                                             Wire(_enc_metadata, lambda b: lazy_metadata(b, "metadata from the coordinator")))
         except CheckpointError:
             # every rank has left write_data by now: the coordinator removes the uncommitted files
             self.discard()

@@ -15,13 +15,13 @@ ORDER = ["protocol", "format", "columns", "wire", "planning", "engine", "layouts
 ROOMS = {
     "item_columns": "columns",  # the one schema of plan items as columns: wire encodes it, planning plans on it
     **dict.fromkeys(["metadata", "planner", "storage", "stateful", "errors", "extras", "knobs", "capabilities",
-                     "gc_pause", "progress", "faults", "process_state"], "protocol"),
+                     "gc_pause", "progress", "faults", "process_state", "events"], "protocol"),
     **dict.fromkeys(["saving", "loading", "async_saving", "staging", "distributed", "verification", "streaming",
                      "_sequence", "torch_classes", "torch_save_reader", "stored_bytes", "writer_process", "stall_census",
                      "prefetching"],
                    "sequences"),
     **dict.fromkeys(["manager", "cli", "convert", "optim", "tiers", "opening", "diffing", "compaction", "run_references",
-                     "__init__"], "top"),
+                     "metrics", "__init__"], "top"),
     # DCP's module names, each a face over the rooms (torch.distributed.checkpoint.<name>); nothing imports them
     **dict.fromkeys(["api", "filesystem", "default_planner", "planner_helpers", "state_dict_loader", "state_dict_saver",
                      "_extension", "_dedup_save_plans", "utils", "format_utils"], "dcp_names"),

@@ -12,6 +12,7 @@ import distckpt
 PUBLIC = sorted([
     # the calls
     "save", "async_save", "load", "read_metadata", "open", "save_state_dict", "load_state_dict", "verify", "release_buffers",
+    "observe",
     # the managers
     "CheckpointManager", "TieredCheckpointManager",
     # the protocol's types, default planners and storage (DCP's names)

@@ -13,7 +13,7 @@ import threading
 import time
 from typing import Any, Callable, Optional, TypeVar
 
-from .. import faults, knobs
+from .. import events, faults, knobs
 from ..engine.blobs import BlobReader, BlobWriter
 from ..errors import CheckpointError, StorageIOError
 from .s3_objects import _pool
@@ -62,6 +62,7 @@ class Requests:
                 raise
             except self.failures() as exc:
                 if attempt + 1 < attempts and self.transient(exc):
+                    events.add_retry()
                     time.sleep(backoff_s(attempt))
                     continue
                 if self.unreachable(exc):

@@ -11,7 +11,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from .. import knobs
+from .. import events, knobs
 from ..capabilities import resolves_in_bulk
 from ..errors import CheckpointError, CorruptCheckpointError, UnsupportedTensorError
 from ..format.checksum import crc32c
@@ -362,7 +362,7 @@ class Read:
         order = sorted(range(len(tasks)), key=places.__getitem__)
         lanes = split_lanes([places[i][0] for i in order], [self.task_bytes(tasks[i]) for i in order], threads)
         lanes = [(name, [order[i] for i in lane]) for name, lane in lanes]
-        if progress is None and knobs.progress_mode() != "off":
+        if progress is None and (knobs.progress_mode() != "off" or events.observing()):
             sizes = [self.task_bytes(t, delivered=True) for t in tasks]
             progress = Progress("load", sum(sizes), is_coordinator)
         elif progress is not None:

@@ -1,0 +1,77 @@
+"""Prometheus metrics from distckpt's events (:mod:`distckpt.events`), for a monitoring system to scrape.
+
+    from prometheus_client import start_http_server
+    from distckpt.metrics import PrometheusMetrics
+
+    distckpt.observe(PrometheusMetrics())   # into prometheus_client's default registry
+    start_http_server(9000)                 # the trainer's own exporter, if it has none yet
+
+Metrics (labels ``operation``: save, async_save, load, retention, compaction; ``phase``: plan, write, read, stage,
+total; ``outcome``: ok or the class of the error):
+
+- ``distckpt_phase_seconds`` (histogram): how long each phase took;
+- ``distckpt_operations_total`` (counter, by operation and outcome): operations ended;
+- ``distckpt_bytes_total`` (counter, by operation): bytes this process wrote or read (an async save's are counted
+  under ``save``, the operation its background runs);
+- ``distckpt_retries_total`` (counter, by operation): requests a store retried (gs://, az://; S3's retries are
+  botocore's own and not counted);
+- ``distckpt_blocked_seconds`` (gauge, by operation): how long the newest async save blocked its caller;
+- ``distckpt_last_step`` (gauge, by operation): the newest step an operation of a CheckpointManager ended well;
+- ``distckpt_last_success_timestamp_seconds`` (gauge, by operation): when that was.
+
+Needs ``prometheus_client`` (``pip install 'distckpt[metrics]'``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+from .events import Event
+from .extras import import_or_explain
+
+__all__ = ["PrometheusMetrics"]
+
+# seconds from a small checkpoint's plan to a large one's whole save
+_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
+
+
+class PrometheusMetrics:
+    """A callback for :func:`distckpt.observe` that keeps the metrics above in ``registry`` (default:
+    prometheus_client's), with ``namespace`` before each name (default ``distckpt``)."""
+
+    def __init__(self, registry: Optional[Any] = None, namespace: str = "distckpt") -> None:
+        prometheus = import_or_explain("prometheus_client", "Prometheus metrics", "metrics", "prometheus_client")
+        kwargs = {} if registry is None else {"registry": registry}
+        self.phase_seconds = prometheus.Histogram("phase_seconds", "Seconds each phase of a checkpoint operation took",
+                                                  ["operation", "phase", "outcome"], namespace=namespace,
+                                                  buckets=_BUCKETS, **kwargs)
+        self.operations = prometheus.Counter("operations", "Checkpoint operations ended", ["operation", "outcome"],
+                                             namespace=namespace, **kwargs)
+        self.bytes = prometheus.Counter("bytes", "Bytes this process wrote or read", ["operation"],
+                                        namespace=namespace, **kwargs)
+        self.retries = prometheus.Counter("retries", "Requests a store retried", ["operation"], namespace=namespace,
+                                          **kwargs)
+        self.blocked = prometheus.Gauge("blocked_seconds", "Seconds the newest async save blocked its caller",
+                                        ["operation"], namespace=namespace, **kwargs)
+        self.last_step = prometheus.Gauge("last_step", "The newest step an operation ended well", ["operation"],
+                                          namespace=namespace, **kwargs)
+        self.last_success = prometheus.Gauge("last_success_timestamp_seconds", "When an operation last ended well",
+                                             ["operation"], namespace=namespace, **kwargs)
+
+    def __call__(self, event: Event) -> None:
+        outcome = event.error or "ok"
+        self.phase_seconds.labels(event.operation, event.phase, outcome).observe(event.seconds)
+        if event.phase != "total":  # the phases that move bytes; a "total" counts its phases' bytes again
+            if event.bytes:
+                self.bytes.labels(event.operation).inc(event.bytes)
+            if event.retries:
+                self.retries.labels(event.operation).inc(event.retries)
+            return
+        self.operations.labels(event.operation, outcome).inc()
+        if event.blocked_seconds is not None:
+            self.blocked.labels(event.operation).set(event.blocked_seconds)
+        if event.error is None:
+            self.last_success.labels(event.operation).set(time.time())
+            if event.step is not None:
+                self.last_step.labels(event.operation).set(event.step)
