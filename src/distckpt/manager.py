@@ -245,7 +245,7 @@ class CheckpointManager:
         full = (self._previous is None or (self.full_every is not None and self._since_full + 1 >= self.full_every)
                 or self._base is None or self._base[1] is None  # the base's commit could not be seen: unknown
                 or self._metadata_identity(self._base[0]) != self._base[1])
-        reuse = Reuse(self._name(step), {} if full else self._previous)
+        reuse = Reuse(self._name(step), {} if full else self._previous, base=None if full else self._base)
         writer.reuse = reuse
         self._previous = None  # until this save commits
         return reuse
@@ -403,7 +403,7 @@ class CheckpointManager:
         with events.phase("retention", "total", checkpoint_id=self.root) as record, deleting(self._store) as guard:
             if record is not None:
                 record.files = len(gone)  # the steps it deletes
-            kept = self._kept(guard, [self._name(step) for step in sorted(keep)] + self._other_steps())
+            kept = self._kept(guard, {self._name(step) for step in gone})
             for step in gone:
                 self._drop_prefetch(step)
                 self._files.delete(self._name(step), kept)
@@ -448,17 +448,19 @@ class CheckpointManager:
 
     def _delete(self, step: int) -> None:
         name = self._name(step)
-        others = [self._name(s) for s in self.all_steps() if s != step]
         with deleting(self._store) as guard:
-            kept = self._kept(guard, others + self._other_steps())
+            kept = self._kept(guard, {name})
             self._files.delete(name, kept)
             self._sweep(kept, guard)
 
-    def _kept(self, guard: Deleting, names: list[str]) -> Optional[dict]:
-        """What checkpoints ``names`` reference (the mark), or None (keep everything) where a save in flight may come
-        to reference files of the run (run_guard.py)."""
-        kept = self._files.kept_files(names)
-        return None if kept is None or guard.savers_live() else kept
+    def _kept(self, guard: Deleting, gone: set) -> Optional[dict]:
+        """What the committed steps other than ``gone`` reference (the mark), or None (keep everything) where a save
+        in flight may come to reference files of the run. The look for such saves comes first, the listing of the
+        steps and their reading after it: a save it did not see either saw this deleter's record (and references
+        nothing), or committed before the look, and its document is read here (run_guard.py)."""
+        if guard.savers_live():
+            return None
+        return self._files.kept_files([name for name in self._committed_steps() if name not in gone])
 
     def _sweep(self, kept: Optional[dict], guard: Deleting) -> None:
         """Remove what retired steps hold that no kept step references (only with every kept step's table read)."""
@@ -483,9 +485,11 @@ class CheckpointManager:
         it has listed the retired steps it may prune, and it is read again until no step came or went during the read:
         another process may commit a step and retire the one before it meanwhile, and the new step references only
         what a step read here references or holds (a step retired after the listing is not pruned)."""
+        if guard.savers_live():
+            return None
         for _ in range(_MARK_TRIES):
             names = self._committed_steps()
-            kept = self._kept(guard, names)
+            kept = self._files.kept_files(names)
             if kept is None or self._committed_steps() == names:
                 return kept
         return None
@@ -494,12 +498,6 @@ class CheckpointManager:
         return [name for name in self._store.children()
                 if (_STEP.match(name) or _PLAIN_STEP.match(name)) and self._store.child(name).is_committed()]
 
-    def _other_steps(self) -> list[str]:
-        """Steps under ``root`` spelled the other way (``step-42`` beside ``step-0000000042``): not this manager's, but
-        they may reference files of retired steps that the cleanup of ``step-`` names would otherwise prune."""
-        own = _PLAIN_STEP if self.step_names == "plain" else _STEP
-        return [name for name in self._store.children()
-                if (_STEP.match(name) or _PLAIN_STEP.match(name)) and not own.match(name)]
 
 
 def _step_name(step: Any, names: str = "padded") -> str:

@@ -190,10 +190,30 @@ class BlobStorageWriter(_Located, StorageWriter):
         references = False
         if self.reuse is not None:  # an incremental save: it may reference earlier steps unless a deleter is at work
             self._referencing = referencing(self.store.parent())
-            references = self._referencing.allowed
+            references = self._referencing.allowed and self._base_unchanged()
+            if not references:
+                self._referencing.release()  # it references nothing: no deleter need wait for it
         return [replace(p, storage_data={"file": f"data-{i:05d}.safetensors", "save_id": save_id, "rank": i,
                                          "references": references})
                 for i, p in enumerate(plans)]
+
+    def _base_unchanged(self) -> bool:
+        """Whether the step this incremental save's fingerprints come from is committed still as it was when the save
+        chose it: a deleter that ran whole between that choice and this save's record saw no save (run_guard.py)."""
+        base = self.reuse.base if self.reuse is not None else None
+        if base is None:
+            return True  # nothing to reference
+        parent = self.store.parent() if self.store is not None else None
+        if parent is None:
+            return False
+        try:
+            blob = parent.child(base[0]).open(METADATA_FILE)
+        except (OSError, CheckpointError):
+            return False
+        try:
+            return blob.identity() == base[1]
+        finally:
+            blob.close()
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
         sd = plan.storage_data

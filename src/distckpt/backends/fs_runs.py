@@ -62,9 +62,9 @@ class RunParts:
             remove_tree(old)
             return
         with deleting(self.parent()) as guard:
-            keep = referenced_by_siblings(self.parent(), os.path.basename(os.path.abspath(self.root)), save_id)
-            if keep is not None and guard.savers_live():
-                keep = None  # a save in flight may come to reference any of it: the next deleter decides
+            keep: Optional[set] = None  # with a save in flight that may come to reference any of it: the next deleter decides
+            if not guard.savers_live():  # looked for first: a save it does not see commits after its record (run_guard.py)
+                keep = referenced_by_siblings(self.parent(), os.path.basename(os.path.abspath(self.root)), save_id)
             if keep == set():
                 remove_tree(old)
                 return
@@ -84,6 +84,9 @@ class RunParts:
             fd = create_exclusive(path)
             try:
                 pwrite_all(fd, [memoryview(record)], 0)
+            except BaseException:
+                os.unlink(path)  # ours, just made: a record half written is no record (a full disk)
+                raise
             finally:
                 os.close(fd)
         except OSError as exc:

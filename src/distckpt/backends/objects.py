@@ -297,9 +297,9 @@ class ObjectStore(BlobStore):
         with deleting(parent) as guard:
             keep: Optional[set] = set()
             if parent is not None:
-                keep = referenced_by_siblings(parent, self.prefix.rsplit("/", 1)[1], save_id)
-                if keep is not None and guard.savers_live():
-                    keep = None  # a save in flight may come to reference any of it: the next deleter decides
+                keep = None  # with a save in flight that may come to reference any of it: the next deleter decides
+                if not guard.savers_live():  # looked for first: a save it does not see commits after its record
+                    keep = referenced_by_siblings(parent, self.prefix.rsplit("/", 1)[1], save_id)
             if keep == set():
                 self._delete_prefix(self.staging(save_id).prefix + "/")
                 self._delete_keys([self.key(f"{RETIRED}/{checked_save_id(save_id, self.describe())}")])

@@ -18,9 +18,11 @@ dead by the same rules) of a pseudo-checkpoint named :data:`RUN_RECORDS`:
   it writes every chunk and references nothing.
 
 Each side writes its record before it reads the other's, so of a deleter and a save that overlap at least one sees
-the other (the two writes and the two reads cannot all come before each other's). What stays open: a deleter on
-another host that is stopped (not dead) between its check and its deletes for longer than
-``DISTCKPT_LEASE_STALE_S``, whose record then counts as a dead holder's.
+the other (the two writes and the two reads cannot all come before each other's). A deleter looks before it reads
+what the committed steps reference: a save it misses committed before the look, or saw the deleter. What stays
+open (docs/format.md, section 6): a deleter on another host that is stopped (not dead) between its check and its
+deletes for longer than ``DISTCKPT_LEASE_STALE_S``, whose record then counts as a dead holder's, and a deleter on a
+full store, which cannot write its record.
 """
 
 from __future__ import annotations
@@ -85,15 +87,15 @@ class Deleting:
     """A deleter's record, held for the whole of its mark and deletes (:func:`deleting`)."""
 
     def __init__(self, records: Optional[BlobStore], published: bool) -> None:
-        self.records, self.published = records, published
+        self.records, self.published = records, published  # published: whether its record could be written
 
     def savers_live(self) -> bool:
-        """Whether a save that may reference files of this run is in flight: the deleter then keeps everything. A
-        deleter whose record could not be published (a full or read-only store) answers True: unseen by savers, it
-        must delete nothing they may reference."""
-        if self.records is None:
-            return False
-        return not self.published or live(self.records, REFERENCE)
+        """Whether a save that may reference files of this run is in flight: the deleter then keeps everything.
+
+        A deleter whose record could not be written (a full store) still looks: a save on that store cannot write its
+        own record either, and then writes every chunk. Keeping everything there instead would leave a full disk
+        full for good (docs/format.md, section 6, says what stays open)."""
+        return self.records is not None and live(self.records, REFERENCE)
 
 
 @contextlib.contextmanager
@@ -106,14 +108,21 @@ def deleting(run: Optional[BlobStore]) -> Iterator[Deleting]:
         try:
             lease = _publish(records, DELETE)
         except (OSError, CheckpointError) as exc:
-            log.warning("distckpt: %s: the deleter's record could not be written (%s); nothing later steps may "
-                        "reference is deleted now", records.describe(), exc)
+            log.warning("distckpt: %s: the deleter's record could not be written (%s); it deletes unseen by saves "
+                        "in flight", records.describe(), exc)
     try:
         yield Deleting(records, lease is not None)
+    except Exception:
+        _release(lease)  # a deleter that failed deletes no more: its record would only hold saves back
+        raise
     except BaseException:
         if lease is not None:
-            lease.abandon()  # cut short: the record names this process, seen dead once it is
+            lease.abandon()  # interrupted: the record names this process, seen dead once it is
         raise
+    _release(lease)
+
+
+def _release(lease: Optional[Lease]) -> None:
     if lease is not None:
         try:
             lease.release()
@@ -130,11 +139,7 @@ class Referencing:
     def release(self) -> None:
         """Drop the record (idempotent): once the save's document is committed, or the save is discarded."""
         lease, self.lease = self.lease, None
-        if lease is not None:
-            try:
-                lease.release()
-            except (OSError, CheckpointError):
-                lease.abandon()
+        _release(lease)
 
 
 def referencing(run: Optional[BlobStore]) -> Referencing:
@@ -151,8 +156,15 @@ def referencing(run: Optional[BlobStore]) -> Referencing:
         log.warning("distckpt: %s: the save's record could not be written (%s); it writes every chunk",
                     records.describe(), exc)
         return Referencing(None, False)
-    if live(records, DELETE):
-        guard = Referencing(lease, False)
+    try:
+        deleter = live(records, DELETE)
+    except (OSError, CheckpointError) as exc:  # the look failed: the save writes every chunk, holding no deleter back
+        log.warning("distckpt: %s: looking for deleters failed (%s); the save writes every chunk", records.describe(), exc)
+        deleter = True
+    except BaseException:
+        _release(lease)
+        raise
+    guard = Referencing(lease, not deleter)
+    if deleter:
         guard.release()
-        return guard
-    return Referencing(lease, True)
+    return guard

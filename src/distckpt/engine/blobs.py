@@ -323,6 +323,8 @@ class BlobStore(abc.ABC):
 
     def lease_ids(self) -> list[str]:
         """The save ids this location holds leases of (sorted)."""
+        if LEASES in self.capabilities:
+            raise CheckpointError(f"{type(self).__name__} declares LEASES but cannot list them (no lease_ids())")
         return []
 
     def sizes(self) -> dict[str, int]:

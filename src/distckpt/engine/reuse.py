@@ -95,6 +95,7 @@ class Reuse:
     checkpoint: str
     previous: dict = field(default_factory=dict)
     fingerprints: dict = field(default_factory=dict)
+    base: Optional[tuple] = None  # (name, identity of its metadata) of the step ``previous`` comes from, as chosen
     written_bytes: int = 0
     referenced_bytes: int = 0
 
