@@ -32,6 +32,7 @@ EXTRAS = {  # the module an extra installs -> the extra's name (pyproject.toml)
     "torch_checkpointing": "torch-checkpointing",
     "accelerate": "accelerate",
     "prometheus_client": "metrics",
+    "opentelemetry": "tracing",
 }
 
 
@@ -159,6 +160,14 @@ def missing_extras(root: str) -> None:
         check(exc.extra == "metrics" and "pip install 'distckpt[metrics]'" in str(exc), f"PrometheusMetrics: {exc}")
     else:
         check(False, "PrometheusMetrics without prometheus_client raises MissingDependencyError")
+    try:
+        from distckpt.metrics import OpenTelemetrySpans
+
+        OpenTelemetrySpans()
+    except MissingDependencyError as exc:
+        check(exc.extra == "tracing" and "pip install 'distckpt[tracing]'" in str(exc), f"OpenTelemetrySpans: {exc}")
+    else:
+        check(False, "OpenTelemetrySpans without opentelemetry-api raises MissingDependencyError")
     for module, extra in (("distckpt.integrations.lightning", "lightning"), ("distckpt.integrations.torchtitan", "torchtitan"),
                           ("distckpt.integrations.torch_checkpointing", "torch-checkpointing")):
         try:

@@ -40,6 +40,7 @@ class Event:
     operation: str  # "save", "async_save", "load", "retention", "compaction"
     phase: str  # "plan", "write", "read", "stage", "total", ...
     seconds: float  # how long the phase took, start to end
+    started_at: float = 0.0  # when it began, in seconds since the epoch (time.time())
     rank: int = 0
     step: Optional[int] = None  # the step, where a CheckpointManager ran the operation
     checkpoint_id: Optional[str] = None
@@ -136,7 +137,7 @@ def phase(operation: str, name: str, **fields: Any) -> Iterator[Optional[_Open]]
         return
     record = _Open()
     token = _OPEN.set(_OPEN.get() + [record])
-    start = time.perf_counter()
+    started_at, start = time.time(), time.perf_counter()
     error = None
     try:
         yield record
@@ -147,8 +148,8 @@ def phase(operation: str, name: str, **fields: Any) -> Iterator[Optional[_Open]]
         _OPEN.reset(token)
         seconds = time.perf_counter() - start
         merged = {**_CONTEXT.get(), **fields}
-        _emit(Event(operation=operation, phase=name, seconds=seconds, bytes=record.bytes, files=record.files,
-                    retries=_RETRIES[0] - record.retries_before, error=error, **merged))
+        _emit(Event(operation=operation, phase=name, seconds=seconds, started_at=started_at, bytes=record.bytes,
+                    files=record.files, retries=_RETRIES[0] - record.retries_before, error=error, **merged))
 
 
 def named(checkpoint_id: Any) -> Optional[str]:
@@ -178,9 +179,12 @@ def when_done(future: Future, operation: str, name: str, start: float, **fields:
     if not _OBSERVERS:
         return
     merged = {**_CONTEXT.get(), **fields}
+    started_at = time.time() - (time.perf_counter() - start)
 
     def done(f: Future) -> None:
         error = None if f.cancelled() or f.exception() is None else type(f.exception()).__name__
-        _emit(replace(Event(operation=operation, phase=name, seconds=time.perf_counter() - start, error=error), **merged))
+        seconds = time.perf_counter() - start
+        _emit(replace(Event(operation=operation, phase=name, seconds=seconds, started_at=started_at, error=error),
+                      **merged))
 
     future.add_done_callback(done)

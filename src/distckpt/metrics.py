@@ -1,4 +1,4 @@
-"""Prometheus metrics from distckpt's events (:mod:`distckpt.events`), for a monitoring system to scrape.
+"""Prometheus metrics and OpenTelemetry spans from distckpt's events (:mod:`distckpt.events`).
 
     from prometheus_client import start_http_server
     from distckpt.metrics import PrometheusMetrics
@@ -20,6 +20,10 @@ total; ``outcome``: ok or the class of the error):
 - ``distckpt_last_success_timestamp_seconds`` (gauge, by operation): when that was.
 
 Needs ``prometheus_client`` (``pip install 'distckpt[metrics]'``).
+
+:class:`OpenTelemetrySpans` makes a span per phase (``distckpt.save.write``...), timed as the phase ran, with the
+event's fields as attributes, through the tracer provider of the application (``opentelemetry-api``,
+``pip install 'distckpt[tracing]'``; an SDK and an exporter are the application's choice).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from typing import Any, Optional
 from .events import Event
 from .extras import import_or_explain
 
-__all__ = ["PrometheusMetrics"]
+__all__ = ["PrometheusMetrics", "OpenTelemetrySpans"]
 
 # seconds from a small checkpoint's plan to a large one's whole save
 _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
@@ -75,3 +79,25 @@ class PrometheusMetrics:
             self.last_success.labels(event.operation).set(time.time())
             if event.step is not None:
                 self.last_step.labels(event.operation).set(event.step)
+
+
+class OpenTelemetrySpans:
+    """A callback for :func:`distckpt.observe` that records each phase as an OpenTelemetry span of ``tracer_provider``
+    (default: the global one)."""
+
+    def __init__(self, tracer_provider: Optional[Any] = None) -> None:
+        self.trace = import_or_explain("opentelemetry.trace", "OpenTelemetry spans", "tracing", "opentelemetry-api")
+        self.tracer = self.trace.get_tracer("distckpt", tracer_provider=tracer_provider)
+
+    def __call__(self, event: Event) -> None:
+        start = int(event.started_at * 1e9)
+        attributes = {"distckpt.operation": event.operation, "distckpt.phase": event.phase, "distckpt.rank": event.rank,
+                      "distckpt.bytes": event.bytes, "distckpt.files": event.files, "distckpt.retries": event.retries}
+        for key in ("step", "checkpoint_id", "blocked_seconds", "tier", "error"):
+            value = getattr(event, key)
+            if value is not None:
+                attributes[f"distckpt.{key}"] = value
+        span = self.tracer.start_span(f"distckpt.{event.operation}.{event.phase}", start_time=start, attributes=attributes)
+        if event.error is not None:
+            span.set_status(self.trace.Status(self.trace.StatusCode.ERROR, event.error))
+        span.end(end_time=start + int(event.seconds * 1e9))

@@ -142,3 +142,29 @@ def test_each_rank_reports_its_own_phases(tmp_path):
     out = run_ranks(_two_ranks_observed, 2, str(tmp_path))
     for rank, got in enumerate(out):
         assert got == sorted([("save", p, rank, p != "plan") for p in ("plan", "write", "total")]), (rank, got)
+
+
+def test_opentelemetry_spans_one_per_phase_timed_as_it_ran(tmp_path):
+    pytest.importorskip("opentelemetry.sdk")
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from distckpt.metrics import OpenTelemetrySpans
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    path = str(tmp_path / "ck")
+    with distckpt.observe(OpenTelemetrySpans(provider)):
+        distckpt.save(state(), checkpoint_id=path, no_dist=True)
+        with pytest.raises(distckpt.CheckpointError):
+            distckpt.save(state(), checkpoint_id=path, no_dist=True)
+    spans = exporter.get_finished_spans()
+    assert [s.name for s in spans[:3]] == ["distckpt.save.plan", "distckpt.save.write", "distckpt.save.total"]
+    plan, write, total = spans[:3]
+    assert total.start_time <= plan.start_time <= plan.end_time <= write.start_time <= write.end_time <= total.end_time
+    assert write.attributes["distckpt.bytes"] >= (4096 + 64) * 4 and write.attributes["distckpt.checkpoint_id"] == path
+    failed = spans[-1]
+    assert failed.name == "distckpt.save.total" and not failed.status.is_ok
+    assert failed.attributes["distckpt.error"] == "CheckpointError"

@@ -362,13 +362,15 @@ class Read:
         order = sorted(range(len(tasks)), key=places.__getitem__)
         lanes = split_lanes([places[i][0] for i in order], [self.task_bytes(tasks[i]) for i in order], threads)
         lanes = [(name, [order[i] for i in lane]) for name, lane in lanes]
-        if progress is None and (knobs.progress_mode() != "off" or events.observing()):
+        if progress is None and knobs.progress_mode() != "off":
             sizes = [self.task_bytes(t, delivered=True) for t in tasks]
             progress = Progress("load", sum(sizes), is_coordinator)
         elif progress is not None:
             sizes = [self.task_bytes(t) for t in tasks]
         if progress is None:
             progress = Progress("load", 0, is_coordinator)
+            if events.observing():  # the phase's bytes, without counting each task as a progress report would
+                events.add_bytes(sum(self.task_bytes(t, delivered=True) for t in tasks))
         else:
             tasks = [(_counted(fn, progress, n), arg) for (fn, arg), n in zip(tasks, sizes)]
         # a file read by several lanes gets a reader per lane: the kernel keeps read-ahead state per open file
