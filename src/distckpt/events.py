@@ -2,7 +2,8 @@
 
 A phase (``"plan"``, ``"write"``, ``"read"``, ``"stage"``, ``"total"``...) of an operation (``"save"``,
 ``"async_save"``, ``"load"``, ``"retention"``, ``"compaction"``) is timed where it runs and handed, once it ends, as
-an :class:`Event` to every callback registered with :func:`observe` in that process. The bytes and files a phase
+an :class:`Event` to every callback registered with :func:`observe` in that process (a TieredCheckpointManager's
+``persist`` and ``restore`` too, with the tier). The bytes and files a phase
 moves are counted by the same engines that report progress (:mod:`distckpt.progress` adds to the phase in which it
 runs). A manager says which step a phase belongs to (:func:`context`). Nothing is recorded while no callback is
 registered, and a callback that raises is logged, never raised into a save.
@@ -28,7 +29,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, Optional
 
-__all__ = ["Event", "Observation", "observe", "observing", "phase", "context", "named", "add_bytes", "add_retry", "when_done"]
+__all__ = ["Event", "Observation", "observe", "observing", "phase", "context", "named", "add_bytes", "add_retry", "report", "when_done"]
 
 log = logging.getLogger("distckpt")
 
@@ -107,6 +108,7 @@ class _Open:
         self.bytes = 0
         self.files = 0
         self.retries_before = _RETRIES[0]
+        self.fields: dict = {}  # what the block learns of itself (the step a restore chose), over the call's fields
         self.lock = threading.Lock()
 
 
@@ -147,7 +149,7 @@ def phase(operation: str, name: str, **fields: Any) -> Iterator[Optional[_Open]]
     finally:
         _OPEN.reset(token)
         seconds = time.perf_counter() - start
-        merged = {**_CONTEXT.get(), **fields}
+        merged = {**_CONTEXT.get(), **fields, **record.fields}
         _emit(Event(operation=operation, phase=name, seconds=seconds, started_at=started_at, bytes=record.bytes,
                     files=record.files, retries=_RETRIES[0] - record.retries_before, error=error, **merged))
 
@@ -171,6 +173,14 @@ def add_retry() -> None:
     """Count a retried request: every phase open in this process meanwhile counts it."""
     with _LOCK:
         _RETRIES[0] += 1
+
+
+def report(operation: str, name: str, seconds: float, **fields: Any) -> None:
+    """Emit phase ``name`` of ``operation``, timed by its caller (the parts of a restore, which it times itself)."""
+    if _OBSERVERS:
+        started_at = time.time() - seconds
+        _emit(replace(Event(operation=operation, phase=name, seconds=seconds, started_at=started_at),
+                      **{**_CONTEXT.get(), **fields}))
 
 
 def when_done(future: Future, operation: str, name: str, start: float, **fields: Any) -> None:

@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator, Optional, Union
 
 import torch.distributed as dist
 
-from .. import faults, knobs
+from .. import events, faults, knobs
 from ..backends import FileSystemReader, FileSystemWriter
 from ..backends.fs_objects import is_real_dir, private_dir
 from ..distributed import JSON as _JSON
@@ -484,6 +484,13 @@ class TieredCheckpointManager:
         return self.durable
 
     def _persist(self, step: Optional[int]) -> Optional[int]:
+        with events.phase("persist", "total", rank=self.rank, tier="durable") as record:
+            done = self._persist_step(step)
+            if record is not None:
+                record.fields["step"] = done
+            return done
+
+    def _persist_step(self, step: Optional[int]) -> Optional[int]:
         durable = self._usable_durable()
 
         def held() -> dict[str, Any]:
@@ -554,8 +561,14 @@ class TieredCheckpointManager:
         """Load the newest step of this run that can be fully assembled, from the nearest source of each rank (own
         tier, a replica holder, the durable tier), into ``state`` in place. Collective. Nothing is deleted unless
         the restore succeeds. See docs/tiers.md."""
-        with self._main_collectives():
-            return self._restore(state)
+        with self._main_collectives(), events.phase("restore", "total", rank=self.rank) as record:
+            report = self._restore(state)
+            for part, seconds in report.seconds.items():  # agree, fetch, verify, load
+                events.report("restore", part, seconds, rank=self.rank, step=report.step, tier=report.tier)
+            if record is not None:
+                record.fields.update(step=report.step, tier=report.tier)
+                record.bytes = sum(report.bytes_from.values())  # what the sources held, read and checked
+            return report
 
     def _restore(self, state: dict[str, Any]) -> RestoreReport:
         """Rounds of one agreement on the step and each rank's source, then the load from them, until one succeeds;
