@@ -5,7 +5,7 @@
     distckpt verify PATH [--quiet]     check every byte against its checksums
     distckpt convert --to FORMAT SRC DST      distckpt -> dcp | safetensors | torch-save | hf
     distckpt convert --from FORMAT SRC DST    dcp | safetensors | torch-save | hf -> distckpt (hf: DIR or its index)
-    distckpt steps ROOT [--json] [--clean]    a training run's committed steps; --clean removes crash leftovers
+    distckpt steps ROOT [--json] [--clean] [--watch]  a training run's committed steps; --clean removes crash leftovers
     distckpt compact STEP              make a step of an incremental run self-contained
     distckpt cat CKPT KEY [--json]     a value, or a tensor's summary (read chunk by chunk)
     distckpt diff A B [--json] [--exact]      keys added, removed, changed; which tensors differ
@@ -28,6 +28,7 @@ import os
 import re
 import shlex
 import sys
+import time
 from typing import Iterator, Optional
 
 import click
@@ -314,7 +315,10 @@ def convert(src: str, dst: str, from_format: Optional[str], to_format: Optional[
 @click.argument("root")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 @click.option("--clean", is_flag=True, help="also remove what crashed saves and deletions left behind")
-def steps(root: str, as_json: bool, clean: bool) -> None:
+@click.option("--watch", is_flag=True, help="list again every --interval seconds, until interrupted (or --count times)")
+@click.option("--interval", type=click.FloatRange(min=0.1), default=5.0, show_default=True, help="seconds between lists")
+@click.option("--count", type=click.IntRange(min=0), default=0, help="with --watch: stop after this many lists (0: never)")
+def steps(root: str, as_json: bool, clean: bool, watch: bool, interval: float, count: int) -> None:
     """List the committed steps of the training run at ROOT (a CheckpointManager root).
 
     Each line shows a step, its checkpoint id and its size; a step whose
@@ -322,7 +326,12 @@ def steps(root: str, as_json: bool, clean: bool) -> None:
     Saves that never committed are not steps; --clean removes their
     leftovers, only those of saves proven dead (safe beside a running trainer).
     ROOT that is a checkpoint (a step), not a run's root, exits with 3.
+    --watch lists again and again, reading only the store (safe beside a
+    running trainer): steps as they commit and go, their sizes, the run's.
     """
+    if watch:
+        _watch_steps(root, as_json, interval, count)
+        return
     if "://" not in root and not os.path.isdir(root):  # listing must not create the directory
         click.echo(f"error: {root!r} is not a directory", err=True)
         sys.exit(NOT_FOUND)
@@ -348,6 +357,40 @@ def steps(root: str, as_json: bool, clean: bool) -> None:
         return
     _say_steps(rows, sum(held.values()))
     sys.exit(1 if damaged else 0)
+
+
+def _watch_steps(root: str, as_json: bool, interval: float, count: int) -> None:
+    """``steps --watch``: the run's steps listed every ``interval`` seconds (a screen redrawn on a terminal, a list
+    after a time stamp otherwise, a JSON document a line with --json); a store that fails one listing is said, and
+    the next is tried."""
+    listed = 0
+    redraw = sys.stdout.isatty() and not as_json
+    try:
+        while True:
+            stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+            try:
+                mgr = distckpt.CheckpointManager(root, cleanup=False, read_only=True)
+                rows, held = _step_rows(mgr)
+                failure = None
+            except CheckpointError as exc:
+                rows, held, failure = [], {}, _shown(str(exc))
+            if as_json:
+                click.echo(json.dumps({"time": stamp, "root": root, "steps": rows, "run_bytes": sum(held.values()),
+                                       "error": failure}))
+            else:
+                click.echo(("\x1b[H\x1b[2J" if redraw else "") + f"{stamp}  {_shown(root)}")
+                if failure is not None:
+                    click.echo(f"error: {failure}")
+                elif rows:
+                    _say_steps(rows, sum(held.values()))
+                else:
+                    click.echo("no committed steps yet")
+            listed += 1
+            if count and listed >= count:
+                return
+            time.sleep(interval)
+    except KeyboardInterrupt:
+        return
 
 
 def _not_a_run(root: str) -> None:

@@ -235,3 +235,32 @@ def test_suggested_commands_quote_paths_and_find_the_run_of_a_step_named_from_in
     step = os.path.basename(mgr.path(10))
     res = runner.invoke(main, ["steps", step])
     assert res.exit_code == 3 and f"`distckpt steps '{root}'` lists the run it is a step of" in res.output, res.output
+
+
+def test_steps_watch_sees_steps_commit_and_go_beside_a_saving_trainer(tmp_path):
+    """``steps --watch --json --count 4``: one document a listing, each read from the store alone while a trainer in
+    another thread saves with retention; the listings see steps appear and the oldest go."""
+    import threading
+
+    root = str(tmp_path / "run")
+    mgr = distckpt.CheckpointManager(root, keep_last=2, no_dist=True)
+    mgr.save(1, {"w": torch.ones(64)})
+    saved = threading.Event()
+
+    def trainer():
+        for step in (2, 3, 4):
+            mgr.save(step, {"w": torch.full((64,), float(step))})
+        saved.set()
+
+    thread = threading.Thread(target=trainer)
+    thread.start()
+    result = CliRunner().invoke(main, ["steps", root, "--watch", "--json", "--interval", "0.3", "--count", "4"])
+    thread.join(60)
+    assert result.exit_code == 0, result.output
+    docs = [json.loads(line) for line in result.output.splitlines()]
+    assert len(docs) == 4 and all(d["error"] is None and d["root"] == root for d in docs)
+    seen = [[r["step"] for r in d["steps"]] for d in docs]
+    assert all(s == sorted(s) and 1 <= len(s) <= 3 for s in seen), seen
+    after = CliRunner().invoke(main, ["steps", root, "--watch", "--count", "1"])
+    assert after.exit_code == 0 and "step-0000000003" in after.output and "step-0000000004" in after.output
+    assert "step-0000000001" not in after.output and saved.is_set()
