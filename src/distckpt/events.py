@@ -169,10 +169,10 @@ def add_bytes(n: int, files: int = 0) -> None:
             record.files += files
 
 
-def add_retry() -> None:
-    """Count a retried request: every phase open in this process meanwhile counts it."""
+def add_retry(n: int = 1) -> None:
+    """Count ``n`` retried requests: every phase open in this process meanwhile counts them."""
     with _LOCK:
-        _RETRIES[0] += 1
+        _RETRIES[0] += n
 
 
 def report(operation: str, name: str, seconds: float, **fields: Any) -> None:

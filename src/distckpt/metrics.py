@@ -13,8 +13,8 @@ total; ``outcome``: ok or the class of the error):
 - ``distckpt_operations_total`` (counter, by operation and outcome): operations ended;
 - ``distckpt_bytes_total`` (counter, by operation): bytes this process wrote or read (an async save's are counted
   under ``save``, the operation its background runs);
-- ``distckpt_retries_total`` (counter, by operation): requests a store retried (gs://, az://; S3's retries are
-  botocore's own and not counted);
+- ``distckpt_retries_total`` (counter, by operation): requests a store retried (S3's that botocore retried and
+  that then got an answer; gs://, az://: every retry);
 - ``distckpt_blocked_seconds`` (gauge, by operation): how long the newest async save blocked its caller;
 - ``distckpt_last_step`` (gauge, by operation): the newest step an operation of a CheckpointManager ended well;
 - ``distckpt_last_success_timestamp_seconds`` (gauge, by operation): when that was.

@@ -60,8 +60,11 @@ def test_a_hung_endpoint_fails_a_save_within_the_request_bounds(azure_container,
 def test_503s_are_retried_and_a_lasting_503_fails_typed(azure_container, proxy, monkeypatch):
     rule = proxy.add(Rule("status", status=503, method="PUT", times=2))
     cid = _cid(azure_container, "throttled")
-    distckpt.save(_state(), checkpoint_id=cid)
+    got: list = []
+    with distckpt.observe(got.append):
+        distckpt.save(_state(), checkpoint_id=cid)
     assert rule.fired == 2
+    assert next(e for e in got if e.operation == "save" and e.phase == "total").retries == 2  # in the save's events
     assert torch.equal(_load(cid)["big"], _state()["big"])
     monkeypatch.setenv("DISTCKPT_S3_MAX_ATTEMPTS", "2")
     proxy.add(Rule("status", status=503, method="PUT"))

@@ -247,3 +247,13 @@ def test_the_writer_and_reader_keep_their_given_client(bucket, endpoint, proxy):
     distckpt.load(out, storage_reader=S3Reader(cid, client=given))
     assert proxy.hits() == 0
     assert os.environ["AWS_ENDPOINT_URL_S3"] == proxy.url
+
+
+def test_retries_botocore_made_are_counted_in_the_save_s_events(bucket, proxy):
+    """Two 503s answered to PUTs: botocore retries them on its own, and the save's events count both."""
+    proxy.add(Rule("status", status=503, method="PUT", times=2))
+    got: list = []
+    with distckpt.observe(got.append):
+        distckpt.save(_state(1 << 16), checkpoint_id=_cid(bucket, "retried"))
+    total = next(e for e in got if e.operation == "save" and e.phase == "total")
+    assert total.retries == 2 and total.error is None, total

@@ -13,7 +13,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, Callable, Iterable, Optional
 
-from .. import faults, knobs, process_state
+from .. import events, faults, knobs, process_state
 from ..engine.blobs import BlobReader, BlobWriter
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StorageIOError
 from ..extras import import_or_explain
@@ -70,7 +70,15 @@ def client_for(endpoint_url: Optional[str], region_name: Optional[str]):
             config = botocore_config.Config(max_pool_connections=64, **settings)
             client = _CLIENTS[key] = boto3.session.Session().client(
                 "s3", endpoint_url=endpoint_url, region_name=region_name, config=config)
+            client.meta.events.register("after-call.s3", _count_retries)  # botocore retries on its own
         return client
+
+
+def _count_retries(parsed: Optional[dict] = None, **_: Any) -> None:
+    """Count the retries botocore made of a request that ended with an answer (distckpt.events)."""
+    attempts = (parsed or {}).get("ResponseMetadata", {}).get("RetryAttempts", 0)
+    if isinstance(attempts, int) and attempts > 0:
+        events.add_retry(attempts)
 
 
 class S3Session:
