@@ -84,8 +84,16 @@ def test_shards_split_as_save_pretrained_splits_them(tmp_path):
     assert ours["metadata"]["total_size"] == theirs["metadata"]["total_size"]
     assert json.load(open(tmp_path / "ours" / "config.json"))["model_type"] == "llama"
     # one shard: one model.safetensors, no index, as save_pretrained
-    distckpt.save(model.state_dict(), checkpoint_id=f"hf://{tmp_path / 'one'}", no_dist=True)
+    distckpt.save(model.state_dict(), storage_writer=distckpt.HuggingFaceWriter(str(tmp_path / "one")), no_dist=True)
     assert os.listdir(tmp_path / "one") == ["model.safetensors"]
+
+
+def test_an_hf_url_without_a_config_is_refused_before_a_byte_is_written(tmp_path):
+    """``checkpoint_id="hf://out"`` cannot carry a config.json, and from_pretrained cannot open a directory without
+    one: refused at once, naming the writer that takes a config."""
+    with pytest.raises(distckpt.CheckpointError, match=r"no config\.json.*HuggingFaceWriter\(.*config=model\.config"):
+        distckpt.save({"w": torch.ones(4)}, checkpoint_id=f"hf://{tmp_path / 'out'}", no_dist=True)
+    assert os.listdir(tmp_path) == []
 
 
 def test_what_a_hugging_face_checkpoint_cannot_hold_is_refused_before_a_byte_is_written(tmp_path):

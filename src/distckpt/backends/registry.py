@@ -47,9 +47,18 @@ def _unknown(checkpoint_id: Union[str, os.PathLike], arg: str) -> CheckpointErro
 
 def writer_for(checkpoint_id: Union[str, os.PathLike], **options: Any) -> StorageWriter:
     """A new writer for ``checkpoint_id``'s scheme, given the ``options`` its constructor takes
-    (``hf://path`` publishes a Hugging Face checkpoint directory)."""
+    (``hf://path`` publishes a Hugging Face checkpoint directory, given its ``config``)."""
     if HuggingFaceWriter.validate_checkpoint_id(checkpoint_id):
-        return HuggingFaceWriter(**accepted_options(HuggingFaceWriter, options))
+        accepted = accepted_options(HuggingFaceWriter, options)
+        path = os.fspath(checkpoint_id)[len("hf://"):]
+        if accepted.get("config") is None and path:  # ("hf://" alone: the writer says it names no directory)
+            raise CheckpointError(
+                f"{os.fspath(checkpoint_id)!r} would publish safetensors shards with no config.json, and from_pretrained "
+                f"cannot open such a directory (a checkpoint id has no room for a config): pass storage_writer="
+                f"distckpt.HuggingFaceWriter({path!r}, config=model.config) (a transformers config, a dict, or the path "
+                f"of a config.json); HuggingFaceWriter({path!r}) without config publishes the weights alone, for a loader "
+                "that takes its config elsewhere")
+        return HuggingFaceWriter(**accepted)
     classes = _classes(checkpoint_id)
     if classes is None:
         raise _unknown(checkpoint_id, "storage_writer")
