@@ -5,7 +5,10 @@ import json
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.slow  # guards that stay: tests/distributed/test_writer_process.py (the writer process itself)
 def test_async_process_bench_runs_every_peer(tmp_path):
     out = subprocess.run([sys.executable, "-m", "bench.async_process", "--mib", "16", "--repeat", "1", "--root",
                           str(tmp_path / "root"), "--json", str(tmp_path / "r.json")],

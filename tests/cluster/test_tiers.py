@@ -116,6 +116,7 @@ def test_sigterm_after_a_failed_save_persists_the_newest_step_whole_everywhere(t
         assert "persisted step 2" in logs[node] and "(within the 30 s grace)" in logs[node], logs[node][-2000:]
 
 
+@pytest.mark.slow  # guards that stay: tests/tiers/test_state_machine.py (failed saves, lost nodes), test_a_lost_node_...
 def test_sigkill_anywhere_in_a_save_never_restores_a_mixed_step(tmp_path, durable_env):
     """The whole job is SIGKILLed at points spread over local writes, replication and persisting (every node keeps
     its memory tier); the restore then takes a step whose every byte is that step's, on every rank. Of four equal

@@ -27,6 +27,7 @@ def _sweep(tmp_path, world_size, ranks=None, stride=1):
     return crash_model.sweep(lambda name: str(tmp_path / name), world_size, ranks, stride, _tmp_leftovers)
 
 
+@pytest.mark.slow  # guard that stays: test_random_kill_times (a rank killed at chosen times, three ranks)
 def test_kill_one_rank_at_every_other_boundary_two_ranks(tmp_path):
     """Every second boundary of each rank (the first and, by the parity of the count, often the last); every
     boundary under --run-slow (the next test)."""

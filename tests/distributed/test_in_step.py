@@ -61,7 +61,7 @@ def test_a_rank_that_skips_a_save_fails_the_mismatched_saves_instead_of_mixing_t
         assert not os.path.exists(tmp_path / f"ck-{step}" / ".metadata"), f"ck-{step} committed from mixed saves"
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_a_collective_timeout_does_not_poison_later_async_saves(tmp_path, world_size):
     """One rank's write stalls past the timeout in save 2: that save fails on every rank, every later one
     commits with its own step's data, and once the stalled save is over no call blocks near the timeout."""

@@ -163,7 +163,7 @@ print("GROWTH_MIB", (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
 """
 
 
-@pytest.mark.parametrize("fqn", ["w", "step"])
+@pytest.mark.parametrize("fqn", ["w", pytest.param("step", marks=pytest.mark.slow)])
 def test_a_zstd_bomb_item_is_refused_in_bounded_memory(tmp_path, fqn):
     import zstandard
 
