@@ -75,6 +75,7 @@ def test_release_buffers_frees_the_staging_the_writer_mapped(tmp_path):
     assert shm_mb() < 7 and os.path.exists(f"/proc/{writer}"), shm_mb()  # let go of, and the writer still there
 
 
+@pytest.mark.slow  # guard that stays: test_the_writer_imports_what_the_training_process_can (its script has no guard)
 def test_a_training_script_without_a_main_guard_runs_once(tmp_path):
     """The writer is a fresh interpreter running distckpt's module, not a spawn that imports the script again."""
     import subprocess
@@ -131,7 +132,8 @@ def test_saves_the_ranks_refuse_leave_nothing_shared_behind(tmp_path):
 
 def test_the_writer_imports_what_the_training_process_can(tmp_path):
     """distckpt and a user's planner, importable by the training process from a path it added itself, are importable
-    by the writer too."""
+    by the writer too; and the script, which has no main guard, runs once (the writer is a fresh interpreter running
+    distckpt's module, not a spawn that imports the script again)."""
     import subprocess
     import sys
 
@@ -143,13 +145,14 @@ def test_the_writer_imports_what_the_training_process_can(tmp_path):
     script.write_text(
         f"import sys\nsys.path[:0] = [{src!r}, {str(tmp_path / 'mine')!r}]\n"
         "import torch, distckpt, my_planner\n"
+        f"open({str(tmp_path / 'runs')!r}, 'a').write('ran\\n')\n"
         f"h = distckpt.async_save({{'w': torch.ones(4)}}, checkpoint_id={str(tmp_path / 'c')!r}, no_dist=True,\n"
         "                         planner=my_planner.MyPlanner(), async_checkpointer_type='process')\n"
         "h.result(timeout=120)\n")
     env = {k: v for k, v in __import__("os").environ.items() if k != "PYTHONPATH"}
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert distckpt.verify(str(tmp_path / "c")).ok
+    assert (tmp_path / "runs").read_text() == "ran\n" and distckpt.verify(str(tmp_path / "c")).ok
 
 
 def test_a_copy_that_fails_after_the_writers_started_fails_the_save_on_every_rank(tmp_path):

@@ -104,10 +104,14 @@ def save_is_dead(store: "BlobStore", save_id: str, staging_age_s: Optional[float
     lease = store.read_lease(save_id)
     if lease is None:
         return staging_age_s is not None and staging_age_s > knobs.lease_stale_s()
-    record, age = lease
+    return lease_is_dead(save_id, *lease)
+
+
+def lease_is_dead(save_id: str, record: bytes, age_s: Optional[float]) -> bool:
+    """Whether the holder of the lease on ``save_id`` (its ``record``, renewed ``age_s`` seconds ago) is proven dead."""
     if _is_mine(record):  # this process: alive exactly while it still holds the lease
         return not _renewer.holds(save_id)
-    return holder_is_dead(record, age)
+    return holder_is_dead(record, age_s)
 
 
 def _is_mine(record: bytes) -> bool:

@@ -34,7 +34,7 @@ from typing import Iterator, Optional
 
 from ..engine.blobs import LEASES, REFERENCES, BlobStore
 from ..errors import CheckpointError
-from .leases import Lease, is_holder_record, save_is_dead
+from .leases import Lease, is_holder_record, lease_is_dead
 
 __all__ = ["RUN_RECORDS", "DELETE", "REFERENCE", "deleting", "referencing", "live", "drop_dead", "records_store"]
 
@@ -63,7 +63,7 @@ def live(records: BlobStore, kind: str) -> bool:
         lease = records.read_lease(token)
         if lease is None or not is_holder_record(lease[0]):
             continue
-        if save_is_dead(records, token, None):
+        if lease_is_dead(token, *lease):
             records.drop_lease(token)
         else:
             found = True
@@ -86,8 +86,8 @@ def _publish(records: BlobStore, kind: str) -> Lease:
 class Deleting:
     """A deleter's record, held for the whole of its mark and deletes (:func:`deleting`)."""
 
-    def __init__(self, records: Optional[BlobStore], published: bool) -> None:
-        self.records, self.published = records, published  # published: whether its record could be written
+    def __init__(self, records: Optional[BlobStore]) -> None:
+        self.records = records
 
     def savers_live(self) -> bool:
         """Whether a save that may reference files of this run is in flight: the deleter then keeps everything.
@@ -111,7 +111,7 @@ def deleting(run: Optional[BlobStore]) -> Iterator[Deleting]:
             log.warning("distckpt: %s: the deleter's record could not be written (%s); it deletes unseen by saves "
                         "in flight", records.describe(), exc)
     try:
-        yield Deleting(records, lease is not None)
+        yield Deleting(records)
     except Exception:
         _release(lease)  # a deleter that failed deletes no more: its record would only hold saves back
         raise
