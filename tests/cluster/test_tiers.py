@@ -100,6 +100,7 @@ def test_sigterm_persists_the_newest_local_step_within_the_grace_period(tmp_path
         assert "persisted step 3" in logs[node] and "(within the 30 s grace)" in logs[node], logs[node][-2000:]
 
 
+@pytest.mark.slow  # guard that stays: test_sigterm_persists_the_newest_local_step_within_the_grace_period
 def test_sigterm_after_a_failed_save_persists_the_newest_step_whole_everywhere(tmp_path, durable_env):
     with Cluster(str(tmp_path / "c"), nodes=2, ranks_per_node=1) as cluster:
         job = cluster.launch(TRAIN, env=durable_env, run="run", steps=3, hold=True, persist_every=0, preempt_grace_s=30,

@@ -93,6 +93,7 @@ def test_a_training_script_without_a_main_guard_runs_once(tmp_path):
     assert (tmp_path / "runs").read_text() == "ran\n" and distckpt.verify(str(tmp_path / "c")).ok
 
 
+@pytest.mark.slow  # guards that stay: test_one_process_saves_from_a_writer_process, distributed/test_in_step.py (queues)
 def test_saves_queued_behind_a_busy_writer_each_resolve_with_their_own_state_and_the_call_never_waits(tmp_path):
     """One process (every save numbered 0 there), two saves in flight behind a writer busy planning the first: each
     handle resolves with its own save, each checkpoint holds its own values, and a call does not wait for the writer

@@ -170,6 +170,7 @@ with faults.inject(faults.Fault("call", callback=after_put)):
 """
 
 
+@pytest.mark.slow  # guards that stay: the disk twin below it, and storage/test_s3.py's manager machine (kills on S3)
 def test_an_s3_overwrite_killed_after_its_commit_keeps_what_later_steps_reference(s3_bucket, monkeypatch):
     """On S3 an overwrite PUTs the new metadata and only then marks the replaced save retired. Killed in between, the
     replaced save's objects were an uncommitted save's without a lease: cleanup deleted them once they were older

@@ -426,6 +426,7 @@ def test_a_process_forked_while_another_thread_makes_a_client_can_make_its_own()
                            hang="the forked child hung on the client cache's lock its parent held") is True
 
 
+@pytest.mark.slow  # guard that stays: crash/test_shared_root.py's twin on disk (the same lease rules)
 def test_a_manager_opened_during_an_s3_save_leaves_the_save_alone(bucket, tmp_path):
     from ..crash.test_shared_root import manager_opened_during_a_save
 
