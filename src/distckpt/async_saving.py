@@ -79,6 +79,11 @@ class AsyncSaveHandle(Future):
     def committed(self) -> "AsyncSaveHandle":
         return self
 
+    def cancel(self) -> bool:
+        """A save once staged is not cancelled (its ranks agreed to it, and its outcome must reach the handle): False,
+        as for a Future already running."""
+        return False
+
     @property
     def staging_completion(self) -> Future:
         return self.staged
@@ -324,13 +329,18 @@ def async_save(
     THREAD, the default, from the thread. DCP's DefaultStager and BlockingAsyncStager are accepted (distckpt's
     own staging serves both); another ``async_stager``, or ``use_collectives=False``, raises CheckpointError.
     """
-    start = time.perf_counter()
+    start, started_at = time.perf_counter(), time.time()
     rank = dist.get_rank(process_group) if not no_dist and dist is not None and dist.is_initialized() else 0
     with events.context(checkpoint_id=events.named(checkpoint_id), rank=rank):
-        with events.phase("async_save", "stage"):  # what the caller waits for
-            handle = _begin(state_dict, checkpoint_id, storage_writer, planner, process_group, coordinator_rank,
-                            max_in_flight, wait_for_previous, on_commit, no_dist, async_checkpointer_type, async_stager,
-                            use_collectives, overwrite)
+        try:
+            with events.phase("async_save", "stage", retries=False):  # what the caller waits for
+                handle = _begin(state_dict, checkpoint_id, storage_writer, planner, process_group, coordinator_rank,
+                                max_in_flight, wait_for_previous, on_commit, no_dist, async_checkpointer_type,
+                                async_stager, use_collectives, overwrite)
+        except BaseException as exc:  # the operation ended here: its whole is this failure
+            blocked = time.perf_counter() - start
+            events.report("async_save", "total", blocked, started_at, blocked_seconds=blocked, error=type(exc).__name__)
+            raise
         events.when_done(handle, "async_save", "total", start, blocked_seconds=time.perf_counter() - start)
     return handle
 

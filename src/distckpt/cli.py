@@ -316,7 +316,8 @@ def convert(src: str, dst: str, from_format: Optional[str], to_format: Optional[
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 @click.option("--clean", is_flag=True, help="also remove what crashed saves and deletions left behind")
 @click.option("--watch", is_flag=True, help="list again every --interval seconds, until interrupted (or --count times)")
-@click.option("--interval", type=click.FloatRange(min=0.1), default=5.0, show_default=True, help="seconds between lists")
+@click.option("--interval", type=click.FloatRange(min=0.1, max=86400.0), default=5.0, show_default=True,
+              help="seconds between lists")
 @click.option("--count", type=click.IntRange(min=0), default=0, help="with --watch: stop after this many lists (0: never)")
 def steps(root: str, as_json: bool, clean: bool, watch: bool, interval: float, count: int) -> None:
     """List the committed steps of the training run at ROOT (a CheckpointManager root).
@@ -329,12 +330,13 @@ def steps(root: str, as_json: bool, clean: bool, watch: bool, interval: float, c
     --watch lists again and again, reading only the store (safe beside a
     running trainer): steps as they commit and go, their sizes, the run's.
     """
-    if watch:
-        _watch_steps(root, as_json, interval, count)
-        return
     if "://" not in root and not os.path.isdir(root):  # listing must not create the directory
         click.echo(f"error: {root!r} is not a directory", err=True)
         sys.exit(NOT_FOUND)
+    if watch:
+        if not math.isfinite(interval):
+            raise click.BadParameter(f"{interval} is not a number of seconds", param_hint="--interval")
+        sys.exit(_watch_steps(root, as_json, interval, count))
     try:
         mgr = distckpt.CheckpointManager(root, cleanup=False, read_only=True)
         if not mgr.all_steps() and _is_checkpoint(root):  # before --clean, which must never sweep inside a checkpoint
@@ -359,21 +361,24 @@ def steps(root: str, as_json: bool, clean: bool, watch: bool, interval: float, c
     sys.exit(1 if damaged else 0)
 
 
-def _watch_steps(root: str, as_json: bool, interval: float, count: int) -> None:
+def _watch_steps(root: str, as_json: bool, interval: float, count: int) -> int:
     """``steps --watch``: the run's steps listed every ``interval`` seconds (a screen redrawn on a terminal, a list
     after a time stamp otherwise, a JSON document a line with --json); a store that fails one listing is said, and
-    the next is tried."""
-    listed = 0
+    the next is tried. Returns the exit code of the last listing (1: a step in it is damaged), as ``steps`` does."""
+    listed, damaged = 0, False
     redraw = sys.stdout.isatty() and not as_json
     try:
         while True:
             stamp = time.strftime("%Y-%m-%d %H:%M:%S")
             try:
                 mgr = distckpt.CheckpointManager(root, cleanup=False, read_only=True)
+                if listed == 0 and not mgr.all_steps() and _is_checkpoint(root):
+                    _not_a_run(root)  # a checkpoint, not a run: exits as `steps` does
                 rows, held = _step_rows(mgr)
                 failure = None
-            except CheckpointError as exc:
+            except (CheckpointError, OSError) as exc:  # the root gone or replaced meanwhile: said, and tried again
                 rows, held, failure = [], {}, _shown(str(exc))
+            damaged = any("damaged" in r for r in rows)
             if as_json:
                 click.echo(json.dumps({"time": stamp, "root": root, "steps": rows, "run_bytes": sum(held.values()),
                                        "error": failure}))
@@ -387,10 +392,10 @@ def _watch_steps(root: str, as_json: bool, interval: float, count: int) -> None:
                     click.echo("no committed steps yet")
             listed += 1
             if count and listed >= count:
-                return
+                return 1 if damaged else 0
             time.sleep(interval)
     except KeyboardInterrupt:
-        return
+        return 1 if damaged else 0
 
 
 def _not_a_run(root: str) -> None:

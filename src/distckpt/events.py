@@ -29,7 +29,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, Optional
 
-__all__ = ["Event", "Observation", "observe", "observing", "phase", "context", "named", "add_bytes", "add_retry", "report", "when_done"]
+__all__ = ["Event", "Observation", "observe", "observing", "phase", "context", "named", "add_bytes", "add_retry", "report", "when_done",
+           "current", "relay"]
 
 log = logging.getLogger("distckpt")
 
@@ -94,11 +95,15 @@ def observing() -> bool:
 def _emit(event: Event) -> None:
     with _LOCK:
         observers = list(_OBSERVERS)
-    for observation in observers:
-        try:
-            observation.callback(event)
-        except Exception:  # noqa: BLE001 - a watcher's failure never fails the operation it watches
-            log.exception("distckpt: an event callback raised (ignored): %r", observation.callback)
+    token = _OPEN.set([])  # what a callback does itself (a save of its own) counts in no phase it watches
+    try:
+        for observation in observers:
+            try:
+                observation.callback(event)
+            except Exception:  # noqa: BLE001 - a watcher's failure never fails the operation it watches
+                log.exception("distckpt: an event callback raised (ignored): %r", observation.callback)
+    finally:
+        _OPEN.reset(token)
 
 
 class _Open:
@@ -130,10 +135,12 @@ def context(**fields: Any) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def phase(operation: str, name: str, **fields: Any) -> Iterator[Optional[_Open]]:
+def phase(operation: str, name: str, retries: bool = True, **fields: Any) -> Iterator[Optional[_Open]]:
     """Time the block as phase ``name`` of ``operation`` and emit its :class:`Event` when it ends (with the class of
     the exception it raised, if it did). Bytes and files the engines count inside it add to it, and to every phase
-    it is nested in. Yields None, and costs nothing, while no callback is registered."""
+    it is nested in; requests retried in this process meanwhile too, unless ``retries`` is False (a phase that
+    makes no request of its own: an async save's staging, which may overlap the background of the one before).
+    Yields None, and costs nothing, while no callback is registered."""
     if not _OBSERVERS:
         yield None
         return
@@ -150,8 +157,9 @@ def phase(operation: str, name: str, **fields: Any) -> Iterator[Optional[_Open]]
         _OPEN.reset(token)
         seconds = time.perf_counter() - start
         merged = {**_CONTEXT.get(), **fields, **record.fields}
+        retried = _RETRIES[0] - record.retries_before if retries else 0
         _emit(Event(operation=operation, phase=name, seconds=seconds, started_at=started_at, bytes=record.bytes,
-                    files=record.files, retries=_RETRIES[0] - record.retries_before, error=error, **merged))
+                    files=record.files, retries=retried, error=error, **merged))
 
 
 def named(checkpoint_id: Any) -> Optional[str]:
@@ -175,12 +183,26 @@ def add_retry(n: int = 1) -> None:
         _RETRIES[0] += n
 
 
-def report(operation: str, name: str, seconds: float, **fields: Any) -> None:
-    """Emit phase ``name`` of ``operation``, timed by its caller (the parts of a restore, which it times itself)."""
+def report(operation: str, name: str, seconds: float, started_at: float, **fields: Any) -> None:
+    """Emit phase ``name`` of ``operation``, timed by its caller from ``started_at`` (``time.time()``): a part of a
+    restore, or an async save that failed before it was under way."""
     if _OBSERVERS:
-        started_at = time.time() - seconds
         _emit(replace(Event(operation=operation, phase=name, seconds=seconds, started_at=started_at),
                       **{**_CONTEXT.get(), **fields}))
+
+
+def current() -> dict:
+    """The fields this context gives every event (:func:`context`)."""
+    return dict(_CONTEXT.get())
+
+
+def relay(got: list, **fields: Any) -> None:
+    """Emit events another process recorded (an async save's writer process: its save's phases), with ``fields``
+    (this process's context when it handed the save over) over theirs."""
+    if _OBSERVERS:
+        for event in got:
+            if isinstance(event, Event):
+                _emit(replace(event, **fields))
 
 
 def when_done(future: Future, operation: str, name: str, start: float, **fields: Any) -> None:
@@ -192,7 +214,7 @@ def when_done(future: Future, operation: str, name: str, start: float, **fields:
     started_at = time.time() - (time.perf_counter() - start)
 
     def done(f: Future) -> None:
-        error = None if f.cancelled() or f.exception() is None else type(f.exception()).__name__
+        error = "CancelledError" if f.cancelled() else None if f.exception() is None else type(f.exception()).__name__
         seconds = time.perf_counter() - start
         _emit(replace(Event(operation=operation, phase=name, seconds=seconds, started_at=started_at, error=error),
                       **merged))

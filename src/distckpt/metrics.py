@@ -28,7 +28,9 @@ event's fields as attributes, through the tracer provider of the application (``
 
 from __future__ import annotations
 
+import threading
 import time
+import weakref
 from typing import Any, Optional
 
 from .events import Event
@@ -42,26 +44,18 @@ _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 
 class PrometheusMetrics:
     """A callback for :func:`distckpt.observe` that keeps the metrics above in ``registry`` (default:
-    prometheus_client's), with ``namespace`` before each name (default ``distckpt``)."""
+    prometheus_client's), with ``namespace`` before each name (default ``distckpt``). Two of them on one registry
+    and namespace share its metrics; metrics that cannot all be registered (a name taken) leave none registered."""
 
     def __init__(self, registry: Optional[Any] = None, namespace: str = "distckpt") -> None:
         prometheus = import_or_explain("prometheus_client", "Prometheus metrics", "metrics", "prometheus_client")
-        kwargs = {} if registry is None else {"registry": registry}
-        self.phase_seconds = prometheus.Histogram("phase_seconds", "Seconds each phase of a checkpoint operation took",
-                                                  ["operation", "phase", "outcome"], namespace=namespace,
-                                                  buckets=_BUCKETS, **kwargs)
-        self.operations = prometheus.Counter("operations", "Checkpoint operations ended", ["operation", "outcome"],
-                                             namespace=namespace, **kwargs)
-        self.bytes = prometheus.Counter("bytes", "Bytes this process wrote or read", ["operation"],
-                                        namespace=namespace, **kwargs)
-        self.retries = prometheus.Counter("retries", "Requests a store retried", ["operation"], namespace=namespace,
-                                          **kwargs)
-        self.blocked = prometheus.Gauge("blocked_seconds", "Seconds the newest async save blocked its caller",
-                                        ["operation"], namespace=namespace, **kwargs)
-        self.last_step = prometheus.Gauge("last_step", "The newest step an operation ended well", ["operation"],
-                                          namespace=namespace, **kwargs)
-        self.last_success = prometheus.Gauge("last_success_timestamp_seconds", "When an operation last ended well",
-                                             ["operation"], namespace=namespace, **kwargs)
+        registry = prometheus.REGISTRY if registry is None else registry
+        with _LOCK:
+            shared = _REGISTERED.setdefault(registry, {})
+            if namespace not in shared:
+                shared[namespace] = _register(prometheus, registry, namespace)
+            (self.phase_seconds, self.operations, self.bytes, self.retries, self.blocked, self.last_step,
+             self.last_success) = shared[namespace]
 
     def __call__(self, event: Event) -> None:
         outcome = event.error or "ok"
@@ -79,6 +73,38 @@ class PrometheusMetrics:
             self.last_success.labels(event.operation).set(time.time())
             if event.step is not None:
                 self.last_step.labels(event.operation).set(event.step)
+
+
+_LOCK = threading.Lock()
+_REGISTERED: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()  # registry -> namespace -> metrics
+
+
+def _register(prometheus: Any, registry: Any, namespace: str) -> tuple:
+    """The metrics, made unregistered, then registered together: all of them, or (a name taken) none."""
+    made = (
+        prometheus.Histogram("phase_seconds", "Seconds each phase of a checkpoint operation took",
+                             ["operation", "phase", "outcome"], namespace=namespace, buckets=_BUCKETS, registry=None),
+        prometheus.Counter("operations", "Checkpoint operations ended", ["operation", "outcome"], namespace=namespace,
+                           registry=None),
+        prometheus.Counter("bytes", "Bytes this process wrote or read", ["operation"], namespace=namespace, registry=None),
+        prometheus.Counter("retries", "Requests a store retried", ["operation"], namespace=namespace, registry=None),
+        prometheus.Gauge("blocked_seconds", "Seconds the newest async save blocked its caller", ["operation"],
+                         namespace=namespace, registry=None),
+        prometheus.Gauge("last_step", "The newest step an operation ended well", ["operation"], namespace=namespace,
+                         registry=None),
+        prometheus.Gauge("last_success_timestamp_seconds", "When an operation last ended well", ["operation"],
+                         namespace=namespace, registry=None),
+    )
+    done: list = []
+    try:
+        for collector in made:
+            registry.register(collector)
+            done.append(collector)
+    except BaseException:
+        for collector in done:
+            registry.unregister(collector)
+        raise
+    return made
 
 
 class OpenTelemetrySpans:

@@ -39,7 +39,7 @@ from datetime import timedelta
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable, Optional
 
-from . import faults, knobs
+from . import events, faults, knobs
 from ._sequence import tell_rank
 from .distributed import JSON, Coordinator, describe, dist, rebuild
 from .engine.filling import Filling
@@ -101,7 +101,7 @@ class WriterProcess:
         child_conn.close()
         self.rank = rank
         self.lock = threading.Lock()
-        self.pending: dict[int, Callable[[Any, Optional[BaseException], bool], None]] = {}
+        self.pending: dict[int, tuple] = {}  # ticket -> (done(metadata, error, transport_failed), event fields)
         self.gone: Optional[str] = None  # why this writer can take no more saves
         self.out_of_step = False  # its group failed a collective: it must be replaced with every rank's
         self.start_error: Optional[BaseException] = None
@@ -121,7 +121,7 @@ class WriterProcess:
             if self.gone is not None:
                 raise WriterProcessError(self.gone)
             ticket = next(self._tickets)
-            self.pending[ticket] = done
+            self.pending[ticket] = done, events.current()  # the save's events come back with this call's fields
         where = None if checkpoint_id is None else os.fspath(checkpoint_id)
         self._outbox.put((ticket, number, coordinator_rank, where, job))
 
@@ -147,12 +147,13 @@ class WriterProcess:
             if kind == "start-failed":
                 self.start_error = _error(message[1], WriterProcessError)
             else:
-                _, ticket, metadata, info, transport_failed = message
+                _, ticket, metadata, info, transport_failed, phases = message
                 if transport_failed:
                     self.out_of_step = True
                 with self.lock:
-                    done = self.pending.pop(ticket, None)
+                    done, fields = self.pending.pop(ticket, (None, {}))
                 if done is not None:
+                    events.relay(phases, **fields)  # the writer's save phases, for this process's observers
                     done(metadata, None if info is None else _error(info, CheckpointError), transport_failed)
         try:
             code = self.process.wait(timeout=5)
@@ -166,7 +167,7 @@ class WriterProcess:
         with self.lock:
             self.gone = reason
             pending, self.pending = self.pending, {}
-        for done in pending.values():
+        for done, _ in pending.values():
             done(None, WriterProcessError(reason), True)
 
     def release(self) -> None:
@@ -352,6 +353,7 @@ def _serve(conn: Any, meeting: Optional[dict]) -> None:
         ticket, number, coordinator_rank, checkpoint_id, payload = job
         coord = Coordinator(None, 0, no_dist=meeting is None)
         metadata, info, staged, planner, storage_writer, unpacked, fill = None, None, None, None, None, None, None
+        phases: list = []
         try:
             unpacked, rebuilt = _unpack(payload)
             coord = Coordinator(None, coordinator_rank, no_dist=meeting is None)
@@ -363,17 +365,18 @@ def _serve(conn: Any, meeting: Optional[dict]) -> None:
             tell_rank(planner, coord.rank)
             if fill is not None:  # the write starts on the buffers already filled while the training process
                 storage_writer.staging_fill = Filling(fill[0], fill[1], knobs.collective_timeout_s())  # copies the rest
-            metadata = run_save(staged, storage_writer, planner, coord)
+            with events.observe(phases.append):  # sent back with the outcome, for the training process's observers
+                metadata = run_save(staged, storage_writer, planner, coord)
         except BaseException as exc:  # noqa: BLE001 - delivered on the training process's handle
             info = _packed(exc)
         # the planner and the storage writer hold the state too (a planner keeps the state dict it planned)
         _kept, staged, planner, storage_writer, unpacked, fill = staged, None, None, None, None, None
         try:
-            conn.send(("done", ticket, metadata, info, coord.transport_failed))
+            conn.send(("done", ticket, metadata, info, coord.transport_failed, phases))
         except (OSError, EOFError):
             return
         except Exception:  # noqa: BLE001 - metadata that does not pickle: the commit is told without it
-            conn.send(("done", ticket, None, info, coord.transport_failed))
+            conn.send(("done", ticket, None, info, coord.transport_failed, phases))
 
 
 def _entry(argv: list[str]) -> None:

@@ -561,10 +561,8 @@ class TieredCheckpointManager:
         """Load the newest step of this run that can be fully assembled, from the nearest source of each rank (own
         tier, a replica holder, the durable tier), into ``state`` in place. Collective. Nothing is deleted unless
         the restore succeeds. See docs/tiers.md."""
-        with self._main_collectives(), events.phase("restore", "total", rank=self.rank) as record:
-            report = self._restore(state)
-            for part, seconds in report.seconds.items():  # agree, fetch, verify, load
-                events.report("restore", part, seconds, rank=self.rank, step=report.step, tier=report.tier)
+        with self._main_collectives(), events.context(rank=self.rank), events.phase("restore", "total") as record:
+            report = self._restore(state)  # its parts (agree, fetch, verify, load) are reported as each lap ends
             if record is not None:
                 record.fields.update(step=report.step, tier=report.tier)
                 record.bytes = sum(report.bytes_from.values())  # what the sources held, read and checked
@@ -803,12 +801,13 @@ class _Laps:
 
     def __init__(self) -> None:
         self.seconds = {"agree": 0.0, "fetch": 0.0, "verify": 0.0, "load": 0.0}
-        self.clock = time.perf_counter()
+        self.clock, self.wall = time.perf_counter(), time.time()
 
     def __call__(self, what: str) -> None:
-        now = time.perf_counter()
+        now, wall = time.perf_counter(), time.time()
         self.seconds[what] += now - self.clock
-        self.clock = now
+        events.report("restore", what, now - self.clock, self.wall)  # this lap, timed as it ran
+        self.clock, self.wall = now, wall
 
 
 def _damaged(exc: CheckpointError) -> bool:
