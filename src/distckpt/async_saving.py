@@ -23,7 +23,6 @@ Saves stay in step across ranks by construction:
 from __future__ import annotations
 
 import atexit
-import contextvars
 import enum
 import os
 import sys
@@ -386,9 +385,9 @@ def _begin(state_dict: STATE_DICT_TYPE, checkpoint_id: Any, storage_writer: Opti
         _write_in_process(channel, handle, staged, storage_writer, planner, number, coordinator_rank, pool, on_commit)
     else:
         handle.staged.set_result(None)
-        # in this call's context: the background's events carry its step and checkpoint
-        executor.submit(contextvars.copy_context().run, _background, handle, staged, storage_writer, planner, coord, channel,
-                        number, pool, on_commit)
+        # the background's events carry this call's step and checkpoint, its bytes none of the staging's
+        executor.submit(events.detached(_background), handle, staged, storage_writer, planner, coord, channel, number, pool,
+                        on_commit)
     return handle
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import logging
 import os
 import threading
@@ -30,7 +31,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, Optional
 
 __all__ = ["Event", "Observation", "observe", "observing", "phase", "context", "named", "add_bytes", "add_retry", "report", "when_done",
-           "current", "relay"]
+           "current", "relay", "detached"]
 
 log = logging.getLogger("distckpt")
 
@@ -189,6 +190,14 @@ def report(operation: str, name: str, seconds: float, started_at: float, **field
     if _OBSERVERS:
         _emit(replace(Event(operation=operation, phase=name, seconds=seconds, started_at=started_at),
                       **{**_CONTEXT.get(), **fields}))
+
+
+def detached(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` to run on another thread in a copy of this context with no phase open: its events carry this call's
+    fields (step, checkpoint), and its bytes count in no phase of the caller's (an async save's background)."""
+    copied = contextvars.copy_context()
+    copied.run(_OPEN.set, [])
+    return functools.partial(copied.run, fn)
 
 
 def current() -> dict:

@@ -86,6 +86,7 @@ def test_a_manager_names_the_step_of_saves_loads_async_saves_retention_and_compa
     assert [e.step for e in saves] == [1, 2, 3]  # the async save's background too
     async_phases = phases(seen, "async_save")
     assert set(async_phases) == {"stage", "total"} and async_phases["total"].step == 3
+    assert async_phases["stage"].bytes == 0  # the background's writes count in its own phases, not the staging's
     total = async_phases["total"]
     assert total.blocked_seconds is not None and 0 <= total.blocked_seconds <= total.seconds
     retention = phases(seen, "retention")["total"]
