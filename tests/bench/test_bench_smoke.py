@@ -166,6 +166,7 @@ def test_item_scale_reports_planning_per_item_beside_dcp(capsys):
     assert rows[0]["parse_s"] > 0 and "us/item" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # docs/testing.md: the guard that stays
 def test_tier_bench_runs_on_a_simulated_cluster(tmp_path, capsys):
     from bench import tiers
 
