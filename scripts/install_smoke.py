@@ -140,34 +140,32 @@ def missing_extras(root: str) -> None:
         check(exc.extra == "s3" and "pip install 'distckpt[s3]'" in str(exc), f"s3:// without boto3: {exc}")
     else:
         check(False, "s3:// without boto3 raises MissingDependencyError")
-    try:
+    def gs() -> None:
         distckpt.save({"w": torch.ones(3)}, checkpoint_id="gs://bucket/run/step-1", no_dist=True)
-    except MissingDependencyError as exc:
-        check(exc.extra == "gcs" and "pip install 'distckpt[gcs]'" in str(exc), f"gs:// without google-cloud-storage: {exc}")
-    else:
-        check(False, "gs:// without google-cloud-storage raises MissingDependencyError")
-    try:
+
+    def az() -> None:
         distckpt.save({"w": torch.ones(3)}, checkpoint_id="az://container/run/step-1", no_dist=True)
-    except MissingDependencyError as exc:
-        check(exc.extra == "azure" and "pip install 'distckpt[azure]'" in str(exc), f"az:// without azure-storage-blob: {exc}")
-    else:
-        check(False, "az:// without azure-storage-blob raises MissingDependencyError")
-    try:
+
+    def prometheus() -> None:
         from distckpt.metrics import PrometheusMetrics
 
         PrometheusMetrics()
-    except MissingDependencyError as exc:
-        check(exc.extra == "metrics" and "pip install 'distckpt[metrics]'" in str(exc), f"PrometheusMetrics: {exc}")
-    else:
-        check(False, "PrometheusMetrics without prometheus_client raises MissingDependencyError")
-    try:
+
+    def tracing() -> None:
         from distckpt.metrics import OpenTelemetrySpans
 
         OpenTelemetrySpans()
-    except MissingDependencyError as exc:
-        check(exc.extra == "tracing" and "pip install 'distckpt[tracing]'" in str(exc), f"OpenTelemetrySpans: {exc}")
-    else:
-        check(False, "OpenTelemetrySpans without opentelemetry-api raises MissingDependencyError")
+
+    for what, call, extra in (("gs:// without google-cloud-storage", gs, "gcs"),
+                              ("az:// without azure-storage-blob", az, "azure"),
+                              ("PrometheusMetrics without prometheus_client", prometheus, "metrics"),
+                              ("OpenTelemetrySpans without opentelemetry-api", tracing, "tracing")):
+        try:
+            call()
+        except MissingDependencyError as exc:
+            check(exc.extra == extra and f"pip install 'distckpt[{extra}]'" in str(exc), f"{what}: {exc}")
+        else:
+            check(False, f"{what} raises MissingDependencyError")
     for module, extra in (("distckpt.integrations.lightning", "lightning"), ("distckpt.integrations.torchtitan", "torchtitan"),
                           ("distckpt.integrations.torch_checkpointing", "torch-checkpointing")):
         try:

@@ -18,9 +18,9 @@ import pytest
 import distckpt
 from distckpt.backends import blob_storage, objects, run_guard
 from distckpt.backends.schemes import store_for
-from distckpt.engine.references import UNKNOWN, committed_files
 from distckpt.faults import Fault, inject
 
+from .test_run_guard import references
 from .test_run_lifecycle_hostile import assert_loads, state
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -33,12 +33,6 @@ def root(request, tmp_path):
         yield str(tmp_path / "run")
     else:
         yield f"memory://guard-hostile-{uuid.uuid4().hex[:8]}"
-
-
-def references(path: str) -> dict:
-    _, files = committed_files(store_for(path))
-    assert files is not None and files is not UNKNOWN and files.save_id, path
-    return files.references
 
 
 def records_on_disk(root: str) -> list[str]:
@@ -76,21 +70,8 @@ def test_a_save_that_commits_between_a_deleters_mark_and_its_look_for_savers_kee
 
     deleter._files.kept_files = stalled_mark
     errors: list = []
-    threads: list = []
 
-    def at_commit(kind, what):
-        thread = threading.Thread(target=_run, args=(errors, deleter.delete, 2))
-        threads.append(thread)
-        thread.start()
-        _wait_for(marked, thread)
-
-    try:
-        with inject(Fault("call", kinds=("rename",), callback=at_commit, once=True)):
-            mgr.save(3, state(3, salt=1.0))
-    finally:
-        go.set()
-        for thread in threads:
-            thread.join(30)
+    _save_3_with_a_deleter_started_at_its_commit(mgr, errors, marked, go, deleter.delete, 2)
     assert not errors, errors
     assert references(mgr.path(3)), "step 3 references step 2 (the save saw no deleter)"
     assert mgr.all_steps() == [1, 3]
@@ -116,24 +97,11 @@ def test_an_overwrite_whose_drop_stalls_after_its_mark_costs_no_step_committed_m
 
     monkeypatch.setattr(objects, "referenced_by_siblings", stalled_mark)
     errors: list = []
-    threads: list = []
 
     def overwrite():
         distckpt.save(state(2, salt=5.0), checkpoint_id=mgr.path(2), overwrite=True, no_dist=True)
 
-    def at_commit(kind, what):
-        thread = threading.Thread(target=_run, args=(errors, overwrite))
-        threads.append(thread)
-        thread.start()
-        _wait_for(marked, thread)
-
-    try:
-        with inject(Fault("call", kinds=("rename",), callback=at_commit, once=True)):
-            mgr.save(3, state(3, salt=1.0))
-    finally:
-        go.set()
-        for thread in threads:
-            thread.join(30)
+    _save_3_with_a_deleter_started_at_its_commit(mgr, errors, marked, go, overwrite)
     assert not errors, errors
     assert references(mgr.path(3))
     assert_loads(mgr.path(2), state(2, salt=5.0))
@@ -314,7 +282,7 @@ def test_a_failed_look_for_deleters_leaves_no_live_record_behind(s3_endpoint, mo
         proxy.add(Rule("status", method="GET", query=r"prefix=[^&]*distckpt-run%2Fleases", times=2, status=503))
         mgr.save(2, state(2, salt=1.0))
         proxy.clear()
-        assert _references(mgr.path(2)) == {}, "written whole: no deleter was seen to be absent"
+        assert references(mgr.path(2)) == {}, "written whole: no deleter was seen to be absent"
         mgr.save(3, state(3, salt=1.0))
         records = run_guard.records_store(store_for(root))
         assert records.lease_ids() == [], "the failed save's record is dropped with the save"  # fails
@@ -324,11 +292,25 @@ def test_a_failed_look_for_deleters_leaves_no_live_record_behind(s3_endpoint, mo
         assert client.list_objects_v2(Bucket=bucket, Prefix=prefix).get("KeyCount", 0) == 0
 
 
-def _references(path: str) -> dict:
-    from distckpt.engine.references import committed_files
+def _save_3_with_a_deleter_started_at_its_commit(mgr, errors: list, marked: threading.Event, go: threading.Event,
+                                                 fn, *args) -> None:
+    """``mgr.save(3, ...)``; at its commit, ``fn(*args)`` starts in a thread and runs until it has read its mark
+    (``marked``) and stalls until ``go``; it goes on once the save has committed."""
+    threads: list = []
 
-    _, files = committed_files(store_for(path))
-    return files.references
+    def at_commit(kind, what):
+        thread = threading.Thread(target=_run, args=(errors, fn, *args))
+        threads.append(thread)
+        thread.start()
+        _wait_for(marked, thread)
+
+    try:
+        with inject(Fault("call", kinds=("rename",), callback=at_commit, once=True)):
+            mgr.save(3, state(3, salt=1.0))
+    finally:
+        go.set()
+        for thread in threads:
+            thread.join(30)
 
 
 def _wait_for(marked: threading.Event, thread: threading.Thread) -> None:
